@@ -1,0 +1,12 @@
+// The subcommands of `peftplan`. Each add_* registers one CLI11 subcommand whose callback sets
+// `exit_code` (0 ok, 1 a negative result such as "does not fit", 2 bad input via InputError).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace peftplan::cli {
+
+void add_models_command(CLI::App& app, int& exit_code);
+void add_params_command(CLI::App& app, int& exit_code);
+
+}  // namespace peftplan::cli

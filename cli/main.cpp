@@ -1,0 +1,35 @@
+// peftplan: plan, simulate and validate distributed PEFT fine-tuning. This file only wires the
+// subcommands and maps failures to exit codes: 2 for bad input (one line, no stack trace),
+// 1 for a negative result decided by a command, 3 for an internal error.
+#include <cstdio>
+#include <exception>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "peftplan/common/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"peftplan: plan, simulate and validate distributed PEFT (LoRA) fine-tuning"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "peftplan 0.1.0");
+  int exit_code = 0;
+  peftplan::cli::add_models_command(app, exit_code);
+  peftplan::cli::add_params_command(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return 2;
+  } catch (const peftplan::InputError& e) {
+    fmt::print(stderr, "peftplan: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "peftplan: internal error: {}\n", e.what());
+    return 3;
+  }
+  return exit_code;
+}

@@ -1,0 +1,239 @@
+// config.json -> ModelSpec for the architectures in Arch, with transformers' defaults and field
+// aliases (GPT-2's n_embd/n_layer/n_head, Falcon's n_head_kv/multi_query, OPT's ffn_dim).
+// Defaults cite the transformers configuration_*.py that sets them.
+#include "peftplan/models/config.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "peftplan/common/error.h"
+
+namespace peftplan::models {
+namespace {
+
+using nlohmann::json;
+
+struct ArchName {
+  std::string_view name;
+  Arch arch;
+};
+constexpr ArchName kArchNames[] = {
+    {"llama", Arch::llama},   {"mistral", Arch::mistral}, {"mixtral", Arch::mixtral},
+    {"qwen2", Arch::qwen2},   {"gemma", Arch::gemma},     {"gemma2", Arch::gemma2},
+    {"phi3", Arch::phi3},     {"gpt2", Arch::gpt2},       {"gpt_neox", Arch::gpt_neox},
+    {"falcon", Arch::falcon}, {"opt", Arch::opt},
+};
+
+std::string valid_arch_list() {
+  std::string s;
+  for (const auto& a : kArchNames) s += (s.empty() ? "" : ", ") + std::string(a.name);
+  return s;
+}
+
+// Reads the first present key among `keys`; nullopt when all are absent or null.
+const json* find_field(const json& c, std::initializer_list<const char*> keys, const char** found) {
+  for (const char* k : keys) {
+    auto it = c.find(k);
+    if (it != c.end() && !it->is_null()) {
+      *found = k;
+      return &*it;
+    }
+  }
+  return nullptr;
+}
+
+std::optional<std::int64_t> get_int(const json& c, std::string_view src,
+                                    std::initializer_list<const char*> keys) {
+  const char* key = nullptr;
+  const json* v = find_field(c, keys, &key);
+  if (!v) return std::nullopt;
+  if (!v->is_number_integer())
+    throw input_error(src, key, "must be a positive integer", v->dump());
+  auto n = v->get<std::int64_t>();
+  if (n <= 0) throw input_error(src, key, "must be a positive integer", v->dump());
+  return n;
+}
+
+std::int64_t require_int(const json& c, std::string_view src, std::initializer_list<const char*> keys) {
+  auto v = get_int(c, src, keys);
+  if (!v) {
+    std::string names;
+    for (const char* k : keys) names += (names.empty() ? "" : " or ") + std::string(k);
+    throw input_error(src, names, "is required but missing");
+  }
+  return *v;
+}
+
+bool get_bool(const json& c, std::string_view src, const char* key, bool fallback) {
+  auto it = c.find(key);
+  if (it == c.end() || it->is_null()) return fallback;
+  if (!it->is_boolean()) throw input_error(src, key, "must be true or false", it->dump());
+  return it->get<bool>();
+}
+
+double get_double(const json& c, std::string_view src, std::initializer_list<const char*> keys,
+                  double fallback) {
+  const char* key = nullptr;
+  const json* v = find_field(c, keys, &key);
+  if (!v) return fallback;
+  if (!v->is_number()) throw input_error(src, key, "must be a number", v->dump());
+  return v->get<double>();
+}
+
+}  // namespace
+
+std::string_view name_of(Arch arch) {
+  for (const auto& a : kArchNames)
+    if (a.arch == arch) return a.name;
+  return "?";
+}
+
+ModelSpec model_from_config(const json& c, std::string_view src, std::string name) {
+  if (!c.is_object()) throw input_error(src, "", "must hold a JSON object (a Hugging Face config.json)");
+  auto mt = c.find("model_type");
+  if (mt == c.end() || !mt->is_string())
+    throw input_error(src, "model_type", "is required (one of " + valid_arch_list() + ")");
+  std::string type = mt->get<std::string>();
+  ModelSpec m;
+  m.name = std::move(name);
+  bool known = false;
+  for (const auto& a : kArchNames)
+    if (a.name == type) {
+      m.arch = a.arch;
+      known = true;
+    }
+  if (!known)
+    throw input_error(src, "model_type", "is not supported (supported: " + valid_arch_list() + ")",
+                      "\"" + type + "\"");
+
+  m.hidden = require_int(c, src, {"hidden_size", "n_embd", "d_model"});
+  m.layers = require_int(c, src, {"num_hidden_layers", "n_layer", "num_layers"});
+  m.heads = require_int(c, src, {"num_attention_heads", "n_head"});
+  m.vocab = require_int(c, src, {"vocab_size"});
+  m.max_positions = get_int(c, src, {"max_position_embeddings", "n_positions"}).value_or(2048);
+  // PretrainedConfig: tie_word_embeddings defaults to true.
+  m.tie_embeddings = get_bool(c, src, "tie_word_embeddings", true);
+  if (auto hd = get_int(c, src, {"head_dim"})) {
+    m.head_dim = *hd;
+  } else {
+    if (m.hidden % m.heads != 0)
+      throw input_error(src, "hidden_size", fmt::format("must be divisible by num_attention_heads ({})", m.heads),
+                        std::to_string(m.hidden));
+    m.head_dim = m.hidden / m.heads;
+  }
+  m.kv_heads = get_int(c, src, {"num_key_value_heads"}).value_or(m.heads);
+  m.rope_theta = get_double(c, src, {"rope_theta", "rotary_emb_base"}, 10000.0);
+  m.norm_eps = get_double(c, src, {"rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"}, 1e-5);
+  if (auto it = c.find("torch_dtype"); it != c.end() && it->is_string())
+    m.dtype = parse_dtype(it->get<std::string>()).value_or(DType::fp32);
+  else if (auto it2 = c.find("dtype"); it2 != c.end() && it2->is_string())
+    m.dtype = parse_dtype(it2->get<std::string>()).value_or(DType::fp32);
+  if (auto sw = get_int(c, src, {"sliding_window"})) {
+    bool use = get_bool(c, src, "use_sliding_window", m.arch != Arch::qwen2);
+    if (use) m.sliding_window = *sw;
+  }
+
+  switch (m.arch) {
+    case Arch::llama:
+    case Arch::mistral:
+    case Arch::mixtral:
+    case Arch::qwen2:
+    case Arch::gemma:
+    case Arch::gemma2:
+    case Arch::phi3:
+      m.intermediate = require_int(c, src, {"intermediate_size"});
+      // LlamaConfig attention_bias / mlp_bias (default false). Qwen2Attention hard-codes
+      // q/k/v bias=True and o_proj bias=False (modeling_qwen2.py).
+      m.qkv_bias = m.arch == Arch::qwen2 || get_bool(c, src, "attention_bias", false);
+      m.out_bias = m.arch != Arch::qwen2 && get_bool(c, src, "attention_bias", false);
+      m.mlp_bias = get_bool(c, src, "mlp_bias", false);
+      if (m.arch == Arch::mixtral) {
+        m.experts = get_int(c, src, {"num_local_experts"}).value_or(8);
+        m.experts_per_token = get_int(c, src, {"num_experts_per_tok"}).value_or(2);
+        if (m.experts_per_token > m.experts)
+          throw input_error(src, "num_experts_per_tok",
+                            fmt::format("must not exceed num_local_experts ({})", m.experts),
+                            std::to_string(m.experts_per_token));
+      }
+      break;
+    case Arch::gpt2:
+      // GPT2Config: n_inner None => 4 * n_embd; Conv1D layers all carry biases.
+      m.intermediate = get_int(c, src, {"n_inner"}).value_or(4 * m.hidden);
+      m.qkv_bias = m.out_bias = m.mlp_bias = m.norm_bias = true;
+      break;
+    case Arch::gpt_neox:
+      m.intermediate = get_int(c, src, {"intermediate_size"}).value_or(4 * m.hidden);
+      m.qkv_bias = m.out_bias = m.mlp_bias = m.norm_bias = true;
+      m.parallel_attn = get_bool(c, src, "use_parallel_residual", true);
+      m.rotary_pct = get_double(c, src, {"rotary_pct", "partial_rotary_factor"}, 0.25);
+      // GPTNeoXConfig tie_word_embeddings defaults to false.
+      m.tie_embeddings = get_bool(c, src, "tie_word_embeddings", false);
+      break;
+    case Arch::falcon: {
+      // FalconConfig: ffn_hidden_size None => 4 * hidden; bias False; parallel_attn True.
+      m.intermediate = get_int(c, src, {"ffn_hidden_size"}).value_or(4 * m.hidden);
+      bool bias = get_bool(c, src, "bias", false);
+      m.qkv_bias = m.out_bias = m.mlp_bias = bias;
+      m.norm_bias = true;
+      m.parallel_attn = get_bool(c, src, "parallel_attn", true);
+      m.falcon_new_arch = get_bool(c, src, "new_decoder_architecture", false);
+      bool multi_query = get_bool(c, src, "multi_query", true);
+      if (m.falcon_new_arch) {
+        m.kv_heads = get_int(c, src, {"num_kv_heads", "n_head_kv"}).value_or(m.heads);
+        // num_ln_in_parallel_attn: None => 2 for the new architecture (modeling_falcon.py).
+        m.falcon_norms = get_int(c, src, {"num_ln_in_parallel_attn"}).value_or(2);
+      } else {
+        m.kv_heads = multi_query ? 1 : m.heads;
+        m.falcon_norms = m.parallel_attn ? 1 : 2;
+      }
+      break;
+    }
+    case Arch::opt:
+      m.intermediate = require_int(c, src, {"ffn_dim"});
+      m.qkv_bias = m.out_bias = m.mlp_bias = get_bool(c, src, "enable_bias", true);
+      m.norm_bias = get_bool(c, src, "layer_norm_elementwise_affine", true);
+      m.opt_proj_dim = get_int(c, src, {"word_embed_proj_dim"}).value_or(m.hidden);
+      // OPTDecoder: final_layer_norm exists only when do_layer_norm_before and not
+      // _remove_final_layer_norm.
+      m.opt_final_norm = get_bool(c, src, "do_layer_norm_before", true) &&
+                         !get_bool(c, src, "_remove_final_layer_norm", false);
+      break;
+  }
+  if (m.heads % m.kv_heads != 0)
+    throw input_error(src, "num_key_value_heads",
+                      fmt::format("must divide num_attention_heads ({})", m.heads), std::to_string(m.kv_heads));
+  return m;
+}
+
+json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw input_error(path, "", "cannot be opened (does the file exist?)");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  try {
+    return json::parse(ss.str());
+  } catch (const json::parse_error& e) {
+    throw input_error(path, "", fmt::format("is not valid JSON: {}", e.what()));
+  }
+}
+
+ModelSpec load_model(const std::string& name_or_path) {
+  if (const char* text = zoo_config_text(name_or_path)) {
+    std::string src = "models/zoo/" + name_or_path + ".json";
+    return model_from_config(json::parse(text), src, name_or_path);
+  }
+  namespace fs = std::filesystem;
+  fs::path p(name_or_path);
+  if (fs::is_directory(p)) p /= "config.json";
+  if (!fs::exists(p)) {
+    std::string names;
+    for (const auto& z : zoo()) names += (names.empty() ? "" : ", ") + z.name;
+    throw InputError(fmt::format("--model: \"{}\" is neither a zoo model nor a config.json path "
+                                 "(zoo: {})", name_or_path, names));
+  }
+  std::string stem = p.filename() == "config.json" ? p.parent_path().filename().string() : p.stem().string();
+  return model_from_config(read_json_file(p.string()), p.string(), stem);
+}
+
+}  // namespace peftplan::models

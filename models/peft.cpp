@@ -1,0 +1,496 @@
+// PEFT adapters: adapter_config.json parsing, target-module resolution with PEFT's matching rules
+// (peft/tuners/tuners_utils.py check_target_module_exists, _maybe_include_all_linear_layers) and
+// the trainable inventory with the tensor names PEFT saves (get_peft_model_state_dict drops the
+// adapter name: "...q_proj.lora_A.default.weight" is saved as "...q_proj.lora_A.weight").
+#include "peftplan/models/peft.h"
+
+#include <algorithm>
+#include <cmath>
+#include <regex>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/common/units.h"
+
+namespace peftplan::models {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kPrefix = "base_model.model.";
+
+// TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py).
+std::vector<std::string> default_lora_targets(Arch a) {
+  switch (a) {
+    case Arch::phi3: return {"qkv_proj"};
+    case Arch::gpt2: return {"c_attn"};
+    case Arch::gpt_neox:
+    case Arch::falcon: return {"query_key_value"};
+    default: return {"q_proj", "v_proj"};
+  }
+}
+
+// TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING and ..._FEEDFORWARD_MODULES_MAPPING.
+std::pair<std::vector<std::string>, std::vector<std::string>> default_ia3(Arch a, std::string_view src) {
+  switch (a) {
+    case Arch::llama:
+    case Arch::mistral:
+    case Arch::qwen2: return {{"k_proj", "v_proj", "down_proj"}, {"down_proj"}};
+    case Arch::gpt2: return {{"c_attn", "mlp.c_proj"}, {"mlp.c_proj"}};
+    case Arch::gpt_neox:
+    case Arch::falcon: return {{"query_key_value", "dense_4h_to_h"}, {"dense_4h_to_h"}};
+    case Arch::opt: return {{"q_proj", "v_proj", "fc2"}, {"fc2"}};
+    default:
+      throw input_error(src, "target_modules", fmt::format("must be given for IA3 on model_type {} "
+                                                           "(PEFT has no default for it)", name_of(a)));
+  }
+}
+
+bool regex_full(const std::string& pattern, const std::string& key) {
+  return std::regex_match(key, std::regex(pattern));
+}
+
+// List semantics: exact key or ".name" suffix.
+bool list_match(const std::vector<std::string>& names, const std::string& key) {
+  for (const auto& t : names)
+    if (key == t || (key.size() > t.size() && key.ends_with(t) && key[key.size() - t.size() - 1] == '.'))
+      return true;
+  return false;
+}
+
+bool selector_match(const ModuleSelector& s, const std::string& key) {
+  switch (s.kind) {
+    case ModuleSelector::Kind::none: return false;
+    case ModuleSelector::Kind::regex: return regex_full(s.regex, key);
+    case ModuleSelector::Kind::list: return list_match(s.names, key);
+    case ModuleSelector::Kind::all_linear: return false;  // resolved before matching
+  }
+  return false;
+}
+
+// The container of a layer index in a module path: "model.layers.3.mlp" -> ("layers", 3).
+std::optional<std::pair<std::string, std::int64_t>> layer_of(const std::string& key) {
+  static const std::regex re(R"(^(?:.*\.)?([^.]*)\.(\d+)\..*$)");
+  std::smatch m;
+  if (!std::regex_match(key, m, re)) return std::nullopt;
+  return std::make_pair(m[1].str(), std::stoll(m[2].str()));
+}
+
+// get_pattern_key: a pattern applies when it equals the key or matches "(.*\.)?(pattern)$".
+template <typename T>
+std::optional<T> pattern_value(const std::map<std::string, T>& patterns, const std::string& key) {
+  for (const auto& [p, v] : patterns)
+    if (p == key || std::regex_match(key, std::regex("(.*\\.)?(" + p + ")"))) return v;
+  return std::nullopt;
+}
+
+ModuleSelector parse_selector(const json& v, std::string_view src, const char* field) {
+  ModuleSelector s;
+  if (v.is_null()) return s;
+  if (v.is_string()) {
+    std::string text = v.get<std::string>();
+    if (text == "all-linear") {
+      s.kind = ModuleSelector::Kind::all_linear;
+      return s;
+    }
+    try {
+      std::regex check(text);
+    } catch (const std::regex_error&) {
+      throw input_error(src, field, "is not a valid regular expression", "\"" + text + "\"");
+    }
+    s.kind = ModuleSelector::Kind::regex;
+    s.regex = text;
+    return s;
+  }
+  if (v.is_array()) {
+    s.kind = ModuleSelector::Kind::list;
+    for (const auto& e : v) {
+      if (!e.is_string()) throw input_error(src, field, "must hold module names (strings)", e.dump());
+      s.names.push_back(e.get<std::string>());
+    }
+    if (s.names.empty()) s.kind = ModuleSelector::Kind::none;
+    return s;
+  }
+  throw input_error(src, field, "must be a list of module names, a regex string or \"all-linear\"", v.dump());
+}
+
+std::vector<std::string> string_list(const json& c, std::string_view src, const char* field) {
+  std::vector<std::string> out;
+  auto it = c.find(field);
+  if (it == c.end() || it->is_null()) return out;
+  if (it->is_string()) return {it->get<std::string>()};
+  if (!it->is_array()) throw input_error(src, field, "must be a list of strings", it->dump());
+  for (const auto& e : *it) {
+    if (!e.is_string()) throw input_error(src, field, "must be a list of strings", e.dump());
+    out.push_back(e.get<std::string>());
+  }
+  return out;
+}
+
+std::int64_t positive_int(const json& c, std::string_view src, const char* field, std::int64_t fallback) {
+  auto it = c.find(field);
+  if (it == c.end() || it->is_null()) return fallback;
+  if (!it->is_number_integer() || it->get<std::int64_t>() <= 0)
+    throw input_error(src, field, "must be a positive integer", it->dump());
+  return it->get<std::int64_t>();
+}
+
+double number(const json& c, std::string_view src, const char* field, double fallback) {
+  auto it = c.find(field);
+  if (it == c.end() || it->is_null()) return fallback;
+  if (!it->is_number()) throw input_error(src, field, "must be a number", it->dump());
+  return it->get<double>();
+}
+
+bool boolean(const json& c, std::string_view src, const char* field, bool fallback) {
+  auto it = c.find(field);
+  if (it == c.end() || it->is_null()) return fallback;
+  if (!it->is_boolean()) throw input_error(src, field, "must be true or false", it->dump());
+  return it->get<bool>();
+}
+
+std::string leaf_names(const std::vector<LinearModule>& linears) {
+  std::set<std::string> leaves;
+  for (const auto& l : linears) leaves.insert(l.leaf);
+  std::string s;
+  for (const auto& l : leaves) s += (s.empty() ? "" : ", ") + l;
+  return s;
+}
+
+// The modules an adapter with these selectors adapts, in model order.
+std::vector<const LinearModule*> select_modules(const ModelSpec& model, const std::vector<LinearModule>& linears,
+                                                ModuleSelector targets, const ModuleSelector& exclude,
+                                                const std::optional<std::vector<std::int64_t>>& layers,
+                                                const std::optional<std::string>& layers_pattern,
+                                                const std::string& adapter) {
+  const std::string where = fmt::format("adapter \"{}\"", adapter);
+  if (targets.kind == ModuleSelector::Kind::all_linear) {
+    // _maybe_include_all_linear_layers: the leaf names of every Linear except the output layer.
+    std::set<std::string> leaves;
+    for (const auto& l : linears)
+      if (!l.is_output) leaves.insert(l.leaf);
+    targets.kind = ModuleSelector::Kind::list;
+    targets.names.assign(leaves.begin(), leaves.end());
+  }
+  if (targets.kind == ModuleSelector::Kind::list) {
+    for (const auto& t : targets.names) {
+      bool any = std::any_of(linears.begin(), linears.end(),
+                             [&](const LinearModule& l) { return list_match({t}, l.path); });
+      if (!any)
+        throw input_error(where, "target_modules",
+                          fmt::format("names \"{}\", which {} does not have (its linear modules: {})", t,
+                                      model.name, leaf_names(linears)));
+    }
+  }
+  std::vector<const LinearModule*> out;
+  for (const auto& l : linears) {
+    if (selector_match(exclude, l.path)) continue;
+    if (!selector_match(targets, l.path)) continue;
+    // layers_to_transform applies to list targets only (check_target_module_exists).
+    if (layers && targets.kind == ModuleSelector::Kind::list && !(targets.names.size() == 1 && targets.names[0] == l.path)) {
+      auto lay = layer_of(l.path);
+      if (!lay) continue;
+      if (layers_pattern && lay->first != *layers_pattern) continue;
+      if (std::find(layers->begin(), layers->end(), lay->second) == layers->end()) continue;
+    }
+    out.push_back(&l);
+  }
+  if (out.empty())
+    throw input_error(where, "target_modules",
+                      fmt::format("match no module of {} (its linear modules: {})", model.name, leaf_names(linears)));
+  return out;
+}
+
+std::vector<const LinearModule*> lora_selection(const ModelSpec& model, const std::vector<LinearModule>& linears,
+                                                const AdapterSpec& a) {
+  ModuleSelector targets = a.lora.targets;
+  if (targets.kind == ModuleSelector::Kind::none) {
+    targets.kind = ModuleSelector::Kind::list;
+    targets.names = default_lora_targets(model.arch);
+  }
+  return select_modules(model, linears, targets, a.lora.exclude, a.lora.layers_to_transform, a.lora.layers_pattern,
+                        a.name);
+}
+
+// modules_to_save: every module path that equals or ends with ".name" (ModulesToSaveWrapper).
+void add_modules_to_save(const ModelSpec& model, const std::vector<std::string>& names, const AdapterSpec& a,
+                         const std::vector<TensorInfo>& base, std::vector<TrainableTensor>& out) {
+  for (const auto& name : names) {
+    bool found = false;
+    for (const auto& t : base) {
+      if (!list_match({name}, t.module)) continue;
+      found = true;
+      out.push_back({std::string(kPrefix) + t.name, t.shape, a.name, t.module, t.layer, false});
+    }
+    if (!found && (name == "lm_head" || name == "embed_out") && model.tie_embeddings) {
+      // A tied head owns no tensor; its copy is a fresh [V, H] parameter.
+      for (const auto& t : base)
+        if (t.role == ParamRole::embedding) {
+          out.push_back({std::string(kPrefix) + name + ".weight", t.shape, a.name, name, -1, false});
+          found = true;
+        }
+    }
+    if (!found) throw input_error(fmt::format("adapter \"{}\"", a.name), "modules_to_save",
+                                  fmt::format("names \"{}\", which {} does not have", name, model.name));
+  }
+}
+
+}  // namespace
+
+std::string_view name_of(PeftType t) {
+  switch (t) {
+    case PeftType::lora: return "LORA";
+    case PeftType::ia3: return "IA3";
+    case PeftType::prefix_tuning: return "PREFIX_TUNING";
+    case PeftType::prompt_tuning: return "PROMPT_TUNING";
+  }
+  return "?";
+}
+
+AdapterSpec adapter_from_config(const json& c, std::string_view src) {
+  if (!c.is_object()) throw input_error(src, "", "must hold a JSON object (a PEFT adapter_config.json)");
+  AdapterSpec a;
+  auto pt = c.find("peft_type");
+  std::string type = pt != c.end() && pt->is_string() ? pt->get<std::string>() : "";
+  if (type.empty() && c.contains("r")) type = "LORA";
+  if (type == "LORA") {
+    a.type = PeftType::lora;
+    LoraConfig& l = a.lora;
+    l.r = positive_int(c, src, "r", 8);
+    l.alpha = number(c, src, "lora_alpha", 8.0);
+    l.dropout = number(c, src, "lora_dropout", 0.0);
+    if (l.dropout < 0.0 || l.dropout >= 1.0)
+      throw input_error(src, "lora_dropout", "must be in [0, 1)", fmt::format("{}", l.dropout));
+    if (c.contains("target_modules")) l.targets = parse_selector(c["target_modules"], src, "target_modules");
+    if (c.contains("exclude_modules")) l.exclude = parse_selector(c["exclude_modules"], src, "exclude_modules");
+    if (auto it = c.find("layers_to_transform"); it != c.end() && !it->is_null()) {
+      std::vector<std::int64_t> layers;
+      if (it->is_number_integer()) layers.push_back(it->get<std::int64_t>());
+      else if (it->is_array())
+        for (const auto& e : *it) {
+          if (!e.is_number_integer() || e.get<std::int64_t>() < 0)
+            throw input_error(src, "layers_to_transform", "must hold non-negative layer indices", e.dump());
+          layers.push_back(e.get<std::int64_t>());
+        }
+      else throw input_error(src, "layers_to_transform", "must be an integer or a list of integers", it->dump());
+      if (!layers.empty()) l.layers_to_transform = layers;
+    }
+    if (auto it = c.find("layers_pattern"); it != c.end() && !it->is_null()) {
+      if (it->is_string()) l.layers_pattern = it->get<std::string>();
+      else if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) l.layers_pattern = (*it)[0].get<std::string>();
+      else throw input_error(src, "layers_pattern", "must be a module-list name such as \"layers\"", it->dump());
+    }
+    if (auto it = c.find("rank_pattern"); it != c.end() && it->is_object())
+      for (const auto& [k, v] : it->items()) {
+        if (!v.is_number_integer() || v.get<std::int64_t>() <= 0)
+          throw input_error(src, "rank_pattern." + k, "must be a positive integer", v.dump());
+        l.rank_pattern[k] = v.get<std::int64_t>();
+      }
+    if (auto it = c.find("alpha_pattern"); it != c.end() && it->is_object())
+      for (const auto& [k, v] : it->items()) {
+        if (!v.is_number()) throw input_error(src, "alpha_pattern." + k, "must be a number", v.dump());
+        l.alpha_pattern[k] = v.get<double>();
+      }
+    l.use_rslora = boolean(c, src, "use_rslora", false);
+    l.use_dora = boolean(c, src, "use_dora", false);
+    l.lora_bias = boolean(c, src, "lora_bias", false);
+    if (auto it = c.find("bias"); it != c.end() && !it->is_null()) {
+      std::string b = it->is_string() ? it->get<std::string>() : "";
+      if (b != "none" && b != "all" && b != "lora_only")
+        throw input_error(src, "bias", "must be \"none\", \"all\" or \"lora_only\"", it->dump());
+      l.bias = b;
+    }
+    l.modules_to_save = string_list(c, src, "modules_to_save");
+  } else if (type == "IA3") {
+    a.type = PeftType::ia3;
+    if (c.contains("target_modules")) a.ia3.targets = parse_selector(c["target_modules"], src, "target_modules");
+    a.ia3.feedforward_modules = string_list(c, src, "feedforward_modules");
+    a.ia3.modules_to_save = string_list(c, src, "modules_to_save");
+  } else if (type == "PREFIX_TUNING" || type == "PROMPT_TUNING") {
+    a.type = type == "PREFIX_TUNING" ? PeftType::prefix_tuning : PeftType::prompt_tuning;
+    a.prompt.num_virtual_tokens = positive_int(c, src, "num_virtual_tokens", 20);
+    a.prompt.num_transformer_submodules = positive_int(c, src, "num_transformer_submodules", 1);
+    a.prompt.prefix_projection = boolean(c, src, "prefix_projection", false);
+    a.prompt.encoder_hidden_size = positive_int(c, src, "encoder_hidden_size", 0);
+  } else {
+    throw input_error(src, "peft_type", "must be one of LORA, IA3, PREFIX_TUNING, PROMPT_TUNING",
+                      pt == c.end() ? std::string("nothing") : pt->dump());
+  }
+  return a;
+}
+
+std::vector<LoraModule> lora_modules(const ModelSpec& model, const PeftSpec& peft) {
+  std::vector<LoraModule> out;
+  const auto linears = linear_modules(model);
+  for (const auto& a : peft.adapters) {
+    if (a.type != PeftType::lora) continue;
+    for (const LinearModule* l : lora_selection(model, linears, a)) {
+      LoraModule m;
+      m.linear = *l;
+      m.adapter = a.name;
+      m.r = pattern_value(a.lora.rank_pattern, l->path).value_or(a.lora.r);
+      double alpha = pattern_value(a.lora.alpha_pattern, l->path).value_or(a.lora.alpha);
+      // peft/tuners/lora/layer.py update_layer: scaling = alpha / sqrt(r) with rsLoRA, else alpha / r.
+      m.scale = a.lora.use_rslora ? alpha / std::sqrt(static_cast<double>(m.r)) : alpha / static_cast<double>(m.r);
+      m.dropout = a.lora.dropout;
+      out.push_back(std::move(m));
+    }
+  }
+  return out;
+}
+
+std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft) {
+  std::vector<TrainableTensor> out;
+  const auto base = parameter_tensors(model);
+  const auto linears = linear_modules(model);
+  std::set<std::string> names;
+  for (const auto& a : peft.adapters)
+    if (!names.insert(a.name).second)
+      throw input_error("--peft", "adapter name", "must be unique across adapters", "\"" + a.name + "\" twice");
+  // Tensor names carry the adapter name only when several adapters are trained together.
+  auto tag = [&](const AdapterSpec& a, std::string_view kind) {
+    return peft.adapters.size() > 1 ? fmt::format("{}.{}", kind, a.name) : std::string(kind);
+  };
+  const auto loras = lora_modules(model, peft);
+  for (const auto& a : peft.adapters) {
+    switch (a.type) {
+      case PeftType::lora: {
+        std::set<std::string> adapted;
+        for (const auto& m : loras) {
+          if (m.adapter != a.name) continue;
+          const auto& l = m.linear;
+          const std::string p = std::string(kPrefix) + l.path + ".";
+          adapted.insert(l.path);
+          out.push_back({p + tag(a, "lora_A") + ".weight", {m.r, l.in}, a.name, l.path, l.layer, false});   // [r, in]
+          out.push_back({p + tag(a, "lora_B") + ".weight", {l.out, m.r}, a.name, l.path, l.layer, false});  // [out, r]
+          if (a.lora.lora_bias) out.push_back({p + tag(a, "lora_B") + ".bias", {l.out}, a.name, l.path, l.layer, false});
+          if (a.lora.use_dora)  // DoRA magnitude, one per output feature (lora/dora.py)
+            out.push_back({p + tag(a, "lora_magnitude_vector"), {l.out}, a.name, l.path, l.layer, false});
+        }
+        // bias="all": every base bias trains; "lora_only": biases of adapted modules.
+        if (a.lora.bias != "none")
+          for (const auto& t : base)
+            if ((t.role == ParamRole::linear_bias || t.role == ParamRole::norm_bias) &&
+                (a.lora.bias == "all" || (t.role == ParamRole::linear_bias && adapted.count(t.module))))
+              out.push_back({std::string(kPrefix) + t.name, t.shape, a.name, t.module, t.layer, true});
+        add_modules_to_save(model, a.lora.modules_to_save, a, base, out);
+        break;
+      }
+      case PeftType::ia3: {
+        ModuleSelector targets = a.ia3.targets;
+        std::vector<std::string> ff = a.ia3.feedforward_modules;
+        if (targets.kind == ModuleSelector::Kind::none) {
+          auto [t, f] = default_ia3(model.arch, fmt::format("adapter \"{}\"", a.name));
+          targets.kind = ModuleSelector::Kind::list;
+          targets.names = t;
+          if (ff.empty()) ff = f;
+        }
+        for (const LinearModule* l : select_modules(model, linears, targets, {}, std::nullopt, std::nullopt, a.name)) {
+          // IA3Layer: feedforward modules scale the input (1, in), others the output (out, 1).
+          bool is_ff = list_match(ff, l->path);
+          std::vector<std::int64_t> shape = is_ff ? std::vector<std::int64_t>{1, l->in} : std::vector<std::int64_t>{l->out, 1};
+          out.push_back({std::string(kPrefix) + l->path + "." + tag(a, "ia3_l"), shape, a.name, l->path, l->layer, false});
+        }
+        add_modules_to_save(model, a.ia3.modules_to_save, a, base, out);
+        break;
+      }
+      case PeftType::prompt_tuning: {
+        // PromptEmbedding: Embedding(n_vt * num_transformer_submodules, token_dim = H).
+        const auto& p = a.prompt;
+        out.push_back({tag(a, "prompt_embeddings"), {p.num_virtual_tokens * p.num_transformer_submodules, model.hidden},
+                       a.name, "prompt_encoder", -1, false});
+        break;
+      }
+      case PeftType::prefix_tuning: {
+        // PrefixEncoder: Embedding(n_vt, L * 2 * token_dim); with projection an MLP
+        // Embedding(n_vt, token_dim) -> Linear(token_dim, enc) -> Tanh -> Linear(enc, L * 2 * token_dim).
+        const auto& p = a.prompt;
+        const std::int64_t token_dim = model.hidden;
+        const std::int64_t width = model.layers * 2 * token_dim;
+        if (!p.prefix_projection) {
+          out.push_back({tag(a, "prompt_embeddings"), {p.num_virtual_tokens, width}, a.name, "prompt_encoder", -1, false});
+        } else {
+          const std::int64_t enc = p.encoder_hidden_size > 0 ? p.encoder_hidden_size : token_dim;
+          const std::string q = "prompt_encoder." + a.name + ".";
+          out.push_back({q + "embedding.weight", {p.num_virtual_tokens, token_dim}, a.name, "prompt_encoder", -1, false});
+          out.push_back({q + "transform.0.weight", {enc, token_dim}, a.name, "prompt_encoder", -1, false});
+          out.push_back({q + "transform.0.bias", {enc}, a.name, "prompt_encoder", -1, false});
+          out.push_back({q + "transform.2.weight", {width, enc}, a.name, "prompt_encoder", -1, false});
+          out.push_back({q + "transform.2.bias", {width}, a.name, "prompt_encoder", -1, false});
+        }
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+ParamCounts count_params(const ModelSpec& model, const PeftSpec& peft) {
+  ParamCounts c;
+  const BaseCounts base = count_base(model);
+  c.total_params = base.total;
+  c.active_params = base.active;
+  if (peft.adapters.empty()) {  // full fine-tuning: everything trains
+    c.trainable_params = c.all_params = base.total;
+  } else {
+    std::int64_t added = 0;
+    for (const auto& t : trainable_tensors(model, peft)) {
+      c.trainable_params += t.numel();
+      if (!t.is_base_param) added += t.numel();
+    }
+    c.all_params = base.total + added;
+  }
+  c.trainable_percent = c.all_params > 0 ? 100.0 * static_cast<double>(c.trainable_params) /
+                                               static_cast<double>(c.all_params)
+                                         : 0.0;
+  return c;
+}
+
+std::string peft_summary_line(const ParamCounts& c) {
+  // peft_model.py print_trainable_parameters:
+  // f"trainable params: {trainable_params:,d} || all params: {all_param:,d} || trainable%: {100 * trainable_params / all_param:.4f}"
+  return fmt::format("trainable params: {} || all params: {} || trainable%: {:.4f}", with_commas(c.trainable_params),
+                     with_commas(c.all_params), c.trainable_percent);
+}
+
+json lora_adapter_config(const AdapterSpec& a, const std::string& base_model) {
+  const LoraConfig& l = a.lora;
+  json targets;
+  switch (l.targets.kind) {
+    case ModuleSelector::Kind::none: targets = nullptr; break;
+    case ModuleSelector::Kind::list: targets = l.targets.names; break;
+    case ModuleSelector::Kind::regex: targets = l.targets.regex; break;
+    case ModuleSelector::Kind::all_linear: targets = "all-linear"; break;
+  }
+  json layers = l.layers_to_transform ? json(*l.layers_to_transform) : json(nullptr);
+  // Keys of a file saved by PEFT (docs/source/developer_guides/checkpoint.md).
+  return json{{"alpha_pattern", l.alpha_pattern},
+              {"auto_mapping", nullptr},
+              {"base_model_name_or_path", base_model},
+              {"bias", l.bias},
+              {"fan_in_fan_out", false},
+              {"inference_mode", true},
+              {"init_lora_weights", true},
+              {"layer_replication", nullptr},
+              {"layers_pattern", l.layers_pattern ? json(*l.layers_pattern) : json(nullptr)},
+              {"layers_to_transform", layers},
+              {"loftq_config", json::object()},
+              {"lora_alpha", l.alpha},
+              {"lora_bias", l.lora_bias},
+              {"lora_dropout", l.dropout},
+              {"megatron_config", nullptr},
+              {"megatron_core", "megatron.core"},
+              {"modules_to_save", l.modules_to_save.empty() ? json(nullptr) : json(l.modules_to_save)},
+              {"peft_type", "LORA"},
+              {"r", l.r},
+              {"rank_pattern", l.rank_pattern},
+              {"revision", nullptr},
+              {"target_modules", targets},
+              {"task_type", "CAUSAL_LM"},
+              {"use_dora", l.use_dora},
+              {"use_rslora", l.use_rslora}};
+}
+
+}  // namespace peftplan::models

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The one place that knows which Debian packages peftplan needs. Idempotent: packages already
+# installed are skipped, so running it again costs a few dpkg queries and nothing else.
+# CUDA and NCCL are deliberately not installed here: the build detects them when present.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config   # compiler and build
+  libeigen3-dev                                  # executor CPU kernels (GEMM)
+  nlohmann-json3-dev                             # every JSON file in and out
+  libfmt-dev                                     # formatting tables and messages
+  libcli11-dev                                   # command-line parsing
+  libgtest-dev libgmock-dev googletest           # unit and end-to-end tests
+  libbenchmark-dev                               # bench/ programs
+  openmpi-bin libopenmpi-dev                     # executor ranks and CPU collectives
+  qt6-base-dev qt6-charts-dev libgl-dev          # peftplan-gui (Widgets, Charts, Test)
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

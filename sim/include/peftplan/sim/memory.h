@@ -1,0 +1,36 @@
+// The memory walk: replay a step program's alloc/free ops in program order and report, for the
+// device and for the host, the peak of each category, the simultaneous peak (maximum over the
+// step of the live total — not the sum of per-category peaks) and the op at which it happens.
+// Pure function of the program; no costs, no cluster.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "peftplan/sim/program.h"
+
+namespace peftplan::sim {
+
+struct MemoryProfile {
+  std::array<std::uint64_t, kNumCategories> category_peak_bytes{};  // each category's own peak
+  std::array<std::uint64_t, kNumCategories> at_peak_bytes{};  // categories at the device peak
+                                                              // (host ones at the host peak)
+  std::array<std::uint64_t, kNumCategories> end_bytes{};      // still live after the last op
+  std::uint64_t device_peak_bytes = 0;  // simultaneous device peak
+  std::uint64_t host_peak_bytes = 0;    // simultaneous host peak
+  std::int32_t device_peak_op = -1;     // index of the alloc op that reached the device peak
+  std::int32_t host_peak_op = -1;
+};
+
+// Throws InternalError on a free of a buffer that is not live or a double alloc.
+MemoryProfile walk_memory(const Program& program);
+
+// One sample per alloc/free: live bytes per category after that op. For traces and GUIs.
+struct MemorySample {
+  std::int32_t op = 0;
+  std::array<std::uint64_t, kNumCategories> live_bytes{};
+};
+std::vector<MemorySample> memory_timeline(const Program& program);
+
+}  // namespace peftplan::sim

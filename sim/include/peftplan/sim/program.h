@@ -1,0 +1,165 @@
+// The step program: what one rank does in one optimizer step (all micro-batches), as ordered SPMD
+// ops with dependencies. The planner builds it; two interpreters read it: the simulator (memory
+// walk and timeline, sim/) and the executor (real allocations, kernels and collectives).
+// This header only defines the data; it knows nothing about models, strategies or costs.
+#pragma once
+
+#include <array>
+#include <initializer_list>
+#include <span>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace peftplan::sim {
+
+// Memory categories of ../shared/DESIGN.md, the same names everywhere (planner, executor,
+// reports, GUI). The first nine live on the device, the last four on the host.
+enum class MemCategory : std::uint8_t {
+  base_weights,        // frozen model (full or ZeRO-3 shard) in its storage dtype
+  gathered_weights,    // ZeRO-3 layers gathered for compute, incl. prefetch
+  trainable_weights,   // adapters, or every weight in full fine-tuning
+  gradients,           // gradients of trainable weights (full or shard)
+  optimizer_states,    // optimizer moments and fp32 master copies
+  activations,         // tensors saved for backward, incl. checkpoints
+  workspace,           // transient: logits, scores, recompute, backward temporaries, GEMM scratch
+  comm_buffers,        // buckets, flat buffers, library buffers
+  runtime_overhead,    // CUDA context, library handles, allocator reserve
+  host_optimizer_states,
+  host_weights,
+  host_pinned_buffers,
+  host_other,
+};
+inline constexpr int kNumCategories = 13;
+inline constexpr int kNumDeviceCategories = 9;
+
+constexpr bool on_host(MemCategory c) {
+  return static_cast<int>(c) >= kNumDeviceCategories;
+}
+
+constexpr std::string_view name_of(MemCategory c) {
+  constexpr std::array<std::string_view, kNumCategories> names = {
+      "base_weights",     "gathered_weights",      "trainable_weights", "gradients",
+      "optimizer_states", "activations",           "workspace",         "comm_buffers",
+      "runtime_overhead", "host_optimizer_states", "host_weights",      "host_pinned_buffers",
+      "host_other"};
+  return names[static_cast<std::size_t>(c)];
+}
+
+// Resources that run ops; ops on one stream run in program order (like a CUDA stream).
+enum class Stream : std::uint8_t { compute, comm, copy, host };
+inline constexpr int kNumStreams = 4;
+constexpr std::string_view name_of(Stream s) {
+  constexpr std::array<std::string_view, kNumStreams> names = {"compute", "comm", "copy", "host"};
+  return names[static_cast<std::size_t>(s)];
+}
+
+enum class OpKind : std::uint8_t { alloc, free, compute, collective, copy };
+
+// setup: persistent buffers that exist before the step starts (weights, optimizer states);
+// the timeline gives setup ops zero time, the memory walk counts them.
+enum class Phase : std::uint8_t { setup, forward, backward, recompute, loss, optimizer };
+constexpr std::string_view name_of(Phase p) {
+  constexpr std::array<std::string_view, 6> names = {"setup",    "forward", "backward",
+                                                     "recompute", "loss",   "optimizer"};
+  return names[static_cast<std::size_t>(p)];
+}
+
+// NCCL's names (nccl-tests doc/PERFORMANCE.md).
+enum class Collective : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast };
+inline constexpr int kNumCollectives = 4;
+constexpr std::string_view name_of(Collective c) {
+  constexpr std::array<std::string_view, kNumCollectives> names = {"all_reduce", "reduce_scatter",
+                                                                   "all_gather", "broadcast"};
+  return names[static_cast<std::size_t>(c)];
+}
+
+enum class CopyDir : std::uint8_t { device_to_host, host_to_device };
+
+// What a compute op does. The executor maps it to a kernel, the simulator to a cost class.
+// The meaning of Op::args for each kernel is documented where the planner emits it.
+enum class Kernel : std::uint8_t {
+  none,
+  embedding_fwd, embedding_bwd,
+  norm_fwd, norm_bwd,
+  linear_fwd, linear_bwd_data, linear_bwd_weight,
+  lora_fwd, lora_bwd,
+  rope_fwd, rope_bwd,
+  attention_fwd, attention_bwd,
+  mlp_act_fwd, mlp_act_bwd,
+  residual_add,
+  cross_entropy_fwd, cross_entropy_bwd,
+  cast,            // dtype conversion (bf16 base weight -> fp32 compute copy, grad casts)
+  grad_norm,       // sum of squares over gradients (global-norm clipping)
+  optimizer_step,  // AdamW / SGD update of a parameter range
+  accumulate,      // gradient accumulation / bucket packing (elementwise add or copy)
+};
+
+// Cost-relevant description of a compute op: work and traffic, and the GEMM shape when it is one
+// (the simulator's efficiency depends on it). m, n, k follow BLAS: [m,k]·[k,n].
+struct ComputeWork {
+  double flops = 0.0;               // floating-point operations
+  std::uint64_t bytes_moved = 0;    // bytes read + written from memory (roofline)
+  std::int64_t gemm_m = 0, gemm_n = 0, gemm_k = 0;  // 0 when not a GEMM
+  std::int32_t gemm_count = 1;      // identical GEMMs in this op (attention: batch × heads)
+  std::int64_t params = 0;          // optimizer_step: parameters updated (a host-stream step is
+                                    //   costed per parameter, at the CPU-Adam rate)
+};
+
+struct Buffer {
+  std::string name;          // e.g. "layers.3.attn.probs.mb0"
+  MemCategory category = MemCategory::workspace;
+  std::uint64_t bytes = 0;
+};
+
+struct Op {
+  OpKind kind = OpKind::compute;
+  Stream stream = Stream::compute;
+  Phase phase = Phase::forward;
+  Kernel kernel = Kernel::none;        // compute ops only
+  Collective collective = Collective::all_reduce;  // collective ops only
+  CopyDir copy_dir = CopyDir::device_to_host;      // copy ops only
+  std::int32_t layer = -1;             // transformer layer, -1 for embedding/head/optimizer
+  std::int32_t micro_batch = -1;       // -1 when not tied to a micro-batch
+  std::int32_t buffer = -1;            // alloc/free: the buffer; collective/copy: the payload
+  std::int32_t group_size = 1;         // collective: ranks taking part
+  std::uint64_t bytes = 0;             // collective: nccl-tests "size" S — all_reduce and
+                                       //   broadcast: the buffer each rank holds;
+                                       //   reduce_scatter and all_gather: the TOTAL (gathered,
+                                       //   unscattered) array, i.e. shard bytes × group_size
+                                       //   (nccl-tests doc/PERFORMANCE.md);
+                                       // copy: bytes copied
+  ComputeWork work;                    // compute ops
+  std::array<std::int32_t, 6> args = {-1, -1, -1, -1, -1, -1};  // kernel operands (buffer ids)
+  std::uint32_t deps_begin = 0;        // explicit cross-stream dependencies: indices into
+  std::uint32_t deps_count = 0;        //   Program::deps, each an earlier op index
+  std::string_view label;              // static text naming the op ("q_proj", "attention")
+};
+
+struct Program {
+  std::vector<Buffer> buffers;
+  std::vector<Op> ops;
+  std::vector<std::int32_t> deps;      // flattened dependency lists (see Op::deps_begin)
+  std::int32_t ranks = 1;              // data-parallel size N
+  std::int32_t micro_batches = 1;      // gradient-accumulation steps in this program
+  std::int64_t tokens_per_step = 0;    // tokens this rank processes in the step
+  double model_flops_per_step = 0.0;   // useful model FLOPs (no recompute) for MFU, this rank
+
+  std::int32_t add_buffer(std::string name, MemCategory category, std::uint64_t bytes) {
+    buffers.push_back(Buffer{std::move(name), category, bytes});
+    return static_cast<std::int32_t>(buffers.size() - 1);
+  }
+  std::int32_t add_op(Op op, std::initializer_list<std::int32_t> op_deps = {}) {
+    op.deps_begin = static_cast<std::uint32_t>(deps.size());
+    op.deps_count = static_cast<std::uint32_t>(op_deps.size());
+    deps.insert(deps.end(), op_deps.begin(), op_deps.end());
+    ops.push_back(op);
+    return static_cast<std::int32_t>(ops.size() - 1);
+  }
+  std::span<const std::int32_t> deps_of(const Op& op) const {
+    return {deps.data() + op.deps_begin, op.deps_count};
+  }
+};
+
+}  // namespace peftplan::sim

@@ -1,0 +1,182 @@
+// ModelSpec parsing and the parameter inventory against published parameter counts.
+// Every expected total comes from tests/data/zoo_expected.json, whose "source" field (and
+// models/zoo/SOURCES.md) says where the number was published.
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
+#include "peftplan/models/parameters.h"
+
+using namespace peftplan;
+using namespace peftplan::models;
+
+namespace {
+
+nlohmann::json expected_counts() {
+  std::ifstream in(std::string(PEFTPLAN_TEST_DATA) + "/zoo_expected.json");
+  return nlohmann::json::parse(in);
+}
+
+}  // namespace
+
+// The four counts the issue pins, with their public sources:
+// Llama-2-7b 6,738,415,616 (PEFT README output: all params 6,742,609,920 minus 4,194,304 LoRA);
+// GPT-2 124,439,808 (GPT2LMHeadModel.num_parameters()); Mistral-7B-v0.1 7,241,732,096 and
+// Llama-3-8B 8,030,261,248 (Hub safetensors metadata).
+TEST(Models, PinnedCounts) {
+  EXPECT_EQ(count_base(load_model("llama-2-7b")).total, 6'738'415'616);
+  EXPECT_EQ(count_base(load_model("gpt2")).total, 124'439'808);
+  EXPECT_EQ(count_base(load_model("mistral-7b")).total, 7'241'732'096);
+  EXPECT_EQ(count_base(load_model("llama-3-8b")).total, 8'030'261'248);
+}
+
+TEST(Models, EveryZooModelMatchesItsPublishedCount) {
+  const auto expected = expected_counts();
+  ASSERT_EQ(expected.size(), zoo().size()) << "every zoo model needs an expected count with a source";
+  for (const auto& z : zoo()) {
+    SCOPED_TRACE(z.name);
+    ASSERT_TRUE(expected.contains(z.name));
+    const auto& e = expected[z.name];
+    const BaseCounts c = count_base(load_model(z.name));
+    EXPECT_EQ(c.total, e["total_params"].get<std::int64_t>()) << e["source"];
+    if (e.contains("active_params")) EXPECT_EQ(c.active, e["active_params"].get<std::int64_t>());
+    else EXPECT_EQ(c.active, c.total);
+  }
+}
+
+// Mixtral-8x7B: the model card rounds to 46.7B total and 12.9B active (top-2 of 8 experts).
+TEST(Models, MixtralActiveIsTopTwoOfEight) {
+  const ModelSpec m = load_model("mixtral-8x7b");
+  EXPECT_EQ(m.experts, 8);
+  EXPECT_EQ(m.experts_per_token, 2);
+  const BaseCounts c = count_base(m);
+  const std::int64_t expert = 3 * m.hidden * m.intermediate;  // w1, w2, w3
+  EXPECT_EQ(c.total - c.active, 6 * expert * m.layers);
+}
+
+TEST(Models, TiedWeightsCountOnce) {
+  // GPT-2 ties lm_head to wte (tie_word_embeddings absent => true in PretrainedConfig).
+  const auto tensors = parameter_tensors(load_model("gpt2"));
+  for (const auto& t : tensors) EXPECT_NE(t.name, "lm_head.weight");
+  const ModelSpec untied = load_model("llama-2-7b");
+  const auto rows = parameter_tensors(untied);
+  EXPECT_EQ(rows.back().name, "lm_head.weight");
+  EXPECT_EQ(rows.back().shape, (std::vector<std::int64_t>{32000, 4096}));
+}
+
+TEST(Models, HuggingFaceNamesAndShapes) {
+  const ModelSpec m = load_model("llama-3-8b");
+  const auto rows = parameter_tensors(m);
+  auto find = [&](const std::string& name) {
+    for (const auto& t : rows)
+      if (t.name == name) return t;
+    ADD_FAILURE() << "missing " << name;
+    return TensorInfo{};
+  };
+  // GQA: 8 kv heads of 128 => k_proj is [1024, 4096] (Meta-Llama-3-8B config.json).
+  EXPECT_EQ(find("model.layers.0.self_attn.k_proj.weight").shape, (std::vector<std::int64_t>{1024, 4096}));
+  EXPECT_EQ(find("model.layers.31.mlp.down_proj.weight").shape, (std::vector<std::int64_t>{4096, 14336}));
+  EXPECT_EQ(find("model.embed_tokens.weight").shape, (std::vector<std::int64_t>{128256, 4096}));
+  // Qwen2 has q/k/v bias and no o_proj bias (modeling_qwen2.py).
+  const auto q = parameter_tensors(load_model("qwen2.5-7b"));
+  int biases = 0;
+  for (const auto& t : q)
+    if (t.layer == 0 && t.role == ParamRole::linear_bias) ++biases;
+  EXPECT_EQ(biases, 3);
+  // Gemma-2: explicit head_dim 256 != 3584/16, four norms per layer.
+  const ModelSpec g = load_model("gemma-2-9b");
+  EXPECT_EQ(g.head_dim, 256);
+  int norms = 0;
+  for (const auto& t : parameter_tensors(g))
+    if (t.layer == 0 && t.role == ParamRole::norm_weight) ++norms;
+  EXPECT_EQ(norms, 4);
+  // Phi-3: fused qkv_proj [(32+2*32)*96, 3072] and gate_up_proj [2*8192, 3072].
+  const ModelSpec p = load_model("phi-3-mini");
+  bool fused = false;
+  for (const auto& t : parameter_tensors(p))
+    if (t.name == "model.layers.0.self_attn.qkv_proj.weight") {
+      fused = true;
+      EXPECT_EQ(t.shape, (std::vector<std::int64_t>{9216, 3072}));
+    }
+  EXPECT_TRUE(fused);
+}
+
+TEST(Models, FalconMultiQueryAndNewArchitecture) {
+  // falcon-7b: multi_query => fused qkv out = H + 2d = 4544 + 128 (modeling_falcon.py).
+  const ModelSpec f7 = load_model("falcon-7b");
+  EXPECT_EQ(f7.kv_heads, 1);
+  for (const auto& t : parameter_tensors(f7))
+    if (t.name == "transformer.h.0.self_attention.query_key_value.weight") {
+      EXPECT_EQ(t.shape, (std::vector<std::int64_t>{4672, 4544}));
+    }
+  // falcon-40b: new_decoder_architecture, 8 kv groups => (128 + 16) * 64 rows, ln_attn + ln_mlp.
+  const ModelSpec f40 = load_model("falcon-40b");
+  EXPECT_TRUE(f40.falcon_new_arch);
+  int norms = 0;
+  for (const auto& t : parameter_tensors(f40)) {
+    if (t.name == "transformer.h.0.self_attention.query_key_value.weight") {
+      EXPECT_EQ(t.shape, (std::vector<std::int64_t>{9216, 8192}));
+    }
+    if (t.layer == 0 && t.role == ParamRole::norm_weight) ++norms;
+  }
+  EXPECT_EQ(norms, 2);
+}
+
+TEST(Models, OptLearnedPositionsHaveTwoExtraRows) {
+  const ModelSpec m = load_model("opt-125m");
+  for (const auto& t : parameter_tensors(m))
+    if (t.name == "model.decoder.embed_positions.weight") {
+      EXPECT_EQ(t.shape, (std::vector<std::int64_t>{2050, 768}));
+    }
+}
+
+TEST(Models, LargestLayerIsTheEmbeddingForLlama) {
+  // DeepSpeed's largest_layer_params: max over modules of their own parameters.
+  EXPECT_EQ(count_base(load_model("llama-2-7b")).largest_layer, 32000LL * 4096);
+}
+
+TEST(ModelErrors, UnknownModelTypeNamesFieldAndValidList) {
+  nlohmann::json c = {{"model_type", "bloom"}, {"hidden_size", 64}};
+  try {
+    model_from_config(c, "cfg.json", "x");
+    FAIL();
+  } catch (const InputError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("cfg.json: model_type"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("\"bloom\""), std::string::npos) << msg;
+    EXPECT_NE(msg.find("llama"), std::string::npos) << msg;
+  }
+}
+
+TEST(ModelErrors, MissingAndBadFields) {
+  nlohmann::json c = {{"model_type", "llama"}, {"hidden_size", 64}, {"num_hidden_layers", 2},
+                      {"num_attention_heads", 4}, {"vocab_size", 256}};
+  EXPECT_THROW(
+      {
+        try {
+          model_from_config(c, "cfg.json", "x");
+        } catch (const InputError& e) {
+          EXPECT_STREQ(e.what(), "cfg.json: intermediate_size is required but missing");
+          throw;
+        }
+      },
+      InputError);
+  c["intermediate_size"] = -5;
+  EXPECT_THROW(model_from_config(c, "cfg.json", "x"), InputError);
+  c["intermediate_size"] = 128;
+  c["num_key_value_heads"] = 3;  // does not divide 4 heads
+  EXPECT_THROW(model_from_config(c, "cfg.json", "x"), InputError);
+}
+
+TEST(ModelErrors, MalformedJsonFile) {
+  const std::string path = std::string(PEFTPLAN_TEST_DATA) + "/bad/malformed_config.json";
+  try {
+    read_json_file(path);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("malformed_config.json: is not valid JSON"), std::string::npos) << e.what();
+  }
+}
