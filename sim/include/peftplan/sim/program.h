@@ -157,6 +157,13 @@ struct Program {
     ops.push_back(op);
     return static_cast<std::int32_t>(ops.size() - 1);
   }
+  std::int32_t add_op(Op op, std::span<const std::int32_t> op_deps) {
+    op.deps_begin = static_cast<std::uint32_t>(deps.size());
+    op.deps_count = static_cast<std::uint32_t>(op_deps.size());
+    deps.insert(deps.end(), op_deps.begin(), op_deps.end());
+    ops.push_back(op);
+    return static_cast<std::int32_t>(ops.size() - 1);
+  }
   std::span<const std::int32_t> deps_of(const Op& op) const {
     return {deps.data() + op.deps_begin, op.deps_count};
   }

@@ -1,0 +1,92 @@
+// Roofline compute costs (see compute.h).
+// The roofline: Williams, Waterman, Patterson, "Roofline: an insightful visual performance model
+// for multicore architectures", CACM 52(4), 2009: attainable FLOP/s = min(peak, intensity × BW),
+// i.e. time = max(flops / peak, bytes / BW).
+// Efficiencies come from Cluster::efficiency (defaults and their sources in cluster.h/.cpp).
+#include "peftplan/sim/compute.h"
+
+#include <algorithm>
+#include <array>
+
+namespace peftplan::sim {
+namespace {
+
+double saturate(double x, double half) { return x / (x + half); }
+
+}  // namespace
+
+std::string_view name_of(Kernel k) {
+  constexpr std::array<std::string_view, 23> names = {
+      "none",          "embedding_fwd",    "embedding_bwd",     "norm_fwd",
+      "norm_bwd",      "linear_fwd",       "linear_bwd_data",   "linear_bwd_weight",
+      "lora_fwd",      "lora_bwd",         "rope_fwd",          "rope_bwd",
+      "attention_fwd", "attention_bwd",    "mlp_act_fwd",       "mlp_act_bwd",
+      "residual_add",  "cross_entropy_fwd", "cross_entropy_bwd", "cast",
+      "grad_norm",     "optimizer_step",   "accumulate"};
+  const auto i = static_cast<std::size_t>(k);
+  return i < names.size() ? names[i] : "unknown";
+}
+
+bool is_gemm_kernel(Kernel k) {
+  switch (k) {
+    case Kernel::linear_fwd:
+    case Kernel::linear_bwd_data:
+    case Kernel::linear_bwd_weight:
+    case Kernel::lora_fwd:
+    case Kernel::lora_bwd:
+    case Kernel::attention_fwd:
+    case Kernel::attention_bwd: return true;
+    default: return false;
+  }
+}
+
+double gemm_efficiency(std::int64_t m, std::int64_t n, std::int64_t k, std::int32_t count,
+                       const Efficiency& e) {
+  if (m <= 0 || n <= 0 || k <= 0) return e.gemm_max;
+  const double h = e.gemm_half_dim;
+  const double rows = static_cast<double>(m) * std::max<std::int32_t>(count, 1);
+  return e.gemm_max * saturate(rows, h) * saturate(static_cast<double>(n), h) *
+         saturate(static_cast<double>(k), h);
+}
+
+ComputeCost device_compute_cost(const ComputeWork& work, Kernel kernel, const Cluster& cluster,
+                                DType compute, bool allow_tf32) {
+  const Efficiency& e = cluster.efficiency;
+  ComputeCost c;
+  double peak;
+  if (is_gemm_kernel(kernel)) {
+    peak = peak_flops_per_s(cluster.gpu, compute, allow_tf32);
+    c.efficiency = gemm_efficiency(work.gemm_m, work.gemm_n, work.gemm_k, work.gemm_count, e);
+  } else {
+    peak = cluster.gpu.fp32_flops_per_s;
+    c.efficiency = 1.0;
+  }
+  c.math_s = work.flops > 0 ? work.flops / (peak * c.efficiency) : 0.0;
+  c.memory_s = static_cast<double>(work.bytes_moved) / (cluster.gpu.hbm_bytes_per_s * e.hbm);
+  c.launch_s = e.kernel_launch_s;
+  c.memory_bound = c.memory_s > c.math_s;
+  c.time_s = std::max(c.math_s, c.memory_s) + c.launch_s;
+  return c;
+}
+
+ComputeCost host_compute_cost(const ComputeWork& work, Kernel kernel, const Cluster& cluster) {
+  ComputeCost c;
+  c.efficiency = 1.0;
+  if (kernel == Kernel::optimizer_step && work.params > 0) {
+    c.math_s = static_cast<double>(work.params) / cluster.cpu_adam_params_per_s;
+  } else {
+    c.memory_s = static_cast<double>(work.bytes_moved) / cluster.host_memory_bytes_per_s;
+    c.memory_bound = true;
+  }
+  c.time_s = std::max(c.math_s, c.memory_s);
+  return c;
+}
+
+double copy_time_s(std::uint64_t bytes, const Cluster& cluster) {
+  if (bytes == 0) return 0.0;
+  return static_cast<double>(bytes) /
+             (cluster.host_device_bytes_per_s * cluster.efficiency.host_device) +
+         cluster.efficiency.kernel_launch_s;
+}
+
+}  // namespace peftplan::sim

@@ -1,0 +1,143 @@
+// The machine a plan runs on: which GPU, how many per node and how many nodes, the links between
+// them, the host, and the efficiency factors that turn datasheet peaks into achievable rates.
+// Built-in catalogs of GPUs and links (datasheet values, sources cited in cluster.cpp), a parser
+// for compact spellings ("2x8xH100-SXM-NDR"), and JSON cluster files (read and write).
+// This file holds data and parsing only; the cost models live in compute.h and collectives.h.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "peftplan/common/dtype.h"
+
+namespace peftplan::sim {
+
+// What a link is made of; decides whether it can join nodes and how many a node has by default.
+enum class LinkFamily : std::uint8_t { nvlink, pcie, xgmi, infiniband, roce, ethernet };
+constexpr bool is_network(LinkFamily f) {
+  return f == LinkFamily::infiniband || f == LinkFamily::roce || f == LinkFamily::ethernet;
+}
+std::string_view name_of(LinkFamily f);
+
+struct LinkSpec {
+  std::string name;                    // catalog name, e.g. "NVLink4", "IB-NDR", "100GbE"
+  LinkFamily family = LinkFamily::nvlink;
+  double bandwidth_bytes_per_s = 0.0;  // one direction, per GPU (intra-node links) or per
+                                       //   port/NIC (network links)
+  double latency_s = 0.0;              // per hop, NCCL's ring/Simple hardware latency
+};
+
+struct GpuSpec {
+  std::string name;                    // catalog name, e.g. "H100-SXM"
+  std::uint64_t memory_bytes = 0;      // device memory; vendor "GB" label read as GiB
+  double hbm_bytes_per_s = 0.0;        // peak device-memory bandwidth
+  std::optional<double> bf16_flops_per_s;  // dense tensor-core peak; nullopt: no bf16 tensor
+                                           //   cores (V100), bf16 then runs at the fp32 rate
+  double fp16_flops_per_s = 0.0;       // dense tensor-core peak
+  double tf32_flops_per_s = 0.0;       // dense tensor-core peak, 0 when the GPU has no TF32
+  double fp32_flops_per_s = 0.0;       // non-tensor (CUDA-core / vector) peak
+  std::string intra_node_link;         // natural GPU-GPU link in a node (LinkSpec name)
+  std::string host_link;               // GPU-host link (LinkSpec name, a PCIe generation)
+  std::optional<double> matmul_efficiency;  // measured max achievable matmul FLOPs / peak
+  std::optional<double> cost_per_hour_usd;  // rental price per GPU-hour, when the user knows it
+};
+
+// Fractions of datasheet rates that real kernels reach, and the shape of the GEMM curve.
+// Defaults and their sources; `peftplan calibrate` replaces them with measurements.
+struct Efficiency {
+  double gemm_max = 0.8;          // plateau of achieved/peak for large GEMMs; measured MAMF is
+                                  //   80.1% (H100 SXM) to 85.9% (A100 SXM), stas00/ml-engineering
+                                  //   compute/accelerator/README.md; catalog GPUs with a MAMF
+                                  //   figure use their own
+  double gemm_half_dim = 32.0;    // GEMM dimension (elements) at which that dimension's factor
+                                  //   is 1/2: factor(x) = x / (x + gemm_half_dim); a modelling
+                                  //   choice (see gemm_efficiency in compute.h)
+  double hbm = 0.85;              // achieved/peak device-memory bandwidth for streaming kernels;
+                                  //   an assumption (copy benchmarks reach 80-90%)
+  double collective_intra = 0.8;  // achieved busbw / link bandwidth inside a node: 230 of 300
+                                  //   GB/s on A100 NVLink3 (NVIDIA/nccl-tests#149), ~370 of 450
+                                  //   on H100 ring (NVIDIA/nccl-tests#212)
+  double collective_inter = 0.9;  // achieved per-NIC rate / line rate between nodes: 46-48 of 50
+                                  //   GB/s per ConnectX-7 NDR port (NVIDIA/nccl-tests#290)
+  double host_device = 0.88;      // achieved/peak pinned copy bandwidth: 55.43 of 63 GB/s H2D
+                                  //   on PCIe Gen5 (stas00/ml-engineering network/README.md)
+  double kernel_launch_s = 5e-6;  // fixed cost per device kernel or copy; an assumption (CUDA
+                                  //   launch overhead is a few microseconds)
+};
+
+struct Cluster {
+  std::string name;                    // preset or spelling it came from, e.g. "8xA100-80GB"
+  GpuSpec gpu;                         // every GPU in the cluster is this one
+  std::int32_t nodes = 1;              // machines
+  std::int32_t gpus_per_node = 8;      // GPUs (= ranks) per machine
+  LinkSpec intra_node_link;            // GPU-GPU inside a node
+  std::optional<LinkSpec> inter_node_link;  // between nodes; nullopt for a single node
+  std::int32_t nics_per_node = 8;      // inter-node ports per node (rails); per-GPU share of
+                                       //   the network is nics_per_node / gpus_per_node ports
+  std::uint64_t host_ram_bytes_per_node = 0;  // CPU memory per machine
+  double host_device_bytes_per_s = 0.0;  // peak pinned copy bandwidth per GPU, one direction
+  double host_memory_bytes_per_s = 0.0;  // CPU memory bandwidth available to one rank
+  double cpu_adam_params_per_s = 0.0;    // CPU AdamW updates per second available to one rank
+  Efficiency efficiency;
+};
+
+constexpr std::int32_t total_gpus(const Cluster& c) { return c.nodes * c.gpus_per_node; }
+
+// Peak FLOP/s of the GPU for GEMMs in this compute dtype (tensor cores for bf16/fp16; the
+// non-tensor rate for fp32, unless tf32 is asked for with allow_tf32).
+double peak_flops_per_s(const GpuSpec& gpu, DType compute, bool allow_tf32 = false);
+
+// Network bandwidth per GPU, one direction: ports × line rate / GPUs per node (0 on one node).
+double inter_node_bytes_per_s_per_gpu(const Cluster& c);
+
+// --- catalogs --------------------------------------------------------------------------------
+
+std::span<const GpuSpec> gpu_catalog();
+std::span<const LinkSpec> link_catalog();
+// Case-insensitive, '-', '_' and ' ' ignored; accepts the aliases listed in cluster.cpp.
+std::optional<GpuSpec> find_gpu(std::string_view name);
+std::optional<LinkSpec> find_link(std::string_view name);
+
+// A cluster of `nodes` × `gpus_per_node` catalog GPUs with the GPU's natural intra-node link,
+// the given network (required when nodes > 1) and default host figures.
+Cluster make_cluster(const GpuSpec& gpu, std::int32_t nodes, std::int32_t gpus_per_node,
+                     std::optional<LinkSpec> network = std::nullopt);
+
+// `[M x] N x GPU [- link]`, case-insensitive: "8xA100-80GB", "4xRTX4090-PCIe",
+// "2x8xH100-SXM-NDR", "2x4xA100-80GB-10GbE". A network link names the inter-node link; an
+// NVLink/PCIe/XGMI suffix replaces the intra-node link. Throws InputError naming the spelling
+// and listing valid GPU and link names.
+Cluster parse_cluster_spelling(std::string_view spelling);
+
+// JSON with units in keys (see sim/clusters/*.json). `where` names the file in errors.
+Cluster cluster_from_json(const nlohmann::json& j, std::string_view where);
+nlohmann::json cluster_to_json(const Cluster& c);
+Cluster read_cluster_file(const std::filesystem::path& path);
+void write_cluster_file(const Cluster& c, const std::filesystem::path& path);
+
+// Directory of the bundled presets (sim/clusters in the source tree).
+std::filesystem::path default_presets_dir();
+// Preset names (file stems), sorted.
+std::vector<std::string> preset_names(const std::filesystem::path& dir = default_presets_dir());
+
+// A preset name, a compact spelling or a path to a JSON file, tried in that order (a text that
+// ends in ".json" or names an existing file is always a path).
+Cluster resolve_cluster(std::string_view text,
+                        const std::filesystem::path& presets_dir = default_presets_dir());
+
+// `gpus` A100-80GB on one node with NVLink3.
+Cluster default_cluster(std::int32_t gpus);
+
+// Human-readable listing of GPUs, links and presets for `peftplan clusters`.
+std::string describe_catalogs(const std::filesystem::path& presets_dir = default_presets_dir());
+// The same as JSON (`peftplan clusters --json`).
+nlohmann::json catalogs_to_json(const std::filesystem::path& presets_dir = default_presets_dir());
+
+}  // namespace peftplan::sim

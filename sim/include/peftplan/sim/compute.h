@@ -1,0 +1,55 @@
+// Cost of one compute op or copy on a cluster's GPU and host: a roofline per op,
+//   time = max(flops / (peak × efficiency(shape)), bytes_moved / (hbm × hbm_efficiency))
+//          + kernel launch,
+// with the GEMM efficiency a smooth saturating function of the GEMM's dimensions so that LoRA's
+// skinny rank-r GEMMs come out memory-bound, elementwise ops on the memory roof, and an optimizer
+// step on the host costed per parameter at the CPU-Adam rate.
+// Not modelled: wave/tile quantisation, L2 reuse, clock throttling, kernel fusion beyond what the
+// planner's bytes_moved already says.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "peftplan/common/dtype.h"
+#include "peftplan/sim/cluster.h"
+#include "peftplan/sim/program.h"
+
+namespace peftplan::sim {
+
+struct ComputeCost {
+  double time_s = 0.0;       // max(math_s, memory_s) + launch_s
+  double math_s = 0.0;       // flops / (peak × efficiency)
+  double memory_s = 0.0;     // bytes_moved / achieved memory bandwidth
+  double launch_s = 0.0;     // fixed per-launch overhead
+  double efficiency = 0.0;   // fraction of the peak the math runs at
+  bool memory_bound = false; // memory_s > math_s
+};
+
+// The kernel's name as traces and reports print it ("linear_fwd").
+std::string_view name_of(Kernel k);
+
+// Kernels that run on tensor cores as GEMMs: linear_*, lora_*, attention_*.
+bool is_gemm_kernel(Kernel k);
+
+// Fraction of the dtype's peak a GEMM of this shape reaches:
+//   gemm_max × f(m × count) × f(n) × f(k),  f(x) = x / (x + gemm_half_dim).
+// `count` identical GEMMs (batched) fill the GPU like a larger m. With the defaults (gemm_max
+// from the MAMF table, half_dim 32) a 4096^3 GEMM reaches 97.7% of gemm_max and a dimension of
+// 16 (LoRA r = 16) a third of it. Shapes of 0 (unknown) give gemm_max.
+double gemm_efficiency(std::int64_t m, std::int64_t n, std::int64_t k, std::int32_t count,
+                       const Efficiency& e);
+
+// A compute op on the device. GEMM kernels use the tensor-core peak of `compute` (tf32 for fp32
+// when allow_tf32); other kernels' flops run at the non-tensor fp32 rate.
+ComputeCost device_compute_cost(const ComputeWork& work, Kernel kernel, const Cluster& cluster,
+                                DType compute, bool allow_tf32 = false);
+
+// A compute op on the host CPU: optimizer_step with work.params > 0 at the CPU-Adam rate;
+// anything else streams work.bytes_moved through host memory.
+ComputeCost host_compute_cost(const ComputeWork& work, Kernel kernel, const Cluster& cluster);
+
+// A pinned host<->device copy over PCIe (either direction; PCIe is full duplex).
+double copy_time_s(std::uint64_t bytes, const Cluster& cluster);
+
+}  // namespace peftplan::sim
