@@ -1,0 +1,101 @@
+// End-to-end checks of `peftplan estimate`: JSON keys and numbers, DeepSpeed's exact table with
+// --deepspeed-compat, and exit code 2 with a one-line message for bad input.
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+struct Result {
+  int code = 0;
+  std::string out;  // stdout and stderr together
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(PEFTPLAN_CLI) + " " + args + " 2>&1";
+  Result r;
+  FILE* p = popen(cmd.c_str(), "r");
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), buf.size(), p)) r.out += buf.data();
+  int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+}  // namespace
+
+// ZeRO (arXiv 1910.02054) Figure 1: Ψ = 7.5B on 64 GPUs, P_os+g = 2Ψ + 14Ψ/64 = 16.64 GB.
+TEST(EstimateCli, ZeroPaperJson) {
+  Result r = run("estimate --params 7500000000 --gpus-per-node 8 --nodes 8 --stage 2 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  for (const char* k : {"model_states_bytes", "base_weights_bytes", "trainable_weights_bytes", "gradients_bytes",
+                        "optimizer_states_bytes", "host_bytes", "ranks", "stage"})
+    EXPECT_TRUE(j.contains(k)) << k;
+  EXPECT_EQ(j["model_states_bytes"].get<std::uint64_t>(), 16'640'625'000u);
+  EXPECT_EQ(j["ranks"], 64);
+}
+
+TEST(EstimateCli, PeftAwareText) {
+  Result r = run("estimate --params 6746804224 --trainable-params 8388608 --gpus-per-node 8 --stage 3");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("GiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" GB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("total per GPU"), std::string::npos) << r.out;
+}
+
+// DeepSpeed's estimate_zero2_model_states_mem_needs for memory.rst's model (2851M, 1x8 GPUs):
+// gpu = 2P + int(18P/8) = 12,116,750,000 with the current code.
+TEST(EstimateCli, DeepSpeedCompatJson) {
+  Result r = run("estimate --params 2851000000 --gpus-per-node 8 --stage 2 --deepspeed-compat --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["gpu_bytes"].get<std::uint64_t>(), 12'116'750'000u);
+  EXPECT_EQ(j["cpu_bytes"].get<std::uint64_t>(), 136'848'000'000u);
+  r = run("estimate --params 2851000000 --largest-layer-params 32000000 --gpus-per-node 8 --stage 3 "
+          "--offload-optimizer --offload-param --zero-init --deepspeed-compat --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["gpu_bytes"].get<std::uint64_t>(), 128'000'000u);
+  EXPECT_EQ(j["cpu_bytes"].get<std::uint64_t>(), 76'977'000'000u);
+}
+
+TEST(EstimateCli, DeepSpeedCompatText) {
+  Result r = run("estimate --params 2851000000 --largest-layer-params 32000000 --gpus-per-node 8 --stage 3 "
+                 "--deepspeed-compat");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("Estimated memory needed for params, optim states and gradients for a:\n"
+                        "HW: Setup with 1 node, 8 GPUs per node.\n"
+                        "SW: Model with 2851M total params, 32M largest layer params.\n"
+                        "  per CPU  |  per GPU |   Options\n",
+                        0),
+            0u)
+      << r.out;
+  EXPECT_NE(r.out.find("    1.43GB |   6.09GB | offload_param=none, offload_optimizer=none, zero_init=1\n"),
+            std::string::npos);
+}
+
+TEST(EstimateCli, BadInputIsOneLineAndExitCodeTwo) {
+  struct Case {
+    std::string args, expect;
+  };
+  const Case cases[] = {
+      {"estimate --params 1000 --gpus-per-node 8 --stage 4", "--stage: must be 0, 1, 2 or 3, got 4"},
+      {"estimate --params=-5 --gpus-per-node 8 --stage 2", "--params: must be a non-negative integer, got -5"},
+      {"estimate --params 1000 --gpus-per-node 8 --stage 2 --offload-param", "--offload-param: needs --stage 3"},
+      {"estimate --params 1000 --trainable-params 2000 --gpus-per-node 8 --stage 2", "--trainable-params"},
+      {"estimate --params 1000 --gpus-per-node 8 --stage 3 --deepspeed-compat", "--largest-layer-params"},
+      {"estimate --params 1000 --gpus-per-node 0 --stage 1", "--gpus-per-node: must be a positive integer, got 0"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.args);
+    Result r = run(c.args);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << r.out;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  }
+}
