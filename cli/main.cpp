@@ -17,6 +17,9 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   peftplan::cli::add_models_command(app, exit_code);
   peftplan::cli::add_params_command(app, exit_code);
+  peftplan::cli::add_plan_command(app, exit_code);
+  peftplan::cli::add_clusters_command(app, exit_code);
+  peftplan::cli::add_estimate_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

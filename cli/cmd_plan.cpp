@@ -1,0 +1,138 @@
+// `peftplan plan`: one configuration -> memory by category (device and host), the simultaneous
+// peak and where it happens, the simulated step time and its split, communication per step,
+// the verdict with reasons, and what the strategy changed. Exit code 1 when it does not fit.
+#include <filesystem>
+#include <fstream>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "plan_flags.h"
+#include "peftplan/common/error.h"
+#include "peftplan/common/units.h"
+#include "peftplan/planner/plan.h"
+#include "peftplan/sim/trace.h"
+
+namespace peftplan::cli {
+namespace {
+
+// Writes through a temporary name and renames, so a failed run leaves nothing half-written.
+void write_json_atomically(const std::string& path, const nlohmann::json& j) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) throw input_error(path, "", "cannot be written (does the folder exist?)");
+    out << j.dump(1) << '\n';
+    if (!out) throw input_error(path, "", "could not be written completely");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+std::string adapter_summary(const planner::Plan& p) {
+  if (p.input.peft.adapters.empty()) return "full fine-tuning";
+  std::string s;
+  for (const auto& a : p.input.peft.adapters) {
+    if (!s.empty()) s += " + ";
+    if (a.type == models::PeftType::lora) {
+      std::string targets;
+      switch (a.lora.targets.kind) {
+        case models::ModuleSelector::Kind::none: targets = "default targets"; break;
+        case models::ModuleSelector::Kind::list: targets = fmt::format("{}", fmt::join(a.lora.targets.names, ",")); break;
+        case models::ModuleSelector::Kind::regex: targets = a.lora.targets.regex; break;
+        case models::ModuleSelector::Kind::all_linear: targets = "all-linear"; break;
+      }
+      s += fmt::format("LoRA r={} alpha={:g} on {}", a.lora.r, a.lora.alpha, targets);
+    } else {
+      s += std::string(models::name_of(a.type));
+    }
+  }
+  if (p.input.peft.quantization) s += fmt::format(" (base {})", name_of(p.input.peft.quantization->dtype));
+  return s;
+}
+
+void print_text(const planner::Plan& p) {
+  const auto& in = p.input;
+  const auto& t = in.training;
+  fmt::print("peftplan plan: {} · {} · {} trainable of {} parameters\n", in.model.name, adapter_summary(p),
+             with_commas(p.facts.trainable_params), with_commas(p.facts.base_params + (in.peft.adapters.empty() ? 0 : p.facts.trainable_params)));
+  fmt::print("strategy {}{}{} on {} ({} ranks) · micro-batch {} × seq {} × accum {} · {} · attention {} · checkpointing {}{} · profile {}\n\n",
+             name_of(in.strategy.stage), in.strategy.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "",
+             in.strategy.offload_param == planner::OffloadDevice::cpu ? " + offload param" : "", p.cluster.name, in.strategy.ranks,
+             t.micro_batch, t.seq_len, t.grad_accum, name_of(t.precision), name_of(t.attention), name_of(t.checkpointing),
+             t.checkpointing == planner::Checkpointing::every_k ? fmt::format("-{}", t.checkpoint_every) : "", name_of(in.profile));
+  fmt::print("{:<28} {:>14} {:>14}\n", "memory per GPU (device)", "category peak", "at the peak");
+  for (int c = 0; c < sim::kNumDeviceCategories; ++c)
+    fmt::print("  {:<26} {:>10.2f} GiB {:>10.2f} GiB\n", sim::name_of(static_cast<sim::MemCategory>(c)),
+               to_gib(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]), to_gib(p.memory.at_peak_bytes[static_cast<std::size_t>(c)]));
+  const auto& peak_op = p.program.ops[static_cast<std::size_t>(std::max(0, p.memory.device_peak_op))];
+  fmt::print("  {:<26} {:>10.2f} GiB   at {} ({})\n", "simultaneous peak", to_gib(p.memory.device_peak_bytes),
+             peak_op.buffer >= 0 ? p.program.buffers[static_cast<std::size_t>(peak_op.buffer)].name : "-", sim::name_of(peak_op.phase));
+  fmt::print("  {:<26} {:>10.2f} GiB   ({:.0f}% used)\n", "GPU capacity", to_gib(p.device_capacity_bytes),
+             100.0 * static_cast<double>(p.memory.device_peak_bytes) / static_cast<double>(std::max<std::uint64_t>(1, p.device_capacity_bytes)));
+  if (p.memory.host_peak_bytes > 0) {
+    fmt::print("{:<28}\n", "memory per rank (host)");
+    for (int c = sim::kNumDeviceCategories; c < sim::kNumCategories; ++c)
+      fmt::print("  {:<26} {:>10.2f} GiB\n", sim::name_of(static_cast<sim::MemCategory>(c)), to_gib(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]));
+    fmt::print("  {:<26} {:>10.2f} GiB of {:.1f} GiB per rank\n", "host peak", to_gib(p.memory.host_peak_bytes), to_gib(p.host_capacity_bytes));
+  }
+  if (p.time) {
+    const auto& tm = *p.time;
+    fmt::print("\ntime per step (simulated)\n");
+    fmt::print("  {:<26} {:>10.4f} s    {:.0f} tokens/s over {} ranks · MFU {:.1f}%\n", "step", tm.step_s, tm.tokens_per_s,
+               in.strategy.ranks, 100.0 * tm.mfu);
+    fmt::print("  {:<26} {:>10.4f} s\n", "compute", tm.compute_s);
+    fmt::print("  {:<26} {:>10.4f} s    exposed {:.4f} s\n", "communication", tm.comm_s, tm.exposed_comm_s);
+    fmt::print("  {:<26} {:>10.4f} s\n", "optimizer", tm.optimizer_s);
+    if (tm.offload_s > 0) fmt::print("  {:<26} {:>10.4f} s\n", "offload (copies + host)", tm.offload_s);
+    fmt::print("communication per step per rank\n");
+    for (int c = 0; c < sim::kNumCollectives; ++c)
+      if (tm.collective_count[static_cast<std::size_t>(c)] > 0)
+        fmt::print("  {:<26} {:>12} in {} calls\n", sim::name_of(static_cast<sim::Collective>(c)),
+                   human_bytes(tm.collective_bytes[static_cast<std::size_t>(c)]), tm.collective_count[static_cast<std::size_t>(c)]);
+    fmt::print("  {:<26} {:>12} intra-node, {} inter-node\n", "sent on links", human_bytes(tm.intra_node_bytes), human_bytes(tm.inter_node_bytes));
+  }
+  if (!p.explanation.empty()) {
+    fmt::print("\nwhy\n");
+    for (const auto& e : p.explanation) fmt::print("  - {}\n", e);
+  }
+  for (const auto& w : p.warnings) fmt::print("warning: {}\n", w);
+  if (p.fits) {
+    fmt::print("\nverdict: fits ({:.2f} of {:.2f} GiB per GPU)\n", to_gib(p.memory.device_peak_bytes), to_gib(p.device_capacity_bytes));
+  } else {
+    fmt::print("\nverdict: does not fit\n");
+    for (const auto& r : p.reasons) fmt::print("  - {}\n", r);
+  }
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("plan", "memory by category, step time and verdict for one configuration");
+  struct Options {
+    PlanFlags plan;
+    bool json = false;
+    std::string memory_trace, trace;
+  };
+  auto o = std::make_shared<Options>();
+  add_plan_flags(cmd, o->plan);
+  cmd->add_flag("--json", o->json, "machine-readable output");
+  cmd->add_option("--memory-trace", o->memory_trace, "write the memory timeline as Chrome trace counters");
+  cmd->add_option("--trace", o->trace, "write the simulated step as a Chrome trace (Perfetto)");
+  cmd->callback([&exit_code, o] {
+    ResolvedPlan r = resolve_plan_flags(o->plan);
+    planner::Plan p = planner::make_plan(r.input, r.cluster);
+    p.warnings.insert(p.warnings.begin(), r.warnings.begin(), r.warnings.end());
+    if (!o->memory_trace.empty()) write_json_atomically(o->memory_trace, planner::memory_trace(p));
+    if (!o->trace.empty() && p.time) {
+      sim::TraceOptions to;
+      to.process_name = "peftplan predicted";
+      write_json_atomically(o->trace, sim::chrome_trace(p.program, *p.time, to));
+    }
+    if (o->json) fmt::print("{}\n", planner::plan_to_json(p).dump(2));
+    else print_text(p);
+    exit_code = p.fits ? 0 : 1;
+  });
+}
+
+}  // namespace peftplan::cli

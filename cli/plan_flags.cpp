@@ -1,0 +1,111 @@
+// Plan flags -> PlanInput + Cluster. Every bad value is an InputError naming the flag, the value
+// and the valid spellings.
+#include "plan_flags.h"
+
+#include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
+#include "peftplan/planner/ds_config.h"
+
+namespace peftplan::cli {
+namespace {
+
+template <typename T>
+T pick(const std::string& flag, const std::string& value, std::initializer_list<std::pair<const char*, T>> options) {
+  std::string valid;
+  for (const auto& [name, v] : options) {
+    if (value == name) return v;
+    valid += (valid.empty() ? "" : ", ") + std::string(name);
+  }
+  throw input_error(flag, "", "must be one of " + valid, "\"" + value + "\"");
+}
+
+}  // namespace
+
+void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
+  cmd->add_option("--model", f.model, "zoo name, config.json, or a folder holding one")->capture_default_str();
+  add_peft_flags(cmd, f.peft);
+  cmd->add_flag("--full-finetune", f.peft.full_finetune, "train every weight (no adapter)");
+  cmd->add_option("--gpus", f.gpus, "data-parallel ranks (alone: N GPUs of the default kind on one node)");
+  cmd->add_option("--cluster", f.cluster, "preset, spelling like 2x8xH100-SXM-NDR, or a cluster JSON file");
+  cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2 or zero3")->capture_default_str();
+  cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
+  cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3 only)")->capture_default_str();
+  cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)");
+  cmd->add_option("--micro-batch", f.micro_batch, "sequences per GPU per micro-step")->capture_default_str();
+  cmd->add_option("--seq-len", f.seq_len, "tokens per sequence")->capture_default_str();
+  cmd->add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step")->capture_default_str();
+  cmd->add_option("--precision", f.precision, "fp32, fp16, bf16 (mixed) or bf16-pure")->capture_default_str();
+  cmd->add_option("--checkpointing", f.checkpointing, "none, full, or every-K")->capture_default_str();
+  cmd->add_option("--attention", f.attention, "eager or flash")->capture_default_str();
+  cmd->add_option("--optimizer", f.optimizer, "adamw, adamw-8bit or sgd")->capture_default_str();
+  cmd->add_option("--base-dtype", f.base_dtype, "frozen weight storage: fp32, bf16, fp16, int8, nf4");
+  cmd->add_option("--profile", f.profile, "executor, deepspeed or pytorch")->capture_default_str();
+}
+
+ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
+  ResolvedPlan r;
+  planner::PlanInput& in = r.input;
+  in.model = models::load_model(f.model);
+  in.peft = peft_from_flags(f.peft);
+  auto& t = in.training;
+  t.micro_batch = f.micro_batch;
+  t.seq_len = f.seq_len;
+  t.grad_accum = f.grad_accum;
+  t.full_finetune = f.peft.full_finetune;
+  using planner::Precision, planner::Checkpointing, planner::Attention, planner::Optimizer, planner::Stage;
+  t.precision = pick<Precision>("--precision", f.precision,
+                                {{"fp32", Precision::fp32}, {"fp16", Precision::fp16_mixed}, {"bf16", Precision::bf16_mixed},
+                                 {"bf16-pure", Precision::bf16_pure}});
+  if (f.checkpointing.rfind("every-", 0) == 0) {
+    t.checkpointing = Checkpointing::every_k;
+    try {
+      t.checkpoint_every = std::stoll(f.checkpointing.substr(6));
+    } catch (const std::exception&) {
+      throw input_error("--checkpointing", "", "must be none, full or every-K with a positive K", "\"" + f.checkpointing + "\"");
+    }
+    if (t.checkpoint_every <= 0)
+      throw input_error("--checkpointing", "", "must be none, full or every-K with a positive K", "\"" + f.checkpointing + "\"");
+  } else {
+    t.checkpointing = pick<Checkpointing>("--checkpointing", f.checkpointing, {{"none", Checkpointing::none}, {"full", Checkpointing::full}});
+  }
+  t.attention = pick<Attention>("--attention", f.attention, {{"eager", Attention::eager}, {"flash", Attention::flash}});
+  t.optimizer = pick<Optimizer>("--optimizer", f.optimizer,
+                                {{"adamw", Optimizer::adamw}, {"adamw-8bit", Optimizer::adamw_8bit}, {"sgd", Optimizer::sgd_momentum}});
+  if (!f.base_dtype.empty()) {
+    auto d = parse_dtype(f.base_dtype);
+    if (!d) throw input_error("--base-dtype", "", "must be fp32, bf16, fp16, int8 or nf4", "\"" + f.base_dtype + "\"");
+    t.base_storage = *d;
+  }
+  in.profile = pick<planner::RuntimeProfile>("--profile", f.profile,
+                                             {{"executor", planner::RuntimeProfile::executor},
+                                              {"deepspeed", planner::RuntimeProfile::deepspeed},
+                                              {"pytorch", planner::RuntimeProfile::pytorch}});
+  // Cluster: --cluster, else --gpus N of the default kind, else the embedded default.
+  if (!f.cluster.empty()) r.cluster = sim::resolve_cluster(f.cluster);
+  else r.cluster = f.gpus ? sim::default_cluster(*f.gpus) : sim::resolve_cluster("8xA100-80GB");
+  const std::int32_t total = sim::total_gpus(r.cluster);
+  in.strategy.ranks = f.gpus.value_or(total);
+  if (in.strategy.ranks <= 0) throw input_error("--gpus", "", "must be a positive integer", std::to_string(in.strategy.ranks));
+  if (in.strategy.ranks > total)
+    throw input_error("--gpus", "", fmt::format("must not exceed the cluster's {} GPUs ({})", total, r.cluster.name),
+                      std::to_string(in.strategy.ranks));
+  in.strategy.stage = pick<Stage>("--strategy", f.strategy,
+                                  {{"ddp", Stage::ddp}, {"zero1", Stage::zero1}, {"zero2", Stage::zero2}, {"zero3", Stage::zero3}});
+  in.strategy.offload_optimizer = pick<planner::OffloadDevice>("--offload-optimizer", f.offload_optimizer,
+                                                               {{"none", planner::OffloadDevice::none}, {"cpu", planner::OffloadDevice::cpu}});
+  in.strategy.offload_param = pick<planner::OffloadDevice>("--offload-param", f.offload_param,
+                                                           {{"none", planner::OffloadDevice::none}, {"cpu", planner::OffloadDevice::cpu}});
+  if (!f.ds_config.empty()) {
+    planner::DsConfigInputs di;
+    di.world_size = in.strategy.ranks;
+    di.training = t;
+    di.hidden = in.model.hidden;
+    planner::DsConfig ds = planner::read_ds_config(models::read_json_file(f.ds_config), f.ds_config, di);
+    in.strategy = ds.strategy;
+    in.training = ds.training;
+    r.warnings = ds.warnings;
+  }
+  return r;
+}
+
+}  // namespace peftplan::cli

@@ -1,0 +1,45 @@
+// Flags shared by `plan` (and later `run`, `recommend`, `sweep`): model, adapters, training,
+// strategy, cluster. Turning them into a PlanInput and a Cluster is the only job here.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "peft_flags.h"
+#include "peftplan/planner/program.h"
+#include "peftplan/sim/cluster.h"
+
+namespace peftplan::cli {
+
+struct PlanFlags {
+  std::string model = "llama-2-7b";
+  PeftFlags peft;
+  std::optional<std::int32_t> gpus;
+  std::string cluster;
+  std::string strategy = "ddp";
+  std::string offload_optimizer = "none";
+  std::string offload_param = "none";
+  std::string ds_config;
+  std::int64_t micro_batch = 1;
+  std::int64_t seq_len = 2048;
+  std::int64_t grad_accum = 1;
+  std::string precision = "bf16";
+  std::string checkpointing = "none";
+  std::string attention = "flash";
+  std::string optimizer = "adamw";
+  std::string base_dtype;
+  std::string profile = "deepspeed";
+};
+
+void add_plan_flags(CLI::App* cmd, PlanFlags& flags);
+
+struct ResolvedPlan {
+  planner::PlanInput input;
+  sim::Cluster cluster;
+  std::vector<std::string> warnings;  // from ds_config.json
+};
+ResolvedPlan resolve_plan_flags(const PlanFlags& flags);
+
+}  // namespace peftplan::cli

@@ -1,0 +1,63 @@
+// Building the step program (sim/program.h) for one rank and one optimizer step from the model,
+// the adapters, the training settings and the strategy. One builder serves every strategy: the
+// strategy decides where gathers, reductions, offload copies and frees go; the runtime profile
+// decides what sits outside the model (framework buffers, CUDA context).
+//
+// What is saved for backward (the executor does exactly this; GPU frameworks approximately):
+//   per layer: the layer input, norm statistics, q/k/v after RoPE, attention probabilities
+//   (eager) or log-sum-exp (flash), the attention output before o_proj only when o_proj trains
+//   (adapter or full fine-tuning), the input of a frozen projection only when an adapter on it
+//   needs it, the MLP gate and up outputs, and each adapter's [M, r] intermediate.
+// Full checkpointing keeps only the layer input and recomputes the rest in backward (workspace).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "peftplan/models/model_spec.h"
+#include "peftplan/models/peft.h"
+#include "peftplan/planner/specs.h"
+#include "peftplan/sim/program.h"
+
+namespace peftplan::planner {
+
+// What sits outside the model and how precise the prediction is.
+enum class RuntimeProfile {
+  executor,   // our own engine (exact): fp32 compute, no framework buffers, no CUDA context
+  deepspeed,  // DeepSpeed ZeRO: bucket buffers, persistence threshold, CUDA context, allocator reserve
+  pytorch,    // PyTorch DDP: 25 MiB gradient buckets, CUDA context
+};
+std::string_view name_of(RuntimeProfile p);
+
+struct PlanInput {
+  models::ModelSpec model;
+  models::PeftSpec peft;            // no adapters => full fine-tuning
+  TrainingSpec training;
+  Strategy strategy;
+  RuntimeProfile profile = RuntimeProfile::deepspeed;
+};
+
+// Byte sizes the builder derived (also shown to users as the "why" of a plan).
+struct ProgramFacts {
+  std::int64_t base_params = 0;        // frozen parameters (unique)
+  std::int64_t trainable_params = 0;   // parameters with gradients
+  std::uint64_t base_bytes = 0;        // frozen weights in storage dtype, whole model
+  std::int64_t largest_layer_params = 0;
+  DType compute_dtype = DType::bf16;   // activations and GEMM inputs
+  DType base_dtype = DType::bf16;      // frozen weight storage
+  DType trainable_dtype = DType::bf16; // trainable weights and their gradients
+  bool master_weights = false;         // fp32 master copy in the optimizer
+};
+
+struct BuiltProgram {
+  sim::Program program;
+  ProgramFacts facts;
+};
+
+// Throws InputError for combinations no engine supports (offload_param without ZeRO-3, ...).
+BuiltProgram build_program(const PlanInput& input);
+
+// Checks the input for contradictions; returns warnings, throws InputError for errors.
+std::vector<std::string> validate(const PlanInput& input);
+
+}  // namespace peftplan::planner

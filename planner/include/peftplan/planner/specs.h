@@ -1,0 +1,91 @@
+// TrainingSpec and Strategy: how a model is trained (batch, precision, checkpointing, optimizer,
+// base storage) and how it is distributed (DDP or ZeRO stage, offload, DeepSpeed's knobs).
+// Plain aggregates; parsing of ds_config.json lives in ds_config.h, flags in cli/.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "peftplan/common/dtype.h"
+
+namespace peftplan::planner {
+
+enum class Precision {
+  fp32,        // weights, activations and gradients in fp32
+  fp16_mixed,  // fp16 compute, fp32 master weights and optimizer states (loss scaling)
+  bf16_mixed,  // bf16 compute, fp32 master weights and optimizer states
+  bf16_pure,   // bf16 everywhere, including optimizer states (no master copy)
+};
+
+enum class Checkpointing {
+  none,         // every layer keeps its saved tensors
+  full,         // each layer keeps only its input; the layer is recomputed in backward
+  every_k,      // every k-th layer is checkpointed (TrainingSpec::checkpoint_every)
+};
+
+enum class Attention {
+  eager,  // scores and probabilities [B, nh, S, S] materialised
+  flash,  // fused kernel: only the log-sum-exp [B, nh, S] is saved
+};
+
+enum class Optimizer {
+  adamw,        // two fp32 moments per trainable parameter (PyTorch AdamW)
+  adamw_8bit,   // bitsandbytes 8-bit AdamW: two 1-byte moments + block quantisation state
+  sgd_momentum, // one momentum buffer
+};
+
+struct TrainingSpec {
+  std::int64_t micro_batch = 1;        // B: sequences per rank per micro-step
+  std::int64_t seq_len = 2048;         // S: tokens per sequence
+  std::int64_t grad_accum = 1;         // micro-steps per optimizer step
+  Precision precision = Precision::bf16_mixed;
+  Checkpointing checkpointing = Checkpointing::none;
+  std::int64_t checkpoint_every = 1;   // k for Checkpointing::every_k
+  Attention attention = Attention::flash;
+  Optimizer optimizer = Optimizer::adamw;
+  std::optional<DType> base_storage;   // frozen weights' dtype; default: the compute dtype
+                                       // (nf4/int8 when PeftSpec::quantization is set)
+  bool full_finetune = false;          // every weight trains (no adapter)
+  // Optimisation hyper-parameters: carried to the executor and to ds_config.json.
+  double lr = 1e-4;
+  double weight_decay = 0.0;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8;
+  double grad_clip = 0.0;              // global-norm clipping; 0 = off (DeepSpeed code default)
+};
+
+enum class Stage { ddp, zero1, zero2, zero3 };
+enum class OffloadDevice { none, cpu };
+
+// DeepSpeed's zero_optimization knobs with DeepSpeed's *code* defaults
+// (deepspeed/runtime/zero/config.py; the docs differ where marked).
+struct DeepSpeedKnobs {
+  std::int64_t reduce_bucket_size = 500'000'000;        // elements
+  std::int64_t allgather_bucket_size = 500'000'000;     // elements
+  std::optional<bool> overlap_comm;                     // code: None => true for stage 3, else false
+  bool contiguous_gradients = true;
+  std::int64_t stage3_prefetch_bucket_size = 50'000'000;        // elements (docs table: 5e8)
+  std::int64_t stage3_param_persistence_threshold = 100'000;    // elements
+  std::int64_t stage3_max_live_parameters = 1'000'000'000;      // elements
+  std::int64_t stage3_max_reuse_distance = 1'000'000'000;       // elements
+  std::int64_t sub_group_size = 1'000'000'000;                  // elements (docs example: 1e12)
+  bool offload_pin_memory = false;                      // offload_*.pin_memory (code default)
+
+  bool overlap(bool stage3) const { return overlap_comm.value_or(stage3); }
+};
+
+struct Strategy {
+  Stage stage = Stage::ddp;
+  std::int32_t ranks = 1;                        // N: data-parallel size (all GPUs)
+  OffloadDevice offload_optimizer = OffloadDevice::none;  // ZeRO-Offload (stages 1-3)
+  OffloadDevice offload_param = OffloadDevice::none;      // ZeRO-3 only
+  DeepSpeedKnobs ds;
+};
+
+std::string_view name_of(Precision p);
+std::string_view name_of(Checkpointing c);
+std::string_view name_of(Attention a);
+std::string_view name_of(Optimizer o);
+std::string_view name_of(Stage s);
+
+}  // namespace peftplan::planner

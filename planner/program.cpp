@@ -1,0 +1,1045 @@
+// The step-program builder (see program.h). Reading order: facts (dtypes and sizes), setup
+// (persistent buffers per strategy), then per micro-batch the forward through the layers, the
+// loss, the backward in reverse with the strategy's reductions, and finally the optimizer step.
+#include "peftplan/planner/program.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/models/parameters.h"
+
+namespace peftplan::planner {
+namespace {
+
+using sim::Collective;
+using sim::CopyDir;
+using sim::Kernel;
+using sim::MemCategory;
+using sim::Op;
+using sim::OpKind;
+using sim::Phase;
+using sim::Stream;
+using Cat = sim::MemCategory;
+
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
+
+// Bytes of a frozen tensor in its storage dtype. Quantised storage applies to Linear weights only
+// (bitsandbytes replaces nn.Linear); NF4/FP4 keep one fp32 absmax per 64-element block, or with
+// double quantisation one int8 absmax per block plus one fp32 constant per 256 blocks
+// (Dettmers et al., QLoRA, arXiv 2305.14314, §3: 32/64 = 0.5 vs 8/64 + 32/(64*256) = 0.127 bits
+// per parameter). LLM.int8 keeps one fp32 scale per output row (bitsandbytes Int8Params SCB).
+std::uint64_t frozen_bytes(const models::TensorInfo& t, DType base, DType compute,
+                           const std::optional<models::Quantization>& q) {
+  const bool linear = t.role == models::ParamRole::linear_weight;
+  if (!linear || !q) return storage_bytes(linear ? base : compute, t.numel());
+  const std::int64_t n = t.numel();
+  if (q->dtype == DType::int8) return static_cast<std::uint64_t>(n) + 4ull * static_cast<std::uint64_t>(t.shape[0]);
+  const std::uint64_t blocks = ceil_div(static_cast<std::uint64_t>(n), static_cast<std::uint64_t>(q->block_size));
+  const std::uint64_t constants = q->double_quant ? blocks + 4 * ceil_div(blocks, 256) : 4 * blocks;
+  return storage_bytes(q->dtype, n) + constants;
+}
+
+// Linear-module roles inside a decoder layer, by leaf name (transformers' module names).
+enum class Role { attn_in, attn_out, mlp_in, mlp_out, router, other };
+Role role_of(const models::LinearModule& l) {
+  static const std::set<std::string> attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value"};
+  static const std::set<std::string> mlp_in = {"gate_proj", "up_proj", "gate_up_proj", "c_fc", "dense_h_to_4h",
+                                               "fc1", "w1", "w3"};
+  static const std::set<std::string> mlp_out = {"down_proj", "dense_4h_to_h", "fc2", "w2"};
+  if (attn_in.count(l.leaf)) return Role::attn_in;
+  if (mlp_in.count(l.leaf)) return Role::mlp_in;
+  if (mlp_out.count(l.leaf)) return Role::mlp_out;
+  if (l.leaf == "c_proj") return l.path.find(".mlp.") != std::string::npos ? Role::mlp_out : Role::attn_out;
+  if (l.leaf == "o_proj" || l.leaf == "dense" || l.leaf == "out_proj") return Role::attn_out;
+  if (l.leaf == "gate") return Role::router;
+  return Role::other;
+}
+
+struct Adapter {       // a LoRA (or IA3) branch on one linear module
+  std::int64_t r = 0;  // 0 for IA3 (a scaling vector)
+  double dropout = 0.0;
+  std::int32_t a_buf = -1, b_buf = -1;  // trainable weight buffers (-1 under ZeRO-3: gathered)
+  std::int64_t params = 0;
+};
+
+struct LinearPlan {
+  models::LinearModule mod;
+  Role role = Role::other;
+  std::int32_t weight_buf = -1;   // base weight buffer (replicated strategies)
+  std::int32_t bias_buf = -1;
+  bool trainable_weight = false;  // full fine-tuning or modules_to_save
+  std::optional<Adapter> adapter;
+  double token_share = 1.0;       // MoE expert: fraction of the tokens it sees (k / E)
+  bool needs_input() const { return trainable_weight || adapter.has_value(); }
+};
+
+// A unit of ZeRO-3 partitioning and gathering: one decoder layer, or the embedding / the head.
+struct Unit {
+  std::string name;
+  std::int64_t frozen_numel = 0;          // non-persistent frozen elements (gathered)
+  std::uint64_t frozen_bytes = 0;         // their storage bytes
+  std::int64_t persistent_numel = 0;      // tensors below the persistence threshold: kept whole
+  std::uint64_t persistent_bytes = 0;
+  std::int64_t trainable_numel = 0;       // adapter (or all, in full fine-tuning) elements
+  std::int32_t frozen_shard = -1, trainable_shard = -1;  // ZeRO-3 shard buffers
+};
+
+class Builder {
+ public:
+  explicit Builder(const PlanInput& in) : in_(in), m_(in.model), t_(in.training), s_(in.strategy) {}
+
+  BuiltProgram build();
+
+ private:
+  // --- program emission helpers ---
+  std::int32_t alloc(std::string name, Cat cat, std::uint64_t bytes, Phase phase) {
+    std::int32_t b = p_.add_buffer(std::move(name), cat, bytes);
+    Op op;
+    op.kind = OpKind::alloc;
+    op.phase = phase;
+    op.buffer = b;
+    op.micro_batch = mb_;
+    p_.add_op(op);
+    return b;
+  }
+  void free(std::int32_t b, Phase phase) {
+    if (b < 0) return;
+    Op op;
+    op.kind = OpKind::free;
+    op.phase = phase;
+    op.buffer = b;
+    op.micro_batch = mb_;
+    p_.add_op(op);
+  }
+  std::int32_t compute(Kernel k, std::string_view label, std::int32_t layer, Phase phase, sim::ComputeWork w,
+                       std::array<std::int32_t, 6> args = {-1, -1, -1, -1, -1, -1},
+                       std::initializer_list<std::int32_t> deps = {}, Stream stream = Stream::compute) {
+    Op op;
+    op.kind = OpKind::compute;
+    op.stream = stream;
+    op.kernel = k;
+    op.label = label;
+    op.layer = layer;
+    op.phase = phase;
+    op.micro_batch = mb_;
+    op.work = w;
+    op.args = args;
+    std::int32_t id;
+    if (wait_ >= 0) {  // the first compute after a gather waits for it
+      std::array<std::int32_t, 8> d{};
+      std::size_t n = 0;
+      for (std::int32_t x : deps) d[n++] = x;
+      d[n++] = wait_;
+      wait_ = -1;
+      id = p_.add_op(op, std::span<const std::int32_t>(d.data(), n));
+    } else {
+      id = p_.add_op(op, deps);
+    }
+    if (pending_next_ < pending_.size()) issue_chunk(id);
+    if (phase != Phase::recompute && phase != Phase::optimizer && phase != Phase::setup)
+      p_.model_flops_per_step += w.flops;
+    last_compute_ = id;
+    return id;
+  }
+  std::int32_t collective(Collective c, std::string_view label, std::uint64_t bytes, std::int32_t layer,
+                          Phase phase, std::int32_t buffer, std::initializer_list<std::int32_t> deps) {
+    Op op;
+    op.kind = OpKind::collective;
+    op.stream = Stream::comm;
+    op.collective = c;
+    op.label = label;
+    op.bytes = bytes;
+    op.group_size = s_.ranks;
+    op.layer = layer;
+    op.phase = phase;
+    op.buffer = buffer;
+    op.micro_batch = mb_;
+    return p_.add_op(op, deps);
+  }
+  std::int32_t copy(CopyDir dir, std::string_view label, std::uint64_t bytes, Phase phase, std::int32_t buffer,
+                    std::initializer_list<std::int32_t> deps) {
+    Op op;
+    op.kind = OpKind::copy;
+    op.stream = Stream::copy;
+    op.copy_dir = dir;
+    op.label = label;
+    op.bytes = bytes;
+    op.phase = phase;
+    op.buffer = buffer;
+    op.micro_batch = mb_;
+    return p_.add_op(op, deps);
+  }
+
+  // --- sizes ---
+  std::uint64_t act(std::int64_t elems) const { return storage_bytes(f_.compute_dtype, elems); }
+  static std::uint64_t f32(std::int64_t elems) { return 4ull * static_cast<std::uint64_t>(elems); }
+  static sim::ComputeWork gemm(std::int64_t m, std::int64_t n, std::int64_t k, std::uint64_t bytes) {
+    sim::ComputeWork w;
+    w.flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+    w.bytes_moved = bytes;
+    w.gemm_m = m;
+    w.gemm_n = n;
+    w.gemm_k = k;
+    return w;
+  }
+  static sim::ComputeWork elementwise(std::uint64_t bytes, double flops = 0.0) {
+    sim::ComputeWork w;
+    w.bytes_moved = bytes;
+    w.flops = flops;
+    return w;
+  }
+  bool zero3() const { return s_.stage == Stage::zero3; }
+  bool sharded_grads() const { return s_.stage == Stage::zero2 || s_.stage == Stage::zero3; }
+  bool sharded_optimizer() const { return s_.stage != Stage::ddp; }
+  std::int64_t shard(std::int64_t n) const { return static_cast<std::int64_t>(ceil_div(static_cast<std::uint64_t>(n), static_cast<std::uint64_t>(s_.ranks))); }
+  bool checkpointed(std::int64_t layer) const {
+    if (t_.checkpointing == Checkpointing::full) return true;
+    if (t_.checkpointing == Checkpointing::every_k) return layer % t_.checkpoint_every == 0;
+    return false;
+  }
+
+  void facts();
+  void plan_linears();
+  void setup();
+  void micro_batch(std::int32_t mb);
+  void layer_forward(std::int32_t l, bool recompute);
+  void layer_backward(std::int32_t l);
+  void gather_unit(std::size_t unit, Phase phase, bool prefetch_next);
+  void release_unit(std::size_t unit, Phase phase);
+  void begin_unit_gradients(std::size_t unit);
+  void unit_gradients_done(std::size_t unit, std::int32_t after_op);
+  void optimizer_step();
+  std::int32_t linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
+                              std::vector<std::int32_t>& saved);
+  std::int32_t linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer);
+
+  const PlanInput& in_;
+  const models::ModelSpec& m_;
+  const TrainingSpec& t_;
+  const Strategy& s_;
+  sim::Program p_;
+  ProgramFacts f_;
+  std::int32_t mb_ = -1;
+  std::int32_t last_compute_ = -1;
+  std::int32_t wait_ = -1;  // ZeRO-3: gather the next compute op must wait for
+  // ZeRO-3 prefetch: the rest of a unit's all_gather, issued one chunk after each compute op, so
+  // that at most stage3_prefetch_bucket_size elements are in flight ahead of the compute.
+  struct Chunk {
+    std::size_t unit;
+    std::uint64_t bytes;
+    std::string_view label;
+    Phase phase;
+  };
+  std::vector<Chunk> pending_;
+  std::size_t pending_next_ = 0;
+  void issue_chunk(std::int32_t after);
+  std::int64_t M_ = 0;      // tokens per micro-batch B * S (S includes prompt-tuning tokens)
+  std::int64_t kv_len_ = 0; // attended positions (S + prefix tokens)
+
+  std::vector<std::vector<LinearPlan>> layer_linears_;  // per layer, model order
+  std::vector<LinearPlan> head_linears_;                // lm_head (and OPT projections)
+  std::vector<Unit> units_;                             // 0 = embedding, 1..L = layers, L+1 = head
+  std::int64_t trainable_numel_ = 0;                    // all trainable elements
+  std::int64_t extra_trainable_numel_ = 0;              // prompt/prefix embeddings, DoRA, biases
+  // Persistent state buffers.
+  std::int32_t grad_flat_ = -1;      // full gradients (DDP, ZeRO-1)
+  std::int32_t grad_shard_ = -1;     // gradient partition (ZeRO-2/3)
+  std::int32_t trainable_flat_ = -1; // trainable weights, flat (replicated strategies)
+  std::int32_t embed_buf_ = -1;
+  // Per micro-batch live buffers.
+  std::vector<std::int32_t> resid_;          // residual stream: resid_[l] is layer l's input
+  std::vector<std::vector<std::int32_t>> saved_;  // per layer saved buffers (freed in backward)
+  std::vector<std::int32_t> gathered_;       // ZeRO-3: gathered buffers per unit (-1 when not)
+  std::vector<std::int32_t> gather_op_;      // ZeRO-3: the all_gather op per unit
+  std::vector<std::int32_t> unit_grad_;      // ZeRO-2/3: transient full gradients per unit
+  std::int32_t dres_ = -1;                   // gradient of the residual stream
+  // Gradient buckets (DDP / ZeRO-2): pending unit gradients and their element count.
+  std::vector<std::size_t> bucket_units_;
+  std::int64_t bucket_numel_ = 0;
+  std::vector<std::int32_t> reduce_ops_;
+};
+
+void Builder::facts() {
+  const bool exec = in_.profile == RuntimeProfile::executor;
+  switch (t_.precision) {
+    case Precision::fp32: f_.compute_dtype = DType::fp32; break;
+    case Precision::fp16_mixed: f_.compute_dtype = DType::fp16; break;
+    case Precision::bf16_mixed:
+    case Precision::bf16_pure: f_.compute_dtype = DType::bf16; break;
+  }
+  if (exec) f_.compute_dtype = DType::fp32;  // the executor computes in fp32
+  f_.master_weights = !exec && (t_.precision == Precision::fp16_mixed || t_.precision == Precision::bf16_mixed);
+  f_.trainable_dtype = f_.compute_dtype;
+  f_.base_dtype = t_.base_storage.value_or(in_.peft.quantization ? in_.peft.quantization->dtype : f_.compute_dtype);
+  M_ = t_.micro_batch * t_.seq_len;
+  kv_len_ = t_.seq_len;
+  for (const auto& a : in_.peft.adapters) {
+    if (a.type == models::PeftType::prompt_tuning) M_ = t_.micro_batch * (t_.seq_len + a.prompt.num_virtual_tokens);
+    if (a.type == models::PeftType::prefix_tuning) kv_len_ += a.prompt.num_virtual_tokens;
+  }
+  if (M_ / t_.micro_batch > t_.seq_len) kv_len_ = M_ / t_.micro_batch;
+}
+
+void Builder::plan_linears() {
+  const auto tensors = models::parameter_tensors(m_);
+  const bool full = in_.peft.adapters.empty();
+  std::vector<models::TrainableTensor> trainables;
+  std::map<std::string, Adapter> adapters;
+  std::set<std::string> trained_modules;  // modules_to_save, bias=all: base tensors that train
+  if (!full) {
+    trainables = models::trainable_tensors(m_, in_.peft);
+    for (const auto& lm : models::lora_modules(m_, in_.peft)) {
+      Adapter& a = adapters[lm.linear.path];
+      a.r += lm.r;  // several adapters on one module: their ranks add up
+      a.dropout = std::max(a.dropout, lm.dropout);
+    }
+    for (const auto& t : trainables) {
+      if (t.name.find(".lora_A") != std::string::npos || t.name.find(".lora_B") != std::string::npos) {
+        adapters[t.module].params += t.numel();
+      } else if (t.name.find(".ia3_l") != std::string::npos) {
+        Adapter& a = adapters[t.module];
+        a.params += t.numel();
+      } else {
+        extra_trainable_numel_ += t.numel();
+        if (!t.is_base_param && t.module != "prompt_encoder") trained_modules.insert(t.module);
+      }
+      trainable_numel_ += t.numel();
+    }
+  }
+  layer_linears_.assign(static_cast<std::size_t>(m_.layers), {});
+  for (const auto& lm : models::linear_modules(m_)) {
+    LinearPlan lp;
+    lp.mod = lm;
+    lp.role = role_of(lm);
+    lp.trainable_weight = full || trained_modules.count(lm.path) > 0;
+    if (auto it = adapters.find(lm.path); it != adapters.end()) lp.adapter = it->second;
+    if (lm.expert >= 0) lp.token_share = static_cast<double>(m_.experts_per_token) / static_cast<double>(m_.experts);
+    if (lm.layer >= 0) layer_linears_[static_cast<std::size_t>(lm.layer)].push_back(lp);
+    else head_linears_.push_back(lp);
+  }
+  // Units for ZeRO-3 (and for the sizes every strategy reports).
+  units_.assign(static_cast<std::size_t>(m_.layers) + 2, Unit{});
+  units_[0].name = "embedding";
+  for (std::int64_t l = 0; l < m_.layers; ++l) units_[static_cast<std::size_t>(l) + 1].name = fmt::format("layers.{}", l);
+  units_.back().name = "head";
+  const auto& q = in_.peft.quantization;
+  for (const auto& t : tensors) {
+    std::size_t u = t.layer >= 0 ? static_cast<std::size_t>(t.layer) + 1
+                    : (t.role == models::ParamRole::embedding || t.role == models::ParamRole::position_embedding)
+                        ? 0
+                        : units_.size() - 1;
+    const bool trains = full || trained_modules.count(t.module) > 0;
+    f_.base_params += trains && full ? 0 : t.numel();
+    if (trains && full) {
+      units_[u].trainable_numel += t.numel();
+      continue;
+    }
+    const std::uint64_t bytes = frozen_bytes(t, f_.base_dtype, f_.compute_dtype, q);
+    f_.base_bytes += bytes;
+    if (zero3() && t.numel() < s_.ds.stage3_param_persistence_threshold) {
+      units_[u].persistent_numel += t.numel();
+      units_[u].persistent_bytes += bytes;
+    } else {
+      units_[u].frozen_numel += t.numel();
+      units_[u].frozen_bytes += bytes;
+    }
+  }
+  if (full) {
+    for (const auto& t : tensors) trainable_numel_ += t.numel();
+  } else {
+    for (const auto& [path, a] : adapters)
+      for (auto& lv : layer_linears_)
+        for (auto& lp : lv)
+          if (lp.mod.path == path) units_[static_cast<std::size_t>(lp.mod.layer) + 1].trainable_numel += a.params;
+    for (auto& lp : head_linears_)
+      if (lp.adapter) units_.back().trainable_numel += lp.adapter->params;
+    units_[0].trainable_numel += extra_trainable_numel_;  // prompt embeddings, biases, copies
+  }
+  f_.trainable_params = trainable_numel_;
+  for (const auto& u : units_) f_.largest_layer_params = std::max(f_.largest_layer_params, u.frozen_numel + u.trainable_numel);
+}
+
+void Builder::setup() {
+  const Phase S = Phase::setup;
+  const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+  const std::int64_t N = s_.ranks;
+  // Frozen base weights: whole on every rank, or a ZeRO-3 shard (flattened per unit, padded to a
+  // multiple of N) plus the persistent small tensors.
+  if (zero3()) {
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      Unit& un = units_[u];
+      if (un.frozen_numel > 0) {
+        const std::uint64_t shard_bytes = ceil_div(un.frozen_bytes, static_cast<std::uint64_t>(N));
+        if (s_.offload_param == OffloadDevice::cpu)
+          un.frozen_shard = alloc(un.name + ".frozen.shard", Cat::host_weights, shard_bytes, S);
+        else
+          un.frozen_shard = alloc(un.name + ".frozen.shard", Cat::base_weights, shard_bytes, S);
+      }
+      if (un.persistent_bytes > 0) alloc(un.name + ".frozen.persistent", Cat::base_weights, un.persistent_bytes, S);
+      if (un.trainable_numel > 0)
+        un.trainable_shard = alloc(un.name + ".trainable.shard", s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
+                                   tw * static_cast<std::uint64_t>(shard(un.trainable_numel)), S);
+    }
+  } else {
+    const auto tensors = models::parameter_tensors(m_);
+    const bool full = in_.peft.adapters.empty();
+    for (const auto& t : tensors) {
+      if (full) continue;
+      std::int32_t b = alloc(t.name, Cat::base_weights, frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization), S);
+      if (t.role == models::ParamRole::embedding) embed_buf_ = b;
+      for (auto& lv : layer_linears_)
+        for (auto& lp : lv) {
+          if (t.module != lp.mod.path) continue;
+          (t.role == models::ParamRole::linear_bias ? lp.bias_buf : lp.weight_buf) = b;
+        }
+      for (auto& lp : head_linears_)
+        if (t.module == lp.mod.path) lp.weight_buf = b;
+    }
+    // Trainable weights, flat; padded to a multiple of N when an all_gather refills them.
+    const std::int64_t padded = sharded_optimizer() ? shard(trainable_numel_) * N : trainable_numel_;
+    trainable_flat_ = alloc("trainable.flat", Cat::trainable_weights, tw * static_cast<std::uint64_t>(padded), S);
+    if (full) {  // every weight lives in the flat trainable buffer
+      embed_buf_ = trainable_flat_;
+      for (auto& lv : layer_linears_)
+        for (auto& lp : lv) lp.weight_buf = trainable_flat_;
+      for (auto& lp : head_linears_) lp.weight_buf = trainable_flat_;
+    }
+    // Gradients: full on every rank for DDP / ZeRO-1, a partition for ZeRO-2.
+    if (sharded_grads())
+      grad_shard_ = alloc("grad.shard", Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+    else
+      grad_flat_ = alloc("grad.flat", Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
+  }
+  if (zero3()) grad_shard_ = alloc("grad.shard", Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+  // Optimizer states for this rank's partition (all of it for DDP), on the device or the host.
+  const std::int64_t opt_numel = sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
+  const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
+  const Cat opt_cat = host_opt ? Cat::host_optimizer_states : Cat::optimizer_states;
+  double state_bytes = 0.0;
+  const bool pure = t_.precision == Precision::bf16_pure && in_.profile != RuntimeProfile::executor;
+  switch (t_.optimizer) {
+    case Optimizer::adamw: state_bytes = pure ? 4.0 : 8.0; break;   // m, v
+    // bitsandbytes 8-bit Adam: two uint8 states plus one fp32 absmax per 256-element block each
+    // (Dettmers et al., 8-bit Optimizers via Block-wise Quantization, arXiv 2110.02861, §2).
+    case Optimizer::adamw_8bit: state_bytes = 2.0 + 8.0 / 256.0; break;
+    case Optimizer::sgd_momentum: state_bytes = pure ? 2.0 : 4.0; break;
+  }
+  alloc("optimizer.states", opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
+  if (f_.master_weights) alloc("optimizer.master_fp32", opt_cat, f32(opt_numel), S);
+  // Runtime profile: buffers outside the model.
+  if (in_.profile == RuntimeProfile::deepspeed) {
+    const bool overlap = s_.ds.overlap(zero3());
+    // stage_1_and_2.py: with contiguous_gradients an ipg buffer of reduce_bucket_size elements
+    // (two when overlap_comm) in the gradient dtype; we cap it at the trainable size.
+    if (s_.stage != Stage::ddp && s_.ds.contiguous_gradients) {
+      const std::int64_t elems = std::min<std::int64_t>(s_.ds.reduce_bucket_size, trainable_numel_);
+      alloc("deepspeed.ipg_buffer", Cat::comm_buffers, tw * static_cast<std::uint64_t>(elems) * (overlap ? 2 : 1), S);
+    }
+    // CUDA context and cuBLAS workspace: not allocated by PyTorch's caching allocator but
+    // present in nvidia-smi; a typical value, adjustable with --cuda-context-mib.
+    alloc("cuda.context", Cat::runtime_overhead, 512ull << 20, S);
+    if (host_opt && s_.ds.offload_pin_memory)
+      alloc("deepspeed.pinned_grads", Cat::host_pinned_buffers, f32(opt_numel), S);
+  } else if (in_.profile == RuntimeProfile::pytorch) {
+    // torch.nn.parallel.DistributedDataParallel: gradient buckets of bucket_cap_mb = 25 MiB each,
+    // together as large as the gradients (gradient_as_bucket_view=False copies into them).
+    if (s_.ranks > 1) alloc("ddp.buckets", Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
+    alloc("cuda.context", Cat::runtime_overhead, 512ull << 20, S);
+  }
+  if (host_opt) alloc("host.staging", Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
+}
+
+// ZeRO-3: all_gather a unit's frozen (and trainable) shards into a full buffer. `use` makes the
+// next compute op wait for it; a prefetch (use = false) only issues it, so that it runs on the
+// comm stream while the current unit computes (DeepSpeed's PartitionedParameterCoordinator
+// prefetches up to stage3_prefetch_bucket_size elements ahead).
+void Builder::issue_chunk(std::int32_t after) {
+  const Chunk c = pending_[pending_next_++];
+  gather_op_[c.unit] = collective(Collective::all_gather, c.label, c.bytes, static_cast<std::int32_t>(c.unit) - 1, c.phase,
+                                  gathered_[c.unit], {after});
+  if (pending_next_ == pending_.size()) {
+    pending_.clear();
+    pending_next_ = 0;
+  }
+}
+
+void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
+  if (!zero3()) return;
+  if (gathered_[u] >= 0) {
+    if (use) {
+      while (pending_next_ < pending_.size()) issue_chunk(last_compute_);  // needed now
+      if (gather_op_[u] >= 0) wait_ = gather_op_[u];
+    }
+    return;
+  }
+  Unit& un = units_[u];
+  const std::int64_t N = s_.ranks;
+  const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+  const std::uint64_t frozen_full = ceil_div(un.frozen_bytes, static_cast<std::uint64_t>(N)) * static_cast<std::uint64_t>(N);
+  const std::uint64_t train_full = tw * static_cast<std::uint64_t>(shard(un.trainable_numel) * N);
+  if (frozen_full + train_full == 0) return;
+  // A prefetch never runs further ahead than max_live_parameters allows.
+  if (!use && un.frozen_numel + un.trainable_numel > s_.ds.stage3_max_live_parameters) return;
+  std::int32_t staged = -1;
+  // The gather is issued when the program reaches it: after the compute emitted before it.
+  std::int32_t dep = last_compute_;
+  if (s_.offload_param == OffloadDevice::cpu) {  // host shard -> device staging before the gather
+    const std::uint64_t shard_bytes = (frozen_full + train_full) / static_cast<std::uint64_t>(N);
+    staged = alloc(un.name + ".staged", Cat::comm_buffers, shard_bytes, phase);
+    dep = dep >= 0 ? copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {dep})
+                   : copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {});
+  }
+  gathered_[u] = alloc(fmt::format("{}.gathered.{}", un.name, name_of(phase)), Cat::gathered_weights, frozen_full + train_full, phase);
+  const auto layer = static_cast<std::int32_t>(u) - 1;
+  auto issue = [&](std::string_view label, std::uint64_t bytes) {
+    gather_op_[u] = dep >= 0 ? collective(Collective::all_gather, label, bytes, layer, phase, gathered_[u], {dep})
+                             : collective(Collective::all_gather, label, bytes, layer, phase, gathered_[u], {});
+  };
+  if (train_full > 0) issue("gather_trainable", train_full);
+  if (frozen_full > 0) {
+    // Prefetches go out in chunks of stage3_prefetch_bucket_size elements, one now and one after
+    // each following compute op; a gather needed now goes out whole.
+    const std::uint64_t chunks =
+        use ? 1 : std::max<std::uint64_t>(1, ceil_div(static_cast<std::uint64_t>(un.frozen_numel),
+                                                      static_cast<std::uint64_t>(std::max<std::int64_t>(1, s_.ds.stage3_prefetch_bucket_size))));
+    const std::uint64_t chunk = frozen_full / chunks;
+    issue("gather_frozen", frozen_full - chunk * (chunks - 1));
+    for (std::uint64_t c = 1; c < chunks; ++c) pending_.push_back(Chunk{u, chunk, "gather_frozen", phase});
+  }
+  if (staged >= 0) free(staged, phase);
+  if (use) wait_ = gather_op_[u];
+}
+
+void Builder::release_unit(std::size_t u, Phase phase) {
+  if (!zero3() || gathered_[u] < 0) return;
+  free(gathered_[u], phase);
+  gathered_[u] = -1;
+  gather_op_[u] = -1;
+}
+
+// x: [M, in] input buffer. Emits the base GEMM, the adapter branch, and returns the output
+// buffer [M, out] (category out_cat). Buffers the backward needs are appended to `saved`.
+std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
+                                     std::vector<std::int32_t>& saved) {
+  const auto& mod = lp.mod;
+  const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
+  const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
+  const std::string base = fmt::format("{}.mb{}", mod.path, mb_);
+  const std::int32_t y = alloc(base + ".out", out_cat, act(rows * mod.out), phase);
+  std::int32_t w = lp.weight_buf;
+  std::int32_t cast = -1;
+  // A weight stored in another dtype than the compute dtype is converted per GEMM into a
+  // workspace copy (bitsandbytes dequantises the same way; our executor converts bf16 -> fp32).
+  if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight) {
+    cast = alloc(base + ".w_compute", Cat::workspace, act(mod.in * mod.out), phase);
+    compute(Kernel::cast, "dequantize", layer, phase, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
+    w = cast;
+  }
+  compute(Kernel::linear_fwd, mod.leaf, layer, phase,
+          gemm(rows, mod.out, mod.in, wbytes + act(rows * (mod.in + mod.out))), {x, w, y, lp.bias_buf});
+  free(cast, phase);
+  if (lp.adapter) {
+    Adapter& a = *lp.adapter;
+    std::int32_t xin = x;
+    if (a.dropout > 0.0) {  // PEFT applies dropout to the adapter input: keep the dropped copy
+      xin = alloc(base + ".lora_x", Cat::activations, act(rows * mod.in), phase);
+      compute(Kernel::accumulate, "lora_dropout", layer, phase, elementwise(act(rows * mod.in) * 2), {x, xin});
+      saved.push_back(xin);
+    }
+    if (a.r > 0) {
+      const std::int32_t u = alloc(base + ".lora_u", Cat::activations, act(rows * a.r), phase);
+      sim::ComputeWork w1 = gemm(rows, a.r, mod.in, act(rows * (mod.in + a.r)));
+      sim::ComputeWork w2 = gemm(rows, mod.out, a.r, act(rows * (a.r + 2 * mod.out)));
+      w1.flops += w2.flops;
+      w1.bytes_moved += w2.bytes_moved;
+      compute(Kernel::lora_fwd, "lora", layer, phase, w1, {xin, a.a_buf, a.b_buf, u, y});
+      saved.push_back(u);
+    } else {  // IA3: elementwise scaling
+      compute(Kernel::lora_fwd, "ia3", layer, phase, elementwise(act(rows * mod.out) * 2, static_cast<double>(rows * mod.out)), {y});
+    }
+  }
+  return y;
+}
+
+// dy: [M, out]; accumulates into dx [M, in] (when dx >= 0); x is the saved input (or -1).
+std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer) {
+  const Phase B = Phase::backward;
+  const auto& mod = lp.mod;
+  const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
+  const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
+  const std::string base = fmt::format("{}.mb{}", mod.path, mb_);
+  std::int32_t w = lp.weight_buf, cast = -1;
+  if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight) {
+    cast = alloc(base + ".w_compute_bwd", Cat::workspace, act(mod.in * mod.out), B);
+    compute(Kernel::cast, "dequantize", layer, B, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
+    w = cast;
+  }
+  std::int32_t op = -1;
+  if (dx >= 0)
+    op = compute(Kernel::linear_bwd_data, mod.leaf, layer, B, gemm(rows, mod.in, mod.out, wbytes + act(rows * (mod.in + mod.out))),
+                 {dy, w, dx});
+  free(cast, B);
+  if (lp.trainable_weight)
+    op = compute(Kernel::linear_bwd_weight, mod.leaf, layer, B, gemm(mod.out, mod.in, rows, act(rows * (mod.in + mod.out)) + wbytes),
+                 {dy, x, grad_flat_});
+  if (lp.adapter && lp.adapter->r > 0) {
+    const Adapter& a = *lp.adapter;
+    // dB = s·dyᵀu, du = s·dy·B, dA = duᵀx, dx += du·A: four skinny GEMMs through a [M, r] temporary.
+    const std::int32_t du = alloc(base + ".lora_du", Cat::workspace, act(rows * a.r), B);
+    sim::ComputeWork w1 = gemm(mod.out, a.r, rows, act(rows * (mod.out + a.r)));
+    for (const auto& extra : {gemm(rows, a.r, mod.out, act(rows * (mod.out + a.r))), gemm(a.r, mod.in, rows, act(rows * (mod.in + a.r))),
+                              gemm(rows, mod.in, a.r, act(rows * (mod.in + a.r))) }) {
+      w1.flops += extra.flops;
+      w1.bytes_moved += extra.bytes_moved;
+    }
+    op = compute(Kernel::lora_bwd, "lora", layer, B, w1, {dy, x, a.a_buf, a.b_buf, du, dx});
+    free(du, B);
+  } else if (lp.adapter) {
+    op = compute(Kernel::lora_bwd, "ia3", layer, B, elementwise(act(rows * mod.out) * 3, static_cast<double>(2 * rows * mod.out)), {dy});
+  }
+  return op;
+}
+
+void Builder::layer_forward(std::int32_t l, bool recompute) {
+  const Phase P = recompute ? Phase::recompute : Phase::forward;
+  const bool ckpt = checkpointed(l);
+  // Saved tensors are activations, unless the layer is checkpointed: then they are transient in
+  // forward and rebuilt as workspace in the recompute.
+  const Cat keep = recompute || ckpt ? Cat::workspace : Cat::activations;
+  const bool store = recompute || !ckpt;
+  auto& saved = saved_[static_cast<std::size_t>(l)];
+  std::vector<std::int32_t> transient;
+  auto keep_or_drop = [&](std::int32_t b, bool needed) {
+    if (needed && store) saved.push_back(b);
+    else transient.push_back(b);
+  };
+  const std::size_t unit = static_cast<std::size_t>(l) + 1;
+  gather_unit(unit, P, true);
+  if (!recompute) gather_unit(unit + 1, P, false);  // prefetch the next layer (or the head)
+  auto& lin = layer_linears_[static_cast<std::size_t>(l)];
+  const std::int64_t H = m_.hidden, B = t_.micro_batch, S = M_ / t_.micro_batch;
+  const std::string pre = fmt::format("layers.{}.mb{}", l, mb_);
+  const std::int32_t x = resid_[static_cast<std::size_t>(l)];
+  const std::uint64_t stat_bytes = f32(M_) * (m_.rms_norm() ? 1 : 2);  // rstd (and mean for LayerNorm)
+
+  // --- attention block ---
+  const std::int32_t rstd1 = alloc(pre + ".norm1.stats", keep, stat_bytes, P);
+  const std::int32_t h1 = alloc(pre + ".norm1.out", keep, act(M_ * H), P);
+  compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {x, -1, h1, rstd1});
+  saved.push_back(rstd1);
+  bool h1_needed = false;
+  std::vector<std::int32_t> qkv;
+  std::int64_t qkv_width = 0;
+  for (auto& lp : lin)
+    if (lp.role == Role::attn_in) {
+      qkv.push_back(linear_forward(lp, h1, l, P, keep, saved));
+      qkv_width += lp.mod.out;
+      h1_needed = h1_needed || lp.needs_input();
+    }
+  keep_or_drop(h1, h1_needed);
+  if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
+    compute(Kernel::rope_fwd, "rope", l, P, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2), {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1});
+  for (std::int32_t b : qkv) saved.push_back(b);
+  // Attention: eager materialises scores and keeps the probabilities [B, nh, S, S_kv];
+  // flash keeps the log-sum-exp [B, nh, S] in fp32 (Dao et al., FlashAttention-2).
+  const std::int64_t nh = m_.heads, d = m_.head_dim, kv = kv_len_;
+  std::int32_t probs = -1;
+  sim::ComputeWork aw = gemm(S, kv, d, 0);
+  aw.gemm_count = static_cast<std::int32_t>(B * nh);
+  aw.flops = 4.0 * static_cast<double>(B * nh) * static_cast<double>(S) * static_cast<double>(kv) * static_cast<double>(d);
+  if (t_.attention == Attention::eager) {
+    probs = alloc(pre + ".attn.probs", keep, act(B * nh * S * kv), P);
+    aw.bytes_moved = act(B * nh * S * kv) * 3 + act(M_ * (m_.q_width() + 2 * m_.kv_width()));
+  } else {
+    probs = alloc(pre + ".attn.lse", keep, f32(B * nh * S), P);
+    aw.flops /= 2.0;  // causal blocks above the diagonal are skipped
+    aw.bytes_moved = act(M_ * (2 * m_.q_width() + 2 * m_.kv_width()));
+  }
+  const std::int32_t attn_out = alloc(pre + ".attn.out", keep, act(M_ * m_.q_width()), P);
+  compute(Kernel::attention_fwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
+          {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, qkv.size() > 2 ? qkv[2] : -1, probs, attn_out});
+  saved.push_back(probs);
+  std::int32_t y_attn = -1;
+  bool attn_out_needed = false;
+  for (auto& lp : lin)
+    if (lp.role == Role::attn_out) {
+      y_attn = linear_forward(lp, attn_out, l, P, Cat::workspace, saved);
+      attn_out_needed = attn_out_needed || lp.needs_input();
+    }
+  keep_or_drop(attn_out, attn_out_needed);
+  const std::int32_t x_mid = alloc(pre + ".resid_mid", keep, act(M_ * H), P);
+  compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), {x, y_attn, x_mid});
+  free(y_attn, P);
+  saved.push_back(x_mid);
+
+  // --- MLP block ---
+  const std::int32_t rstd2 = alloc(pre + ".norm2.stats", keep, stat_bytes, P);
+  const std::int32_t h2 = alloc(pre + ".norm2.out", keep, act(M_ * H), P);
+  compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {x_mid, -1, h2, rstd2});
+  saved.push_back(rstd2);
+  for (auto& lp : lin)
+    if (lp.role == Role::router) {
+      std::int32_t r = linear_forward(lp, h2, l, P, keep, saved);
+      saved.push_back(r);
+    }
+  bool h2_needed = false;
+  std::vector<std::int32_t> mlp_in;
+  for (auto& lp : lin)
+    if (lp.role == Role::mlp_in) {
+      mlp_in.push_back(linear_forward(lp, h2, l, P, keep, saved));
+      h2_needed = h2_needed || lp.needs_input();
+    }
+  keep_or_drop(h2, h2_needed);
+  for (std::int32_t b : mlp_in) saved.push_back(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
+  const std::int64_t I = m_.intermediate;
+  const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
+  const std::int32_t a = alloc(pre + ".mlp.act", keep, act(rows * I), P);
+  compute(Kernel::mlp_act_fwd, m_.gated_mlp() ? "swiglu" : "gelu", l, P, elementwise(act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
+          {mlp_in.empty() ? -1 : mlp_in[0], mlp_in.size() > 1 ? mlp_in[1] : -1, a});
+  bool a_needed = false;
+  std::int32_t y_mlp = -1;
+  for (auto& lp : lin)
+    if (lp.role == Role::mlp_out) {
+      std::int32_t y = linear_forward(lp, a, l, P, Cat::workspace, saved);
+      a_needed = a_needed || lp.needs_input();
+      if (y_mlp < 0) y_mlp = y;
+      else free(y, P);  // MoE experts write into one combined output
+    }
+  keep_or_drop(a, a_needed);
+  // The layer output is the next layer's input: kept as an activation in every mode (a
+  // checkpointed layer's input is exactly this tensor).
+  std::int32_t& x_out = resid_[static_cast<std::size_t>(l) + 1];
+  if (!recompute) x_out = alloc(fmt::format("layers.{}.mb{}.resid_out", l, mb_), Cat::activations, act(M_ * H), P);
+  compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
+          {x_mid, y_mlp, recompute ? -1 : x_out});
+  free(y_mlp, P);
+  for (std::int32_t b : transient) free(b, P);
+  if (!recompute) release_unit(unit, P);
+}
+
+void Builder::layer_backward(std::int32_t l) {
+  const Phase B = Phase::backward;
+  const std::size_t unit = static_cast<std::size_t>(l) + 1;
+  gather_unit(unit, B, true);
+  if (checkpointed(l)) layer_forward(l, true);  // rebuilds saved_[l] as workspace
+  gather_unit(unit - 1, B, false);  // prefetch the previous layer (or the embedding)
+  begin_unit_gradients(unit);
+  auto& lin = layer_linears_[static_cast<std::size_t>(l)];
+  auto& saved = saved_[static_cast<std::size_t>(l)];
+  const std::int64_t H = m_.hidden, I = m_.intermediate, Bm = t_.micro_batch, S = M_ / t_.micro_batch;
+  const std::string pre = fmt::format("layers.{}.mb{}", l, mb_);
+  std::int32_t last = -1;
+  // MLP backward: dres -> d(act) -> d(gate), d(up) -> d(norm2 out) -> dres.
+  const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
+  const std::int32_t d_act = alloc(pre + ".mlp.d_act", Cat::workspace, act(rows * I), B);
+  for (auto& lp : lin)
+    if (lp.role == Role::mlp_out) last = linear_backward(lp, dres_, d_act, -1, l);
+  std::vector<std::int32_t> d_in;
+  for (auto& lp : lin)
+    if (lp.role == Role::mlp_in) d_in.push_back(alloc(pre + "." + lp.mod.leaf + ".d_out", Cat::workspace, act(static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share)) * lp.mod.out), B));
+  compute(Kernel::mlp_act_bwd, m_.gated_mlp() ? "swiglu" : "gelu", l, B, elementwise(act(rows * I) * 5, 10.0 * static_cast<double>(rows * I)),
+          {d_act, d_in.empty() ? -1 : d_in[0], d_in.size() > 1 ? d_in[1] : -1});
+  free(d_act, B);
+  const std::int32_t d_h2 = alloc(pre + ".norm2.d_out", Cat::workspace, act(M_ * H), B);
+  {
+    std::size_t i = 0;
+    for (auto& lp : lin)
+      if (lp.role == Role::mlp_in) last = linear_backward(lp, d_in[i++], d_h2, -1, l);
+    for (auto& lp : lin)
+      if (lp.role == Role::router) last = linear_backward(lp, -1, d_h2, -1, l);
+  }
+  for (std::int32_t b : d_in) free(b, B);
+  compute(Kernel::norm_bwd, "post_attention_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)), {d_h2, -1, dres_});
+  free(d_h2, B);
+  // Attention backward.
+  const std::int32_t d_attn = alloc(pre + ".attn.d_out", Cat::workspace, act(M_ * m_.q_width()), B);
+  for (auto& lp : lin)
+    if (lp.role == Role::attn_out) last = linear_backward(lp, dres_, d_attn, -1, l);
+  std::vector<std::int32_t> d_qkv;
+  for (auto& lp : lin)
+    if (lp.role == Role::attn_in) d_qkv.push_back(alloc(pre + "." + lp.mod.leaf + ".d_out", Cat::workspace, act(M_ * lp.mod.out), B));
+  const std::int64_t nh = m_.heads, d = m_.head_dim, kv = kv_len_;
+  sim::ComputeWork aw = gemm(S, kv, d, 0);
+  aw.gemm_count = static_cast<std::int32_t>(Bm * nh);
+  aw.flops = 8.0 * static_cast<double>(Bm * nh) * static_cast<double>(S) * static_cast<double>(kv) * static_cast<double>(d);
+  std::int32_t dprobs = -1;
+  if (t_.attention == Attention::eager) {
+    dprobs = alloc(pre + ".attn.d_probs", Cat::workspace, act(Bm * nh * S * kv), B);
+    aw.bytes_moved = act(Bm * nh * S * kv) * 4 + act(M_ * (2 * m_.q_width() + 4 * m_.kv_width()));
+  } else {
+    aw.flops /= 2.0;
+    aw.flops *= 1.25;  // FlashAttention-2 backward recomputes the scores (5 GEMMs instead of 4)
+    aw.bytes_moved = act(M_ * (3 * m_.q_width() + 4 * m_.kv_width()));
+  }
+  compute(Kernel::attention_bwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, B, aw,
+          {d_attn, dprobs, d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1, d_qkv.size() > 2 ? d_qkv[2] : -1});
+  free(dprobs, B);
+  free(d_attn, B);
+  if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
+    compute(Kernel::rope_bwd, "rope", l, B, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2),
+            {d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1});
+  const std::int32_t d_h1 = alloc(pre + ".norm1.d_out", Cat::workspace, act(M_ * H), B);
+  {
+    std::size_t i = 0;
+    for (auto& lp : lin)
+      if (lp.role == Role::attn_in) last = linear_backward(lp, d_qkv[i++], d_h1, -1, l);
+  }
+  for (std::int32_t b : d_qkv) free(b, B);
+  last = compute(Kernel::norm_bwd, "input_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)), {d_h1, -1, dres_});
+  free(d_h1, B);
+  // Everything the layer saved is released, and so is its input (the previous layer's output).
+  for (std::int32_t b : saved) free(b, B);
+  saved.clear();
+  free(resid_[static_cast<std::size_t>(l)], B);
+  resid_[static_cast<std::size_t>(l)] = -1;
+  release_unit(unit, B);
+  unit_gradients_done(unit, last);
+}
+
+// ZeRO-2/3 with several ranks: a unit's full gradients live only until their bucket is
+// reduce-scattered into this rank's partition.
+void Builder::begin_unit_gradients(std::size_t u) {
+  if (!sharded_grads() || s_.ranks == 1 || units_[u].trainable_numel == 0 || unit_grad_[u] >= 0) return;
+  unit_grad_[u] = alloc(fmt::format("{}.grad.mb{}", units_[u].name, mb_), Cat::gradients,
+                        bytes_of(f_.trainable_dtype) * static_cast<std::uint64_t>(units_[u].trainable_numel), Phase::backward);
+}
+
+// A unit's gradients are complete for this micro-batch: bucket them for reduction.
+void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
+  const Unit& un = units_[u];
+  const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+  const bool last_mb = mb_ == p_.micro_batches - 1;
+  if (un.trainable_numel == 0 && u != 0) return;
+  if (s_.ranks == 1) return;
+  if (zero3() || s_.stage == Stage::zero2) {
+    // DeepSpeed reduces during every micro-batch's backward for ZeRO-2/3.
+    if (un.trainable_numel > 0) {
+      bucket_units_.push_back(u);
+      bucket_numel_ += un.trainable_numel;
+    }
+    const bool flush = bucket_numel_ >= s_.ds.reduce_bucket_size || u == 0;
+    if (!flush || bucket_numel_ == 0) return;
+    const std::int64_t padded = shard(bucket_numel_) * s_.ranks;
+    reduce_ops_.push_back(collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(padded), -1,
+                                     Phase::backward, unit_grad_[bucket_units_.front()], {after_op}));
+    for (std::size_t b : bucket_units_) {
+      free(unit_grad_[b], Phase::backward);
+      unit_grad_[b] = -1;
+    }
+    bucket_units_.clear();
+    bucket_numel_ = 0;
+    return;
+  }
+  if (s_.stage == Stage::ddp && last_mb) {
+    // DDP (no_sync on all but the last micro-batch): bucketed all_reduce in place.
+    if (un.trainable_numel > 0) {
+      bucket_units_.push_back(u);
+      bucket_numel_ += un.trainable_numel;
+    }
+    const std::int64_t cap = in_.profile == RuntimeProfile::pytorch
+                                 ? static_cast<std::int64_t>((25ull << 20) / tw)  // bucket_cap_mb = 25
+                                 : s_.ds.reduce_bucket_size;
+    const bool flush = bucket_numel_ >= cap || u == 0;
+    if (!flush || bucket_numel_ == 0) return;
+    reduce_ops_.push_back(collective(Collective::all_reduce, "all_reduce_grads", tw * static_cast<std::uint64_t>(bucket_numel_), -1,
+                                     Phase::backward, grad_flat_, {after_op}));
+    bucket_units_.clear();
+    bucket_numel_ = 0;
+  }
+}
+
+void Builder::micro_batch(std::int32_t mb) {
+  mb_ = mb;
+  const Phase F = Phase::forward, B = Phase::backward;
+  const std::int64_t H = m_.hidden, V = m_.vocab;
+  resid_.assign(static_cast<std::size_t>(m_.layers) + 1, -1);
+  saved_.assign(static_cast<std::size_t>(m_.layers), {});
+  // Tokens and targets (int32) for the micro-batch.
+  const std::int32_t tokens = alloc(fmt::format("tokens.mb{}", mb), Cat::workspace, 8ull * static_cast<std::uint64_t>(M_), F);
+  gather_unit(0, F, true);
+  gather_unit(1, F, false);
+  resid_[0] = alloc(fmt::format("embed.mb{}.out", mb), Cat::activations, act(M_ * H), F);
+  compute(Kernel::embedding_fwd, "embedding", -1, F, elementwise(act(M_ * H) * 2), {tokens, embed_buf_, resid_[0]});
+  const bool embed_trains = units_[0].trainable_numel > 0 && in_.peft.adapters.empty();
+  release_unit(0, F);
+  for (std::int32_t l = 0; l < static_cast<std::int32_t>(m_.layers); ++l) layer_forward(l, false);
+  // Head: final norm, LM head, cross-entropy (logits upcast to fp32 as transformers' loss does).
+  // ZeRO-3 gathers the head for its forward and again for its backward (a tied head is the
+  // embedding, so that unit is gathered with it).
+  const std::size_t head = units_.size() - 1;
+  const bool tied = m_.tie_embeddings;
+  gather_unit(head, F, true);
+  if (tied) gather_unit(0, F, true);
+  const std::int32_t xl = resid_.back();
+  const std::int32_t rstd = alloc(fmt::format("final_norm.mb{}.stats", mb), Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
+  const std::int32_t hf = alloc(fmt::format("final_norm.mb{}.out", mb), Cat::workspace, act(M_ * H), F);
+  compute(Kernel::norm_fwd, "final_norm", -1, F, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {xl, -1, hf, rstd});
+  std::vector<std::int32_t> head_saved;
+  LinearPlan* lm = nullptr;
+  for (auto& lp : head_linears_)
+    if (lp.mod.is_output) lm = &lp;
+  PEFTPLAN_CHECK(lm != nullptr);
+  if (lm->weight_buf < 0) lm->weight_buf = embed_buf_;  // tied head
+  std::int32_t logits = linear_forward(*lm, hf, -1, Phase::loss, Cat::workspace, head_saved);
+  release_unit(head, Phase::loss);
+  if (tied) release_unit(0, Phase::loss);
+  std::int32_t logits32 = logits;
+  if (f_.compute_dtype != DType::fp32) {
+    logits32 = alloc(fmt::format("logits_fp32.mb{}", mb), Cat::workspace, f32(M_ * V), Phase::loss);
+    compute(Kernel::cast, "upcast_logits", -1, Phase::loss, elementwise(act(M_ * V) + f32(M_ * V)), {logits, logits32});
+    free(logits, Phase::loss);
+  }
+  compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V), 3.0 * static_cast<double>(M_ * V)), {logits32, tokens});
+  compute(Kernel::cross_entropy_bwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V) * 2, 2.0 * static_cast<double>(M_ * V)), {logits32, tokens});
+  std::int32_t dlogits = logits32;
+  if (f_.compute_dtype != DType::fp32) {
+    dlogits = alloc(fmt::format("d_logits.mb{}", mb), Cat::workspace, act(M_ * V), B);
+    compute(Kernel::cast, "downcast_grad", -1, B, elementwise(act(M_ * V) + f32(M_ * V)), {logits32, dlogits});
+    free(logits32, B);
+  }
+  gather_unit(head, B, true);
+  if (tied) gather_unit(0, B, true);
+  begin_unit_gradients(head);
+  const bool hf_needed = lm->needs_input();
+  const std::int32_t d_hf = alloc(fmt::format("final_norm.mb{}.d_out", mb), Cat::workspace, act(M_ * H), B);
+  std::int32_t last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1);
+  free(dlogits, B);
+  free(hf, B);
+  for (std::int32_t b : head_saved) free(b, B);
+  dres_ = alloc(fmt::format("d_resid.mb{}", mb), Cat::workspace, act(M_ * H), B);
+  last = compute(Kernel::norm_bwd, "final_norm", -1, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)), {d_hf, xl, dres_, rstd});
+  free(d_hf, B);
+  free(rstd, B);
+  free(xl, B);
+  release_unit(head, B);
+  if (tied) release_unit(0, B);
+  unit_gradients_done(head, last);
+  for (std::int32_t l = static_cast<std::int32_t>(m_.layers) - 1; l >= 0; --l) layer_backward(l);
+  // DeepSpeed's pre-backward hook gathers the embedding's parameters even though its backward
+  // only scatters into the gradient.
+  gather_unit(0, B, true);
+  begin_unit_gradients(0);
+  if (embed_trains)
+    last = compute(Kernel::embedding_bwd, "embedding", -1, B, elementwise(act(M_ * H) * 2), {tokens, dres_, grad_flat_});
+  wait_ = -1;
+  release_unit(0, B);
+  unit_gradients_done(0, last_compute_);
+  free(dres_, B);
+  dres_ = -1;
+  free(resid_[0], B);
+  free(tokens, B);
+}
+
+void Builder::optimizer_step() {
+  mb_ = -1;
+  const Phase O = Phase::optimizer;
+  const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+  const std::int64_t part = sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
+  const std::int32_t N = s_.ranks;
+  std::vector<std::int32_t> deps(reduce_ops_.begin(), reduce_ops_.end());
+  std::int32_t dep = deps.empty() ? last_compute_ : deps.back();
+  // ZeRO-1: one reduce_scatter of the accumulated full gradients at the step.
+  if (s_.stage == Stage::zero1 && N > 1) {
+    const std::int32_t shard_buf = alloc("grad.shard", Cat::gradients, tw * static_cast<std::uint64_t>(part), O);
+    dep = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(part * N), -1, O, grad_flat_, {dep});
+    grad_shard_ = shard_buf;
+  }
+  // Mixed precision: the optimizer works on an fp32 copy of this rank's gradient partition.
+  std::int32_t g32 = -1;
+  const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
+  if (f_.master_weights) g32 = alloc("grad.fp32", host_opt ? Cat::host_optimizer_states : Cat::gradients, f32(part), O);
+  if (t_.grad_clip > 0.0) {
+    dep = compute(Kernel::grad_norm, "grad_norm", -1, O, elementwise(tw * static_cast<std::uint64_t>(part), 2.0 * static_cast<double>(part)), {grad_shard_ >= 0 ? grad_shard_ : grad_flat_}, {dep});
+    if (N > 1 && s_.stage != Stage::ddp) dep = collective(Collective::all_reduce, "grad_norm", 8, -1, O, -1, {dep});
+  }
+  if (host_opt) {
+    const std::int32_t d2h = copy(CopyDir::device_to_host, "grad_d2h", tw * static_cast<std::uint64_t>(part), O, grad_shard_, {dep});
+    const double state_rw = (f_.master_weights ? 4.0 : 0.0) + 8.0 + 4.0;
+    sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));
+    w.params = part;
+    dep = compute(Kernel::optimizer_step, "cpu_adam", -1, O, w, {}, {d2h}, Stream::host);
+    dep = copy(CopyDir::host_to_device, "param_h2d", tw * static_cast<std::uint64_t>(part), O, trainable_flat_, {dep});
+  } else {
+    const double state_rw = (f_.master_weights ? 4.0 : 0.0) + 8.0 + 2.0 * static_cast<double>(tw);
+    sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));
+    w.params = part;
+    dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {trainable_flat_, grad_shard_ >= 0 ? grad_shard_ : grad_flat_}, {dep});
+  }
+  free(g32, O);
+  // ZeRO-1/2: every rank needs the whole updated adapter again.
+  if ((s_.stage == Stage::zero1 || s_.stage == Stage::zero2) && N > 1)
+    collective(Collective::all_gather, "all_gather_params", tw * static_cast<std::uint64_t>(part * N), -1, O, trainable_flat_, {dep});
+  if (s_.stage == Stage::zero1 && N > 1) {
+    free(grad_shard_, O);
+    grad_shard_ = -1;
+  }
+}
+
+BuiltProgram Builder::build() {
+  facts();
+  plan_linears();
+  p_.ranks = s_.ranks;
+  p_.micro_batches = static_cast<std::int32_t>(t_.grad_accum);
+  p_.tokens_per_step = t_.micro_batch * t_.seq_len * t_.grad_accum;
+  gathered_.assign(units_.size(), -1);
+  gather_op_.assign(units_.size(), -1);
+  unit_grad_.assign(units_.size(), -1);
+  setup();
+  // Adapter weight buffers are views into trainable.flat (replicated) or into the gathered unit.
+  for (auto& lv : layer_linears_)
+    for (auto& lp : lv)
+      if (lp.adapter) lp.adapter->a_buf = lp.adapter->b_buf = zero3() ? -1 : trainable_flat_;
+  for (std::int32_t mb = 0; mb < p_.micro_batches; ++mb) micro_batch(mb);
+  optimizer_step();
+  return BuiltProgram{std::move(p_), f_};
+}
+
+}  // namespace
+
+std::string_view name_of(RuntimeProfile p) {
+  switch (p) {
+    case RuntimeProfile::executor: return "executor";
+    case RuntimeProfile::deepspeed: return "deepspeed";
+    case RuntimeProfile::pytorch: return "pytorch";
+  }
+  return "?";
+}
+
+std::vector<std::string> validate(const PlanInput& in) {
+  std::vector<std::string> warnings;
+  const auto& t = in.training;
+  const auto& s = in.strategy;
+  auto positive = [](std::int64_t v, const char* flag) {
+    if (v <= 0) throw input_error(flag, "", "must be a positive integer", std::to_string(v));
+  };
+  positive(t.micro_batch, "--micro-batch");
+  positive(t.seq_len, "--seq-len");
+  positive(t.grad_accum, "--grad-accum");
+  positive(s.ranks, "--gpus");
+  positive(t.checkpoint_every, "--checkpoint-every");
+  if (s.offload_param == OffloadDevice::cpu && s.stage != Stage::zero3)
+    throw InputError("--offload-param cpu: parameter offload needs ZeRO-3 (--strategy zero3), got --strategy " +
+                     std::string(name_of(s.stage)));
+  if (s.offload_optimizer == OffloadDevice::cpu && s.stage == Stage::ddp)
+    throw InputError("--offload-optimizer cpu: optimizer offload needs a ZeRO stage (zero1, zero2 or zero3), got ddp");
+  if (in.model.sliding_window && *in.model.sliding_window < t.seq_len)
+    warnings.push_back(fmt::format("sliding_window {} < --seq-len {}: attention is planned over the full sequence",
+                                   *in.model.sliding_window, t.seq_len));
+  if (in.profile == RuntimeProfile::executor && t.precision != Precision::fp32)
+    warnings.push_back("the executor profile computes in fp32: --precision is ignored for activations and adapters");
+  if (t.seq_len > in.model.max_positions && in.model.max_positions > 0)
+    warnings.push_back(fmt::format("--seq-len {} exceeds max_position_embeddings {}", t.seq_len, in.model.max_positions));
+  return warnings;
+}
+
+BuiltProgram build_program(const PlanInput& input) {
+  validate(input);
+  return Builder(input).build();
+}
+
+}  // namespace peftplan::planner

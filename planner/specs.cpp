@@ -1,0 +1,46 @@
+// Names of the spec enums, as flags and JSON spell them.
+#include "peftplan/planner/specs.h"
+
+namespace peftplan::planner {
+
+std::string_view name_of(Precision p) {
+  switch (p) {
+    case Precision::fp32: return "fp32";
+    case Precision::fp16_mixed: return "fp16";
+    case Precision::bf16_mixed: return "bf16";
+    case Precision::bf16_pure: return "bf16-pure";
+  }
+  return "?";
+}
+
+std::string_view name_of(Checkpointing c) {
+  switch (c) {
+    case Checkpointing::none: return "none";
+    case Checkpointing::full: return "full";
+    case Checkpointing::every_k: return "every-k";
+  }
+  return "?";
+}
+
+std::string_view name_of(Attention a) { return a == Attention::eager ? "eager" : "flash"; }
+
+std::string_view name_of(Optimizer o) {
+  switch (o) {
+    case Optimizer::adamw: return "adamw";
+    case Optimizer::adamw_8bit: return "adamw-8bit";
+    case Optimizer::sgd_momentum: return "sgd";
+  }
+  return "?";
+}
+
+std::string_view name_of(Stage s) {
+  switch (s) {
+    case Stage::ddp: return "ddp";
+    case Stage::zero1: return "zero1";
+    case Stage::zero2: return "zero2";
+    case Stage::zero3: return "zero3";
+  }
+  return "?";
+}
+
+}  // namespace peftplan::planner
