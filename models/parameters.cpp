@@ -187,9 +187,10 @@ std::vector<TensorInfo> parameter_tensors(const ModelSpec& model) {
   return std::move(inv.rows);
 }
 
-std::vector<LinearModule> linear_modules(const ModelSpec& model) {
+std::vector<LinearModule> linear_modules(const ModelSpec& model) { return linear_modules(model, parameter_tensors(model)); }
+
+std::vector<LinearModule> linear_modules(const ModelSpec& model, const std::vector<TensorInfo>& tensors) {
   std::vector<LinearModule> out;
-  const auto tensors = parameter_tensors(model);
   std::map<std::string, bool> has_bias;
   for (const auto& t : tensors)
     if (t.role == ParamRole::linear_bias) has_bias[t.module] = true;

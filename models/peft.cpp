@@ -322,8 +322,11 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
 }
 
 std::vector<LoraModule> lora_modules(const ModelSpec& model, const PeftSpec& peft) {
+  return lora_modules(model, peft, linear_modules(model));
+}
+
+std::vector<LoraModule> lora_modules(const ModelSpec& model, const PeftSpec& peft, const std::vector<LinearModule>& linears) {
   std::vector<LoraModule> out;
-  const auto linears = linear_modules(model);
   for (const auto& a : peft.adapters) {
     if (a.type != PeftType::lora) continue;
     for (const LinearModule* l : lora_selection(model, linears, a)) {
@@ -342,9 +345,14 @@ std::vector<LoraModule> lora_modules(const ModelSpec& model, const PeftSpec& pef
 }
 
 std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft) {
-  std::vector<TrainableTensor> out;
   const auto base = parameter_tensors(model);
-  const auto linears = linear_modules(model);
+  return trainable_tensors(model, peft, base, linear_modules(model, base));
+}
+
+std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft,
+                                               const std::vector<TensorInfo>& base,
+                                               const std::vector<LinearModule>& linears) {
+  std::vector<TrainableTensor> out;
   std::set<std::string> names;
   for (const auto& a : peft.adapters)
     if (!names.insert(a.name).second)
@@ -353,7 +361,7 @@ std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const Pef
   auto tag = [&](const AdapterSpec& a, std::string_view kind) {
     return peft.adapters.size() > 1 ? fmt::format("{}.{}", kind, a.name) : std::string(kind);
   };
-  const auto loras = lora_modules(model, peft);
+  const auto loras = lora_modules(model, peft, linears);
   for (const auto& a : peft.adapters) {
     switch (a.type) {
       case PeftType::lora: {

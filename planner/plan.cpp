@@ -81,7 +81,7 @@ void explain(Plan& p) {
   ddp_in.strategy.stage = Stage::ddp;
   ddp_in.strategy.offload_optimizer = OffloadDevice::none;
   ddp_in.strategy.offload_param = OffloadDevice::none;
-  const sim::MemoryProfile ddp = sim::walk_memory(build_program(ddp_in).program);
+  const sim::MemoryProfile ddp = sim::walk_memory(build_program(ddp_in, BuildOptions{false}).program);
   std::string deltas;
   for (int c = 0; c < sim::kNumCategories; ++c) {
     const auto a = static_cast<std::int64_t>(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]);
@@ -111,7 +111,7 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   p.input = input;
   p.cluster = cluster;
   p.warnings = validate(input);
-  BuiltProgram built = build_program(input);
+  BuiltProgram built = build_program(input, BuildOptions{options.names});
   p.facts = built.facts;
   p.program = std::move(built.program);
   p.memory = sim::walk_memory(p.program);

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <mutex>
 #include <set>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -27,6 +29,15 @@ using sim::Stream;
 using Cat = sim::MemCategory;
 
 std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
+
+// Op labels are string_views that outlive the builder: module leaf names ("q_proj") are interned
+// once for the life of the process (a few dozen distinct names).
+std::string_view intern(const std::string& s) {
+  static std::mutex mu;
+  static std::set<std::string, std::less<>> names;
+  std::lock_guard<std::mutex> lock(mu);
+  return *names.insert(s).first;
+}
 
 // Bytes of a frozen tensor in its storage dtype. Quantised storage applies to Linear weights only
 // (bitsandbytes replaces nn.Linear); NF4/FP4 keep one fp32 absmax per 64-element block, or with
@@ -68,7 +79,7 @@ struct Adapter {       // a LoRA (or IA3) branch on one linear module
 };
 
 struct LinearPlan {
-  models::LinearModule mod;
+  const models::LinearModule* mod = nullptr;  // into the ModelInventory
   Role role = Role::other;
   std::int32_t weight_buf = -1;   // base weight buffer (replicated strategies)
   std::int32_t bias_buf = -1;
@@ -91,14 +102,18 @@ struct Unit {
 
 class Builder {
  public:
-  explicit Builder(const PlanInput& in) : in_(in), m_(in.model), t_(in.training), s_(in.strategy) {}
+  Builder(const PlanInput& in, const BuildOptions& options)
+      : in_(in), m_(in.model), t_(in.training), s_(in.strategy), names_(options.names) {}
 
   BuiltProgram build();
 
  private:
   // --- program emission helpers ---
-  std::int32_t alloc(std::string name, Cat cat, std::uint64_t bytes, Phase phase) {
-    std::int32_t b = p_.add_buffer(std::move(name), cat, bytes);
+  // `name` is a callable returning the buffer's name: names cost more than the rest of a buffer,
+  // so searches that need none (BuildOptions::names = false) never format them.
+  template <typename Name>
+  std::int32_t alloc(Name&& name, Cat cat, std::uint64_t bytes, Phase phase) {
+    std::int32_t b = p_.add_buffer(names_ ? std::string(name()) : std::string(), cat, bytes);
     Op op;
     op.kind = OpKind::alloc;
     op.phase = phase;
@@ -215,7 +230,7 @@ class Builder {
   void unit_gradients_done(std::size_t unit, std::int32_t after_op);
   void optimizer_step();
   std::int32_t linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
-                              std::vector<std::int32_t>& saved);
+                              Cat saved_cat, std::vector<std::int32_t>& saved);
   std::int32_t linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer);
 
   const PlanInput& in_;
@@ -224,6 +239,7 @@ class Builder {
   const Strategy& s_;
   sim::Program p_;
   ProgramFacts f_;
+  bool names_;
   std::int32_t mb_ = -1;
   std::int32_t last_compute_ = -1;
   std::int32_t wait_ = -1;  // ZeRO-3: gather the next compute op must wait for
@@ -241,7 +257,10 @@ class Builder {
   std::int64_t M_ = 0;      // tokens per micro-batch B * S (S includes prompt-tuning tokens)
   std::int64_t kv_len_ = 0; // attended positions (S + prefix tokens)
 
+  ModelInventory owned_inventory_;                      // when the input brings none
+  const std::vector<models::TensorInfo>* tensors_ = nullptr;  // the parameter inventory
   std::vector<std::vector<LinearPlan>> layer_linears_;  // per layer, model order
+  std::unordered_map<std::string_view, LinearPlan*> by_path_;  // module path -> its plan
   std::vector<LinearPlan> head_linears_;                // lm_head (and OPT projections)
   std::vector<Unit> units_;                             // 0 = embedding, 1..L = layers, L+1 = head
   std::int64_t trainable_numel_ = 0;                    // all trainable elements
@@ -286,14 +305,17 @@ void Builder::facts() {
 }
 
 void Builder::plan_linears() {
-  const auto tensors = models::parameter_tensors(m_);
+  if (!in_.inventory) owned_inventory_ = make_inventory(m_, in_.peft);
+  const ModelInventory& inv = in_.inventory ? *in_.inventory : owned_inventory_;
+  tensors_ = &inv.tensors;
+  const auto& tensors = inv.tensors;
+  const auto& linears = inv.linears;
   const bool full = in_.peft.adapters.empty();
-  std::vector<models::TrainableTensor> trainables;
+  const auto& trainables = inv.trainables;
   std::map<std::string, Adapter> adapters;
   std::set<std::string> trained_modules;  // modules_to_save, bias=all: base tensors that train
   if (!full) {
-    trainables = models::trainable_tensors(m_, in_.peft);
-    for (const auto& lm : models::lora_modules(m_, in_.peft)) {
+    for (const auto& lm : inv.loras) {
       Adapter& a = adapters[lm.linear.path];
       a.r += lm.r;  // several adapters on one module: their ranks add up
       a.dropout = std::max(a.dropout, lm.dropout);
@@ -312,9 +334,9 @@ void Builder::plan_linears() {
     }
   }
   layer_linears_.assign(static_cast<std::size_t>(m_.layers), {});
-  for (const auto& lm : models::linear_modules(m_)) {
+  for (const auto& lm : linears) {
     LinearPlan lp;
-    lp.mod = lm;
+    lp.mod = &lm;
     lp.role = role_of(lm);
     lp.trainable_weight = full || trained_modules.count(lm.path) > 0;
     if (auto it = adapters.find(lm.path); it != adapters.end()) lp.adapter = it->second;
@@ -322,6 +344,9 @@ void Builder::plan_linears() {
     if (lm.layer >= 0) layer_linears_[static_cast<std::size_t>(lm.layer)].push_back(lp);
     else head_linears_.push_back(lp);
   }
+  for (auto& lv : layer_linears_)
+    for (auto& lp : lv) by_path_[lp.mod->path] = &lp;
+  for (auto& lp : head_linears_) by_path_[lp.mod->path] = &lp;
   // Units for ZeRO-3 (and for the sizes every strategy reports).
   units_.assign(static_cast<std::size_t>(m_.layers) + 2, Unit{});
   units_[0].name = "embedding";
@@ -352,12 +377,10 @@ void Builder::plan_linears() {
   if (full) {
     for (const auto& t : tensors) trainable_numel_ += t.numel();
   } else {
-    for (const auto& [path, a] : adapters)
-      for (auto& lv : layer_linears_)
-        for (auto& lp : lv)
-          if (lp.mod.path == path) units_[static_cast<std::size_t>(lp.mod.layer) + 1].trainable_numel += a.params;
-    for (auto& lp : head_linears_)
-      if (lp.adapter) units_.back().trainable_numel += lp.adapter->params;
+    for (const auto& [path, a] : adapters) {
+      const LinearPlan* lp = by_path_.at(std::string_view(path));
+      units_[lp->mod->layer >= 0 ? static_cast<std::size_t>(lp->mod->layer) + 1 : units_.size() - 1].trainable_numel += a.params;
+    }
     units_[0].trainable_numel += extra_trainable_numel_;  // prompt embeddings, biases, copies
   }
   f_.trainable_params = trainable_numel_;
@@ -376,33 +399,27 @@ void Builder::setup() {
       if (un.frozen_numel > 0) {
         const std::uint64_t shard_bytes = ceil_div(un.frozen_bytes, static_cast<std::uint64_t>(N));
         if (s_.offload_param == OffloadDevice::cpu)
-          un.frozen_shard = alloc(un.name + ".frozen.shard", Cat::host_weights, shard_bytes, S);
+          un.frozen_shard = alloc([&] { return un.name + ".frozen.shard"; }, Cat::host_weights, shard_bytes, S);
         else
-          un.frozen_shard = alloc(un.name + ".frozen.shard", Cat::base_weights, shard_bytes, S);
+          un.frozen_shard = alloc([&] { return un.name + ".frozen.shard"; }, Cat::base_weights, shard_bytes, S);
       }
-      if (un.persistent_bytes > 0) alloc(un.name + ".frozen.persistent", Cat::base_weights, un.persistent_bytes, S);
+      if (un.persistent_bytes > 0) alloc([&] { return un.name + ".frozen.persistent"; }, Cat::base_weights, un.persistent_bytes, S);
       if (un.trainable_numel > 0)
-        un.trainable_shard = alloc(un.name + ".trainable.shard", s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
+        un.trainable_shard = alloc([&] { return un.name + ".trainable.shard"; }, s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
                                    tw * static_cast<std::uint64_t>(shard(un.trainable_numel)), S);
     }
   } else {
-    const auto tensors = models::parameter_tensors(m_);
     const bool full = in_.peft.adapters.empty();
-    for (const auto& t : tensors) {
+    for (const auto& t : *tensors_) {
       if (full) continue;
-      std::int32_t b = alloc(t.name, Cat::base_weights, frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization), S);
+      std::int32_t b = alloc([&] { return t.name; }, Cat::base_weights, frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization), S);
       if (t.role == models::ParamRole::embedding) embed_buf_ = b;
-      for (auto& lv : layer_linears_)
-        for (auto& lp : lv) {
-          if (t.module != lp.mod.path) continue;
-          (t.role == models::ParamRole::linear_bias ? lp.bias_buf : lp.weight_buf) = b;
-        }
-      for (auto& lp : head_linears_)
-        if (t.module == lp.mod.path) lp.weight_buf = b;
+      if (auto it = by_path_.find(std::string_view(t.module)); it != by_path_.end())
+        (t.role == models::ParamRole::linear_bias ? it->second->bias_buf : it->second->weight_buf) = b;
     }
     // Trainable weights, flat; padded to a multiple of N when an all_gather refills them.
     const std::int64_t padded = sharded_optimizer() ? shard(trainable_numel_) * N : trainable_numel_;
-    trainable_flat_ = alloc("trainable.flat", Cat::trainable_weights, tw * static_cast<std::uint64_t>(padded), S);
+    trainable_flat_ = alloc([&] { return "trainable.flat"; }, Cat::trainable_weights, tw * static_cast<std::uint64_t>(padded), S);
     if (full) {  // every weight lives in the flat trainable buffer
       embed_buf_ = trainable_flat_;
       for (auto& lv : layer_linears_)
@@ -411,11 +428,11 @@ void Builder::setup() {
     }
     // Gradients: full on every rank for DDP / ZeRO-1, a partition for ZeRO-2.
     if (sharded_grads())
-      grad_shard_ = alloc("grad.shard", Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+      grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
     else
-      grad_flat_ = alloc("grad.flat", Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
+      grad_flat_ = alloc([&] { return "grad.flat"; }, Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
   }
-  if (zero3()) grad_shard_ = alloc("grad.shard", Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+  if (zero3()) grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
   // Optimizer states for this rank's partition (all of it for DDP), on the device or the host.
   const std::int64_t opt_numel = sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
   const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
@@ -429,8 +446,8 @@ void Builder::setup() {
     case Optimizer::adamw_8bit: state_bytes = 2.0 + 8.0 / 256.0; break;
     case Optimizer::sgd_momentum: state_bytes = pure ? 2.0 : 4.0; break;
   }
-  alloc("optimizer.states", opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
-  if (f_.master_weights) alloc("optimizer.master_fp32", opt_cat, f32(opt_numel), S);
+  alloc([&] { return "optimizer.states"; }, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
+  if (f_.master_weights) alloc([&] { return "optimizer.master_fp32"; }, opt_cat, f32(opt_numel), S);
   // Runtime profile: buffers outside the model.
   if (in_.profile == RuntimeProfile::deepspeed) {
     const bool overlap = s_.ds.overlap(zero3());
@@ -438,20 +455,20 @@ void Builder::setup() {
     // (two when overlap_comm) in the gradient dtype; we cap it at the trainable size.
     if (s_.stage != Stage::ddp && s_.ds.contiguous_gradients) {
       const std::int64_t elems = std::min<std::int64_t>(s_.ds.reduce_bucket_size, trainable_numel_);
-      alloc("deepspeed.ipg_buffer", Cat::comm_buffers, tw * static_cast<std::uint64_t>(elems) * (overlap ? 2 : 1), S);
+      alloc([&] { return "deepspeed.ipg_buffer"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(elems) * (overlap ? 2 : 1), S);
     }
     // CUDA context and cuBLAS workspace: not allocated by PyTorch's caching allocator but
     // present in nvidia-smi; a typical value, adjustable with --cuda-context-mib.
-    alloc("cuda.context", Cat::runtime_overhead, 512ull << 20, S);
+    alloc([&] { return "cuda.context"; }, Cat::runtime_overhead, 512ull << 20, S);
     if (host_opt && s_.ds.offload_pin_memory)
-      alloc("deepspeed.pinned_grads", Cat::host_pinned_buffers, f32(opt_numel), S);
+      alloc([&] { return "deepspeed.pinned_grads"; }, Cat::host_pinned_buffers, f32(opt_numel), S);
   } else if (in_.profile == RuntimeProfile::pytorch) {
     // torch.nn.parallel.DistributedDataParallel: gradient buckets of bucket_cap_mb = 25 MiB each,
     // together as large as the gradients (gradient_as_bucket_view=False copies into them).
-    if (s_.ranks > 1) alloc("ddp.buckets", Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
-    alloc("cuda.context", Cat::runtime_overhead, 512ull << 20, S);
+    if (s_.ranks > 1) alloc([&] { return "ddp.buckets"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
+    alloc([&] { return "cuda.context"; }, Cat::runtime_overhead, 512ull << 20, S);
   }
-  if (host_opt) alloc("host.staging", Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
+  if (host_opt) alloc([&] { return "host.staging"; }, Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
 }
 
 // ZeRO-3: all_gather a unit's frozen (and trainable) shards into a full buffer. `use` makes the
@@ -490,11 +507,11 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   std::int32_t dep = last_compute_;
   if (s_.offload_param == OffloadDevice::cpu) {  // host shard -> device staging before the gather
     const std::uint64_t shard_bytes = (frozen_full + train_full) / static_cast<std::uint64_t>(N);
-    staged = alloc(un.name + ".staged", Cat::comm_buffers, shard_bytes, phase);
+    staged = alloc([&] { return un.name + ".staged"; }, Cat::comm_buffers, shard_bytes, phase);
     dep = dep >= 0 ? copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {dep})
                    : copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {});
   }
-  gathered_[u] = alloc(fmt::format("{}.gathered.{}", un.name, name_of(phase)), Cat::gathered_weights, frozen_full + train_full, phase);
+  gathered_[u] = alloc([&] { return fmt::format("{}.gathered.{}", un.name, name_of(phase)); }, Cat::gathered_weights, frozen_full + train_full, phase);
   const auto layer = static_cast<std::int32_t>(u) - 1;
   auto issue = [&](std::string_view label, std::uint64_t bytes) {
     gather_op_[u] = dep >= 0 ? collective(Collective::all_gather, label, bytes, layer, phase, gathered_[u], {dep})
@@ -525,34 +542,34 @@ void Builder::release_unit(std::size_t u, Phase phase) {
 // x: [M, in] input buffer. Emits the base GEMM, the adapter branch, and returns the output
 // buffer [M, out] (category out_cat). Buffers the backward needs are appended to `saved`.
 std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
-                                     std::vector<std::int32_t>& saved) {
-  const auto& mod = lp.mod;
+                                     Cat saved_cat, std::vector<std::int32_t>& saved) {
+  const auto& mod = *lp.mod;
   const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
   const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
   const std::string base = fmt::format("{}.mb{}", mod.path, mb_);
-  const std::int32_t y = alloc(base + ".out", out_cat, act(rows * mod.out), phase);
+  const std::int32_t y = alloc([&] { return base + ".out"; }, out_cat, act(rows * mod.out), phase);
   std::int32_t w = lp.weight_buf;
   std::int32_t cast = -1;
   // A weight stored in another dtype than the compute dtype is converted per GEMM into a
   // workspace copy (bitsandbytes dequantises the same way; our executor converts bf16 -> fp32).
   if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight) {
-    cast = alloc(base + ".w_compute", Cat::workspace, act(mod.in * mod.out), phase);
+    cast = alloc([&] { return base + ".w_compute"; }, Cat::workspace, act(mod.in * mod.out), phase);
     compute(Kernel::cast, "dequantize", layer, phase, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
     w = cast;
   }
-  compute(Kernel::linear_fwd, mod.leaf, layer, phase,
+  compute(Kernel::linear_fwd, intern(mod.leaf), layer, phase,
           gemm(rows, mod.out, mod.in, wbytes + act(rows * (mod.in + mod.out))), {x, w, y, lp.bias_buf});
   free(cast, phase);
   if (lp.adapter) {
     Adapter& a = *lp.adapter;
     std::int32_t xin = x;
     if (a.dropout > 0.0) {  // PEFT applies dropout to the adapter input: keep the dropped copy
-      xin = alloc(base + ".lora_x", Cat::activations, act(rows * mod.in), phase);
+      xin = alloc([&] { return base + ".lora_x"; }, saved_cat, act(rows * mod.in), phase);
       compute(Kernel::accumulate, "lora_dropout", layer, phase, elementwise(act(rows * mod.in) * 2), {x, xin});
       saved.push_back(xin);
     }
     if (a.r > 0) {
-      const std::int32_t u = alloc(base + ".lora_u", Cat::activations, act(rows * a.r), phase);
+      const std::int32_t u = alloc([&] { return base + ".lora_u"; }, saved_cat, act(rows * a.r), phase);
       sim::ComputeWork w1 = gemm(rows, a.r, mod.in, act(rows * (mod.in + a.r)));
       sim::ComputeWork w2 = gemm(rows, mod.out, a.r, act(rows * (a.r + 2 * mod.out)));
       w1.flops += w2.flops;
@@ -569,28 +586,28 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
 // dy: [M, out]; accumulates into dx [M, in] (when dx >= 0); x is the saved input (or -1).
 std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer) {
   const Phase B = Phase::backward;
-  const auto& mod = lp.mod;
+  const auto& mod = *lp.mod;
   const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
   const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
   const std::string base = fmt::format("{}.mb{}", mod.path, mb_);
   std::int32_t w = lp.weight_buf, cast = -1;
   if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight) {
-    cast = alloc(base + ".w_compute_bwd", Cat::workspace, act(mod.in * mod.out), B);
+    cast = alloc([&] { return base + ".w_compute_bwd"; }, Cat::workspace, act(mod.in * mod.out), B);
     compute(Kernel::cast, "dequantize", layer, B, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
     w = cast;
   }
   std::int32_t op = -1;
   if (dx >= 0)
-    op = compute(Kernel::linear_bwd_data, mod.leaf, layer, B, gemm(rows, mod.in, mod.out, wbytes + act(rows * (mod.in + mod.out))),
+    op = compute(Kernel::linear_bwd_data, intern(mod.leaf), layer, B, gemm(rows, mod.in, mod.out, wbytes + act(rows * (mod.in + mod.out))),
                  {dy, w, dx});
   free(cast, B);
   if (lp.trainable_weight)
-    op = compute(Kernel::linear_bwd_weight, mod.leaf, layer, B, gemm(mod.out, mod.in, rows, act(rows * (mod.in + mod.out)) + wbytes),
+    op = compute(Kernel::linear_bwd_weight, intern(mod.leaf), layer, B, gemm(mod.out, mod.in, rows, act(rows * (mod.in + mod.out)) + wbytes),
                  {dy, x, grad_flat_});
   if (lp.adapter && lp.adapter->r > 0) {
     const Adapter& a = *lp.adapter;
     // dB = s·dyᵀu, du = s·dy·B, dA = duᵀx, dx += du·A: four skinny GEMMs through a [M, r] temporary.
-    const std::int32_t du = alloc(base + ".lora_du", Cat::workspace, act(rows * a.r), B);
+    const std::int32_t du = alloc([&] { return base + ".lora_du"; }, Cat::workspace, act(rows * a.r), B);
     sim::ComputeWork w1 = gemm(mod.out, a.r, rows, act(rows * (mod.out + a.r)));
     for (const auto& extra : {gemm(rows, a.r, mod.out, act(rows * (mod.out + a.r))), gemm(a.r, mod.in, rows, act(rows * (mod.in + a.r))),
                               gemm(rows, mod.in, a.r, act(rows * (mod.in + a.r))) }) {
@@ -614,37 +631,41 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const bool store = recompute || !ckpt;
   auto& saved = saved_[static_cast<std::size_t>(l)];
   std::vector<std::int32_t> transient;
+  // A projection's input is saved only when something trains on it (an adapter, or the weight
+  // itself); otherwise it is workspace, freed at the end of the layer's forward.
+  auto& lin = layer_linears_[static_cast<std::size_t>(l)];
+  auto needs = [&](Role r) {
+    return std::any_of(lin.begin(), lin.end(), [&](const LinearPlan& lp) { return lp.role == r && lp.needs_input(); });
+  };
+  const bool h1_needed = needs(Role::attn_in), attn_out_needed = needs(Role::attn_out);
+  const bool h2_needed = needs(Role::mlp_in) || needs(Role::router), a_needed = needs(Role::mlp_out);
+  auto cat_for = [&](bool needed) { return needed && store ? keep : Cat::workspace; };
   auto keep_or_drop = [&](std::int32_t b, bool needed) {
     if (needed && store) saved.push_back(b);
     else transient.push_back(b);
   };
+  auto save = [&](std::int32_t b) { keep_or_drop(b, true); };
+  auto& kept = store ? saved : transient;  // where linear_forward puts what backward needs
   const std::size_t unit = static_cast<std::size_t>(l) + 1;
   gather_unit(unit, P, true);
   if (!recompute) gather_unit(unit + 1, P, false);  // prefetch the next layer (or the head)
-  auto& lin = layer_linears_[static_cast<std::size_t>(l)];
   const std::int64_t H = m_.hidden, B = t_.micro_batch, S = M_ / t_.micro_batch;
   const std::string pre = fmt::format("layers.{}.mb{}", l, mb_);
   const std::int32_t x = resid_[static_cast<std::size_t>(l)];
   const std::uint64_t stat_bytes = f32(M_) * (m_.rms_norm() ? 1 : 2);  // rstd (and mean for LayerNorm)
 
   // --- attention block ---
-  const std::int32_t rstd1 = alloc(pre + ".norm1.stats", keep, stat_bytes, P);
-  const std::int32_t h1 = alloc(pre + ".norm1.out", keep, act(M_ * H), P);
+  const std::int32_t rstd1 = alloc([&] { return pre + ".norm1.stats"; }, keep, stat_bytes, P);
+  const std::int32_t h1 = alloc([&] { return pre + ".norm1.out"; }, cat_for(h1_needed), act(M_ * H), P);
   compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {x, -1, h1, rstd1});
-  saved.push_back(rstd1);
-  bool h1_needed = false;
+  save(rstd1);
   std::vector<std::int32_t> qkv;
-  std::int64_t qkv_width = 0;
   for (auto& lp : lin)
-    if (lp.role == Role::attn_in) {
-      qkv.push_back(linear_forward(lp, h1, l, P, keep, saved));
-      qkv_width += lp.mod.out;
-      h1_needed = h1_needed || lp.needs_input();
-    }
+    if (lp.role == Role::attn_in) qkv.push_back(linear_forward(lp, h1, l, P, keep, keep, kept));
   keep_or_drop(h1, h1_needed);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
     compute(Kernel::rope_fwd, "rope", l, P, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2), {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1});
-  for (std::int32_t b : qkv) saved.push_back(b);
+  for (std::int32_t b : qkv) save(b);
   // Attention: eager materialises scores and keeps the probabilities [B, nh, S, S_kv];
   // flash keeps the log-sum-exp [B, nh, S] in fp32 (Dao et al., FlashAttention-2).
   const std::int64_t nh = m_.heads, d = m_.head_dim, kv = kv_len_;
@@ -653,60 +674,50 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   aw.gemm_count = static_cast<std::int32_t>(B * nh);
   aw.flops = 4.0 * static_cast<double>(B * nh) * static_cast<double>(S) * static_cast<double>(kv) * static_cast<double>(d);
   if (t_.attention == Attention::eager) {
-    probs = alloc(pre + ".attn.probs", keep, act(B * nh * S * kv), P);
+    probs = alloc([&] { return pre + ".attn.probs"; }, keep, act(B * nh * S * kv), P);
     aw.bytes_moved = act(B * nh * S * kv) * 3 + act(M_ * (m_.q_width() + 2 * m_.kv_width()));
   } else {
-    probs = alloc(pre + ".attn.lse", keep, f32(B * nh * S), P);
+    probs = alloc([&] { return pre + ".attn.lse"; }, keep, f32(B * nh * S), P);
     aw.flops /= 2.0;  // causal blocks above the diagonal are skipped
     aw.bytes_moved = act(M_ * (2 * m_.q_width() + 2 * m_.kv_width()));
   }
-  const std::int32_t attn_out = alloc(pre + ".attn.out", keep, act(M_ * m_.q_width()), P);
+  const std::int32_t attn_out = alloc([&] { return pre + ".attn.out"; }, cat_for(attn_out_needed), act(M_ * m_.q_width()), P);
   compute(Kernel::attention_fwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
           {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, qkv.size() > 2 ? qkv[2] : -1, probs, attn_out});
-  saved.push_back(probs);
+  save(probs);
   std::int32_t y_attn = -1;
-  bool attn_out_needed = false;
   for (auto& lp : lin)
-    if (lp.role == Role::attn_out) {
-      y_attn = linear_forward(lp, attn_out, l, P, Cat::workspace, saved);
-      attn_out_needed = attn_out_needed || lp.needs_input();
-    }
+    if (lp.role == Role::attn_out) y_attn = linear_forward(lp, attn_out, l, P, Cat::workspace, keep, kept);
   keep_or_drop(attn_out, attn_out_needed);
-  const std::int32_t x_mid = alloc(pre + ".resid_mid", keep, act(M_ * H), P);
+  const std::int32_t x_mid = alloc([&] { return pre + ".resid_mid"; }, keep, act(M_ * H), P);
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), {x, y_attn, x_mid});
   free(y_attn, P);
-  saved.push_back(x_mid);
+  save(x_mid);
 
   // --- MLP block ---
-  const std::int32_t rstd2 = alloc(pre + ".norm2.stats", keep, stat_bytes, P);
-  const std::int32_t h2 = alloc(pre + ".norm2.out", keep, act(M_ * H), P);
+  const std::int32_t rstd2 = alloc([&] { return pre + ".norm2.stats"; }, keep, stat_bytes, P);
+  const std::int32_t h2 = alloc([&] { return pre + ".norm2.out"; }, cat_for(h2_needed), act(M_ * H), P);
   compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {x_mid, -1, h2, rstd2});
-  saved.push_back(rstd2);
+  save(rstd2);
   for (auto& lp : lin)
     if (lp.role == Role::router) {
-      std::int32_t r = linear_forward(lp, h2, l, P, keep, saved);
-      saved.push_back(r);
+      std::int32_t r = linear_forward(lp, h2, l, P, keep, keep, kept);
+      save(r);
     }
-  bool h2_needed = false;
   std::vector<std::int32_t> mlp_in;
   for (auto& lp : lin)
-    if (lp.role == Role::mlp_in) {
-      mlp_in.push_back(linear_forward(lp, h2, l, P, keep, saved));
-      h2_needed = h2_needed || lp.needs_input();
-    }
+    if (lp.role == Role::mlp_in) mlp_in.push_back(linear_forward(lp, h2, l, P, keep, keep, kept));
   keep_or_drop(h2, h2_needed);
-  for (std::int32_t b : mlp_in) saved.push_back(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
+  for (std::int32_t b : mlp_in) save(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
   const std::int64_t I = m_.intermediate;
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
-  const std::int32_t a = alloc(pre + ".mlp.act", keep, act(rows * I), P);
+  const std::int32_t a = alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), act(rows * I), P);
   compute(Kernel::mlp_act_fwd, m_.gated_mlp() ? "swiglu" : "gelu", l, P, elementwise(act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
           {mlp_in.empty() ? -1 : mlp_in[0], mlp_in.size() > 1 ? mlp_in[1] : -1, a});
-  bool a_needed = false;
   std::int32_t y_mlp = -1;
   for (auto& lp : lin)
     if (lp.role == Role::mlp_out) {
-      std::int32_t y = linear_forward(lp, a, l, P, Cat::workspace, saved);
-      a_needed = a_needed || lp.needs_input();
+      std::int32_t y = linear_forward(lp, a, l, P, Cat::workspace, keep, kept);
       if (y_mlp < 0) y_mlp = y;
       else free(y, P);  // MoE experts write into one combined output
     }
@@ -714,7 +725,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // The layer output is the next layer's input: kept as an activation in every mode (a
   // checkpointed layer's input is exactly this tensor).
   std::int32_t& x_out = resid_[static_cast<std::size_t>(l) + 1];
-  if (!recompute) x_out = alloc(fmt::format("layers.{}.mb{}.resid_out", l, mb_), Cat::activations, act(M_ * H), P);
+  if (!recompute) x_out = alloc([&] { return fmt::format("layers.{}.mb{}.resid_out", l, mb_); }, Cat::activations, act(M_ * H), P);
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
           {x_mid, y_mlp, recompute ? -1 : x_out});
   free(y_mlp, P);
@@ -736,16 +747,16 @@ void Builder::layer_backward(std::int32_t l) {
   std::int32_t last = -1;
   // MLP backward: dres -> d(act) -> d(gate), d(up) -> d(norm2 out) -> dres.
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
-  const std::int32_t d_act = alloc(pre + ".mlp.d_act", Cat::workspace, act(rows * I), B);
+  const std::int32_t d_act = alloc([&] { return pre + ".mlp.d_act"; }, Cat::workspace, act(rows * I), B);
   for (auto& lp : lin)
     if (lp.role == Role::mlp_out) last = linear_backward(lp, dres_, d_act, -1, l);
   std::vector<std::int32_t> d_in;
   for (auto& lp : lin)
-    if (lp.role == Role::mlp_in) d_in.push_back(alloc(pre + "." + lp.mod.leaf + ".d_out", Cat::workspace, act(static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share)) * lp.mod.out), B));
+    if (lp.role == Role::mlp_in) d_in.push_back(alloc([&] { return pre + "." + lp.mod->leaf + ".d_out"; }, Cat::workspace, act(static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share)) * lp.mod->out), B));
   compute(Kernel::mlp_act_bwd, m_.gated_mlp() ? "swiglu" : "gelu", l, B, elementwise(act(rows * I) * 5, 10.0 * static_cast<double>(rows * I)),
           {d_act, d_in.empty() ? -1 : d_in[0], d_in.size() > 1 ? d_in[1] : -1});
   free(d_act, B);
-  const std::int32_t d_h2 = alloc(pre + ".norm2.d_out", Cat::workspace, act(M_ * H), B);
+  const std::int32_t d_h2 = alloc([&] { return pre + ".norm2.d_out"; }, Cat::workspace, act(M_ * H), B);
   {
     std::size_t i = 0;
     for (auto& lp : lin)
@@ -757,19 +768,19 @@ void Builder::layer_backward(std::int32_t l) {
   compute(Kernel::norm_bwd, "post_attention_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)), {d_h2, -1, dres_});
   free(d_h2, B);
   // Attention backward.
-  const std::int32_t d_attn = alloc(pre + ".attn.d_out", Cat::workspace, act(M_ * m_.q_width()), B);
+  const std::int32_t d_attn = alloc([&] { return pre + ".attn.d_out"; }, Cat::workspace, act(M_ * m_.q_width()), B);
   for (auto& lp : lin)
     if (lp.role == Role::attn_out) last = linear_backward(lp, dres_, d_attn, -1, l);
   std::vector<std::int32_t> d_qkv;
   for (auto& lp : lin)
-    if (lp.role == Role::attn_in) d_qkv.push_back(alloc(pre + "." + lp.mod.leaf + ".d_out", Cat::workspace, act(M_ * lp.mod.out), B));
+    if (lp.role == Role::attn_in) d_qkv.push_back(alloc([&] { return pre + "." + lp.mod->leaf + ".d_out"; }, Cat::workspace, act(M_ * lp.mod->out), B));
   const std::int64_t nh = m_.heads, d = m_.head_dim, kv = kv_len_;
   sim::ComputeWork aw = gemm(S, kv, d, 0);
   aw.gemm_count = static_cast<std::int32_t>(Bm * nh);
   aw.flops = 8.0 * static_cast<double>(Bm * nh) * static_cast<double>(S) * static_cast<double>(kv) * static_cast<double>(d);
   std::int32_t dprobs = -1;
   if (t_.attention == Attention::eager) {
-    dprobs = alloc(pre + ".attn.d_probs", Cat::workspace, act(Bm * nh * S * kv), B);
+    dprobs = alloc([&] { return pre + ".attn.d_probs"; }, Cat::workspace, act(Bm * nh * S * kv), B);
     aw.bytes_moved = act(Bm * nh * S * kv) * 4 + act(M_ * (2 * m_.q_width() + 4 * m_.kv_width()));
   } else {
     aw.flops /= 2.0;
@@ -783,7 +794,7 @@ void Builder::layer_backward(std::int32_t l) {
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
     compute(Kernel::rope_bwd, "rope", l, B, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2),
             {d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1});
-  const std::int32_t d_h1 = alloc(pre + ".norm1.d_out", Cat::workspace, act(M_ * H), B);
+  const std::int32_t d_h1 = alloc([&] { return pre + ".norm1.d_out"; }, Cat::workspace, act(M_ * H), B);
   {
     std::size_t i = 0;
     for (auto& lp : lin)
@@ -805,7 +816,7 @@ void Builder::layer_backward(std::int32_t l) {
 // reduce-scattered into this rank's partition.
 void Builder::begin_unit_gradients(std::size_t u) {
   if (!sharded_grads() || s_.ranks == 1 || units_[u].trainable_numel == 0 || unit_grad_[u] >= 0) return;
-  unit_grad_[u] = alloc(fmt::format("{}.grad.mb{}", units_[u].name, mb_), Cat::gradients,
+  unit_grad_[u] = alloc([&] { return fmt::format("{}.grad.mb{}", units_[u].name, mb_); }, Cat::gradients,
                         bytes_of(f_.trainable_dtype) * static_cast<std::uint64_t>(units_[u].trainable_numel), Phase::backward);
 }
 
@@ -860,10 +871,10 @@ void Builder::micro_batch(std::int32_t mb) {
   resid_.assign(static_cast<std::size_t>(m_.layers) + 1, -1);
   saved_.assign(static_cast<std::size_t>(m_.layers), {});
   // Tokens and targets (int32) for the micro-batch.
-  const std::int32_t tokens = alloc(fmt::format("tokens.mb{}", mb), Cat::workspace, 8ull * static_cast<std::uint64_t>(M_), F);
+  const std::int32_t tokens = alloc([&] { return fmt::format("tokens.mb{}", mb); }, Cat::workspace, 8ull * static_cast<std::uint64_t>(M_), F);
   gather_unit(0, F, true);
   gather_unit(1, F, false);
-  resid_[0] = alloc(fmt::format("embed.mb{}.out", mb), Cat::activations, act(M_ * H), F);
+  resid_[0] = alloc([&] { return fmt::format("embed.mb{}.out", mb); }, Cat::activations, act(M_ * H), F);
   compute(Kernel::embedding_fwd, "embedding", -1, F, elementwise(act(M_ * H) * 2), {tokens, embed_buf_, resid_[0]});
   const bool embed_trains = units_[0].trainable_numel > 0 && in_.peft.adapters.empty();
   release_unit(0, F);
@@ -876,21 +887,21 @@ void Builder::micro_batch(std::int32_t mb) {
   gather_unit(head, F, true);
   if (tied) gather_unit(0, F, true);
   const std::int32_t xl = resid_.back();
-  const std::int32_t rstd = alloc(fmt::format("final_norm.mb{}.stats", mb), Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
-  const std::int32_t hf = alloc(fmt::format("final_norm.mb{}.out", mb), Cat::workspace, act(M_ * H), F);
+  const std::int32_t rstd = alloc([&] { return fmt::format("final_norm.mb{}.stats", mb); }, Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
+  const std::int32_t hf = alloc([&] { return fmt::format("final_norm.mb{}.out", mb); }, Cat::workspace, act(M_ * H), F);
   compute(Kernel::norm_fwd, "final_norm", -1, F, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {xl, -1, hf, rstd});
   std::vector<std::int32_t> head_saved;
   LinearPlan* lm = nullptr;
   for (auto& lp : head_linears_)
-    if (lp.mod.is_output) lm = &lp;
+    if (lp.mod->is_output) lm = &lp;
   PEFTPLAN_CHECK(lm != nullptr);
   if (lm->weight_buf < 0) lm->weight_buf = embed_buf_;  // tied head
-  std::int32_t logits = linear_forward(*lm, hf, -1, Phase::loss, Cat::workspace, head_saved);
+  std::int32_t logits = linear_forward(*lm, hf, -1, Phase::loss, Cat::workspace, Cat::activations, head_saved);
   release_unit(head, Phase::loss);
   if (tied) release_unit(0, Phase::loss);
   std::int32_t logits32 = logits;
   if (f_.compute_dtype != DType::fp32) {
-    logits32 = alloc(fmt::format("logits_fp32.mb{}", mb), Cat::workspace, f32(M_ * V), Phase::loss);
+    logits32 = alloc([&] { return fmt::format("logits_fp32.mb{}", mb); }, Cat::workspace, f32(M_ * V), Phase::loss);
     compute(Kernel::cast, "upcast_logits", -1, Phase::loss, elementwise(act(M_ * V) + f32(M_ * V)), {logits, logits32});
     free(logits, Phase::loss);
   }
@@ -898,7 +909,7 @@ void Builder::micro_batch(std::int32_t mb) {
   compute(Kernel::cross_entropy_bwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V) * 2, 2.0 * static_cast<double>(M_ * V)), {logits32, tokens});
   std::int32_t dlogits = logits32;
   if (f_.compute_dtype != DType::fp32) {
-    dlogits = alloc(fmt::format("d_logits.mb{}", mb), Cat::workspace, act(M_ * V), B);
+    dlogits = alloc([&] { return fmt::format("d_logits.mb{}", mb); }, Cat::workspace, act(M_ * V), B);
     compute(Kernel::cast, "downcast_grad", -1, B, elementwise(act(M_ * V) + f32(M_ * V)), {logits32, dlogits});
     free(logits32, B);
   }
@@ -906,12 +917,12 @@ void Builder::micro_batch(std::int32_t mb) {
   if (tied) gather_unit(0, B, true);
   begin_unit_gradients(head);
   const bool hf_needed = lm->needs_input();
-  const std::int32_t d_hf = alloc(fmt::format("final_norm.mb{}.d_out", mb), Cat::workspace, act(M_ * H), B);
+  const std::int32_t d_hf = alloc([&] { return fmt::format("final_norm.mb{}.d_out", mb); }, Cat::workspace, act(M_ * H), B);
   std::int32_t last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1);
   free(dlogits, B);
   free(hf, B);
   for (std::int32_t b : head_saved) free(b, B);
-  dres_ = alloc(fmt::format("d_resid.mb{}", mb), Cat::workspace, act(M_ * H), B);
+  dres_ = alloc([&] { return fmt::format("d_resid.mb{}", mb); }, Cat::workspace, act(M_ * H), B);
   last = compute(Kernel::norm_bwd, "final_norm", -1, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)), {d_hf, xl, dres_, rstd});
   free(d_hf, B);
   free(rstd, B);
@@ -945,14 +956,14 @@ void Builder::optimizer_step() {
   std::int32_t dep = deps.empty() ? last_compute_ : deps.back();
   // ZeRO-1: one reduce_scatter of the accumulated full gradients at the step.
   if (s_.stage == Stage::zero1 && N > 1) {
-    const std::int32_t shard_buf = alloc("grad.shard", Cat::gradients, tw * static_cast<std::uint64_t>(part), O);
+    const std::int32_t shard_buf = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(part), O);
     dep = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(part * N), -1, O, grad_flat_, {dep});
     grad_shard_ = shard_buf;
   }
   // Mixed precision: the optimizer works on an fp32 copy of this rank's gradient partition.
   std::int32_t g32 = -1;
   const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
-  if (f_.master_weights) g32 = alloc("grad.fp32", host_opt ? Cat::host_optimizer_states : Cat::gradients, f32(part), O);
+  if (f_.master_weights) g32 = alloc([&] { return "grad.fp32"; }, host_opt ? Cat::host_optimizer_states : Cat::gradients, f32(part), O);
   if (t_.grad_clip > 0.0) {
     dep = compute(Kernel::grad_norm, "grad_norm", -1, O, elementwise(tw * static_cast<std::uint64_t>(part), 2.0 * static_cast<double>(part)), {grad_shard_ >= 0 ? grad_shard_ : grad_flat_}, {dep});
     if (N > 1 && s_.stage != Stage::ddp) dep = collective(Collective::all_reduce, "grad_norm", 8, -1, O, -1, {dep});
@@ -986,6 +997,11 @@ BuiltProgram Builder::build() {
   p_.ranks = s_.ranks;
   p_.micro_batches = static_cast<std::int32_t>(t_.grad_accum);
   p_.tokens_per_step = t_.micro_batch * t_.seq_len * t_.grad_accum;
+  // Reserve for the whole program at once: growing vectors of ~10^4 ops dominated build time.
+  const auto per_mb = static_cast<std::size_t>(m_.layers) * (zero3() ? 200 : 160) + 64;
+  p_.ops.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) + tensors_->size() + 64);
+  p_.buffers.reserve(per_mb / 2 * static_cast<std::size_t>(t_.grad_accum) + tensors_->size() + 64);
+  p_.deps.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) / 2);
   gathered_.assign(units_.size(), -1);
   gather_op_.assign(units_.size(), -1);
   unit_grad_.assign(units_.size(), -1);
@@ -1000,6 +1016,17 @@ BuiltProgram Builder::build() {
 }
 
 }  // namespace
+
+ModelInventory make_inventory(const models::ModelSpec& model, const models::PeftSpec& peft) {
+  ModelInventory inv;
+  inv.tensors = models::parameter_tensors(model);
+  inv.linears = models::linear_modules(model, inv.tensors);
+  if (!peft.adapters.empty()) {
+    inv.trainables = models::trainable_tensors(model, peft, inv.tensors, inv.linears);
+    inv.loras = models::lora_modules(model, peft, inv.linears);
+  }
+  return inv;
+}
 
 std::string_view name_of(RuntimeProfile p) {
   switch (p) {
@@ -1037,9 +1064,9 @@ std::vector<std::string> validate(const PlanInput& in) {
   return warnings;
 }
 
-BuiltProgram build_program(const PlanInput& input) {
+BuiltProgram build_program(const PlanInput& input, const BuildOptions& options) {
   validate(input);
-  return Builder(input).build();
+  return Builder(input, options).build();
 }
 
 }  // namespace peftplan::planner

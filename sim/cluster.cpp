@@ -508,7 +508,8 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
   check_keys(j, where, "",
              {"version", "name", "gpu", "nodes", "gpus_per_node", "intra_node_link",
               "inter_node_link", "nics_per_node", "host_ram_GiB", "host_device_GBps",
-              "host_memory_GBps", "cpu_adam_Mparams_per_s", "efficiency"});
+              "host_memory_GBps", "cpu_adam_Mparams_per_s", "efficiency",
+              "shared_gemm_GFLOPs_per_rank"});
   if (j.contains("version") && j["version"] != 1)
     throw input_error(where, "version", "must be 1", j["version"].dump());
   if (!j.contains("gpu")) throw input_error(where, "gpu", "is required (a GPU name or object)");
@@ -547,6 +548,22 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     c.host_memory_bytes_per_s = number(j, "host_memory_GBps", where, "") * kGiga;
   if (j.contains("cpu_adam_Mparams_per_s"))
     c.cpu_adam_params_per_s = number(j, "cpu_adam_Mparams_per_s", where, "") * 1e6;
+  if (j.contains("shared_gemm_GFLOPs_per_rank")) {
+    const auto& a = j["shared_gemm_GFLOPs_per_rank"];
+    if (!a.is_array())
+      throw input_error(where, "shared_gemm_GFLOPs_per_rank",
+                        "must be an array of {\"ranks\": n, \"GFLOPs\": x}", a.dump());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const std::string obj = fmt::format("shared_gemm_GFLOPs_per_rank[{}].", i);
+      if (!a[i].is_object() || !a[i].contains("ranks") || !a[i].contains("GFLOPs"))
+        throw input_error(where, obj, "must be an object with ranks and GFLOPs", a[i].dump());
+      check_keys(a[i], where, obj, {"ranks", "GFLOPs"});
+      std::int64_t ranks = integer(a[i], "ranks", where);
+      if (ranks < 1) throw input_error(where, obj + "ranks", "must be a positive integer", std::to_string(ranks));
+      c.shared_compute.push_back(
+          {static_cast<std::int32_t>(ranks), number(a[i], "GFLOPs", where, obj) * kGiga});
+    }
+  }
   if (j.contains("efficiency")) {
     const auto& e = j["efficiency"];
     if (!e.is_object()) throw input_error(where, "efficiency", "must be an object", e.dump());
@@ -611,6 +628,12 @@ nlohmann::json cluster_to_json(const Cluster& c) {
         {"host_device", c.efficiency.host_device},
         {"kernel_launch_us", c.efficiency.kernel_launch_s / kMicro}}},
   };
+  if (!c.shared_compute.empty()) {
+    nlohmann::json rates = nlohmann::json::array();
+    for (const SharedComputeRate& r : c.shared_compute)
+      rates.push_back({{"ranks", r.ranks}, {"GFLOPs", r.flops_per_s / kGiga}});
+    j["shared_gemm_GFLOPs_per_rank"] = rates;
+  }
   return j;
 }
 

@@ -1,6 +1,7 @@
 // End-to-end checks of the peftplan binary: output lines, JSON keys and exit codes for bad input.
 #include <array>
 #include <cstdio>
+#include <fstream>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -75,4 +76,88 @@ TEST(Cli, BadInputIsOneLineAndExitCodeTwo) {
     EXPECT_NE(r.out.find(c.expect), std::string::npos) << r.out;
     EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
   }
+}
+
+// ---- peftplan plan ----
+
+TEST(CliPlan, JsonHasCategoriesTimeAndVerdict) {
+  Result r = run("plan --model llama-2-7b --lora-r 16 --lora-alpha 32 --lora-targets q_proj,v_proj --gpus 8 "
+                 "--strategy zero3 --micro-batch 2 --seq-len 1024 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* k : {"base_weights_bytes", "gathered_weights_bytes", "trainable_weights_bytes", "gradients_bytes",
+                        "optimizer_states_bytes", "activations_bytes", "workspace_bytes", "comm_buffers_bytes",
+                        "runtime_overhead_bytes", "peak_bytes", "peak_op"})
+    EXPECT_TRUE(j["memory"]["device"].contains(k)) << k;
+  for (const char* k : {"host_optimizer_states_bytes", "host_weights_bytes", "host_pinned_buffers_bytes", "host_other_bytes",
+                        "peak_bytes"})
+    EXPECT_TRUE(j["memory"]["host"].contains(k)) << k;
+  for (const char* k : {"step_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s", "offload_s", "tokens_per_s", "mfu"})
+    EXPECT_TRUE(j["time"].contains(k)) << k;
+  for (const char* k : {"all_reduce_bytes", "reduce_scatter_bytes", "all_gather_bytes", "broadcast_bytes"})
+    EXPECT_TRUE(j["comm"].contains(k)) << k;
+  EXPECT_TRUE(j["fits"].get<bool>());
+  EXPECT_GT(j["memory"]["device"]["gathered_weights_bytes"].get<std::uint64_t>(), 0u);
+}
+
+// "Does not fit" is a result with reasons and exit code 1, so scripts can gate on it.
+TEST(CliPlan, DoesNotFitIsExitCodeOneWithReasons) {
+  Result r = run("plan --model llama-2-70b --gpus 1 --strategy ddp --micro-batch 4 --seq-len 4096");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("verdict: does not fit"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("needs "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("try "), std::string::npos) << r.out;
+}
+
+TEST(CliPlan, BadInputIsExitCodeTwo) {
+  struct Case {
+    std::string args, expect;
+  };
+  const Case cases[] = {
+      {"plan --strategy zero2 --offload-param cpu", "--offload-param cpu: parameter offload needs ZeRO-3"},
+      {"plan --micro-batch -2", "--micro-batch: must be a positive integer, got -2"},
+      {"plan --strategy zero4", "--strategy: must be one of ddp, zero1, zero2, zero3, got \"zero4\""},
+      {"plan --gpus 8 --ds-config " + kData + "/ds/bad_batch.json", "train_batch_size"},
+      {"plan --gpus 8 --ds-config " + kData + "/ds/offload_param_stage2.json", "offload_param"},
+      {"plan --cluster 8xB300", "8xB300"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.args);
+    Result r = run(c.args);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << r.out;
+  }
+}
+
+TEST(CliPlan, DsConfigAutoValuesAndUnknownKeyWarning) {
+  Result r = run("plan --gpus 8 --micro-batch 2 --ds-config " + kData + "/ds/zero3_unknown_key.json");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("strategy zero3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not_a_deepspeed_knob"), std::string::npos) << r.out;
+}
+
+// The trace parses back with the Trace Event Format's required fields (traceEvents, ph "X" with
+// microsecond ts/dur, thread_name metadata naming the streams).
+TEST(CliPlan, TraceFilesParseBack) {
+  const std::string dir = ::testing::TempDir();
+  Result r = run("plan --strategy zero3 --trace " + dir + "/t.json --memory-trace " + dir + "/m.json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ifstream tin(dir + "/t.json");
+  const auto t = nlohmann::json::parse(tin);
+  ASSERT_TRUE(t.contains("traceEvents"));
+  int complete = 0, threads = 0;
+  for (const auto& e : t["traceEvents"]) {
+    if (e["ph"] == "X") {
+      ++complete;
+      EXPECT_TRUE(e["ts"].is_number() && e["dur"].is_number());
+    }
+    if (e["ph"] == "M" && e["name"] == "thread_name") ++threads;
+  }
+  EXPECT_GT(complete, 100);
+  EXPECT_GE(threads, 2);
+  std::ifstream min(dir + "/m.json");
+  const auto m = nlohmann::json::parse(min);
+  bool counter = false;
+  for (const auto& e : m["traceEvents"]) counter = counter || e["ph"] == "C";
+  EXPECT_TRUE(counter);
 }

@@ -54,6 +54,8 @@ std::vector<TensorInfo> parameter_tensors(const ModelSpec& model);
 
 // Every Linear module, including a tied lm_head (which owns no tensor of its own).
 std::vector<LinearModule> linear_modules(const ModelSpec& model);
+// The same from an inventory already computed (planner hot path).
+std::vector<LinearModule> linear_modules(const ModelSpec& model, const std::vector<TensorInfo>& tensors);
 
 // Every module path with parameters (for modules_to_save matching): linears, embeddings, norms.
 std::vector<std::string> module_paths(const ModelSpec& model);

@@ -102,6 +102,10 @@ AdapterSpec adapter_from_config(const nlohmann::json& config, std::string_view s
 // Resolves selectors against the model; a target that matches no module is an InputError that
 // lists the module names the model has.
 std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft);
+// The same from inventories already computed (planner hot path).
+std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft,
+                                               const std::vector<TensorInfo>& base,
+                                               const std::vector<LinearModule>& linears);
 
 // The LoRA modules actually adapted, with their resolved rank and scale: the executor and the
 // planner's FLOP count use this.
@@ -113,6 +117,7 @@ struct LoraModule {
   double dropout = 0.0;
 };
 std::vector<LoraModule> lora_modules(const ModelSpec& model, const PeftSpec& peft);
+std::vector<LoraModule> lora_modules(const ModelSpec& model, const PeftSpec& peft, const std::vector<LinearModule>& linears);
 
 // PEFT's get_nb_trainable_parameters / print_trainable_parameters numbers.
 struct ParamCounts {

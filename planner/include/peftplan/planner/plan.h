@@ -34,6 +34,7 @@ struct Plan {
 struct PlanOptions {
   bool simulate_time = true;
   bool explain = true;   // builds a DDP reference plan to explain the strategy's effect
+  bool names = true;     // buffer names (peak_op, traces); off for searches
 };
 
 Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOptions& options = {});

@@ -11,6 +11,7 @@
 // Full checkpointing keeps only the layer input and recomputes the rest in backward (workspace).
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -29,12 +30,24 @@ enum class RuntimeProfile {
 };
 std::string_view name_of(RuntimeProfile p);
 
+// What the builder derives from the model and adapters alone (inventories and adapter
+// resolution). It is a third of a build's time; a search over strategies and batch sizes makes it
+// once with make_inventory() and shares it through PlanInput::inventory.
+struct ModelInventory {
+  std::vector<models::TensorInfo> tensors;
+  std::vector<models::LinearModule> linears;
+  std::vector<models::TrainableTensor> trainables;  // empty for full fine-tuning
+  std::vector<models::LoraModule> loras;
+};
+ModelInventory make_inventory(const models::ModelSpec& model, const models::PeftSpec& peft);
+
 struct PlanInput {
   models::ModelSpec model;
   models::PeftSpec peft;            // no adapters => full fine-tuning
   TrainingSpec training;
   Strategy strategy;
   RuntimeProfile profile = RuntimeProfile::deepspeed;
+  std::shared_ptr<const ModelInventory> inventory;  // optional: make_inventory(model, peft)
 };
 
 // Byte sizes the builder derived (also shown to users as the "why" of a plan).
@@ -54,8 +67,12 @@ struct BuiltProgram {
   ProgramFacts facts;
 };
 
+struct BuildOptions {
+  bool names = true;  // name every buffer ("layers.3.mb0.attn.probs"); searches turn it off
+};
+
 // Throws InputError for combinations no engine supports (offload_param without ZeRO-3, ...).
-BuiltProgram build_program(const PlanInput& input);
+BuiltProgram build_program(const PlanInput& input, const BuildOptions& options = {});
 
 // Checks the input for contradictions; returns warnings, throws InputError for errors.
 std::vector<std::string> validate(const PlanInput& input);

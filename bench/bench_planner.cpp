@@ -1,0 +1,74 @@
+// Planner speed: build the step program, walk its memory and simulate its timeline for
+// Llama-2-70B with LoRA on 64 GPUs (8 nodes x 8 H100 over InfiniBand NDR). The GUI and searches
+// call this thousands of times; the target is well under a millisecond per configuration.
+#include <benchmark/benchmark.h>
+#include <fmt/format.h>
+
+#include "peftplan/models/config.h"
+#include "peftplan/planner/plan.h"
+#include "peftplan/planner/program.h"
+#include "peftplan/sim/cluster.h"
+#include "peftplan/sim/memory.h"
+#include "peftplan/sim/timeline.h"
+
+namespace {
+
+using namespace peftplan;
+
+planner::PlanInput llama70b(planner::Stage stage, std::int64_t grad_accum) {
+  planner::PlanInput in;
+  in.model = models::load_model("llama-2-70b");
+  models::AdapterSpec a;
+  a.lora.r = 16;
+  a.lora.alpha = 32;
+  in.peft.adapters.push_back(a);
+  in.training.micro_batch = 1;
+  in.training.seq_len = 4096;
+  in.training.grad_accum = grad_accum;
+  in.training.checkpointing = planner::Checkpointing::full;
+  in.strategy.stage = stage;
+  in.strategy.ranks = 64;
+  return in;
+}
+
+// Search mode: no buffer names (they are for people: traces, peak_op, the executor).
+void BM_BuildWalkSimulate(benchmark::State& state) {
+  const auto stage = static_cast<planner::Stage>(state.range(0));
+  const planner::BuildOptions options{state.range(2) != 0};
+  planner::PlanInput in = llama70b(stage, state.range(1));
+  // A search holds the model inventory once (state.range(3) = 0 measures the cold build).
+  if (state.range(3) != 0) in.inventory = std::make_shared<const planner::ModelInventory>(planner::make_inventory(in.model, in.peft));
+  const sim::Cluster cluster = sim::resolve_cluster("8x8xH100-SXM-NDR");
+  std::size_t ops = 0;
+  for (auto _ : state) {
+    planner::BuiltProgram built = planner::build_program(in, options);
+    sim::MemoryProfile m = sim::walk_memory(built.program);
+    sim::Timeline t = sim::simulate(built.program, cluster);
+    benchmark::DoNotOptimize(m.device_peak_bytes);
+    benchmark::DoNotOptimize(t.step_s);
+    ops = built.program.ops.size();
+  }
+  state.counters["ops"] = static_cast<double>(ops);
+  state.SetLabel(fmt::format("{} accum {}{}{}", planner::name_of(stage), state.range(1), options.names ? " named" : "",
+                             in.inventory ? " cached-inventory" : ""));
+}
+// Args: stage (0 ddp .. 3 zero3), gradient accumulation, buffer names, cached model inventory.
+BENCHMARK(BM_BuildWalkSimulate)
+    ->ArgsProduct({{0, 1, 2, 3}, {1}, {0}, {1}})
+    ->Args({3, 4, 0, 1})
+    ->Args({0, 1, 0, 0})
+    ->Args({3, 1, 0, 0})
+    ->Args({0, 1, 1, 0})
+    ->Args({3, 1, 1, 0})
+    ->Unit(benchmark::kMicrosecond);
+
+void BM_MakePlan(benchmark::State& state) {  // what `peftplan plan` does, explanation included
+  const planner::PlanInput in = llama70b(planner::Stage::zero3, 1);
+  const sim::Cluster cluster = sim::resolve_cluster("8x8xH100-SXM-NDR");
+  for (auto _ : state) benchmark::DoNotOptimize(planner::make_plan(in, cluster).fits);
+}
+BENCHMARK(BM_MakePlan)->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,134 @@
+// `peftplan calibrate`: measure this machine and write a cluster profile the simulator uses.
+// It launches the executor under mpirun (`mpirun -np N peftplan-exec calibrate --out FILE`),
+// which measures GEMMs, memory bandwidth and collectives, prints nccl-tests-like tables and
+// writes the profile; this command then reads the profile back through sim to check it.
+// It never links MPI: the executor binary does the MPI work in its own processes.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "peftplan/common/error.h"
+#include "peftplan/sim/cluster.h"
+#include "peftplan/sim/collectives.h"
+
+#ifndef PEFTPLAN_MPIEXEC
+#define PEFTPLAN_MPIEXEC "mpirun"
+#endif
+
+namespace peftplan::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// $XDG_CACHE_HOME/peftplan/calibration.json, else ~/.cache/peftplan/calibration.json.
+fs::path default_profile_path() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
+    return fs::path(xdg) / "peftplan" / "calibration.json";
+  if (const char* home = std::getenv("HOME"); home && *home)
+    return fs::path(home) / ".cache" / "peftplan" / "calibration.json";
+  return fs::path("calibration.json");
+}
+
+// $PEFTPLAN_EXEC, else the build layout (build/<preset>/cli/peftplan ->
+// build/<preset>/executor/peftplan-exec), else beside this binary (an installed bin/).
+fs::path find_exec() {
+  if (const char* env = std::getenv("PEFTPLAN_EXEC"); env && *env) {
+    if (!fs::is_regular_file(env))
+      throw input_error("PEFTPLAN_EXEC", "", "must name the peftplan-exec binary", env);
+    return env;
+  }
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  const fs::path dir = ec ? fs::current_path() : self.parent_path();
+  for (const fs::path& p : {dir / ".." / "executor" / "peftplan-exec", dir / "peftplan-exec"})
+    if (fs::is_regular_file(p)) return fs::weakly_canonical(p);
+  throw InputError(fmt::format(
+      "peftplan calibrate: peftplan-exec not found at {} or {}; build the peftplan-exec target "
+      "(it needs MPI) or set PEFTPLAN_EXEC",
+      (dir / ".." / "executor" / "peftplan-exec").lexically_normal().string(),
+      (dir / "peftplan-exec").string()));
+}
+
+// Runs argv with this process's stdout/stderr (the child's output streams through) and
+// returns its exit code.
+int run_child(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("peftplan calibrate: fork failed");
+  if (pid == 0) {
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "peftplan calibrate: cannot run %s\n", argv[0]);
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) throw std::runtime_error("peftplan calibrate: waitpid failed");
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace
+
+void add_calibrate_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand(
+      "calibrate", "measure this machine (GEMM, memory bandwidth, MPI collectives) and write a "
+                   "cluster profile");
+  struct Options {
+    int ranks = static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
+    std::string out;
+    bool quick = false;
+    std::string mpirun = PEFTPLAN_MPIEXEC;
+  };
+  auto o = std::make_shared<Options>();
+  cmd->add_option("--ranks", o->ranks, "ranks to calibrate (collectives over 2..N); default: CPUs")
+      ->capture_default_str();
+  cmd->add_option("--out", o->out, fmt::format("profile to write (default {})",
+                                               default_profile_path().string()));
+  cmd->add_flag("--quick", o->quick, "fewer shapes, sizes and repetitions (seconds)");
+  cmd->add_option("--mpirun", o->mpirun, "the MPI launcher")->capture_default_str();
+  cmd->callback([o, &exit_code] {
+    if (o->ranks < 2)
+      throw input_error("--ranks", "", "must be at least 2 (collectives need two ranks)",
+                        std::to_string(o->ranks));
+    const fs::path out = o->out.empty() ? default_profile_path() : fs::path(o->out);
+    if (out.has_parent_path()) fs::create_directories(out.parent_path());
+    std::vector<std::string> args = {o->mpirun, "-np", std::to_string(o->ranks)};
+    if (static_cast<unsigned>(o->ranks) > std::thread::hardware_concurrency())
+      args.push_back("--oversubscribe");
+    if (::geteuid() == 0) args.push_back("--allow-run-as-root");
+    args.insert(args.end(), {find_exec().string(), "calibrate", "--out", out.string()});
+    if (o->quick) args.push_back("--quick");
+    std::string line;
+    for (const auto& a : args) line += (line.empty() ? "" : " ") + a;
+    fmt::print("$ {}\n", line);
+    const int code = run_child(args);
+    if (code != 0)
+      throw std::runtime_error(fmt::format("peftplan calibrate: {} exited with code {}", o->mpirun, code));
+    const sim::Cluster c = sim::read_cluster_file(out);
+    const auto mib = sim::collective_cost(sim::Collective::all_reduce, 1ULL << 20,
+                                          std::min(2, sim::total_gpus(c)), c);
+    fmt::print("profile {}: {} ranks of {} ({:.1f} GFLOP/s fp32, {:.1f} GB/s memory), link "
+               "{:.2f} GB/s + {:.1f} us/step; 1 MiB all_reduce over 2 ranks: {:.0f} us predicted\n",
+               c.name, c.gpus_per_node, c.gpu.name, c.gpu.fp32_flops_per_s / 1e9,
+               c.gpu.hbm_bytes_per_s / 1e9, c.intra_node_link.bandwidth_bytes_per_s / 1e9,
+               c.intra_node_link.latency_s / 1e-6, mib.time_s / 1e-6);
+    fmt::print("use it with: --cluster {}\n", out.string());
+    exit_code = 0;
+  });
+}
+
+}  // namespace peftplan::cli

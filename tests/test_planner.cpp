@@ -1,0 +1,232 @@
+// The step-program builder and plans: walks checked against sizes computed by hand, strategies
+// against what the ZeRO paper and DeepSpeed say they change, and communication volumes against
+// the ZeRO paper's §7.
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "peftplan/models/config.h"
+#include "peftplan/planner/closed_forms.h"
+#include "peftplan/planner/plan.h"
+#include "peftplan/sim/cluster.h"
+
+using namespace peftplan;
+using namespace peftplan::planner;
+using sim::MemCategory;
+
+namespace {
+
+std::uint64_t peak(const sim::MemoryProfile& m, MemCategory c) { return m.category_peak_bytes[static_cast<std::size_t>(c)]; }
+
+models::PeftSpec lora(std::int64_t r, double alpha, std::vector<std::string> targets) {
+  models::AdapterSpec a;
+  a.lora.r = r;
+  a.lora.alpha = alpha;
+  a.lora.targets.kind = models::ModuleSelector::Kind::list;
+  a.lora.targets.names = std::move(targets);
+  return models::PeftSpec{{a}, std::nullopt};
+}
+
+PlanInput tiny_input() {
+  PlanInput in;
+  in.model = models::load_model("tiny-llama-2l");
+  in.peft = lora(4, 8, {"q_proj", "v_proj"});
+  in.training.micro_batch = 2;
+  in.training.seq_len = 8;
+  in.training.precision = Precision::fp32;
+  in.training.attention = Attention::eager;
+  in.profile = RuntimeProfile::executor;
+  return in;
+}
+
+PlanInput llama7b_lora(Stage stage, std::int32_t ranks) {
+  PlanInput in;
+  in.model = models::load_model("llama-2-7b");
+  in.peft = lora(16, 32, {"q_proj", "v_proj"});
+  in.training.micro_batch = 1;
+  in.training.seq_len = 2048;
+  in.strategy.stage = stage;
+  in.strategy.ranks = ranks;
+  return in;
+}
+
+}  // namespace
+
+// tiny-llama-2l (H 64, I 176, 4 heads of 16, 2 kv heads, V 256, untied), LoRA r=4 on q_proj and
+// v_proj, B=2, S=8 (M=16 tokens), fp32, eager attention, one rank. Every number by hand:
+TEST(Program, TinyModelWalkMatchesHandSizes) {
+  const auto built = build_program(tiny_input());
+  const sim::MemoryProfile m = sim::walk_memory(built.program);
+  // Frozen base: 125,248 parameters (models/zoo/SOURCES.md) x 4 bytes.
+  EXPECT_EQ(peak(m, MemCategory::base_weights), 125'248u * 4);
+  // Adapter: per layer q 4*(64+64) + v 4*(64+32) = 896; two layers = 1,792 parameters.
+  EXPECT_EQ(built.facts.trainable_params, 1792);
+  EXPECT_EQ(peak(m, MemCategory::trainable_weights), 1792u * 4);
+  EXPECT_EQ(peak(m, MemCategory::gradients), 1792u * 4);
+  EXPECT_EQ(peak(m, MemCategory::optimizer_states), 1792u * 8);  // AdamW m and v in fp32
+  // Saved per layer (bytes, fp32): layer input 16*64*4 = 4096; RMSNorm rstd 16*4 = 64; norm
+  // output 4096 (LoRA on q/v reads it); q 4096, k 2048, v 2048; probabilities 2*4*8*8*4 = 2048;
+  // LoRA u for q and v 16*4*4 = 256 each; residual after attention 4096; rstd 64; gate and up
+  // 16*176*4 = 11264 each. Sum 45,696. Two layers, plus the last layer's output 4096 and the
+  // final norm's rstd 64: 95,552.
+  EXPECT_EQ(peak(m, MemCategory::activations), 95'552u);
+  // Nothing outside the model in our own engine.
+  EXPECT_EQ(peak(m, MemCategory::runtime_overhead), 0u);
+  EXPECT_EQ(peak(m, MemCategory::comm_buffers), 0u);
+  EXPECT_EQ(peak(m, MemCategory::gathered_weights), 0u);
+  // Everything allocated in the step is freed by its end; only setup buffers remain.
+  std::uint64_t setup = 0;
+  for (const auto& op : built.program.ops)
+    if (op.kind == sim::OpKind::alloc && op.phase == sim::Phase::setup) setup += built.program.buffers[static_cast<std::size_t>(op.buffer)].bytes;
+  std::uint64_t end = 0;
+  for (auto b : m.end_bytes) end += b;
+  EXPECT_EQ(end, setup);
+}
+
+TEST(Program, CheckpointingKeepsOnlyLayerInputs) {
+  PlanInput in = tiny_input();
+  in.training.checkpointing = Checkpointing::full;
+  const sim::MemoryProfile m = sim::walk_memory(build_program(in).program);
+  // Layer inputs 2 x 4096, the last output 4096, final rstd 64.
+  EXPECT_EQ(peak(m, MemCategory::activations), 3u * 4096 + 64);
+  in.training.checkpointing = Checkpointing::none;
+  EXPECT_GT(peak(sim::walk_memory(build_program(in).program), MemCategory::activations), 3u * 4096 + 64);
+}
+
+TEST(Program, PlanJsonIsTheWalk) {
+  const Plan p = make_plan(tiny_input(), sim::default_cluster(1));
+  const auto j = plan_to_json(p);
+  const sim::MemoryProfile m = sim::walk_memory(p.program);
+  for (int c = 0; c < sim::kNumDeviceCategories; ++c) {
+    const std::string key = std::string(sim::name_of(static_cast<MemCategory>(c))) + "_bytes";
+    EXPECT_EQ(j["memory"]["device"][key].get<std::uint64_t>(), m.category_peak_bytes[static_cast<std::size_t>(c)]) << key;
+  }
+  EXPECT_EQ(j["memory"]["device"]["peak_bytes"].get<std::uint64_t>(), m.device_peak_bytes);
+  EXPECT_TRUE(j["fits"].get<bool>());
+}
+
+// With LoRA on a base that fits, ZeRO-1/2 shard only the adapter's gradients and optimizer states
+// (the seed text and peft docs/accelerate/deepspeed.md); ZeRO-3 divides base_weights by N and
+// adds gathered_weights.
+TEST(Strategies, LoraZero12ChangeOnlyAdapterTerms) {
+  const auto ddp = make_plan(llama7b_lora(Stage::ddp, 8), sim::resolve_cluster("8xA100-80GB"));
+  for (Stage s : {Stage::zero1, Stage::zero2}) {
+    const auto z = make_plan(llama7b_lora(s, 8), sim::resolve_cluster("8xA100-80GB"));
+    for (auto c : {MemCategory::base_weights, MemCategory::trainable_weights, MemCategory::activations, MemCategory::workspace,
+                   MemCategory::gathered_weights})
+      EXPECT_EQ(peak(z.memory, c), peak(ddp.memory, c)) << sim::name_of(c);
+    EXPECT_LT(peak(z.memory, MemCategory::optimizer_states), peak(ddp.memory, MemCategory::optimizer_states));
+    EXPECT_NE(z.explanation.front().find("adapter only"), std::string::npos) << z.explanation.front();
+  }
+  const auto z3 = make_plan(llama7b_lora(Stage::zero3, 8), sim::resolve_cluster("8xA100-80GB"));
+  const std::uint64_t base = peak(ddp.memory, MemCategory::base_weights);
+  // Shards of every flattened unit plus the small persistent tensors (norms) kept whole.
+  EXPECT_NEAR(static_cast<double>(peak(z3.memory, MemCategory::base_weights)), static_cast<double>(base) / 8.0, 0.01 * static_cast<double>(base) / 8.0);
+  EXPECT_GT(peak(z3.memory, MemCategory::gathered_weights), 0u);
+  EXPECT_NE(z3.explanation.front().find("base_weights is divided by N"), std::string::npos);
+}
+
+// DeepSpeed's estimate_zero2_model_states_mem_needs (stage_1_and_2.py, after PR #5099):
+// gpu = 2P + 18P/N, "2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit +
+// 8_optimizer_states_32bit". The program's model-state buffers (16-bit weights, 16-bit gradient
+// partition, fp32 master and Adam partitions, and the fp32 gradient partition at the step) add
+// up to the same for full fine-tuning.
+TEST(ClosedForms, WalkEqualsDeepSpeedZero2Estimate) {
+  PlanInput in;
+  in.model = models::load_model("tiny-llama-2l");
+  in.training.full_finetune = true;
+  in.training.precision = Precision::bf16_mixed;
+  in.strategy.stage = Stage::zero2;
+  in.strategy.ranks = 4;
+  const auto built = build_program(in);
+  const std::int64_t P = 125'248;  // divisible by 4: no padding
+  std::uint64_t states = 0;
+  for (const auto& op : built.program.ops) {
+    if (op.kind != sim::OpKind::alloc) continue;
+    const auto& b = built.program.buffers[static_cast<std::size_t>(op.buffer)];
+    const bool model_state = b.category == MemCategory::trainable_weights || b.category == MemCategory::optimizer_states ||
+                             b.name == "grad.shard" || b.name == "grad.fp32";
+    if (model_state) states += b.bytes;
+  }
+  const auto ds = ds_estimate_zero2(P, 4, 1, false);
+  EXPECT_EQ(states, ds.gpu_bytes);
+  EXPECT_EQ(states, 2u * P + 18u * P / 4);
+}
+
+// ZeRO paper §7: per step and rank, DDP and ZeRO-1/2 move 2Ψ(n-1)/n elements, ZeRO-3 3Ψ(n-1)/n
+// (two all-gathers of the parameters and one reduce-scatter of the gradients).
+TEST(Communication, FullFineTuningVolumesFollowTheZeroPaper) {
+  for (std::int32_t n : {4, 8}) {
+    for (Stage s : {Stage::ddp, Stage::zero1, Stage::zero2, Stage::zero3}) {
+      PlanInput in;
+      in.model = models::load_model("tiny-llama-2l");
+      in.training.full_finetune = true;
+      in.training.seq_len = 64;
+      in.strategy.stage = s;
+      in.strategy.ranks = n;
+      const Plan p = make_plan(in, sim::resolve_cluster(fmt::format("{}xA100-80GB", n)), {true, false});
+      const double psi_bytes = 125'248.0 * 2;  // bf16 parameters and gradients
+      const double factor = s == Stage::zero3 ? 3.0 : 2.0;
+      EXPECT_DOUBLE_EQ(static_cast<double>(p.time->intra_node_bytes), factor * psi_bytes * (n - 1) / n)
+          << name_of(s) << " n=" << n;
+    }
+  }
+}
+
+// With LoRA, DDP moves only adapter gradients; ZeRO-3 moves the frozen base twice (forward and
+// backward gathers) plus the adapter (gathered twice, its gradients reduce-scattered once).
+TEST(Communication, LoraTrafficIsAdapterForDdpAndBaseForZero3) {
+  const auto cluster = sim::resolve_cluster("8xA100-80GB");
+  const Plan ddp = make_plan(llama7b_lora(Stage::ddp, 8), cluster);
+  const std::uint64_t adapter = 8'388'608u * 2;
+  EXPECT_EQ(ddp.time->collective_bytes[static_cast<std::size_t>(sim::Collective::all_reduce)], adapter);
+  EXPECT_EQ(ddp.time->collective_bytes[static_cast<std::size_t>(sim::Collective::all_gather)], 0u);
+  PlanInput z3in = llama7b_lora(Stage::zero3, 8);
+  z3in.strategy.ds.stage3_param_persistence_threshold = 0;  // gather every tensor
+  const Plan z3 = make_plan(z3in, cluster);
+  const std::uint64_t base = 6'738'415'616u * 2;  // bf16, divisible by 8 per unit here
+  EXPECT_EQ(z3.time->collective_bytes[static_cast<std::size_t>(sim::Collective::all_gather)], 2 * base + 2 * adapter);
+  EXPECT_EQ(z3.time->collective_bytes[static_cast<std::size_t>(sim::Collective::reduce_scatter)], adapter);
+  EXPECT_GT(z3.time->intra_node_bytes, 300 * ddp.time->intra_node_bytes);
+}
+
+// The seed's argument: on a slow network ZeRO-3's gathers are exposed, on NVLink mostly hidden.
+TEST(Communication, EthernetExposesZero3NvlinkHidesIt) {
+  const auto eth = sim::resolve_cluster("2x8xA100-80GB-100GbE");
+  const auto nvl = sim::resolve_cluster("8xA100-80GB");
+  const Plan ddp_eth = make_plan(llama7b_lora(Stage::ddp, 16), eth);
+  const Plan z3_eth = make_plan(llama7b_lora(Stage::zero3, 16), eth);
+  const Plan z3_nvl = make_plan(llama7b_lora(Stage::zero3, 8), nvl);
+  EXPECT_GT(z3_eth.time->exposed_comm_s, 50 * ddp_eth.time->exposed_comm_s);
+  EXPECT_GT(z3_eth.time->step_s, ddp_eth.time->step_s);
+  EXPECT_LT(z3_nvl.time->exposed_comm_s, 0.25 * z3_nvl.time->comm_s);
+}
+
+// Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, no parallelism: sbh(34 + 5as/h) bytes per
+// layer with 16-bit activations, which counts dropout masks (attention 1·as²b, two residual
+// dropouts 1·sbh each) and the attention dropout output (2·as²b). We train without dropout, so
+// the same layer saves sbh(34 + 5as/h) - 2sbh - 3as²b, plus the LayerNorm statistics (mean and
+// rstd in fp32, 2 x 4sb per norm) that the paper leaves out.
+TEST(Activations, GptLayerMatchesKorthikantiWithoutDropout) {
+  PlanInput in;
+  in.model = models::load_model("gpt2");
+  in.training.full_finetune = true;
+  in.training.precision = Precision::fp16_mixed;
+  in.training.attention = Attention::eager;
+  in.training.micro_batch = 2;
+  in.training.seq_len = 512;
+  const auto built = build_program(in);
+  std::uint64_t layer0 = 0;
+  for (const auto& b : built.program.buffers)
+    if (b.category == MemCategory::activations && b.name.rfind("layers.0.", 0) == 0 && b.name.find("resid_out") == std::string::npos)
+      layer0 += b.bytes;
+  for (const auto& b : built.program.buffers)  // the layer input is the embedding output
+    if (b.name == "embed.mb0.out") layer0 += b.bytes;
+  for (const auto& b : built.program.buffers)  // fused c_attn output and the projections' outputs
+    if (b.category == MemCategory::activations && b.name.rfind("transformer.h.0.", 0) == 0) layer0 += b.bytes;
+  const double s = 512, bsz = 2, h = 768, a = 12;
+  const double korthikanti = s * bsz * h * (34 + 5 * a * s / h);
+  const double without_dropout = korthikanti - 2 * s * bsz * h - 3 * a * s * s * bsz;
+  EXPECT_EQ(static_cast<double>(layer0), without_dropout + 2 * 2 * 4 * s * bsz);
+}
