@@ -11,6 +11,7 @@
 #include "plan_flags.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
+#include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/plan.h"
 #include "peftplan/sim/trace.h"
 
@@ -112,18 +113,21 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   struct Options {
     PlanFlags plan;
     bool json = false;
-    std::string memory_trace, trace;
+    std::string memory_trace, trace, write_ds_config;
   };
   auto o = std::make_shared<Options>();
   add_plan_flags(cmd, o->plan);
   cmd->add_flag("--json", o->json, "machine-readable output");
   cmd->add_option("--memory-trace", o->memory_trace, "write the memory timeline as Chrome trace counters");
   cmd->add_option("--trace", o->trace, "write the simulated step as a Chrome trace (Perfetto)");
+  cmd->add_option("--write-ds-config", o->write_ds_config, "write the strategy as a DeepSpeed ds_config.json");
   cmd->callback([&exit_code, o] {
     ResolvedPlan r = resolve_plan_flags(o->plan);
     planner::Plan p = planner::make_plan(r.input, r.cluster);
     p.warnings.insert(p.warnings.begin(), r.warnings.begin(), r.warnings.end());
     if (!o->memory_trace.empty()) write_json_atomically(o->memory_trace, planner::memory_trace(p));
+    if (!o->write_ds_config.empty())
+      write_json_atomically(o->write_ds_config, planner::write_ds_config(r.input.strategy, r.input.training));
     if (!o->trace.empty() && p.time) {
       sim::TraceOptions to;
       to.process_name = "peftplan predicted";

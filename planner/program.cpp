@@ -221,6 +221,7 @@ class Builder {
   void facts();
   void plan_linears();
   void setup();
+  void add_cuda_runtime();
   void micro_batch(std::int32_t mb);
   void layer_forward(std::int32_t l, bool recompute);
   void layer_backward(std::int32_t l);
@@ -387,6 +388,16 @@ void Builder::plan_linears() {
   for (const auto& u : units_) f_.largest_layer_params = std::max(f_.largest_layer_params, u.frozen_numel + u.trainable_numel);
 }
 
+// What a CUDA process holds outside the caching allocator (visible in nvidia-smi, not in
+// torch.cuda.memory_allocated): the CUDA context, about 300 MiB with lazy module loading since
+// CUDA 11.7 (pytorch/pytorch#107667, #20532 report 300-400 MiB), and cuBLAS's workspace,
+// CUBLAS_WORKSPACE_CONFIG ":4096:8" = 8 x 4 MiB by default on Hopper (PyTorch docs, CUDA
+// semantics / reproducibility notes).
+void Builder::add_cuda_runtime() {
+  alloc([&] { return "cuda.context"; }, Cat::runtime_overhead, 300ull << 20, Phase::setup);
+  alloc([&] { return "cublas.workspace"; }, Cat::runtime_overhead, 32ull << 20, Phase::setup);
+}
+
 void Builder::setup() {
   const Phase S = Phase::setup;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
@@ -457,16 +468,14 @@ void Builder::setup() {
       const std::int64_t elems = std::min<std::int64_t>(s_.ds.reduce_bucket_size, trainable_numel_);
       alloc([&] { return "deepspeed.ipg_buffer"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(elems) * (overlap ? 2 : 1), S);
     }
-    // CUDA context and cuBLAS workspace: not allocated by PyTorch's caching allocator but
-    // present in nvidia-smi; a typical value, adjustable with --cuda-context-mib.
-    alloc([&] { return "cuda.context"; }, Cat::runtime_overhead, 512ull << 20, S);
+    add_cuda_runtime();
     if (host_opt && s_.ds.offload_pin_memory)
       alloc([&] { return "deepspeed.pinned_grads"; }, Cat::host_pinned_buffers, f32(opt_numel), S);
   } else if (in_.profile == RuntimeProfile::pytorch) {
     // torch.nn.parallel.DistributedDataParallel: gradient buckets of bucket_cap_mb = 25 MiB each,
     // together as large as the gradients (gradient_as_bucket_view=False copies into them).
     if (s_.ranks > 1) alloc([&] { return "ddp.buckets"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
-    alloc([&] { return "cuda.context"; }, Cat::runtime_overhead, 512ull << 20, S);
+    add_cuda_runtime();
   }
   if (host_opt) alloc([&] { return "host.staging"; }, Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
 }

@@ -161,3 +161,20 @@ TEST(CliPlan, TraceFilesParseBack) {
   for (const auto& e : m["traceEvents"]) counter = counter || e["ph"] == "C";
   EXPECT_TRUE(counter);
 }
+
+// ds_config.json out and back in: the second plan sees the same strategy and batch.
+TEST(CliPlan, WriteDsConfigRoundTrips) {
+  const std::string file = ::testing::TempDir() + "/ds_round.json";
+  Result a = run("plan --gpus 8 --strategy zero3 --offload-optimizer cpu --micro-batch 2 --grad-accum 4 --json "
+                 "--write-ds-config " + file);
+  ASSERT_EQ(a.code, 0) << a.out;
+  std::ifstream in(file);
+  const auto ds = nlohmann::json::parse(in);
+  EXPECT_EQ(ds["train_batch_size"], 2 * 4 * 8);  // DeepSpeed's rule: micro x accumulation x ranks
+  EXPECT_EQ(ds["zero_optimization"]["stage"], 3);
+  Result b = run("plan --gpus 8 --ds-config " + file + " --json");
+  ASSERT_EQ(b.code, 0) << b.out;
+  const auto ja = nlohmann::json::parse(a.out), jb = nlohmann::json::parse(b.out);
+  EXPECT_EQ(ja["memory"], jb["memory"]);
+  EXPECT_EQ(jb["strategy"], "zero3");
+}
