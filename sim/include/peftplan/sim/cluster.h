@@ -72,6 +72,13 @@ struct Efficiency {
                                   //   launch overhead is a few microseconds)
 };
 
+// The GEMM rate one rank reaches while `ranks` ranks compute at once on a node whose ranks share
+// CPU cores (a CPU host running the executor, measured by `peftplan calibrate`).
+struct SharedComputeRate {
+  std::int32_t ranks = 1;    // ranks computing at once on one node
+  double flops_per_s = 0.0;  // fp32 GEMM rate of one rank over the executor's shape mix
+};
+
 struct Cluster {
   std::string name;                    // preset or spelling it came from, e.g. "8xA100-80GB"
   GpuSpec gpu;                         // every GPU in the cluster is this one
@@ -86,6 +93,8 @@ struct Cluster {
   double host_memory_bytes_per_s = 0.0;  // CPU memory bandwidth available to one rank
   double cpu_adam_params_per_s = 0.0;    // CPU AdamW updates per second available to one rank
   Efficiency efficiency;
+  std::vector<SharedComputeRate> shared_compute;  // by rank count; empty unless calibrated on a
+                                                  //   host whose ranks share cores
 };
 
 constexpr std::int32_t total_gpus(const Cluster& c) { return c.nodes * c.gpus_per_node; }

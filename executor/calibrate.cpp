@@ -1,0 +1,721 @@
+// Calibration: measurements of this host, their fits, and the cluster profile (see calibrate.h).
+//
+// Collective sizes and bandwidths follow NVIDIA/nccl-tests doc/PERFORMANCE.md: S is the whole
+// buffer of an all_reduce and the whole gathered/scattered array of an all_gather or
+// reduce_scatter; algbw = S / t; busbw = algbw × 2(n-1)/n (all_reduce) or (n-1)/n
+// (reduce_scatter, all_gather), the bandwidth a ring moves on its busiest link. Like nccl-tests,
+// each size runs a batch of operations back to back and reports the mean per operation; we take
+// the slowest rank's mean.
+//
+// Memory bandwidth is STREAM's triad a[i] = b[i] + s·c[i] over arrays far larger than the last
+// cache level, counting 24 bytes per element as STREAM does (McCalpin, "Memory Bandwidth and
+// Machine Balance in Current High Performance Computers", IEEE TCCA Newsletter, 1995).
+//
+// The profile. The "GPU" is this CPU as one rank sees it when all N ranks run:
+//   fp32 FLOP/s   = fitted GEMM plateau (one rank alone) × shared rate(N) / shared rate(1);
+//   efficiency    = gemm_max 1 and gemm_half_dim fitted, so sim's gemm_efficiency gives the
+//                   measured shape dependence (small K/N GEMMs are far from the plateau);
+//   hbm           = triad bandwidth per rank with N ranks at once, efficiency.hbm 1;
+//   memory        = host RAM / N (the ranks share it); host_ram = RAM;
+//   intra link    = "MPI-shm": latency per ring step and achieved rate fitted so that
+//                   sim::collective_cost reproduces the N-rank measurements, collective_intra 1;
+//   host<->device = a memcpy within RAM: triad bandwidth / 2 (a copy reads and writes each byte);
+//   cpu_adam      = triad bandwidth / 28 bytes per parameter (AdamW in fp32 reads param, grad,
+//                   m, v and writes param, m, v: 7 × 4 bytes), a memory-roofline estimate;
+//   kernel launch = 0 (CPU kernels are function calls);
+//   shared_compute = the per-rank GEMM rate for 1..N ranks at once, for the planner.
+#include "peftplan/executor/calibrate.h"
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <thread>
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "peftplan/common/error.h"
+#include "peftplan/executor/kernels.h"
+#include "peftplan/sim/collectives.h"
+#include "peftplan/sim/compute.h"
+
+namespace peftplan::executor {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kGiga = 1e9;
+constexpr double kMicro = 1e-6;
+constexpr sim::Collective kKinds[] = {sim::Collective::all_reduce, sim::Collective::reduce_scatter,
+                                      sim::Collective::all_gather};
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void say(std::FILE* log, const std::string& line) {
+  if (!log) return;
+  std::fputs(line.c_str(), log);
+  std::fflush(log);
+}
+
+// --- weighted two-parameter least squares, y ≈ a·u + b·v with a, b >= 0 ---------------------
+
+struct Fit2 {
+  double a = 0.0;
+  double b = 0.0;
+};
+
+Fit2 nonneg_least_squares(std::span<const double> u, std::span<const double> v,
+                          std::span<const double> y, std::span<const double> w) {
+  double suu = 0, suv = 0, svv = 0, suy = 0, svy = 0;
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    suu += w[i] * u[i] * u[i];
+    suv += w[i] * u[i] * v[i];
+    svv += w[i] * v[i] * v[i];
+    suy += w[i] * u[i] * y[i];
+    svy += w[i] * v[i] * y[i];
+  }
+  Fit2 f;
+  const double det = suu * svv - suv * suv;
+  if (det > 1e-12 * std::max(suu * svv, std::numeric_limits<double>::min())) {
+    f.a = (suy * svv - svy * suv) / det;
+    f.b = (svy * suu - suy * suv) / det;
+  } else {
+    f.a = -1.0;  // degenerate: fall through to the one-parameter fits
+  }
+  if (f.a < 0.0) {
+    f.a = 0.0;
+    f.b = svv > 0 ? svy / svv : 0.0;
+  }
+  if (f.b < 0.0) {
+    f.b = 0.0;
+    f.a = suu > 0 ? std::max(0.0, suy / suu) : 0.0;
+  }
+  return f;
+}
+
+double rms_rel(std::span<const double> predicted, std::span<const double> measured) {
+  if (measured.empty()) return 0.0;
+  double s = 0.0;
+  for (std::size_t i = 0; i < measured.size(); ++i) {
+    const double r = predicted[i] / measured[i] - 1.0;
+    s += r * r;
+  }
+  return std::sqrt(s / static_cast<double>(measured.size()));
+}
+
+double saturate(double x, double h) { return x / (x + h); }
+
+// Sum over dimensions of log f(x) for sim's curve.
+double log_shape_factor(const GemmShape& s, double h) {
+  return std::log(saturate(static_cast<double>(s.M), h)) +
+         std::log(saturate(static_cast<double>(s.N), h)) +
+         std::log(saturate(static_cast<double>(s.K), h));
+}
+
+// For a given half_dim, the best log(plateau) and the squared log error.
+std::pair<double, double> curve_at(std::span<const GemmResult> r, double h) {
+  double mean = 0.0;
+  for (const auto& g : r) mean += std::log(g.flops_per_s) - log_shape_factor(g.shape, h);
+  mean /= static_cast<double>(r.size());
+  double sse = 0.0;
+  for (const auto& g : r) {
+    const double e = std::log(g.flops_per_s) - log_shape_factor(g.shape, h) - mean;
+    sse += e * e;
+  }
+  return {mean, sse};
+}
+
+// sim's time for a ring collective on a one-node probe cluster with the given link.
+double sim_ring_time(sim::Collective kind, std::uint64_t bytes, int ranks, double latency_s,
+                     double bytes_per_s) {
+  sim::Cluster c;
+  c.gpus_per_node = ranks;
+  c.nodes = 1;
+  c.intra_node_link.latency_s = latency_s;
+  c.intra_node_link.bandwidth_bytes_per_s = bytes_per_s;
+  c.efficiency.collective_intra = 1.0;
+  return sim::collective_cost(kind, bytes, ranks, c, sim::CollectiveAlgorithm::ring).time_s;
+}
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto colon = line.find(':');
+      if (colon != std::string::npos) {
+        std::string v = line.substr(colon + 1);
+        v.erase(0, v.find_first_not_of(" \t"));
+        return v;
+      }
+    }
+  }
+  return "unknown";
+}
+
+// "AMD EPYC 7B13 64-Core Processor" -> "AMD-EPYC-7B13-64-Core-Processor".
+std::string slug(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    const bool keep = std::isalnum(static_cast<unsigned char>(ch)) != 0 || ch == '.';
+    if (keep) out += ch;
+    else if (!out.empty() && out.back() != '-') out += '-';
+  }
+  while (!out.empty() && out.back() == '-') out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+// --- measurements ---------------------------------------------------------------------------
+
+struct GemmBuffers {
+  std::vector<float> x, W, y;
+  explicit GemmBuffers(const GemmShape& s)
+      : x(static_cast<std::size_t>(s.M * s.K)), W(static_cast<std::size_t>(s.N * s.K)),
+        y(static_cast<std::size_t>(s.M * s.N)) {
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i % 17) * 0.01 - 0.08);
+    for (std::size_t i = 0; i < W.size(); ++i) W[i] = static_cast<float>((i % 13) * 0.01 - 0.06);
+  }
+  void run(const GemmShape& s) {
+    cpu::linear_forward<float>(x.data(), W.data(), nullptr, y.data(), s.M, s.K, s.N);
+  }
+};
+
+GemmResult time_gemm(const GemmShape& s, double min_time_s, int min_calls) {
+  GemmBuffers b(s);
+  b.run(s);  // warm-up: page faults, Eigen's packing buffers
+  GemmResult r;
+  r.shape = s;
+  const auto t0 = Clock::now();
+  double elapsed = 0.0;
+  do {
+    b.run(s);
+    ++r.calls;
+    elapsed = seconds_since(t0);
+  } while (elapsed < min_time_s || r.calls < min_calls);
+  r.seconds = elapsed / r.calls;
+  r.flops_per_s = gemm_flops(s) / r.seconds;
+  return r;
+}
+
+// GEMM rate over the mix while running for `duration_s` (every active rank for the same window).
+double gemm_mix_rate(std::span<const GemmShape> mix, double duration_s) {
+  std::vector<GemmBuffers> bufs;
+  for (const auto& s : mix) bufs.emplace_back(s);
+  for (std::size_t i = 0; i < mix.size(); ++i) bufs[i].run(mix[i]);
+  double flops = 0.0;
+  const auto t0 = Clock::now();
+  double elapsed = 0.0;
+  do {
+    for (std::size_t i = 0; i < mix.size(); ++i) {
+      bufs[i].run(mix[i]);
+      flops += gemm_flops(mix[i]);
+    }
+    elapsed = seconds_since(t0);
+  } while (elapsed < duration_s);
+  return flops / elapsed;
+}
+
+// STREAM triad bandwidth: the best pass within `duration_s` (at least 3 passes).
+double triad_bandwidth(std::size_t n, double duration_s) {
+  std::vector<double> a(n), b(n, 1.0), c(n, 2.0);
+  const double scalar = 3.0;
+  const auto pass = [&] {
+    double* pa = a.data();
+    const double* pb = b.data();
+    const double* pc = c.data();
+    const auto len = static_cast<std::int64_t>(n);
+#pragma omp parallel for schedule(static)
+    for (std::int64_t i = 0; i < len; ++i) pa[i] = pb[i] + scalar * pc[i];
+  };
+  pass();  // first touch
+  double best = std::numeric_limits<double>::max();
+  const auto start = Clock::now();
+  int passes = 0;
+  do {
+    const auto t0 = Clock::now();
+    pass();
+    best = std::min(best, seconds_since(t0));
+    ++passes;
+  } while (passes < 3 || seconds_since(start) < duration_s);
+  PEFTPLAN_CHECK(a[n / 2] == 7.0);  // 1 + 3·2: the loop really ran
+  return 3.0 * sizeof(double) * static_cast<double>(n) / best;
+}
+
+double max_over_ranks(Communicator& comm, double x) {
+  comm.all_reduce(&x, &x, 1, CommDType::fp64, ReduceOp::max);
+  return x;
+}
+
+CollectivePoint time_collective(Communicator& comm, sim::Collective kind, std::uint64_t size,
+                                bool quick) {
+  const int n = comm.size();
+  CollectivePoint p;
+  p.kind = kind;
+  p.ranks = n;
+  const std::size_t per_rank =
+      kind == sim::Collective::all_reduce ? 1 : static_cast<std::size_t>(n);
+  const std::size_t count = std::max<std::size_t>(1, size / sizeof(float) / per_rank);
+  const std::size_t total = count * per_rank;  // elements of the whole array
+  p.count = count;
+  p.bytes = total * sizeof(float);
+  std::vector<float> send(kind == sim::Collective::all_gather ? count : total, 1.0f);
+  std::vector<float> recv(kind == sim::Collective::reduce_scatter ? count : total, 0.0f);
+  const auto launch = [&] {
+    switch (kind) {
+      case sim::Collective::all_reduce:
+        return comm.all_reduce_async(send.data(), recv.data(), count, CommDType::fp32, ReduceOp::sum);
+      case sim::Collective::reduce_scatter:
+        return comm.reduce_scatter_async(send.data(), recv.data(), count, CommDType::fp32, ReduceOp::sum);
+      default:
+        return comm.all_gather_async(send.data(), recv.data(), count, CommDType::fp32);
+    }
+  };
+  // Warm-up, and a probe that sets the iteration count (the same on every rank).
+  launch()->wait();
+  auto t0 = Clock::now();
+  launch()->wait();
+  const double probe = max_over_ranks(comm, seconds_since(t0));
+  const double target_s = quick ? 0.01 : 0.05;
+  const int min_iters = quick ? 3 : 5, max_iters = quick ? 200 : 1000;
+  p.iterations = std::clamp(static_cast<int>(std::ceil(target_s / std::max(probe, 1e-7))),
+                            min_iters, max_iters);
+  comm.barrier();
+  launch()->wait();  // aligns the ranks more tightly than the (sleeping) barrier does
+  std::vector<std::unique_ptr<CommRequest>> inflight;
+  inflight.reserve(static_cast<std::size_t>(p.iterations));
+  t0 = Clock::now();
+  for (int i = 0; i < p.iterations; ++i) inflight.push_back(launch());
+  for (auto& r : inflight) r->wait();
+  const double mean = seconds_since(t0) / p.iterations;
+  p.time_s = max_over_ranks(comm, mean);
+  p.algbw_bytes_per_s = static_cast<double>(p.bytes) / p.time_s;
+  p.busbw_bytes_per_s = p.algbw_bytes_per_s * sim::busbw_factor(kind, n);
+  return p;
+}
+
+}  // namespace
+
+// --- pure parts -----------------------------------------------------------------------------
+
+std::vector<GemmShape> calibration_gemm_shapes(bool quick) {
+  // K x N of the executor's linears: tiny-llama (H 64, I 176), ~100M Llama (H 640, I 1728,
+  // V 32000) and a GPT-2-small-like 768x2048.
+  constexpr std::pair<std::int64_t, std::int64_t> kn[] = {
+      {64, 64},   {64, 176},   {176, 64},    {128, 352},   {640, 640},
+      {640, 1728}, {1728, 640}, {640, 32000}, {768, 2048}};
+  std::vector<std::int64_t> ms = quick ? std::vector<std::int64_t>{256, 1024}
+                                       : std::vector<std::int64_t>{256, 1024, 2048};
+  std::vector<GemmShape> out;
+  for (auto M : ms)
+    for (auto [K, N] : kn) {
+      if (quick && N == 32000) continue;
+      out.push_back({M, K, N});
+    }
+  return out;
+}
+
+std::vector<GemmShape> gemm_mix(bool quick) {
+  const std::int64_t M = quick ? 256 : 1024;
+  return {{M, 640, 640}, {M, 640, 1728}, {M, 1728, 640}};
+}
+
+std::vector<std::uint64_t> calibration_sizes(bool quick) {
+  std::vector<std::uint64_t> out;
+  if (quick)
+    for (std::uint64_t s = 16; s <= (4ULL << 20); s *= 4) out.push_back(s);
+  else
+    for (std::uint64_t s = 8; s <= (64ULL << 20); s *= 2) out.push_back(s);
+  return out;
+}
+
+double wire_bytes(sim::Collective kind, std::uint64_t bytes, int ranks) {
+  return static_cast<double>(bytes) * sim::busbw_factor(kind, ranks);
+}
+
+AlphaBeta fit_alpha_beta(std::span<const double> x_bytes, std::span<const double> time_s) {
+  PEFTPLAN_CHECK(x_bytes.size() == time_s.size() && !time_s.empty());
+  std::vector<double> ones(time_s.size(), 1.0), w(time_s.size());
+  for (std::size_t i = 0; i < time_s.size(); ++i) w[i] = 1.0 / (time_s[i] * time_s[i]);
+  const Fit2 f = nonneg_least_squares(ones, x_bytes, time_s, w);
+  AlphaBeta ab{f.a, f.b, 0.0};
+  std::vector<double> pred(time_s.size());
+  for (std::size_t i = 0; i < time_s.size(); ++i) pred[i] = f.a + f.b * x_bytes[i];
+  ab.rms_rel_error = rms_rel(pred, time_s);
+  return ab;
+}
+
+std::vector<CollectiveFit> fit_collectives(std::span<const CollectivePoint> points) {
+  std::vector<CollectiveFit> out;
+  std::vector<int> rank_counts;
+  for (const auto& p : points)
+    if (std::find(rank_counts.begin(), rank_counts.end(), p.ranks) == rank_counts.end())
+      rank_counts.push_back(p.ranks);
+  std::sort(rank_counts.begin(), rank_counts.end());
+  for (int n : rank_counts)
+    for (auto kind : kKinds) {
+      std::vector<double> x, t;
+      for (const auto& p : points)
+        if (p.ranks == n && p.kind == kind) {
+          x.push_back(wire_bytes(kind, p.bytes, n));
+          t.push_back(p.time_s);
+        }
+      if (!t.empty()) out.push_back({kind, n, fit_alpha_beta(x, t)});
+    }
+  return out;
+}
+
+GemmCurve fit_gemm_curve(std::span<const GemmResult> results) {
+  PEFTPLAN_CHECK(!results.empty());
+  // sse(h) over a log grid 0.25 .. 8192, then golden-section refinement around the best cell.
+  constexpr int kGrid = 160;
+  const double lo = std::log(0.25), hi = std::log(8192.0);
+  double best_h = 0.0, best_sse = curve_at(results, 0.0).second;  // h = 0: no shape effect
+  int best_i = -1;
+  for (int i = 0; i < kGrid; ++i) {
+    const double h = std::exp(lo + (hi - lo) * i / (kGrid - 1));
+    const double sse = curve_at(results, h).second;
+    if (sse < best_sse) best_sse = sse, best_h = h, best_i = i;
+  }
+  if (best_i >= 0) {
+    double a = lo + (hi - lo) * std::max(0, best_i - 1) / (kGrid - 1);
+    double b = lo + (hi - lo) * std::min(kGrid - 1, best_i + 1) / (kGrid - 1);
+    const double g = (std::sqrt(5.0) - 1.0) / 2.0;
+    for (int it = 0; it < 60; ++it) {
+      const double c = b - g * (b - a), d = a + g * (b - a);
+      if (curve_at(results, std::exp(c)).second < curve_at(results, std::exp(d)).second) b = d;
+      else a = c;
+    }
+    const double h = std::exp(0.5 * (a + b));
+    if (curve_at(results, h).second < best_sse) best_h = h;
+  }
+  GemmCurve c;
+  c.half_dim = best_h;
+  c.plateau_flops_per_s = std::exp(curve_at(results, best_h).first);
+  std::vector<double> pred, meas;
+  for (const auto& g : results) {
+    pred.push_back(c.plateau_flops_per_s * std::exp(log_shape_factor(g.shape, best_h)));
+    meas.push_back(g.flops_per_s);
+  }
+  c.rms_rel_error = rms_rel(pred, meas);
+  return c;
+}
+
+LinkFit fit_link(std::span<const CollectivePoint> points, int ranks) {
+  // sim's ring time is affine in (latency L, inverse bandwidth 1/B): t = c0 + c1·L + c2/B, with
+  // the coefficients taken from sim itself so that the fit matches whatever collective_cost
+  // computes. One link serves every collective kind, and MPI's kinds differ (all_reduce and
+  // reduce_scatter also reduce; all_gather only copies), so no (L, B) fits all of them; we
+  // minimise the squared log error, sum (log(t_sim / t_measured))^2, which splits the difference
+  // geometrically instead of favouring under-prediction as relative residuals would. A 2-D grid
+  // search over log L and log B, refined twice around the best cell.
+  constexpr double kFast = 1e30;  // bytes/s: a bandwidth term of zero
+  struct Row {
+    double c0, c1, c2, t;
+  };
+  std::vector<Row> rows;
+  for (const auto& p : points) {
+    if (p.ranks != ranks) continue;
+    const double c0 = sim_ring_time(p.kind, p.bytes, ranks, 0.0, kFast);
+    rows.push_back({c0, sim_ring_time(p.kind, p.bytes, ranks, 1.0, kFast) - c0,
+                    sim_ring_time(p.kind, p.bytes, ranks, 0.0, 1.0) - c0, p.time_s});
+  }
+  LinkFit f;
+  f.ranks = ranks;
+  if (rows.empty()) return f;
+  const auto cost = [&](double L, double inv_B) {
+    double s = 0.0;
+    for (const Row& r : rows) {
+      const double e = std::log((r.c0 + r.c1 * L + r.c2 * inv_B) / r.t);
+      s += e * e;
+    }
+    return s;
+  };
+  // log10 ranges: L in 1 ns .. 10 ms (and L = 0), B in 1 MB/s .. 10 TB/s.
+  double l_lo = -9.0, l_hi = -2.0, b_lo = 6.0, b_hi = 13.0;
+  double best_l = l_lo, best_b = b_lo, best = std::numeric_limits<double>::max();
+  bool zero_latency = false;
+  constexpr int kSteps = 120;
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i <= kSteps; ++i) {
+      const double lb = b_lo + (b_hi - b_lo) * i / kSteps;
+      const double inv_B = std::pow(10.0, -lb);
+      if (round == 0) {
+        const double c = cost(0.0, inv_B);
+        if (c < best) best = c, best_b = lb, zero_latency = true;
+      }
+      for (int k = 0; k <= kSteps; ++k) {
+        const double ll = l_lo + (l_hi - l_lo) * k / kSteps;
+        const double c = cost(std::pow(10.0, ll), inv_B);
+        if (c < best) best = c, best_b = lb, best_l = ll, zero_latency = false;
+      }
+    }
+    const double dl = 2.0 * (l_hi - l_lo) / kSteps, db = 2.0 * (b_hi - b_lo) / kSteps;
+    l_lo = best_l - dl, l_hi = best_l + dl, b_lo = best_b - db, b_hi = best_b + db;
+  }
+  f.latency_s = zero_latency ? 0.0 : std::pow(10.0, best_l);
+  f.bytes_per_s = std::pow(10.0, best_b);
+  std::vector<double> pred, t;
+  for (const Row& r : rows) {
+    pred.push_back(r.c0 + r.c1 * f.latency_s + r.c2 / f.bytes_per_s);
+    t.push_back(r.t);
+  }
+  f.rms_rel_error = rms_rel(pred, t);
+  f.error_factor = std::exp(std::sqrt(best / static_cast<double>(rows.size())));
+  return f;
+}
+
+sim::Cluster make_profile(const Calibration& cal) {
+  PEFTPLAN_CHECK(cal.ranks >= 1 && !cal.shared.empty());
+  const SharedRate& one = cal.shared.front();
+  const SharedRate& all = cal.shared.back();
+  sim::GpuSpec gpu;
+  gpu.name = fmt::format("cpu-{}-{}c", slug(cal.cpu_model), cal.cores);
+  gpu.memory_bytes = cal.ram_bytes / static_cast<std::uint64_t>(cal.ranks);
+  gpu.hbm_bytes_per_s = all.memory_bytes_per_s;
+  gpu.fp32_flops_per_s =
+      cal.gemm_curve.plateau_flops_per_s * all.gemm_flops_per_s / one.gemm_flops_per_s;
+  gpu.fp16_flops_per_s = gpu.fp32_flops_per_s;  // no half-precision units: fp32 compute
+  gpu.tf32_flops_per_s = 0.0;
+  gpu.bf16_flops_per_s.reset();
+  gpu.intra_node_link = "PCIe4";  // a catalog name sim requires; the cluster's link replaces it
+  gpu.host_link = "PCIe4";
+  sim::Cluster c = sim::make_cluster(gpu, 1, cal.ranks);
+  c.name = fmt::format("{}x{}", cal.ranks, gpu.name);
+  c.intra_node_link = {"MPI-shm", sim::LinkFamily::pcie, cal.link.bytes_per_s, cal.link.latency_s};
+  c.host_ram_bytes_per_node = cal.ram_bytes;
+  c.host_memory_bytes_per_s = all.memory_bytes_per_s;
+  c.host_device_bytes_per_s = all.memory_bytes_per_s / 2.0;
+  c.cpu_adam_params_per_s = all.memory_bytes_per_s / 28.0;
+  c.efficiency.gemm_max = 1.0;
+  c.efficiency.gemm_half_dim = cal.gemm_curve.half_dim;
+  c.efficiency.hbm = 1.0;
+  c.efficiency.collective_intra = 1.0;
+  c.efficiency.host_device = 1.0;
+  c.efficiency.kernel_launch_s = 0.0;
+  for (const auto& s : cal.shared) c.shared_compute.push_back({s.ranks, s.gemm_flops_per_s});
+  return c;
+}
+
+std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
+  std::string o;
+  o += fmt::format("\n# GEMM (cpu::linear_forward, fp32, one rank alone, {} OpenMP thread(s))\n",
+                   cal.omp_threads);
+  o += fmt::format("# {:>6} {:>6} {:>6} {:>12} {:>10} {:>10} {:>7}\n", "M", "K", "N", "time(us)",
+                   "GFLOP/s", "sim", "err");
+  for (const auto& g : cal.gemm) {
+    const double sim_rate = cal.gemm_curve.plateau_flops_per_s *
+                            sim::gemm_efficiency(g.shape.M, g.shape.N, g.shape.K, 1,
+                                                 {.gemm_max = 1.0,
+                                                  .gemm_half_dim = cal.gemm_curve.half_dim});
+    o += fmt::format("  {:>6} {:>6} {:>6} {:>12.1f} {:>10.2f} {:>10.2f} {:>+6.0f}%\n", g.shape.M,
+                     g.shape.K, g.shape.N, g.seconds / kMicro, g.flops_per_s / kGiga,
+                     sim_rate / kGiga, 100.0 * (sim_rate / g.flops_per_s - 1.0));
+  }
+  o += fmt::format("# representative (layer mix): {:.2f} GFLOP/s; fitted curve: plateau {:.2f} "
+                   "GFLOP/s, half_dim {:.1f}, rms error {:.0f}%\n",
+                   cal.gemm_representative_flops_per_s / kGiga,
+                   cal.gemm_curve.plateau_flops_per_s / kGiga, cal.gemm_curve.half_dim,
+                   100.0 * cal.gemm_curve.rms_rel_error);
+  o += "\n# ranks computing at once: per-rank GEMM rate (layer mix) and triad bandwidth\n";
+  o += fmt::format("# {:>5} {:>14} {:>14} {:>14}\n", "ranks", "GFLOP/s/rank", "slowest", "GB/s/rank");
+  for (const auto& s : cal.shared)
+    o += fmt::format("  {:>5} {:>14.2f} {:>14.2f} {:>14.2f}\n", s.ranks, s.gemm_flops_per_s / kGiga,
+                     s.gemm_min_flops_per_s / kGiga, s.memory_bytes_per_s / kGiga);
+  std::vector<int> rank_counts;
+  for (const auto& p : cal.collectives)
+    if (std::find(rank_counts.begin(), rank_counts.end(), p.ranks) == rank_counts.end())
+      rank_counts.push_back(p.ranks);
+  for (int n : rank_counts)
+    for (auto kind : kKinds) {
+      o += fmt::format("\n# {} over {} ranks (fp32{}; time = slowest rank's mean); sim = "
+                       "collective_cost on the profile\n",
+                       sim::name_of(kind), n, kind == sim::Collective::all_gather ? "" : ", sum");
+      o += fmt::format("# {:>12} {:>10} {:>6} {:>11} {:>11} {:>11} {:>11} {:>7}\n", "size(B)",
+                       "count", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "sim(us)", "err");
+      for (const auto& p : cal.collectives) {
+        if (p.ranks != n || p.kind != kind) continue;
+        const double s = n <= sim::total_gpus(profile)
+                             ? sim::collective_cost(kind, p.bytes, n, profile).time_s
+                             : 0.0;
+        o += fmt::format("  {:>12} {:>10} {:>6} {:>11.2f} {:>11.3f} {:>11.3f} {:>11.2f} {:>+6.0f}%\n",
+                         p.bytes, p.count, p.iterations, p.time_s / kMicro,
+                         p.algbw_bytes_per_s / kGiga, p.busbw_bytes_per_s / kGiga, s / kMicro,
+                         100.0 * (s / p.time_s - 1.0));
+      }
+    }
+  o += "\n# alpha-beta fits, t = alpha + bytes_sent / bw (bytes_sent = S x busbw factor)\n";
+  o += fmt::format("# {:>15} {:>5} {:>11} {:>10} {:>9}\n", "collective", "ranks", "alpha(us)",
+                   "bw(GB/s)", "rms err");
+  for (const auto& f : cal.fits)
+    o += fmt::format("  {:>15} {:>5} {:>11.2f} {:>10.3f} {:>8.0f}%\n", sim::name_of(f.kind),
+                     f.ranks, f.fit.alpha_s / kMicro,
+                     f.fit.beta_s_per_byte > 0 ? 1.0 / f.fit.beta_s_per_byte / kGiga : 0.0,
+                     100.0 * f.fit.rms_rel_error);
+  o += fmt::format("# profile link (fitted at {} ranks on sim's ring model, all kinds and sizes): "
+                   "{:.2f} us per step, {:.3f} GB/s; sim is off by a factor {:.2f} typically "
+                   "(rms of log), rms relative error {:.0f}%\n",
+                   cal.link.ranks, cal.link.latency_s / kMicro, cal.link.bytes_per_s / kGiga,
+                   cal.link.error_factor, 100.0 * cal.link.rms_rel_error);
+  return o;
+}
+
+nlohmann::json calibration_to_json(const Calibration& cal) {
+  nlohmann::json gemm = nlohmann::json::array();
+  for (const auto& g : cal.gemm)
+    gemm.push_back({{"M", g.shape.M}, {"K", g.shape.K}, {"N", g.shape.N},
+                    {"time_us", g.seconds / kMicro}, {"GFLOPs", g.flops_per_s / kGiga},
+                    {"calls", g.calls}});
+  nlohmann::json shared = nlohmann::json::array();
+  for (const auto& s : cal.shared)
+    shared.push_back({{"ranks", s.ranks}, {"gemm_GFLOPs_per_rank", s.gemm_flops_per_s / kGiga},
+                      {"gemm_min_GFLOPs", s.gemm_min_flops_per_s / kGiga},
+                      {"triad_GBps_per_rank", s.memory_bytes_per_s / kGiga}});
+  nlohmann::json coll = nlohmann::json::array();
+  for (const auto& p : cal.collectives)
+    coll.push_back({{"collective", sim::name_of(p.kind)}, {"ranks", p.ranks}, {"size_bytes", p.bytes},
+                    {"count", p.count}, {"iterations", p.iterations}, {"time_us", p.time_s / kMicro},
+                    {"algbw_GBps", p.algbw_bytes_per_s / kGiga},
+                    {"busbw_GBps", p.busbw_bytes_per_s / kGiga}});
+  nlohmann::json fits = nlohmann::json::array();
+  for (const auto& f : cal.fits)
+    fits.push_back({{"collective", sim::name_of(f.kind)}, {"ranks", f.ranks},
+                    {"alpha_us", f.fit.alpha_s / kMicro},
+                    {"bw_GBps", f.fit.beta_s_per_byte > 0 ? 1.0 / f.fit.beta_s_per_byte / kGiga : 0.0},
+                    {"rms_rel_error", f.fit.rms_rel_error}});
+  return {
+      {"version", 1},
+      {"quick", cal.quick},
+      {"cpu_model", cal.cpu_model},
+      {"cores", cal.cores},
+      {"ram_GiB", static_cast<double>(cal.ram_bytes) / static_cast<double>(1ULL << 30)},
+      {"ranks", cal.ranks},
+      {"omp_threads_per_rank", cal.omp_threads},
+      {"gemm", gemm},
+      {"gemm_representative_GFLOPs", cal.gemm_representative_flops_per_s / kGiga},
+      {"gemm_curve", {{"plateau_GFLOPs", cal.gemm_curve.plateau_flops_per_s / kGiga},
+                      {"half_dim", cal.gemm_curve.half_dim},
+                      {"rms_rel_error", cal.gemm_curve.rms_rel_error}}},
+      {"shared", shared},
+      {"collectives", coll},
+      {"alpha_beta", fits},
+      {"link", {{"ranks", cal.link.ranks}, {"latency_us", cal.link.latency_s / kMicro},
+                {"GBps", cal.link.bytes_per_s / kGiga}, {"rms_rel_error", cal.link.rms_rel_error},
+                {"error_factor", cal.link.error_factor}}},
+  };
+}
+
+std::filesystem::path measurements_path(const std::filesystem::path& profile_path) {
+  auto p = profile_path;
+  p.replace_filename(profile_path.stem().string() + ".measurements.json");
+  return p;
+}
+
+void write_profile(const sim::Cluster& profile, const Calibration& cal,
+                   const std::filesystem::path& path) {
+  const auto dir = path.parent_path();
+  if (!dir.empty()) std::filesystem::create_directories(dir);
+  const auto tmp_name = [](const std::filesystem::path& p) {
+    auto t = p;
+    t += fmt::format(".tmp.{}", ::getpid());
+    return t;
+  };
+  // The measurements first: a profile never sits beside another run's measurements.
+  const auto mpath = measurements_path(path);
+  const auto mtmp = tmp_name(mpath);
+  {
+    std::ofstream out(mtmp);
+    if (!out) throw input_error(mpath.string(), "", "cannot be written");
+    out << calibration_to_json(cal).dump(1) << '\n';
+    if (!out) throw input_error(mpath.string(), "", "could not be written completely");
+  }
+  std::filesystem::rename(mtmp, mpath);
+  const auto ptmp = tmp_name(path);
+  sim::write_cluster_file(profile, ptmp);
+  std::filesystem::rename(ptmp, path);
+}
+
+// --- the measurement ------------------------------------------------------------------------
+
+Calibration run_calibration(Communicator& world, const CalibrateOptions& options, std::FILE* log) {
+  const bool quick = options.quick;
+  const int N = world.size();
+  const int me = world.rank();
+  Calibration cal;
+  cal.quick = quick;
+  cal.ranks = N;
+  cal.cpu_model = cpu_model_name();
+  cal.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cal.ram_bytes = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                  static_cast<std::uint64_t>(::sysconf(_SC_PAGE_SIZE));
+  // Ranks share the cores: unless the user chose (OMP_NUM_THREADS), each rank gets cores / N
+  // OpenMP threads, as when mpirun binds one rank per core. Oversubscribed OpenMP teams stall
+  // whenever one thread is descheduled, which made 2-thread ranks on 2 shared cores 10x slower.
+  if (std::getenv("OMP_NUM_THREADS") == nullptr)
+    omp_set_num_threads(std::max(1, std::min(omp_get_max_threads(), cal.cores / N)));
+  cal.omp_threads = omp_get_max_threads();
+  say(log, fmt::format("peftplan calibrate: {} ({} CPUs, {:.1f} GiB), {} ranks, {} OpenMP "
+                       "thread(s) per rank{}\n",
+                       cal.cpu_model, cal.cores,
+                       static_cast<double>(cal.ram_bytes) / static_cast<double>(1ULL << 30), N,
+                       cal.omp_threads, quick ? ", quick" : ""));
+
+  // 1. GEMM shapes, rank 0 alone (the others wait in a sleeping barrier).
+  say(log, "measuring GEMM shapes on one rank...\n");
+  if (me == 0) {
+    for (const auto& s : calibration_gemm_shapes(quick))
+      cal.gemm.push_back(time_gemm(s, quick ? 0.02 : 0.2, quick ? 2 : 3));
+    double flops = 0.0, seconds = 0.0;
+    for (const auto& s : gemm_mix(quick)) {
+      const GemmResult r = time_gemm(s, quick ? 0.02 : 0.2, quick ? 2 : 3);
+      flops += gemm_flops(s);
+      seconds += r.seconds;
+    }
+    cal.gemm_representative_flops_per_s = flops / seconds;
+    cal.gemm_curve = fit_gemm_curve(cal.gemm);
+  }
+  world.barrier();
+
+  // 2. 1..N ranks computing at once, then streaming memory at once.
+  const auto mix = gemm_mix(quick);
+  const double window_s = quick ? 0.15 : 0.6;
+  const std::size_t triad_n = quick ? (4u << 20) : (16u << 20);  // doubles per array
+  for (int n = 1; n <= N; ++n) {
+    say(log, fmt::format("measuring {} rank(s) computing and streaming at once...\n", n));
+    const bool active = me < n;
+    world.barrier();
+    const double gemm = active ? gemm_mix_rate(mix, window_s) : 0.0;
+    world.barrier();
+    const double bw = active ? triad_bandwidth(triad_n, window_s) : 0.0;
+    double sums[2] = {gemm, bw};
+    world.all_reduce(sums, sums, 2, CommDType::fp64, ReduceOp::sum);
+    double slowest = active ? gemm : std::numeric_limits<double>::max();
+    world.all_reduce(&slowest, &slowest, 1, CommDType::fp64, ReduceOp::min);
+    cal.shared.push_back({n, sums[0] / n, slowest, sums[1] / n});
+  }
+
+  // 3. Collectives over 2..N ranks (ranks 0..n-1; the rest wait at the world barrier).
+  for (int n = 2; n <= N; ++n) {
+    say(log, fmt::format("measuring collectives over {} ranks...\n", n));
+    auto group = world.split(me < n ? 0 : -1, me);
+    if (group)
+      for (auto kind : kKinds)
+        for (auto size : calibration_sizes(quick))
+          cal.collectives.push_back(time_collective(*group, kind, size, quick));
+    group.reset();
+    world.barrier();
+  }
+  cal.fits = fit_collectives(cal.collectives);
+  cal.link = fit_link(cal.collectives, N);
+  return cal;
+}
+
+}  // namespace peftplan::executor

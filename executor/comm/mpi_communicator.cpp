@@ -1,0 +1,418 @@
+// The MPI Communicator (see communicator.h): collectives over host memory with MPI.
+//
+// Threading design. Each communicator owns one communication thread and a FIFO queue; every
+// operation, synchronous or asynchronous, is a job on that queue, and the thread runs the jobs
+// one at a time in call order. So
+//   - all ranks issue their MPI collectives on a communicator in program order, whatever mix of
+//     sync and async calls the caller makes (MPI requires the same order on every rank);
+//   - the caller's thread never enters MPI after construction, so backward compute on the
+//     caller's thread overlaps with a reduction in flight: the reduction progresses because the
+//     communication thread sits inside the blocking MPI call (Open MPI and MPICH progress
+//     blocking collectives by polling), not because the caller polls;
+//   - MPI needs only MPI_THREAD_SERIALIZED while a single communicator is in use (calls come from
+//     one thread at a time, and not from the thread that initialised MPI, which rules out
+//     FUNNELED). MpiRuntime asks for MPI_THREAD_MULTIPLE, which several communicators active at
+//     once need (each has its own thread); with only SERIALIZED, use one at a time.
+// Barriers wait with MPI_Ibarrier + MPI_Test and a sleeping back-off, so that ranks idling at a
+// barrier leave the CPU to ranks that compute (the calibration relies on it on shared cores).
+// Blocking collectives are left to MPI's own busy-polling: it is the fastest path, and on a CPU
+// host it costs one core per rank while the collective runs.
+//
+// Every MPI call goes through PEFTPLAN_MPI_CHECK, which throws CommError with file:line, the call
+// and MPI_Error_string's text; communicators are created with MPI_ERRORS_RETURN so that the
+// check sees errors instead of MPI aborting the job.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/executor/communicator.h"
+
+namespace peftplan::executor {
+namespace {
+
+[[noreturn]] void throw_mpi_error(int rc, const char* call, const char* file, int line) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  throw CommError(fmt::format("{}:{}: {} failed: {} (MPI error {})", file, line, call,
+                              std::string(text, static_cast<std::size_t>(len)), rc));
+}
+
+#define PEFTPLAN_MPI_CHECK(call)                                             \
+  do {                                                                       \
+    const int peftplan_mpi_rc_ = (call);                                     \
+    if (peftplan_mpi_rc_ != MPI_SUCCESS)                                     \
+      throw_mpi_error(peftplan_mpi_rc_, #call, __FILE__, __LINE__);          \
+  } while (0)
+
+MPI_Datatype mpi_type(CommDType t) {
+  switch (t) {
+    case CommDType::fp32: return MPI_FLOAT;
+    case CommDType::fp64: return MPI_DOUBLE;
+    case CommDType::fp16:
+    case CommDType::bf16: return MPI_UINT16_T;  // moved as raw bits, never reduced
+    case CommDType::int32: return MPI_INT32_T;
+    case CommDType::int64: return MPI_INT64_T;
+    case CommDType::uint8: return MPI_UINT8_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return MPI_SUM;
+    case ReduceOp::max: return MPI_MAX;
+    case ReduceOp::min: return MPI_MIN;
+  }
+  return MPI_OP_NULL;
+}
+
+void check_reducible(CommDType t) {
+  PEFTPLAN_CHECK_MSG(t != CommDType::fp16 && t != CommDType::bf16,
+                     "the MPI communicator cannot reduce {} (MPI has no 16-bit float type)",
+                     name_of(t));
+}
+
+int mpi_count(std::size_t count) {
+  PEFTPLAN_CHECK_MSG(count <= static_cast<std::size_t>(INT_MAX),
+                     "{} elements exceed MPI's int count", count);
+  return static_cast<int>(count);
+}
+
+// Owner of an MPI_Comm (freed on destruction). MPI_COMM_NULL owns nothing.
+class CommHandle {
+ public:
+  explicit CommHandle(MPI_Comm c) : comm_(c) {}
+  ~CommHandle() {
+    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);  // errors ignored in a destructor
+  }
+  CommHandle(const CommHandle&) = delete;
+  CommHandle& operator=(const CommHandle&) = delete;
+  MPI_Comm get() const { return comm_; }
+  MPI_Comm release() { return std::exchange(comm_, MPI_COMM_NULL); }
+
+ private:
+  MPI_Comm comm_;
+};
+
+// Completion state shared by a job on the communication thread and its request.
+struct OpState {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+class MpiRequest final : public CommRequest {
+ public:
+  explicit MpiRequest(std::shared_ptr<OpState> s) : s_(std::move(s)) {}
+  ~MpiRequest() override {
+    std::unique_lock lock(s_->m);
+    s_->cv.wait(lock, [&] { return s_->done; });
+  }
+  void wait() override {
+    std::unique_lock lock(s_->m);
+    s_->cv.wait(lock, [&] { return s_->done; });
+    if (s_->error) std::rethrow_exception(std::exchange(s_->error, nullptr));
+  }
+  bool done() override {
+    std::lock_guard lock(s_->m);
+    return s_->done;
+  }
+
+ private:
+  std::shared_ptr<OpState> s_;
+};
+
+// One thread running queued jobs in FIFO order; the destructor finishes the queue, then joins.
+class CommThread {
+ public:
+  CommThread() : thread_([this] { run(); }) {}
+  ~CommThread() {
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  CommThread(const CommThread&) = delete;
+  CommThread& operator=(const CommThread&) = delete;
+
+  void post(std::function<void()> job) {
+    {
+      std::lock_guard lock(m_);
+      queue_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock lock(m_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      job();  // jobs catch their own exceptions
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the queue exists
+};
+
+// Barrier that sleeps while it waits (see the file comment).
+void low_cpu_barrier(MPI_Comm comm) {
+  MPI_Request req = MPI_REQUEST_NULL;
+  PEFTPLAN_MPI_CHECK(MPI_Ibarrier(comm, &req));
+  auto pause = std::chrono::microseconds(0);
+  for (;;) {
+    int flag = 0;
+    PEFTPLAN_MPI_CHECK(MPI_Test(&req, &flag, MPI_STATUS_IGNORE));
+    if (flag) return;
+    if (pause.count() == 0) {
+      std::this_thread::yield();
+      pause = std::chrono::microseconds(20);
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Takes ownership of `comm`; rank and size were read on the thread that created it.
+  MpiCommunicator(MPI_Comm comm, int rank, int size) : comm_(comm), rank_(rank), size_(size) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string_view backend() const override { return "mpi"; }
+
+  std::unique_ptr<CommRequest> all_reduce_async(const void* send, void* recv, std::size_t count,
+                                                CommDType dtype, ReduceOp op) override {
+    check_reducible(dtype);
+    const int n = mpi_count(count);
+    const void* sbuf = send == recv ? MPI_IN_PLACE : send;
+    return submit(CommKind::all_reduce, count * bytes_of(dtype), [=](MPI_Comm c) {
+      PEFTPLAN_MPI_CHECK(MPI_Allreduce(sbuf, recv, n, mpi_type(dtype), mpi_op(op), c));
+    });
+  }
+
+  std::unique_ptr<CommRequest> reduce_scatter_async(const void* send, void* recv,
+                                                    std::size_t recv_count, CommDType dtype,
+                                                    ReduceOp op) override {
+    check_reducible(dtype);
+    const int n = mpi_count(recv_count);
+    mpi_count(recv_count * static_cast<std::size_t>(size_));
+    const std::size_t block = recv_count * bytes_of(dtype);
+    auto* base = static_cast<char*>(const_cast<void*>(send));
+    const bool in_place = recv == base + static_cast<std::size_t>(rank_) * block;
+    return submit(CommKind::reduce_scatter, block * static_cast<std::size_t>(size_),
+                  [=, rank = rank_](MPI_Comm c) {
+                    if (in_place) {
+                      // MPI's in-place form reads the whole array from the receive buffer and
+                      // leaves this rank's block at its start; NCCL's leaves it at block `rank`.
+                      PEFTPLAN_MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, base, n,
+                                                                  mpi_type(dtype), mpi_op(op), c));
+                      if (rank != 0) std::memmove(recv, base, block);
+                    } else {
+                      PEFTPLAN_MPI_CHECK(MPI_Reduce_scatter_block(send, recv, n, mpi_type(dtype),
+                                                                  mpi_op(op), c));
+                    }
+                  });
+  }
+
+  std::unique_ptr<CommRequest> all_gather_async(const void* send, void* recv,
+                                                std::size_t send_count,
+                                                CommDType dtype) override {
+    const int n = mpi_count(send_count);
+    mpi_count(send_count * static_cast<std::size_t>(size_));
+    const std::size_t block = send_count * bytes_of(dtype);
+    const bool in_place = send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * block;
+    return submit(CommKind::all_gather, block * static_cast<std::size_t>(size_), [=](MPI_Comm c) {
+      if (in_place)
+        PEFTPLAN_MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n,
+                                         mpi_type(dtype), c));
+      else
+        PEFTPLAN_MPI_CHECK(MPI_Allgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), c));
+    });
+  }
+
+  std::unique_ptr<CommRequest> broadcast_async(const void* send, void* recv, std::size_t count,
+                                               CommDType dtype, int root) override {
+    PEFTPLAN_CHECK_MSG(root >= 0 && root < size_, "broadcast root {} of {} ranks", root, size_);
+    const int n = mpi_count(count);
+    const bool copy_first = rank_ == root && send != recv;
+    return submit(CommKind::broadcast, count * bytes_of(dtype), [=](MPI_Comm c) {
+      if (copy_first) std::memcpy(recv, send, count * bytes_of(dtype));
+      PEFTPLAN_MPI_CHECK(MPI_Bcast(recv, n, mpi_type(dtype), root, c));
+    });
+  }
+
+  std::unique_ptr<CommRequest> barrier_async() override {
+    return submit(CommKind::barrier, 0, [](MPI_Comm c) { low_cpu_barrier(c); });
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    MPI_Comm out = MPI_COMM_NULL;
+    int rank = 0, size = 0;
+    submit(std::nullopt, 0, [&](MPI_Comm c) {
+      PEFTPLAN_MPI_CHECK(MPI_Comm_split(c, color < 0 ? MPI_UNDEFINED : color, key, &out));
+      if (out == MPI_COMM_NULL) return;
+      PEFTPLAN_MPI_CHECK(MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN));
+      PEFTPLAN_MPI_CHECK(MPI_Comm_rank(out, &rank));
+      PEFTPLAN_MPI_CHECK(MPI_Comm_size(out, &size));
+    })->wait();
+    if (out == MPI_COMM_NULL) return nullptr;
+    return std::make_unique<MpiCommunicator>(out, rank, size);
+  }
+
+  CommCounters counters() const override {
+    std::lock_guard lock(counters_m_);
+    return counters_;
+  }
+  void reset_counters() override {
+    std::lock_guard lock(counters_m_);
+    counters_ = CommCounters{};
+  }
+
+ private:
+  // Queues `call` on the communication thread; counts it under `kind` when it succeeds.
+  std::unique_ptr<CommRequest> submit(std::optional<CommKind> kind, std::uint64_t bytes,
+                                      std::function<void(MPI_Comm)> call) {
+    auto state = std::make_shared<OpState>();
+    thread_.post([this, state, kind, bytes, call = std::move(call)] {
+      std::exception_ptr error;
+      try {
+        const auto t0 = std::chrono::steady_clock::now();
+        call(comm_.get());
+        const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+        if (kind) {
+          std::lock_guard lock(counters_m_);
+          CommCounter& k = counters_[*kind];
+          ++k.calls;
+          k.bytes += bytes;
+          k.seconds += dt.count();
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard lock(state->m);
+        state->done = true;
+        state->error = error;
+      }
+      state->cv.notify_all();
+    });
+    return std::make_unique<MpiRequest>(std::move(state));
+  }
+
+  CommHandle comm_;
+  int rank_;
+  int size_;
+  mutable std::mutex counters_m_;
+  CommCounters counters_;
+  CommThread thread_;  // last: destroyed first, so the queue drains before the comm is freed
+};
+
+}  // namespace
+
+std::string_view name_of(CommDType t) {
+  switch (t) {
+    case CommDType::fp32: return "fp32";
+    case CommDType::fp64: return "fp64";
+    case CommDType::fp16: return "fp16";
+    case CommDType::bf16: return "bf16";
+    case CommDType::int32: return "int32";
+    case CommDType::int64: return "int64";
+    case CommDType::uint8: return "uint8";
+  }
+  return "?";
+}
+
+std::string_view name_of(CommKind k) {
+  switch (k) {
+    case CommKind::all_reduce: return "all_reduce";
+    case CommKind::reduce_scatter: return "reduce_scatter";
+    case CommKind::all_gather: return "all_gather";
+    case CommKind::broadcast: return "broadcast";
+    case CommKind::barrier: return "barrier";
+  }
+  return "?";
+}
+
+MpiRuntime::MpiRuntime(int* argc, char*** argv) {
+  int initialised = 0;
+  PEFTPLAN_MPI_CHECK(MPI_Initialized(&initialised));
+  if (initialised) {
+    PEFTPLAN_MPI_CHECK(MPI_Query_thread(&provided_));
+  } else {
+    PEFTPLAN_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided_));
+    owns_ = true;
+  }
+  PEFTPLAN_MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+  PEFTPLAN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
+  PEFTPLAN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size_));
+  if (provided_ < MPI_THREAD_SERIALIZED) {
+    if (owns_) MPI_Finalize();
+    throw CommError(fmt::format(
+        "MPI grants thread level {} but the communicator's thread needs MPI_THREAD_SERIALIZED "
+        "({}) or better; use an MPI built with thread support",
+        provided_, MPI_THREAD_SERIALIZED));
+  }
+}
+
+MpiRuntime::~MpiRuntime() {
+  if (owns_) MPI_Finalize();
+}
+
+std::string_view MpiRuntime::thread_level() const {
+  return provided_ >= MPI_THREAD_MULTIPLE ? "multiple" : "serialized";
+}
+
+void MpiRuntime::abort(int code) const {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::abort();  // MPI_Abort does not return; this keeps [[noreturn]] honest if it does
+}
+
+std::unique_ptr<Communicator> make_mpi_communicator() {
+  int initialised = 0, finalised = 0;
+  PEFTPLAN_MPI_CHECK(MPI_Initialized(&initialised));
+  PEFTPLAN_MPI_CHECK(MPI_Finalized(&finalised));
+  if (!initialised || finalised)
+    throw CommError("make_mpi_communicator: MPI is not initialised (create an MpiRuntime in main())");
+  MPI_Comm comm = MPI_COMM_NULL;
+  PEFTPLAN_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+  CommHandle owner(comm);  // freed if anything below throws
+  PEFTPLAN_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+  int rank = 0, size = 0;
+  PEFTPLAN_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  PEFTPLAN_MPI_CHECK(MPI_Comm_size(comm, &size));
+  return std::make_unique<MpiCommunicator>(owner.release(), rank, size);
+}
+
+}  // namespace peftplan::executor

@@ -1,0 +1,159 @@
+// `peftplan calibrate`: measure this machine as the executor uses it and describe it as a
+// sim::Cluster, so that the simulator predicts the executor.
+//   - GEMM: cpu::linear_forward (Eigen, fp32) on the executor's shapes, one rank alone, and the
+//     rate per rank when 1..N ranks compute at once on the shared cores;
+//   - memory bandwidth: a STREAM triad per rank, 1..N ranks at once;
+//   - collectives through the Communicator: all_reduce, reduce_scatter, all_gather over 2..N
+//     ranks, 8 B .. 64 MiB, reported like nccl-tests (size, time, algbw, busbw);
+//   - fits: latency/bandwidth per kind and rank count, the simulator's GEMM efficiency curve, and
+//     one intra-node link for sim's collective_cost.
+// The fits and the profile are pure functions (unit-tested); run_calibration is the measurement
+// and must be called on every rank of `world`. Deliberately not here: GPU kernels (a device
+// calibration belongs to the CUDA backend), CPU-Adam timing, inter-node links.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "peftplan/executor/communicator.h"
+#include "peftplan/sim/cluster.h"
+#include "peftplan/sim/program.h"
+
+namespace peftplan::executor {
+
+struct CalibrateOptions {
+  bool quick = false;  // fewer shapes, sizes and repetitions: seconds instead of about a minute
+};
+
+// y[M,N] = x[M,K] · W[N,K]^T, the executor's linear layer (cpu::linear_forward).
+struct GemmShape {
+  std::int64_t M = 0;  // token rows (B × S)
+  std::int64_t K = 0;  // in-features
+  std::int64_t N = 0;  // out-features
+};
+constexpr double gemm_flops(const GemmShape& s) {
+  return 2.0 * static_cast<double>(s.M) * static_cast<double>(s.K) * static_cast<double>(s.N);
+}
+
+struct GemmResult {
+  GemmShape shape;
+  double seconds = 0.0;      // mean time of one call
+  double flops_per_s = 0.0;  // gemm_flops / seconds
+  int calls = 0;             // timed calls
+};
+
+// One rank count's compute and memory rates, every rank of the group busy at once.
+struct SharedRate {
+  int ranks = 1;                          // ranks running at once
+  double gemm_flops_per_s = 0.0;          // mean over the ranks, per rank (executor shape mix)
+  double gemm_min_flops_per_s = 0.0;      // slowest rank
+  double memory_bytes_per_s = 0.0;        // triad bandwidth, mean per rank
+};
+
+struct CollectivePoint {
+  sim::Collective kind = sim::Collective::all_reduce;
+  int ranks = 2;
+  std::uint64_t bytes = 0;          // nccl-tests size S (the whole array for rs/ag)
+  std::uint64_t count = 0;          // fp32 elements: S/4 (all_reduce), S/4/ranks (rs, ag)
+  int iterations = 0;               // timed operations
+  double time_s = 0.0;              // max over ranks of the mean time per operation
+  double algbw_bytes_per_s = 0.0;   // S / time
+  double busbw_bytes_per_s = 0.0;   // algbw × busbw_factor(kind, ranks)
+};
+
+// t = alpha + beta × x, x = bytes each rank sends (S × busbw factor).
+struct AlphaBeta {
+  double alpha_s = 0.0;         // latency
+  double beta_s_per_byte = 0.0; // inverse bandwidth; 1 / beta is the achieved busbw
+  double rms_rel_error = 0.0;   // sqrt(mean((fit / measured - 1)^2)) over the fitted points
+};
+
+struct CollectiveFit {
+  sim::Collective kind = sim::Collective::all_reduce;
+  int ranks = 2;
+  AlphaBeta fit;
+};
+
+// sim's GEMM efficiency curve with gemm_max = 1: rate = plateau × f(M) f(N) f(K),
+// f(x) = x / (x + half_dim).
+struct GemmCurve {
+  double plateau_flops_per_s = 0.0;
+  double half_dim = 0.0;
+  double rms_rel_error = 0.0;  // over the measured shapes
+};
+
+// The intra-node link for sim::collective_cost (ring, efficiency 1).
+struct LinkFit {
+  int ranks = 2;               // the rank count whose measurements were fitted
+  double latency_s = 0.0;      // per ring step (sim adds its fixed base latency)
+  double bytes_per_s = 0.0;    // achieved per-rank link rate
+  double rms_rel_error = 0.0;  // over the fitted points, sim's prediction vs measured
+  double error_factor = 1.0;   // exp(rms of log(sim / measured)): the typical factor off
+};
+
+struct Calibration {
+  bool quick = false;
+  std::string cpu_model;          // /proc/cpuinfo "model name"
+  int cores = 0;                  // logical CPUs
+  std::uint64_t ram_bytes = 0;    // physical memory of the host
+  int ranks = 1;                  // ranks in the run (N)
+  int omp_threads = 1;            // OpenMP threads per rank (Eigen's GEMM threads)
+  std::vector<GemmResult> gemm;   // one rank alone, every calibration shape
+  double gemm_representative_flops_per_s = 0.0;  // one rank alone, the shape mix
+  std::vector<SharedRate> shared;                // 1..N ranks at once
+  std::vector<CollectivePoint> collectives;      // 2..N ranks
+  std::vector<CollectiveFit> fits;               // per kind and rank count
+  GemmCurve gemm_curve;
+  LinkFit link;
+};
+
+// --- pure parts ---------------------------------------------------------------------------
+
+// The executor's GEMM shapes: M in {256, 1024, 2048} × K×N of tiny-llama and ~100M Llama layers
+// (quick: M in {256, 1024}, without the 32000-wide head).
+std::vector<GemmShape> calibration_gemm_shapes(bool quick);
+// The mix the shared-core rates and the representative figure use: one Llama layer's
+// q/o (640x640), gate/up (640x1728) and down (1728x640) at M = 1024 (quick: 256).
+std::vector<GemmShape> gemm_mix(bool quick);
+// Collective sizes S in bytes: 8 B .. 64 MiB in ×2 steps (quick: 16 B .. 4 MiB in ×4 steps).
+std::vector<std::uint64_t> calibration_sizes(bool quick);
+
+// Bytes one rank sends in a ring collective of size S: S × busbw_factor(kind, n).
+double wire_bytes(sim::Collective kind, std::uint64_t bytes, int ranks);
+
+// Least squares with relative residuals (each point weighted 1/t^2, so 8 B and 64 MiB count
+// alike), alpha and beta clamped to >= 0.
+AlphaBeta fit_alpha_beta(std::span<const double> x_bytes, std::span<const double> time_s);
+std::vector<CollectiveFit> fit_collectives(std::span<const CollectivePoint> points);
+GemmCurve fit_gemm_curve(std::span<const GemmResult> results);
+// Latency and bandwidth of one intra-node link such that sim::collective_cost reproduces the
+// measurements at `ranks` ranks (least squares on log(t_sim / t_measured) over every kind and size).
+LinkFit fit_link(std::span<const CollectivePoint> points, int ranks);
+
+// The cluster profile of this host (see calibrate.cpp for every field's source).
+sim::Cluster make_profile(const Calibration& cal);
+// nccl-tests-like tables, per rank count and kind, with sim's prediction from `profile` and its
+// error; then the GEMM, memory and fit summaries.
+std::string format_report(const Calibration& cal, const sim::Cluster& profile);
+// Every measurement and fit, with units in keys (the profile's companion file).
+nlohmann::json calibration_to_json(const Calibration& cal);
+// Writes the profile through sim::write_cluster_file and the measurements beside it
+// (<stem>.measurements.json), each through a temporary name and a rename.
+void write_profile(const sim::Cluster& profile, const Calibration& cal,
+                   const std::filesystem::path& path);
+std::filesystem::path measurements_path(const std::filesystem::path& profile_path);
+
+// --- the measurement (every rank of `world` calls it) ------------------------------------
+
+// Progress lines go to `log` (pass nullptr on ranks other than 0). The result is complete on
+// world rank 0; other ranks get their own partial view.
+Calibration run_calibration(Communicator& world, const CalibrateOptions& options,
+                            std::FILE* log);
+
+}  // namespace peftplan::executor

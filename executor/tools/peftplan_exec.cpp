@@ -1,0 +1,72 @@
+// peftplan-exec: the executor, one process per rank under mpirun. Each mode is a CLI11
+// subcommand whose work lives in the executor library; main() only initialises MPI, parses, and
+// maps failures to exit codes (2 bad input, 3 internal or MPI error), ending the whole job with
+// MPI_Abort when one rank fails so that no peer waits in a collective forever.
+//   mpirun -np N peftplan-exec calibrate --out FILE [--quick]
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/executor/calibrate.h"
+#include "peftplan/executor/communicator.h"
+
+namespace {
+
+using namespace peftplan;
+
+void calibrate(const std::string& out, bool quick) {
+  auto world = executor::make_mpi_communicator();
+  if (world->size() < 2)
+    throw InputError(fmt::format("peftplan-exec calibrate: needs at least 2 ranks to measure "
+                                 "collectives, got {} (run it under mpirun -np N)",
+                                 world->size()));
+  const bool root = world->rank() == 0;
+  executor::Calibration cal =
+      executor::run_calibration(*world, {.quick = quick}, root ? stdout : nullptr);
+  if (!root) return;
+  const sim::Cluster profile = executor::make_profile(cal);
+  std::fputs(executor::format_report(cal, profile).c_str(), stdout);
+  executor::write_profile(profile, cal, out);
+  fmt::print("\nwrote {} (cluster profile \"{}\") and {}\n", out, profile.name,
+             executor::measurements_path(out).string());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::unique_ptr<executor::MpiRuntime> mpi;
+  try {
+    mpi = std::make_unique<executor::MpiRuntime>(&argc, &argv);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "peftplan-exec: MPI error: {}\n", e.what());
+    return 3;
+  }
+  CLI::App app{"peftplan-exec: the peftplan executor (one process per rank, under mpirun)"};
+  app.require_subcommand(1);
+  std::string out;
+  bool quick = false;
+  auto* cal = app.add_subcommand("calibrate", "measure this host and write a cluster profile");
+  cal->add_option("--out", out, "cluster profile to write (JSON)")->required();
+  cal->add_flag("--quick", quick, "fewer shapes, sizes and repetitions");
+  cal->callback([&] { calibrate(out, quick); });
+  int code = 0;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    code = mpi->world_rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints
+    if (code != 0) code = 2;
+  } catch (const InputError& e) {
+    fmt::print(stderr, "peftplan-exec: error: {}\n", e.what());
+    code = 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "peftplan-exec: rank {}: internal error: {}\n", mpi->world_rank(), e.what());
+    mpi->abort(3);
+  }
+  return code;
+}

@@ -1,0 +1,246 @@
+// The MPI Communicator, run under mpirun with 2, 3 and 4 ranks (ctest label `mpi`): every
+// collective (sync and async, in place, odd sizes, several dtypes) against values computed by
+// hand, the counters' bytes (nccl-tests sizes), split, and an asynchronous all_reduce that
+// completes while the calling thread computes. A custom main initialises MPI; only rank 0 prints
+// the usual output, other ranks print their failures with their rank, and every rank exits with
+// the worst result of all.
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/executor/communicator.h"
+
+namespace {
+
+using namespace peftplan;
+using namespace peftplan::executor;
+
+Communicator* g_world = nullptr;  // owned by main(); every test uses it
+Communicator& world() { return *g_world; }
+
+// Triangular numbers: sum over ranks r of (r + 1) = n(n+1)/2; of r = n(n-1)/2.
+double tri1(int n) { return n * (n + 1) / 2.0; }
+double tri0(int n) { return n * (n - 1) / 2.0; }
+
+TEST(Comm, AllReduceSumFp32OddCount) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank();
+  const std::size_t count = 1237;  // odd, not a multiple of any rank count
+  std::vector<float> send(count), recv(count, -1.0f);
+  for (std::size_t i = 0; i < count; ++i) send[i] = static_cast<float>(r + 1) + 0.5f * i;
+  c.all_reduce(send.data(), recv.data(), count, CommDType::fp32);
+  for (std::size_t i = 0; i < count; ++i)
+    ASSERT_EQ(recv[i], static_cast<float>(tri1(n) + n * 0.5 * i)) << "element " << i;
+}
+
+TEST(Comm, AllReduceFp64InPlaceAndMaxMin) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank();
+  std::vector<double> x(5);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = 0.25 * (r + 1) * (i + 1);
+  c.all_reduce(x.data(), x.data(), x.size(), CommDType::fp64);  // in place
+  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_DOUBLE_EQ(x[i], 0.25 * tri1(n) * (i + 1));
+  double hi = r, lo = r;
+  c.all_reduce(&hi, &hi, 1, CommDType::fp64, ReduceOp::max);
+  c.all_reduce(&lo, &lo, 1, CommDType::fp64, ReduceOp::min);
+  EXPECT_EQ(hi, n - 1);
+  EXPECT_EQ(lo, 0);
+  std::int64_t big = (std::int64_t{1} << 40) + r;  // int64 sums exactly beyond 2^32
+  c.all_reduce(&big, &big, 1, CommDType::int64);
+  EXPECT_EQ(big, n * (std::int64_t{1} << 40) + static_cast<std::int64_t>(tri0(n)));
+}
+
+TEST(Comm, ReduceScatter) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank();
+  const std::size_t rc = 7;  // elements each rank receives
+  std::vector<float> send(rc * n), recv(rc, -1.0f);
+  for (std::size_t j = 0; j < send.size(); ++j) send[j] = static_cast<float>(j + r);
+  c.reduce_scatter(send.data(), recv.data(), rc, CommDType::fp32);
+  // Block r, element i: sum over ranks k of (r·rc + i + k) = n(r·rc + i) + n(n-1)/2.
+  for (std::size_t i = 0; i < rc; ++i)
+    EXPECT_EQ(recv[i], static_cast<float>(n * (r * rc + i) + tri0(n))) << "element " << i;
+
+  // NCCL's in-place form: the result lands at block `rank` of the send buffer.
+  std::vector<double> buf(rc * n);
+  for (std::size_t j = 0; j < buf.size(); ++j) buf[j] = static_cast<double>(j + r);
+  c.reduce_scatter(buf.data(), buf.data() + r * rc, rc, CommDType::fp64);
+  for (std::size_t i = 0; i < rc; ++i)
+    EXPECT_EQ(buf[r * rc + i], n * static_cast<double>(r * rc + i) + tri0(n)) << "element " << i;
+}
+
+TEST(Comm, AllGather) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank();
+  const std::size_t sc = 5;
+  std::vector<float> send(sc), recv(sc * n, -1.0f);
+  for (std::size_t i = 0; i < sc; ++i) send[i] = static_cast<float>(100 * r + i);
+  c.all_gather(send.data(), recv.data(), sc, CommDType::fp32);
+  for (int k = 0; k < n; ++k)
+    for (std::size_t i = 0; i < sc; ++i)
+      EXPECT_EQ(recv[k * sc + i], static_cast<float>(100 * k + i));
+
+  // In place: this rank's block already sits at its slot. bf16 travels as raw bits.
+  std::vector<std::uint16_t> bits(sc * n, 0);
+  for (std::size_t i = 0; i < sc; ++i) bits[r * sc + i] = static_cast<std::uint16_t>(0x3f80 + 16 * r + i);
+  c.all_gather(bits.data() + r * sc, bits.data(), sc, CommDType::bf16);
+  for (int k = 0; k < n; ++k)
+    for (std::size_t i = 0; i < sc; ++i) EXPECT_EQ(bits[k * sc + i], 0x3f80 + 16 * k + i);
+}
+
+TEST(Comm, Broadcast) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank(), root = n - 1;
+  std::vector<std::int32_t> send(11, r == root ? 42 : -7), recv(11, 0);
+  c.broadcast(send.data(), recv.data(), send.size(), CommDType::int32, root);
+  for (auto v : recv) EXPECT_EQ(v, 42);
+  std::vector<double> x(3, r == 0 ? 2.5 : 0.0);
+  c.broadcast(x.data(), x.data(), x.size(), CommDType::fp64, 0);  // in place
+  for (auto v : x) EXPECT_EQ(v, 2.5);
+}
+
+TEST(Comm, AsyncOperationsCompleteInCallOrder) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank();
+  std::vector<float> a(1001, static_cast<float>(r)), b(3 * n, 1.0f), g(2 * n);
+  std::vector<float> b_out(3);
+  const float mine[2] = {static_cast<float>(r), static_cast<float>(-r)};
+  auto ra = c.all_reduce_async(a.data(), a.data(), a.size(), CommDType::fp32, ReduceOp::sum);
+  auto rb = c.reduce_scatter_async(b.data(), b_out.data(), 3, CommDType::fp32, ReduceOp::sum);
+  auto rg = c.all_gather_async(mine, g.data(), 2, CommDType::fp32);
+  auto rbar = c.barrier_async();
+  rbar->wait();  // the queue runs in order: everything before the barrier is done
+  EXPECT_TRUE(ra->done());
+  EXPECT_TRUE(rb->done());
+  EXPECT_TRUE(rg->done());
+  rg->wait();
+  rb->wait();
+  ra->wait();
+  for (float v : a) EXPECT_EQ(v, static_cast<float>(tri0(n)));
+  for (float v : b_out) EXPECT_EQ(v, static_cast<float>(n));
+  for (int k = 0; k < n; ++k) {
+    EXPECT_EQ(g[2 * k], static_cast<float>(k));
+    EXPECT_EQ(g[2 * k + 1], static_cast<float>(-k));
+  }
+}
+
+// The collective progresses on the communication thread while this thread computes and never
+// calls wait(): done() turns true during the compute loop.
+TEST(Comm, AsyncAllReduceOverlapsCompute) {
+  Communicator& c = world();
+  const int n = c.size();
+  const std::size_t count = 4u << 20;  // 16 MiB of fp32: milliseconds even on shared memory
+  std::vector<float> grad(count, 1.0f);
+  auto req = c.all_reduce_async(grad.data(), grad.data(), count, CommDType::fp32, ReduceOp::sum);
+  std::vector<double> work(4096, 1.0);
+  long chunks_before_done = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!req->done() && std::chrono::steady_clock::now() < deadline) {
+    for (auto& w : work) w = std::sqrt(w * 1.0000001 + 1e-9);  // "backward compute"
+    ++chunks_before_done;
+  }
+  EXPECT_TRUE(req->done()) << "the all_reduce did not complete while the caller computed";
+  EXPECT_GT(chunks_before_done, 0) << "the all_reduce finished before the caller computed";
+  req->wait();
+  EXPECT_EQ(grad.front(), static_cast<float>(n));
+  EXPECT_EQ(grad.back(), static_cast<float>(n));
+  EXPECT_GT(work[0], 0.0);
+}
+
+TEST(Comm, CountersUseNcclTestsSizes) {
+  Communicator& c = world();
+  const int n = c.size();
+  c.barrier();
+  c.reset_counters();
+  std::vector<float> f(10 * n, 1.0f), fo(10 * n);
+  std::vector<double> d(3 * n, 1.0), dout(3);
+  std::vector<std::int32_t> bi(6, 1);
+  c.all_reduce(f.data(), fo.data(), 10, CommDType::fp32);
+  c.reduce_scatter(d.data(), dout.data(), 3, CommDType::fp64);
+  c.all_gather(f.data(), fo.data(), 4, CommDType::fp32);
+  c.broadcast(bi.data(), bi.data(), 6, CommDType::int32, 0);
+  c.barrier();
+  const CommCounters k = c.counters();
+  // nccl-tests doc/PERFORMANCE.md: all_reduce/broadcast size = the buffer; reduce_scatter and
+  // all_gather size = the whole array (shard × ranks).
+  EXPECT_EQ(k[CommKind::all_reduce].bytes, 10u * 4);
+  EXPECT_EQ(k[CommKind::reduce_scatter].bytes, 3u * 8 * n);
+  EXPECT_EQ(k[CommKind::all_gather].bytes, 4u * 4 * n);
+  EXPECT_EQ(k[CommKind::broadcast].bytes, 6u * 4);
+  EXPECT_EQ(k[CommKind::barrier].bytes, 0u);
+  for (const CommCounter& one : k.by_kind) {
+    EXPECT_EQ(one.calls, 1u);
+    EXPECT_GT(one.seconds, 0.0);
+  }
+  c.reset_counters();
+  EXPECT_EQ(c.counters()[CommKind::all_reduce].calls, 0u);
+}
+
+TEST(Comm, SplitMakesIndependentGroups) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank();
+  auto half = c.split(r % 2, r);
+  ASSERT_NE(half, nullptr);
+  EXPECT_EQ(half->size(), (n + 1 - r % 2) / 2);
+  EXPECT_EQ(half->rank(), r / 2);
+  int v = r;
+  half->all_reduce(&v, &v, 1, CommDType::int32);
+  int expect = 0;
+  for (int k = r % 2; k < n; k += 2) expect += k;
+  EXPECT_EQ(v, expect);
+  auto none = c.split(r == 0 ? 0 : -1, r);  // only rank 0 takes part
+  EXPECT_EQ(none != nullptr, r == 0);
+  if (none) {
+    EXPECT_EQ(none->size(), 1);
+  }
+}
+
+TEST(Comm, BadArgumentsAreRefusedBeforeMpi) {
+  std::uint16_t h[2] = {0, 0};
+  EXPECT_THROW(world().all_reduce(h, h, 2, CommDType::bf16), InternalError);
+  EXPECT_THROW(world().broadcast(h, h, 2, CommDType::fp16, world().size()), InternalError);
+}
+
+// Non-zero ranks: print only failures, prefixed with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  MpiRuntime mpi(&argc, &argv);
+  if (mpi.world_rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(mpi.world_rank()));
+  }
+  int result = 0;
+  {
+    auto comm = make_mpi_communicator();
+    g_world = comm.get();
+    result = RUN_ALL_TESTS();
+    std::int32_t worst = result;
+    comm->all_reduce(&worst, &worst, 1, CommDType::int32, ReduceOp::max);
+    result = worst;
+    g_world = nullptr;
+  }
+  return result;
+}
