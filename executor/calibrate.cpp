@@ -143,6 +143,7 @@ double sim_ring_time(sim::Collective kind, std::uint64_t bytes, int ranks, doubl
   c.intra_node_link.latency_s = latency_s;
   c.intra_node_link.bandwidth_bytes_per_s = bytes_per_s;
   c.efficiency.collective_intra = 1.0;
+  c.efficiency.collective_base_latency_s = 0.0;  // MPI's fixed cost is in the fitted per-step latency
   return sim::collective_cost(kind, bytes, ranks, c, sim::CollectiveAlgorithm::ring).time_s;
 }
 
@@ -501,6 +502,7 @@ sim::Cluster make_profile(const Calibration& cal) {
   c.efficiency.collective_intra = 1.0;
   c.efficiency.host_device = 1.0;
   c.efficiency.kernel_launch_s = 0.0;
+  c.efficiency.collective_base_latency_s = 0.0;
   for (const auto& s : cal.shared) c.shared_compute.push_back({s.ranks, s.gemm_flops_per_s});
   return c;
 }

@@ -568,7 +568,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     const auto& e = j["efficiency"];
     if (!e.is_object()) throw input_error(where, "efficiency", "must be an object", e.dump());
     check_keys(e, where, "efficiency.",
-               {"gemm_max", "gemm_half_dim", "hbm", "collective_intra", "collective_inter",
+               {"gemm_max", "gemm_half_dim", "hbm", "collective_intra", "collective_inter", "collective_base_latency_us",
                 "host_device", "kernel_launch_us"});
     auto fraction = [&](std::string_view key, double& out) {
       if (!e.contains(std::string(key))) return;
@@ -587,6 +587,9 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
       c.efficiency.gemm_half_dim = number(e, "gemm_half_dim", where, "efficiency.", true);
     if (e.contains("kernel_launch_us"))
       c.efficiency.kernel_launch_s = number(e, "kernel_launch_us", where, "efficiency.", true) * kMicro;
+    if (e.contains("collective_base_latency_us"))
+      c.efficiency.collective_base_latency_s =
+          number(e, "collective_base_latency_us", where, "efficiency.", true) * kMicro;
   }
   return c;
 }
@@ -626,7 +629,8 @@ nlohmann::json cluster_to_json(const Cluster& c) {
         {"collective_intra", c.efficiency.collective_intra},
         {"collective_inter", c.efficiency.collective_inter},
         {"host_device", c.efficiency.host_device},
-        {"kernel_launch_us", c.efficiency.kernel_launch_s / kMicro}}},
+        {"kernel_launch_us", c.efficiency.kernel_launch_s / kMicro},
+        {"collective_base_latency_us", c.efficiency.collective_base_latency_s / kMicro}}},
   };
   if (!c.shared_compute.empty()) {
     nlohmann::json rates = nlohmann::json::array();

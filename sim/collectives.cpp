@@ -32,7 +32,6 @@
 namespace peftplan::sim {
 namespace {
 
-constexpr double kBaseLatencyS = 8.4e-6;  // tuning.cc baseLat, ring and tree, Simple
 constexpr double kTreeBandwidthFactor = 0.92;  // tuning.cc, tree all_reduce
 
 // How a group of n ranks sits on the cluster: packed onto ceil(n / gpus_per_node) nodes.
@@ -103,7 +102,7 @@ CollectiveCost ring_cost(Collective kind, double S, const Layout& l, const Clust
       inter_steps = k - 1.0;
       break;
   }
-  double latency = kBaseLatencyS + (nsteps - inter_steps) * c.intra_node_link.latency_s +
+  double latency = c.efficiency.collective_base_latency_s + (nsteps - inter_steps) * c.intra_node_link.latency_s +
                    inter_steps * inter_latency(c);
   return finish(kind, S, l, latency, intra, inter, rates_of(c), 1.0, CollectiveAlgorithm::ring);
 }
@@ -111,7 +110,7 @@ CollectiveCost ring_cost(Collective kind, double S, const Layout& l, const Clust
 CollectiveCost tree_all_reduce_cost(double S, const Layout& l, const Cluster& c) {
   double intra = l.g > 1.0 ? 2.0 * S : 0.0;
   double inter = l.k > 1.0 ? 2.0 * S / l.g : 0.0;
-  double latency = kBaseLatencyS + 2.0 * ((l.g - 1.0) * c.intra_node_link.latency_s +
+  double latency = c.efficiency.collective_base_latency_s + 2.0 * ((l.g - 1.0) * c.intra_node_link.latency_s +
                                           std::log2(l.k) * inter_latency(c));
   return finish(Collective::all_reduce, S, l, latency, intra, inter, rates_of(c),
                 kTreeBandwidthFactor, CollectiveAlgorithm::tree);

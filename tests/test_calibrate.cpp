@@ -84,6 +84,7 @@ sim::Cluster link_cluster(int ranks, double latency_s, double bytes_per_s) {
   c.gpus_per_node = ranks;
   c.intra_node_link = {"MPI-shm", sim::LinkFamily::pcie, bytes_per_s, latency_s};
   c.efficiency.collective_intra = 1.0;
+  c.efficiency.collective_base_latency_s = 0.0;  // as calibrated profiles: MPI's cost is per step
   return c;
 }
 
@@ -225,16 +226,24 @@ TEST(CalibrateCli, QuickTwoRanksWritesAProfileSimAgreesWith) {
   EXPECT_EQ(c.gpus_per_node, 2);
   EXPECT_GT(c.gpu.fp32_flops_per_s, 1e8);
   EXPECT_GT(c.gpu.hbm_bytes_per_s, 1e8);
+  // The profile's fitted link reproduces the run's own all_reduce measurements from 64 KiB up:
+  // the geometric mean of sim/measured within a factor of 2 (one latency/bandwidth pair for all
+  // sizes and kinds cannot follow every point; single points vary with machine load).
   std::ifstream m(measurements_path(path));
   const auto j = nlohmann::json::parse(m);
-  double measured_us = 0.0;
-  for (const auto& p : j["collectives"])
-    if (p["collective"] == "all_reduce" && p["ranks"] == 2 && p["size_bytes"] == (1 << 20))
-      measured_us = p["time_us"].get<double>();
-  ASSERT_GT(measured_us, 0.0);
-  const double sim_us = sim::collective_cost(Collective::all_reduce, 1 << 20, 2, c).time_s * 1e6;
-  EXPECT_GT(sim_us, measured_us / 2.0) << r.out;
-  EXPECT_LT(sim_us, measured_us * 2.0) << r.out;
+  double log_ratio = 0.0;
+  int points = 0;
+  for (const auto& p : j["collectives"]) {
+    if (p["collective"] != "all_reduce" || p["ranks"] != 2 || p["size_bytes"].get<std::uint64_t>() < (64u << 10)) continue;
+    const double measured_s = p["time_us"].get<double>() * 1e-6;
+    const double sim_s = sim::collective_cost(Collective::all_reduce, p["size_bytes"].get<std::uint64_t>(), 2, c).time_s;
+    log_ratio += std::log(sim_s / measured_s);
+    ++points;
+  }
+  ASSERT_GT(points, 2);
+  const double ratio = std::exp(log_ratio / points);
+  EXPECT_GT(ratio, 0.5) << r.out;
+  EXPECT_LT(ratio, 2.0) << r.out;
   std::filesystem::remove_all(dir);
 }
 

@@ -70,6 +70,10 @@ struct Efficiency {
                                   //   on PCIe Gen5 (stas00/ml-engineering network/README.md)
   double kernel_launch_s = 5e-6;  // fixed cost per device kernel or copy; an assumption (CUDA
                                   //   launch overhead is a few microseconds)
+  double collective_base_latency_s = 8.4e-6;  // fixed cost per collective: NCCL's baseLat for
+                                              //   ring/tree with the Simple protocol
+                                              //   (src/graph/tuning.cc); MPI on shared memory
+                                              //   has its own, measured by calibrate
 };
 
 // The GEMM rate one rank reaches while `ranks` ranks compute at once on a node whose ranks share
