@@ -74,7 +74,10 @@ Role role_of(const models::LinearModule& l) {
 struct Adapter {       // a LoRA (or IA3) branch on one linear module
   std::int64_t r = 0;  // 0 for IA3 (a scaling vector)
   double dropout = 0.0;
-  std::int32_t a_buf = -1, b_buf = -1;  // trainable weight buffers (-1 under ZeRO-3: gathered)
+  std::int32_t a_buf = -1, b_buf = -1;  // views of lora_A / lora_B in trainable.flat (-1 under
+                                        // ZeRO-3, where they live in the gathered unit)
+  std::int32_t ga_buf = -1, gb_buf = -1;  // views of their gradients in grad.flat (-1 when the
+                                          // strategy keeps no full gradient buffer)
   std::int64_t params = 0;
 };
 
@@ -86,6 +89,8 @@ struct LinearPlan {
   bool trainable_weight = false;  // full fine-tuning or modules_to_save
   std::optional<Adapter> adapter;
   double token_share = 1.0;       // MoE expert: fraction of the tokens it sees (k / E)
+  std::int32_t xin_buf = -1;      // the latest forward's dropped adapter input (-1: no dropout)
+  std::int32_t u_buf = -1;        // the latest forward's adapter intermediate u [M, r]
   bool needs_input() const { return trainable_weight || adapter.has_value(); }
 };
 
@@ -132,9 +137,11 @@ class Builder {
     p_.add_op(op);
   }
   std::int32_t compute(Kernel k, std::string_view label, std::int32_t layer, Phase phase, sim::ComputeWork w,
-                       std::array<std::int32_t, 6> args = {-1, -1, -1, -1, -1, -1},
+                       std::initializer_list<std::int32_t> args = {},
                        std::initializer_list<std::int32_t> deps = {}, Stream stream = Stream::compute) {
     Op op;
+    PEFTPLAN_CHECK(args.size() <= op.args.size());
+    std::copy(args.begin(), args.end(), op.args.begin());
     op.kind = OpKind::compute;
     op.stream = stream;
     op.kernel = k;
@@ -143,7 +150,6 @@ class Builder {
     op.phase = phase;
     op.micro_batch = mb_;
     op.work = w;
-    op.args = args;
     std::int32_t id;
     if (wait_ >= 0) {  // the first compute after a gather waits for it
       std::array<std::int32_t, 8> d{};
@@ -232,7 +238,13 @@ class Builder {
   void optimizer_step();
   std::int32_t linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
                               Cat saved_cat, std::vector<std::int32_t>& saved);
-  std::int32_t linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer);
+  std::int32_t linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer,
+                               bool dx_first);
+  std::int32_t compute_acc(std::int32_t op) {  // marks a compute op as adding into its output
+    p_.ops[static_cast<std::size_t>(op)].accumulate = true;
+    return op;
+  }
+  void adapter_views();
 
   const PlanInput& in_;
   const models::ModelSpec& m_;
@@ -271,6 +283,18 @@ class Builder {
   std::int32_t grad_shard_ = -1;     // gradient partition (ZeRO-2/3)
   std::int32_t trainable_flat_ = -1; // trainable weights, flat (replicated strategies)
   std::int32_t embed_buf_ = -1;
+  std::int32_t opt_states_ = -1;     // optimizer.states (m then v for AdamW)
+  std::vector<std::int32_t> norm1_, norm2_;  // per layer: input / post-attention norm weights
+  std::int32_t final_norm_ = -1;     // model.norm.weight
+  std::int32_t rope_ = -1;           // RoPE cos/sin tables, live for the whole step
+  const ModelInventory* inv_ = nullptr;
+  // What a layer's forward (or its recompute) produced that its backward reads.
+  struct LayerBufs {
+    std::int32_t rstd1 = -1, h1 = -1, probs = -1, attn_out = -1, x_mid = -1, rstd2 = -1, h2 = -1, act = -1;
+    std::array<std::int32_t, 3> qkv = {-1, -1, -1};      // q, k, v projections (after RoPE)
+    std::array<std::int32_t, 2> gate_up = {-1, -1};      // gate and up projections
+  };
+  std::vector<LayerBufs> lb_;
   // Per micro-batch live buffers.
   std::vector<std::int32_t> resid_;          // residual stream: resid_[l] is layer l's input
   std::vector<std::vector<std::int32_t>> saved_;  // per layer saved buffers (freed in backward)
@@ -308,6 +332,7 @@ void Builder::facts() {
 void Builder::plan_linears() {
   if (!in_.inventory) owned_inventory_ = make_inventory(m_, in_.peft);
   const ModelInventory& inv = in_.inventory ? *in_.inventory : owned_inventory_;
+  inv_ = &inv;
   tensors_ = &inv.tensors;
   const auto& tensors = inv.tensors;
   const auto& linears = inv.linears;
@@ -400,6 +425,8 @@ void Builder::add_cuda_runtime() {
 
 void Builder::setup() {
   const Phase S = Phase::setup;
+  norm1_.assign(static_cast<std::size_t>(m_.layers), -1);
+  norm2_.assign(static_cast<std::size_t>(m_.layers), -1);
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
   const std::int64_t N = s_.ranks;
   // Frozen base weights: whole on every rank, or a ZeRO-3 shard (flattened per unit, padded to a
@@ -425,6 +452,11 @@ void Builder::setup() {
       if (full) continue;
       std::int32_t b = alloc([&] { return t.name; }, Cat::base_weights, frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization), S);
       if (t.role == models::ParamRole::embedding) embed_buf_ = b;
+      if (t.role == models::ParamRole::norm_weight) {  // Llama-family names (transformers)
+        if (t.layer < 0) final_norm_ = b;
+        else if (t.module.ends_with("input_layernorm")) norm1_[static_cast<std::size_t>(t.layer)] = b;
+        else if (t.module.ends_with("post_attention_layernorm")) norm2_[static_cast<std::size_t>(t.layer)] = b;
+      }
       if (auto it = by_path_.find(std::string_view(t.module)); it != by_path_.end())
         (t.role == models::ParamRole::linear_bias ? it->second->bias_buf : it->second->weight_buf) = b;
     }
@@ -457,7 +489,7 @@ void Builder::setup() {
     case Optimizer::adamw_8bit: state_bytes = 2.0 + 8.0 / 256.0; break;
     case Optimizer::sgd_momentum: state_bytes = pure ? 2.0 : 4.0; break;
   }
-  alloc([&] { return "optimizer.states"; }, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
+  opt_states_ = alloc([&] { return "optimizer.states"; }, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
   if (f_.master_weights) alloc([&] { return "optimizer.master_fp32"; }, opt_cat, f32(opt_numel), S);
   // Runtime profile: buffers outside the model.
   if (in_.profile == RuntimeProfile::deepspeed) {
@@ -550,18 +582,27 @@ void Builder::release_unit(std::size_t u, Phase phase) {
 
 // x: [M, in] input buffer. Emits the base GEMM, the adapter branch, and returns the output
 // buffer [M, out] (category out_cat). Buffers the backward needs are appended to `saved`.
+// Args conventions (all tensors row-major, the compute dtype unless noted; M = rows):
+//   cast          {src, dst}: dst[in*out] (compute dtype) = src converted from the storage dtype
+//   linear_fwd    {x [M,in], W [out,in], y [M,out], bias [out] or -1}: y = x·Wᵀ (+ bias)
+//   dropout       {x [M,in], x_drop [M,in], A}: x_drop = x ⊙ keep / (1-p); the keep mask is a
+//                 counter-based hash keyed by the adapter (A's buffer id), the micro-batch and
+//                 the step, so the recompute and the backward regenerate the same mask
+//   lora_fwd      {x_in [M,in], A [r,in], B [out,r], u [M,r], y [M,out]}: u = x_in·Aᵀ,
+//                 y += scale·u·Bᵀ (x_in is the dropped input when dropout > 0)
 std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
                                      Cat saved_cat, std::vector<std::int32_t>& saved) {
   const auto& mod = *lp.mod;
   const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
   const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
-  const std::string base = fmt::format("{}.mb{}", mod.path, mb_);
+  const std::string base = names_ ? fmt::format("{}.mb{}", mod.path, mb_) : std::string();
   const std::int32_t y = alloc([&] { return base + ".out"; }, out_cat, act(rows * mod.out), phase);
   std::int32_t w = lp.weight_buf;
   std::int32_t cast = -1;
   // A weight stored in another dtype than the compute dtype is converted per GEMM into a
   // workspace copy (bitsandbytes dequantises the same way; our executor converts bf16 -> fp32).
-  if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight) {
+  // The LM head is stored in the compute dtype like the embedding (frozen_bytes), so it is not.
+  if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight && !mod.is_output) {
     cast = alloc([&] { return base + ".w_compute"; }, Cat::workspace, act(mod.in * mod.out), phase);
     compute(Kernel::cast, "dequantize", layer, phase, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
     w = cast;
@@ -572,10 +613,12 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
   if (lp.adapter) {
     Adapter& a = *lp.adapter;
     std::int32_t xin = x;
+    lp.xin_buf = -1;
     if (a.dropout > 0.0) {  // PEFT applies dropout to the adapter input: keep the dropped copy
       xin = alloc([&] { return base + ".lora_x"; }, saved_cat, act(rows * mod.in), phase);
-      compute(Kernel::accumulate, "lora_dropout", layer, phase, elementwise(act(rows * mod.in) * 2), {x, xin});
+      compute(Kernel::dropout, "lora_dropout", layer, phase, elementwise(act(rows * mod.in) * 2), {x, xin, a.a_buf});
       saved.push_back(xin);
+      lp.xin_buf = xin;
     }
     if (a.r > 0) {
       const std::int32_t u = alloc([&] { return base + ".lora_u"; }, saved_cat, act(rows * a.r), phase);
@@ -585,6 +628,7 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
       w1.bytes_moved += w2.bytes_moved;
       compute(Kernel::lora_fwd, "lora", layer, phase, w1, {xin, a.a_buf, a.b_buf, u, y});
       saved.push_back(u);
+      lp.u_buf = u;
     } else {  // IA3: elementwise scaling
       compute(Kernel::lora_fwd, "ia3", layer, phase, elementwise(act(rows * mod.out) * 2, static_cast<double>(rows * mod.out)), {y});
     }
@@ -592,38 +636,53 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
   return y;
 }
 
-// dy: [M, out]; accumulates into dx [M, in] (when dx >= 0); x is the saved input (or -1).
-std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer) {
+// dy: [M, out]; writes dx [M, in] (when dx >= 0; overwriting it when dx_first, else adding);
+// x is the saved input (or -1 when nothing trains on it).
+// Args conventions:
+//   linear_bwd_data   {dy [M,out], W [out,in], dx [M,in]}: dx (=|+=) dy·W (Op::accumulate)
+//   linear_bwd_weight {dy [M,out], x [M,in], dW}: full fine-tuning only
+//   lora_bwd          {dy [M,out], x_in [M,in], A [r,in], B [out,r], u [M,r], scratch, dx [M,in]
+//                      or -1, dA [r,in], dB [out,r]}: with s = scale, du = s·dy·B (scratch[0,M·r)),
+//                      dB += s·dyᵀ·u, dA += duᵀ·x_in, dx += drop'(du·A); with dropout x_in is the
+//                      saved dropped input and du·A goes through scratch[M·r, M·r + M·in) before
+//                      the mask is applied (scratch is M·(r + in) elements then, M·r otherwise)
+std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer,
+                                      bool dx_first) {
   const Phase B = Phase::backward;
   const auto& mod = *lp.mod;
   const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
   const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
-  const std::string base = fmt::format("{}.mb{}", mod.path, mb_);
+  const std::string base = names_ ? fmt::format("{}.mb{}", mod.path, mb_) : std::string();
   std::int32_t w = lp.weight_buf, cast = -1;
-  if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight) {
+  if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight && !mod.is_output) {
     cast = alloc([&] { return base + ".w_compute_bwd"; }, Cat::workspace, act(mod.in * mod.out), B);
     compute(Kernel::cast, "dequantize", layer, B, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
     w = cast;
   }
   std::int32_t op = -1;
-  if (dx >= 0)
+  if (dx >= 0) {
     op = compute(Kernel::linear_bwd_data, intern(mod.leaf), layer, B, gemm(rows, mod.in, mod.out, wbytes + act(rows * (mod.in + mod.out))),
                  {dy, w, dx});
+    if (!dx_first) compute_acc(op);
+  }
   free(cast, B);
   if (lp.trainable_weight)
     op = compute(Kernel::linear_bwd_weight, intern(mod.leaf), layer, B, gemm(mod.out, mod.in, rows, act(rows * (mod.in + mod.out)) + wbytes),
                  {dy, x, grad_flat_});
   if (lp.adapter && lp.adapter->r > 0) {
     const Adapter& a = *lp.adapter;
-    // dB = s·dyᵀu, du = s·dy·B, dA = duᵀx, dx += du·A: four skinny GEMMs through a [M, r] temporary.
-    const std::int32_t du = alloc([&] { return base + ".lora_du"; }, Cat::workspace, act(rows * a.r), B);
+    // dB = s·dyᵀu, du = s·dy·B, dA = duᵀx, dx += du·A: four skinny GEMMs through a [M, r]
+    // temporary (and, with dropout, a [M, in] one for du·A before the mask).
+    const std::int64_t scratch = rows * (a.r + (a.dropout > 0.0 ? mod.in : 0));
+    const std::int32_t du = alloc([&] { return base + ".lora_du"; }, Cat::workspace, act(scratch), B);
     sim::ComputeWork w1 = gemm(mod.out, a.r, rows, act(rows * (mod.out + a.r)));
     for (const auto& extra : {gemm(rows, a.r, mod.out, act(rows * (mod.out + a.r))), gemm(a.r, mod.in, rows, act(rows * (mod.in + a.r))),
                               gemm(rows, mod.in, a.r, act(rows * (mod.in + a.r))) }) {
       w1.flops += extra.flops;
       w1.bytes_moved += extra.bytes_moved;
     }
-    op = compute(Kernel::lora_bwd, "lora", layer, B, w1, {dy, x, a.a_buf, a.b_buf, du, dx});
+    op = compute(Kernel::lora_bwd, "lora", layer, B, w1,
+                 {dy, lp.xin_buf >= 0 ? lp.xin_buf : x, a.a_buf, a.b_buf, lp.u_buf, du, dx, a.ga_buf, a.gb_buf});
     free(du, B);
   } else if (lp.adapter) {
     op = compute(Kernel::lora_bwd, "ia3", layer, B, elementwise(act(rows * mod.out) * 3, static_cast<double>(2 * rows * mod.out)), {dy});
@@ -663,18 +722,31 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const std::int32_t x = resid_[static_cast<std::size_t>(l)];
   const std::uint64_t stat_bytes = f32(M_) * (m_.rms_norm() ? 1 : 2);  // rstd (and mean for LayerNorm)
 
+  // Args conventions (M = B·S rows, fp32 statistics):
+  //   norm_fwd     {x [M,H], w [H], y [M,H], rstd [M]}: RMSNorm (LayerNorm: stats are mean, rstd)
+  //   rope_fwd     {q [M,nh·d], k [M,nkv·d], tables}: rotates q and k in place
+  //   attention_fwd {q, k, v, P [B,nh,S,S] (eager; flash: lse [B,nh,S]), out [M,nh·d]}
+  //   residual_add {a, b, out}: out = a + b (out -1: nothing to write, as in a recompute)
+  //   mlp_act_fwd  {gate [M,I], up [M,I], act [M,I]}: act = silu(gate) ⊙ up (GELU: {fc1, -1, act})
+  LayerBufs& lb = lb_[static_cast<std::size_t>(l)];
+  lb = LayerBufs{};
   // --- attention block ---
   const std::int32_t rstd1 = alloc([&] { return pre + ".norm1.stats"; }, keep, stat_bytes, P);
   const std::int32_t h1 = alloc([&] { return pre + ".norm1.out"; }, cat_for(h1_needed), act(M_ * H), P);
-  compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {x, -1, h1, rstd1});
+  compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)),
+          {x, norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], h1, rstd1});
   save(rstd1);
+  lb.rstd1 = rstd1;
+  lb.h1 = h1;
   std::vector<std::int32_t> qkv;
   for (auto& lp : lin)
     if (lp.role == Role::attn_in) qkv.push_back(linear_forward(lp, h1, l, P, keep, keep, kept));
   keep_or_drop(h1, h1_needed);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
-    compute(Kernel::rope_fwd, "rope", l, P, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2), {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1});
+    compute(Kernel::rope_fwd, "rope", l, P, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2),
+            {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, rope_});
   for (std::int32_t b : qkv) save(b);
+  for (std::size_t i = 0; i < qkv.size() && i < lb.qkv.size(); ++i) lb.qkv[i] = qkv[i];
   // Attention: eager materialises scores and keeps the probabilities [B, nh, S, S_kv];
   // flash keeps the log-sum-exp [B, nh, S] in fp32 (Dao et al., FlashAttention-2).
   const std::int64_t nh = m_.heads, d = m_.head_dim, kv = kv_len_;
@@ -694,6 +766,8 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   compute(Kernel::attention_fwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
           {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, qkv.size() > 2 ? qkv[2] : -1, probs, attn_out});
   save(probs);
+  lb.probs = probs;
+  lb.attn_out = attn_out;
   std::int32_t y_attn = -1;
   for (auto& lp : lin)
     if (lp.role == Role::attn_out) y_attn = linear_forward(lp, attn_out, l, P, Cat::workspace, keep, kept);
@@ -702,12 +776,16 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), {x, y_attn, x_mid});
   free(y_attn, P);
   save(x_mid);
+  lb.x_mid = x_mid;
 
   // --- MLP block ---
   const std::int32_t rstd2 = alloc([&] { return pre + ".norm2.stats"; }, keep, stat_bytes, P);
   const std::int32_t h2 = alloc([&] { return pre + ".norm2.out"; }, cat_for(h2_needed), act(M_ * H), P);
-  compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {x_mid, -1, h2, rstd2});
+  compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)),
+          {x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], h2, rstd2});
   save(rstd2);
+  lb.rstd2 = rstd2;
+  lb.h2 = h2;
   for (auto& lp : lin)
     if (lp.role == Role::router) {
       std::int32_t r = linear_forward(lp, h2, l, P, keep, keep, kept);
@@ -718,6 +796,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
     if (lp.role == Role::mlp_in) mlp_in.push_back(linear_forward(lp, h2, l, P, keep, keep, kept));
   keep_or_drop(h2, h2_needed);
   for (std::int32_t b : mlp_in) save(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
+  for (std::size_t i = 0; i < mlp_in.size() && i < lb.gate_up.size(); ++i) lb.gate_up[i] = mlp_in[i];
   const std::int64_t I = m_.intermediate;
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
   const std::int32_t a = alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), act(rows * I), P);
@@ -731,6 +810,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
       else free(y, P);  // MoE experts write into one combined output
     }
   keep_or_drop(a, a_needed);
+  lb.act = a;
   // The layer output is the next layer's input: kept as an activation in every mode (a
   // checkpointed layer's input is exactly this tensor).
   std::int32_t& x_out = resid_[static_cast<std::size_t>(l) + 1];
@@ -751,35 +831,58 @@ void Builder::layer_backward(std::int32_t l) {
   begin_unit_gradients(unit);
   auto& lin = layer_linears_[static_cast<std::size_t>(l)];
   auto& saved = saved_[static_cast<std::size_t>(l)];
+  const LayerBufs& lb = lb_[static_cast<std::size_t>(l)];
   const std::int64_t H = m_.hidden, I = m_.intermediate, Bm = t_.micro_batch, S = M_ / t_.micro_batch;
-  const std::string pre = fmt::format("layers.{}.mb{}", l, mb_);
+  const std::string pre = names_ ? fmt::format("layers.{}.mb{}", l, mb_) : std::string();
   std::int32_t last = -1;
+  // Args conventions (the residual-stream gradient dres_ [M,H] is updated in place):
+  //   mlp_act_bwd   {d_act [M,I], gate, up, d_gate [M,I], d_up [M,I]} (overwrites d_gate, d_up)
+  //   norm_bwd      {dy [M,H], x [M,H], w [H], rstd [M], dx [M,H]}: dx (=|+=) (Op::accumulate)
+  //   attention_bwd {d_out [M,nh·d], P, q, k, v, dq, dk, dv (overwritten), scratch}: eager
+  //                 only; the scratch is d_probs [B,nh,S,S], one S×S block per worker
+  //   rope_bwd      {dq, dk, tables}: rotates the gradients back in place
   // MLP backward: dres -> d(act) -> d(gate), d(up) -> d(norm2 out) -> dres.
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
   const std::int32_t d_act = alloc([&] { return pre + ".mlp.d_act"; }, Cat::workspace, act(rows * I), B);
+  bool first = true;
   for (auto& lp : lin)
-    if (lp.role == Role::mlp_out) last = linear_backward(lp, dres_, d_act, -1, l);
+    if (lp.role == Role::mlp_out) {
+      last = linear_backward(lp, dres_, d_act, lb.act, l, first);
+      first = false;
+    }
   std::vector<std::int32_t> d_in;
   for (auto& lp : lin)
     if (lp.role == Role::mlp_in) d_in.push_back(alloc([&] { return pre + "." + lp.mod->leaf + ".d_out"; }, Cat::workspace, act(static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share)) * lp.mod->out), B));
   compute(Kernel::mlp_act_bwd, m_.gated_mlp() ? "swiglu" : "gelu", l, B, elementwise(act(rows * I) * 5, 10.0 * static_cast<double>(rows * I)),
-          {d_act, d_in.empty() ? -1 : d_in[0], d_in.size() > 1 ? d_in[1] : -1});
+          {d_act, lb.gate_up[0], lb.gate_up[1], d_in.empty() ? -1 : d_in[0], d_in.size() > 1 ? d_in[1] : -1});
   free(d_act, B);
   const std::int32_t d_h2 = alloc([&] { return pre + ".norm2.d_out"; }, Cat::workspace, act(M_ * H), B);
   {
     std::size_t i = 0;
+    first = true;
     for (auto& lp : lin)
-      if (lp.role == Role::mlp_in) last = linear_backward(lp, d_in[i++], d_h2, -1, l);
+      if (lp.role == Role::mlp_in) {
+        last = linear_backward(lp, d_in[i++], d_h2, lb.h2, l, first);
+        first = false;
+      }
     for (auto& lp : lin)
-      if (lp.role == Role::router) last = linear_backward(lp, -1, d_h2, -1, l);
+      if (lp.role == Role::router) {
+        last = linear_backward(lp, -1, d_h2, lb.h2, l, first);
+        first = false;
+      }
   }
   for (std::int32_t b : d_in) free(b, B);
-  compute(Kernel::norm_bwd, "post_attention_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)), {d_h2, -1, dres_});
+  compute_acc(compute(Kernel::norm_bwd, "post_attention_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)),
+                      {d_h2, lb.x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], lb.rstd2, dres_}));
   free(d_h2, B);
   // Attention backward.
   const std::int32_t d_attn = alloc([&] { return pre + ".attn.d_out"; }, Cat::workspace, act(M_ * m_.q_width()), B);
+  first = true;
   for (auto& lp : lin)
-    if (lp.role == Role::attn_out) last = linear_backward(lp, dres_, d_attn, -1, l);
+    if (lp.role == Role::attn_out) {
+      last = linear_backward(lp, dres_, d_attn, lb.attn_out, l, first);
+      first = false;
+    }
   std::vector<std::int32_t> d_qkv;
   for (auto& lp : lin)
     if (lp.role == Role::attn_in) d_qkv.push_back(alloc([&] { return pre + "." + lp.mod->leaf + ".d_out"; }, Cat::workspace, act(M_ * lp.mod->out), B));
@@ -797,20 +900,26 @@ void Builder::layer_backward(std::int32_t l) {
     aw.bytes_moved = act(M_ * (3 * m_.q_width() + 4 * m_.kv_width()));
   }
   compute(Kernel::attention_bwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, B, aw,
-          {d_attn, dprobs, d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1, d_qkv.size() > 2 ? d_qkv[2] : -1});
+          {d_attn, lb.probs, lb.qkv[0], lb.qkv[1], lb.qkv[2], d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1,
+           d_qkv.size() > 2 ? d_qkv[2] : -1, dprobs});
   free(dprobs, B);
   free(d_attn, B);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
     compute(Kernel::rope_bwd, "rope", l, B, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2),
-            {d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1});
+            {d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1, rope_});
   const std::int32_t d_h1 = alloc([&] { return pre + ".norm1.d_out"; }, Cat::workspace, act(M_ * H), B);
   {
     std::size_t i = 0;
+    first = true;
     for (auto& lp : lin)
-      if (lp.role == Role::attn_in) last = linear_backward(lp, d_qkv[i++], d_h1, -1, l);
+      if (lp.role == Role::attn_in) {
+        last = linear_backward(lp, d_qkv[i++], d_h1, lb.h1, l, first);
+        first = false;
+      }
   }
   for (std::int32_t b : d_qkv) free(b, B);
-  last = compute(Kernel::norm_bwd, "input_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)), {d_h1, -1, dres_});
+  last = compute_acc(compute(Kernel::norm_bwd, "input_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)),
+                             {d_h1, resid_[static_cast<std::size_t>(l)], norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], lb.rstd1, dres_}));
   free(d_h1, B);
   // Everything the layer saved is released, and so is its input (the previous layer's output).
   for (std::int32_t b : saved) free(b, B);
@@ -879,6 +988,16 @@ void Builder::micro_batch(std::int32_t mb) {
   const std::int64_t H = m_.hidden, V = m_.vocab;
   resid_.assign(static_cast<std::size_t>(m_.layers) + 1, -1);
   saved_.assign(static_cast<std::size_t>(m_.layers), {});
+  lb_.assign(static_cast<std::size_t>(m_.layers), LayerBufs{});
+  // Args conventions of the embedding and the head:
+  //   tokens.mbN          int32 [M] input ids, then int32 [M] targets (ids shifted by one);
+  //                       the data loader fills it when it is allocated
+  //   embedding_fwd       {tokens, table [V,H], out [M,H]}
+  //   norm_fwd / norm_bwd as in the layers, with model.norm.weight
+  //   cross_entropy_fwd   {logits [M,V] fp32, tokens}: the loss sum of the micro-batch
+  //   cross_entropy_bwd   {logits, tokens, d_logits [M,V]}: (softmax − onehot) / (tokens of the
+  //                       whole step on all ranks); d_logits may be logits itself (in place)
+  //   embedding_bwd       {tokens, d_out [M,H], d_table}: full fine-tuning only
   // Tokens and targets (int32) for the micro-batch.
   const std::int32_t tokens = alloc([&] { return fmt::format("tokens.mb{}", mb); }, Cat::workspace, 8ull * static_cast<std::uint64_t>(M_), F);
   gather_unit(0, F, true);
@@ -898,7 +1017,7 @@ void Builder::micro_batch(std::int32_t mb) {
   const std::int32_t xl = resid_.back();
   const std::int32_t rstd = alloc([&] { return fmt::format("final_norm.mb{}.stats", mb); }, Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
   const std::int32_t hf = alloc([&] { return fmt::format("final_norm.mb{}.out", mb); }, Cat::workspace, act(M_ * H), F);
-  compute(Kernel::norm_fwd, "final_norm", -1, F, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {xl, -1, hf, rstd});
+  compute(Kernel::norm_fwd, "final_norm", -1, F, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {xl, final_norm_, hf, rstd});
   std::vector<std::int32_t> head_saved;
   LinearPlan* lm = nullptr;
   for (auto& lp : head_linears_)
@@ -915,7 +1034,8 @@ void Builder::micro_batch(std::int32_t mb) {
     free(logits, Phase::loss);
   }
   compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V), 3.0 * static_cast<double>(M_ * V)), {logits32, tokens});
-  compute(Kernel::cross_entropy_bwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V) * 2, 2.0 * static_cast<double>(M_ * V)), {logits32, tokens});
+  compute(Kernel::cross_entropy_bwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V) * 2, 2.0 * static_cast<double>(M_ * V)),
+          {logits32, tokens, logits32});
   std::int32_t dlogits = logits32;
   if (f_.compute_dtype != DType::fp32) {
     dlogits = alloc([&] { return fmt::format("d_logits.mb{}", mb); }, Cat::workspace, act(M_ * V), B);
@@ -927,12 +1047,13 @@ void Builder::micro_batch(std::int32_t mb) {
   begin_unit_gradients(head);
   const bool hf_needed = lm->needs_input();
   const std::int32_t d_hf = alloc([&] { return fmt::format("final_norm.mb{}.d_out", mb); }, Cat::workspace, act(M_ * H), B);
-  std::int32_t last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1);
+  std::int32_t last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1, true);
   free(dlogits, B);
   free(hf, B);
   for (std::int32_t b : head_saved) free(b, B);
   dres_ = alloc([&] { return fmt::format("d_resid.mb{}", mb); }, Cat::workspace, act(M_ * H), B);
-  last = compute(Kernel::norm_bwd, "final_norm", -1, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)), {d_hf, xl, dres_, rstd});
+  last = compute(Kernel::norm_bwd, "final_norm", -1, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)),
+                 {d_hf, xl, final_norm_, rstd, dres_});
   free(d_hf, B);
   free(rstd, B);
   free(xl, B);
@@ -974,6 +1095,7 @@ void Builder::optimizer_step() {
   const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
   if (f_.master_weights) g32 = alloc([&] { return "grad.fp32"; }, host_opt ? Cat::host_optimizer_states : Cat::gradients, f32(part), O);
   if (t_.grad_clip > 0.0) {
+    // grad_norm {grads}: sum of squares of this rank's gradient partition
     dep = compute(Kernel::grad_norm, "grad_norm", -1, O, elementwise(tw * static_cast<std::uint64_t>(part), 2.0 * static_cast<double>(part)), {grad_shard_ >= 0 ? grad_shard_ : grad_flat_}, {dep});
     if (N > 1 && s_.stage != Stage::ddp) dep = collective(Collective::all_reduce, "grad_norm", 8, -1, O, -1, {dep});
   }
@@ -988,7 +1110,9 @@ void Builder::optimizer_step() {
     const double state_rw = (f_.master_weights ? 4.0 : 0.0) + 8.0 + 2.0 * static_cast<double>(tw);
     sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));
     w.params = part;
-    dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {trainable_flat_, grad_shard_ >= 0 ? grad_shard_ : grad_flat_}, {dep});
+    // optimizer_step {params, grads, states}: AdamW over this rank's partition; states holds m
+    // then v (SGD: the momentum buffer), each as many elements as the gradients
+    dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {trainable_flat_, grad_shard_ >= 0 ? grad_shard_ : grad_flat_, opt_states_}, {dep});
   }
   free(g32, O);
   // ZeRO-1/2: every rank needs the whole updated adapter again.
@@ -997,6 +1121,32 @@ void Builder::optimizer_step() {
   if (s_.stage == Stage::zero1 && N > 1) {
     free(grad_shard_, O);
     grad_shard_ = -1;
+  }
+}
+
+// Adapter weights are views into trainable.flat, laid out in the order of the trainable
+// inventory (models::trainable_tensors: per module lora_A then lora_B); their gradients are views
+// at the same offsets in grad.flat. Under ZeRO-3 they live in the gathered unit instead (-1).
+void Builder::adapter_views() {
+  if (zero3() || trainable_flat_ < 0 || in_.peft.adapters.empty()) return;
+  const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+  std::uint64_t offset = 0;
+  for (const auto& t : inv_->trainables) {
+    const std::uint64_t bytes = tw * static_cast<std::uint64_t>(t.numel());
+    const bool is_a = t.name.find(".lora_A") != std::string::npos, is_b = t.name.find(".lora_B") != std::string::npos;
+    if (is_a || is_b) {
+      auto it = by_path_.find(std::string_view(t.module));
+      if (it != by_path_.end() && it->second->adapter) {
+        Adapter& a = *it->second->adapter;
+        std::int32_t& w = is_a ? a.a_buf : a.b_buf;
+        std::int32_t& g = is_a ? a.ga_buf : a.gb_buf;
+        if (w < 0) {  // several adapters on one module: the first one's tensors
+          w = p_.add_view(names_ ? t.name : std::string(), trainable_flat_, offset, bytes);
+          if (grad_flat_ >= 0) g = p_.add_view(names_ ? "grad." + t.name : std::string(), grad_flat_, offset, bytes);
+        }
+      }
+    }
+    offset += bytes;
   }
 }
 
@@ -1015,11 +1165,18 @@ BuiltProgram Builder::build() {
   gather_op_.assign(units_.size(), -1);
   unit_grad_.assign(units_.size(), -1);
   setup();
-  // Adapter weight buffers are views into trainable.flat (replicated) or into the gathered unit.
-  for (auto& lv : layer_linears_)
-    for (auto& lp : lv)
-      if (lp.adapter) lp.adapter->a_buf = lp.adapter->b_buf = zero3() ? -1 : trainable_flat_;
+  adapter_views();
+  // RoPE cos/sin tables [S, d/2] each, built once per step and read by every layer (rope_tables
+  // {tables}: cos then sin).
+  const bool rope = m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon;
+  if (rope) {
+    rope_ = alloc([&] { return "rope.tables"; }, Cat::workspace, act(kv_len_ * (m_.head_dim / 2) * 2), Phase::forward);
+    compute(Kernel::rope_tables, "rope_tables", -1, Phase::forward, elementwise(act(kv_len_ * (m_.head_dim / 2) * 2)), {rope_});
+  }
   for (std::int32_t mb = 0; mb < p_.micro_batches; ++mb) micro_batch(mb);
+  mb_ = -1;
+  free(rope_, Phase::backward);
+  rope_ = -1;
   optimizer_step();
   return BuiltProgram{std::move(p_), f_};
 }

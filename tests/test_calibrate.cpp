@@ -12,6 +12,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_run.h"
+
 #include "peftplan/common/error.h"
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/sim/collectives.h"
@@ -189,21 +191,8 @@ TEST(Calibrate, SharedComputeJsonIsValidated) {
                    .contains("shared_gemm_GFLOPs_per_rank"));
 }
 
-struct CliResult {
-  int code = 0;
-  std::string out;
-};
-
-CliResult run_cli(const std::string& args) {
-  const std::string cmd = std::string(PEFTPLAN_CLI) + " " + args + " 2>&1";
-  CliResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), buf.size(), p)) r.out += buf.data();
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using peftplan::testing::CliResult;
+using peftplan::testing::run_cli;
 
 TEST(CalibrateCli, RejectsOneRank) {
   CliResult r = run_cli("calibrate --ranks 1 --out /tmp/never.json");

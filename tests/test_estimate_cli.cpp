@@ -8,23 +8,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_run.h"
+
 namespace {
 
-struct Result {
-  int code = 0;
-  std::string out;  // stdout and stderr together
-};
+using Result = peftplan::testing::CliResult;
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(PEFTPLAN_CLI) + " " + args + " 2>&1";
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), buf.size(), p)) r.out += buf.data();
-  int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+Result run(const std::string& args) { return peftplan::testing::run_cli(args); }
 
 }  // namespace
 

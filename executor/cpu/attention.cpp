@@ -35,25 +35,27 @@ void attention_forward(const T* q, const T* k, const T* v, T* P, T* out, Index B
       SMap<T> O(out + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
       T* p = P + (b * nh + h) * S * S;
       Map<T> Pm(p, S, S);
-      Pm.noalias() = Q * K.transpose();
+      // Causal: row block [i0, i0+len) attends to columns [0, i0+len) only, so the scores
+      // above the diagonal's blocks are never computed (about half the GEMM work at large S).
+      constexpr Index kRows = 64;
+      for (Index i0 = 0; i0 < S; i0 += kRows) {
+        const Index len = std::min(kRows, S - i0), cols = i0 + len;
+        Pm.block(i0, 0, len, cols).noalias() = Q.middleRows(i0, len) * K.topRows(cols).transpose();
+      }
       for (Index i = 0; i < S; ++i) {
         T* row = p + i * S;
-        // softmax over j <= i of row[j]·scale; the masked j > i get probability 0
-        T mx = -std::numeric_limits<T>::infinity();
-        for (Index j = 0; j <= i; ++j) {
-          row[j] *= scale;
-          mx = std::max(mx, row[j]);
-        }
-        T sum = 0;
-        for (Index j = 0; j <= i; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const T inv = T(1) / sum;
-        for (Index j = 0; j <= i; ++j) row[j] *= inv;
+        // softmax over j <= i of row[j]·scale; the masked j > i get probability 0 (Eigen's
+        // vectorised exp: the softmax, not the GEMMs, bounds small-head_dim attention)
+        ArrMap<T> r(row, i + 1);
+        r *= scale;
+        r = (r - r.maxCoeff()).exp();
+        r *= T(1) / r.sum();
         std::fill(row + i + 1, row + S, T(0));
       }
-      O.noalias() = Pm * Vm;
+      for (Index i0 = 0; i0 < S; i0 += kRows) {
+        const Index len = std::min(kRows, S - i0), cols = i0 + len;
+        O.middleRows(i0, len).noalias() = Pm.block(i0, 0, len, cols) * Vm.topRows(cols);
+      }
     }
   }
 }
@@ -91,19 +93,28 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
       SMap<T> dQ(dq + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
       const T* p = P + (b * nh + h) * S * S;
       CMap<T> Pm(p, S, S);
-      dV.noalias() += Pm.transpose() * dO;  // out = P v
-      dP.noalias() = dO * Vm.transpose();
+      // Causal row blocks as in the forward: row block [i0, i0+len) touches columns [0, i0+len).
+      constexpr Index kRows = 64;
+      for (Index i0 = 0; i0 < S; i0 += kRows) {
+        const Index len = std::min(kRows, S - i0), cols = i0 + len;
+        dV.topRows(cols).noalias() += Pm.block(i0, 0, len, cols).transpose() * dO.middleRows(i0, len);  // out = P v
+        dP.block(i0, 0, len, cols).noalias() = dO.middleRows(i0, len) * Vm.topRows(cols).transpose();
+      }
       // softmax backward: dS = P ⊙ (dP − rowsum(P ⊙ dP)); then the 1/√d of the scores
       for (Index i = 0; i < S; ++i) {
         const T* pr = p + i * S;
         T* g = dP.data() + i * S;
-        T dot = 0;
-        for (Index j = 0; j <= i; ++j) dot += pr[j] * g[j];
-        for (Index j = 0; j <= i; ++j) g[j] = pr[j] * (g[j] - dot) * scale;
+        CArrMap<T> pa(pr, i + 1);
+        ArrMap<T> ga(g, i + 1);
+        const T dot = (pa * ga).sum();
+        ga = pa * (ga - dot) * scale;
         std::fill(g + i + 1, g + S, T(0));
       }
-      dQ.noalias() = dP * K;
-      dK.noalias() += dP.transpose() * Q;
+      for (Index i0 = 0; i0 < S; i0 += kRows) {
+        const Index len = std::min(kRows, S - i0), cols = i0 + len;
+        dQ.middleRows(i0, len).noalias() = dP.block(i0, 0, len, cols) * K.topRows(cols);
+        dK.topRows(cols).noalias() += dP.block(i0, 0, len, cols).transpose() * Q.middleRows(i0, len);
+      }
     }
   }
 }

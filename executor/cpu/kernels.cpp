@@ -277,20 +277,32 @@ void rope_backward(T* dx, const T* cos, const T* sin, Index B, Index S, Index nh
 
 // ------------------------------------------------------------------------------------ SwiGLU
 
+// Chunks of kChunk elements through Eigen's vectorised exp (scalar std::exp made SwiGLU a tenth
+// of a small model's step).
+constexpr Index kChunk = 4096;
+
 template <typename T>
 void swiglu_forward(const T* g, const T* u, T* a, Index n) {
+  const Index chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
-  for (Index i = 0; i < n; ++i) a[i] = g[i] / (T(1) + std::exp(-g[i])) * u[i];
+  for (Index c = 0; c < chunks; ++c) {
+    const Index i0 = c * kChunk, len = std::min(kChunk, n - i0);
+    CArrMap<T> G(g + i0, len), U(u + i0, len);
+    ArrMap<T>(a + i0, len) = G / (T(1) + (-G).exp()) * U;
+  }
 }
 
 template <typename T>
 void swiglu_backward(const T* da, const T* g, const T* u, T* dg, T* du, Index n) {
+  const Index chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
-  for (Index i = 0; i < n; ++i) {
-    const T sig = T(1) / (T(1) + std::exp(-g[i]));
-    const T gi = g[i], dai = da[i];
-    dg[i] = dai * u[i] * sig * (T(1) + gi * (T(1) - sig));
-    du[i] = dai * gi * sig;
+  for (Index c = 0; c < chunks; ++c) {
+    const Index i0 = c * kChunk, len = std::min(kChunk, n - i0);
+    CArrMap<T> G(g + i0, len), U(u + i0, len), DA(da + i0, len);
+    // On the stack (a fixed maximum size): kernels never allocate.
+    const Eigen::Array<T, Eigen::Dynamic, 1, 0, kChunk, 1> sig = T(1) / (T(1) + (-G).exp());
+    ArrMap<T>(dg + i0, len) = DA * U * sig * (T(1) + G * (T(1) - sig));
+    ArrMap<T>(du + i0, len) = DA * G * sig;
   }
 }
 

@@ -3,8 +3,10 @@
 // maps failures to exit codes (2 bad input, 3 internal or MPI error), ending the whole job with
 // MPI_Abort when one rank fails so that no peer waits in a collective forever.
 //   mpirun -np N peftplan-exec calibrate --out FILE [--quick]
+//   peftplan-exec PLAN.json [--out DIR]      (one rank in this version; see executor/runner.h)
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -14,6 +16,8 @@
 #include "peftplan/common/error.h"
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/executor/communicator.h"
+#include "peftplan/executor/plan_file.h"
+#include "peftplan/executor/runner.h"
 
 namespace {
 
@@ -37,6 +41,20 @@ void calibrate(const std::string& out, bool quick) {
   std::fflush(stdout);
 }
 
+// Runs a plan.json: measurement.json and trace.json go to out_dir (default: the plan's folder).
+void run_plan_file(const std::string& plan_path, std::string out_dir) {
+  auto world = executor::make_mpi_communicator();
+  if (world->size() != 1)
+    throw InputError(fmt::format("peftplan-exec {}: this version runs one rank, got {} (run it without mpirun or "
+                                 "with -np 1)", plan_path, world->size()));
+  const planner::PlanFile plan = executor::load_plan(plan_path);
+  if (out_dir.empty()) out_dir = std::filesystem::absolute(plan_path).parent_path().string();
+  auto backend = executor::make_cpu_backend();
+  executor::run_plan(plan, *backend, out_dir, stdout);
+  fmt::print("wrote {}/measurement.json and {}/trace.json\n", out_dir, out_dir);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -48,7 +66,10 @@ int main(int argc, char** argv) {
     return 3;
   }
   CLI::App app{"peftplan-exec: the peftplan executor (one process per rank, under mpirun)"};
-  app.require_subcommand(1);
+  app.require_subcommand(0, 1);
+  std::string plan_path, run_out;
+  app.add_option("plan", plan_path, "plan.json written by `peftplan run` (runs its steps)");
+  app.add_option("--out", run_out, "folder for measurement.json and trace.json (default: the plan's)");
   std::string out;
   bool quick = false;
   auto* cal = app.add_subcommand("calibrate", "measure this host and write a cluster profile");
@@ -58,6 +79,10 @@ int main(int argc, char** argv) {
   int code = 0;
   try {
     app.parse(argc, argv);
+    if (app.get_subcommands().empty()) {
+      if (plan_path.empty()) throw InputError("give a plan.json to run, or a mode (calibrate); see --help");
+      run_plan_file(plan_path, run_out);
+    }
   } catch (const CLI::ParseError& e) {
     code = mpi->world_rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints
     if (code != 0) code = 2;

@@ -9,6 +9,13 @@
 //   (adapter or full fine-tuning), the input of a frozen projection only when an adapter on it
 //   needs it, the MLP gate and up outputs, and each adapter's [M, r] intermediate.
 // Full checkpointing keeps only the layer input and recomputes the rest in backward (workspace).
+//
+// The program is complete for the executor (RuntimeProfile::executor, replicated strategies):
+// every compute op names its operands in Op::args (the convention of each kernel is documented
+// where program.cpp emits it), every temporary a kernel needs is a buffer (LoRA backward scratch,
+// attention-backward scratch, RoPE tables, bf16 -> fp32 weight copies, logits), and adapter
+// tensors and their gradients are views (sim::Buffer::view_of) into trainable.flat and grad.flat
+// in the order of the trainable inventory.
 #pragma once
 
 #include <memory>

@@ -94,6 +94,8 @@ enum class Kernel : std::uint8_t {
   grad_norm,       // sum of squares over gradients (global-norm clipping)
   optimizer_step,  // AdamW / SGD update of a parameter range
   accumulate,      // gradient accumulation / bucket packing (elementwise add or copy)
+  dropout,         // inverted dropout of an adapter input (mask from a counter-based hash)
+  rope_tables,     // fill the RoPE cos/sin tables for positions 0..S-1
 };
 
 // Cost-relevant description of a compute op: work and traffic, and the GEMM shape when it is one
@@ -111,6 +113,11 @@ struct Buffer {
   std::string name;          // e.g. "layers.3.attn.probs.mb0"
   MemCategory category = MemCategory::workspace;
   std::uint64_t bytes = 0;
+  // A view is a named byte range [offset, offset + bytes) inside another buffer (one adapter
+  // tensor inside "trainable.flat"): it has no alloc/free ops of its own and costs no memory; it
+  // is valid while its parent is live.
+  std::int32_t view_of = -1;
+  std::uint64_t offset = 0;  // bytes from the parent's start (views only)
 };
 
 struct Op {
@@ -131,7 +138,12 @@ struct Op {
                                        //   (nccl-tests doc/PERFORMANCE.md);
                                        // copy: bytes copied
   ComputeWork work;                    // compute ops
-  std::array<std::int32_t, 6> args = {-1, -1, -1, -1, -1, -1};  // kernel operands (buffer ids)
+  bool accumulate = false;             // compute: add into the (first) output instead of
+                                       //   overwriting it (several contributions to one grad)
+  std::array<std::int32_t, 10> args = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+                                       // kernel operands (buffer ids, -1 when absent); the
+                                       //   convention per kernel is documented where the
+                                       //   planner emits it (planner/program.cpp)
   std::uint32_t deps_begin = 0;        // explicit cross-stream dependencies: indices into
   std::uint32_t deps_count = 0;        //   Program::deps, each an earlier op index
   std::string_view label;              // static text naming the op ("q_proj", "attention")
@@ -148,6 +160,14 @@ struct Program {
 
   std::int32_t add_buffer(std::string name, MemCategory category, std::uint64_t bytes) {
     buffers.push_back(Buffer{std::move(name), category, bytes});
+    return static_cast<std::int32_t>(buffers.size() - 1);
+  }
+  std::int32_t add_view(std::string name, std::int32_t parent, std::uint64_t offset,
+                        std::uint64_t bytes) {
+    Buffer b{std::move(name), buffers[static_cast<std::size_t>(parent)].category, bytes};
+    b.view_of = parent;
+    b.offset = offset;
+    buffers.push_back(std::move(b));
     return static_cast<std::int32_t>(buffers.size() - 1);
   }
   std::int32_t add_op(Op op, std::initializer_list<std::int32_t> op_deps = {}) {

@@ -1,0 +1,123 @@
+// The Backend: the executor's seam for memory and kernels (ggml-backend style). The runner
+// interprets the step program and calls one Backend method per compute op with the operands the
+// op names; a backend owns its device memory, its streams and its library handles.
+//
+// Conventions: every pointer is device memory of this backend (the CPU backend's device is the
+// host), fp32 unless the parameter says otherwise, row-major, with the dimension names of
+// kernels.h (M token rows, K in-features, N out-features, r LoRA rank, H hidden, I intermediate,
+// V vocab, nh/nkv heads, d head_dim). Kernels are enqueued in call order on the backend's
+// compute stream; synchronize() waits for them (the CPU backend runs them inline). Scratch is
+// always passed in: a kernel never allocates (the tracked allocator sees every byte).
+//
+// A CUDA backend (cuBLAS GEMMs, its own stream and device memory) adds a file pair and a
+// factory; nothing here changes. Collectives are not here: see communicator.h.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "peftplan/executor/allocator.h"
+
+namespace peftplan::executor {
+
+using Index = std::int64_t;
+
+// The dropout of one adapter input: p and the key of its counter-based mask (the same key gives
+// the same mask in forward, recompute and backward).
+struct DropoutKey {
+  double p = 0.0;           // probability of dropping an element, [0, 1)
+  std::uint64_t seed = 0;   // mask key: derived from the run seed, step, micro-batch, adapter
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  virtual std::string_view name() const = 0;   // "cpu", "cuda"
+  virtual std::string description() const = 0; // "cpu: 2 threads (Eigen 3.4, OpenMP)"
+  virtual int threads() const = 0;             // CPU threads the kernels use
+  // Bytes a GEMM library allocates outside our allocator for one [M,K]·[K,N] product (Eigen's
+  // packed panels; cuBLAS's workspace later): reported beside the tracked categories.
+  virtual std::uint64_t gemm_library_scratch_bytes(Index M, Index N, Index K) const = 0;
+
+  // --- memory and streams ---------------------------------------------------------------
+  virtual MemoryResource& device_memory() = 0;
+  virtual MemoryResource& host_memory() = 0;   // pinned on CUDA
+  // Host <-> device copies (enqueued on the copy stream; ordered before later kernels).
+  virtual void copy_to_device(void* dst, const void* src, std::uint64_t bytes) = 0;
+  virtual void copy_to_host(void* dst, const void* src, std::uint64_t bytes) = 0;
+  virtual void fill_zero(void* dst, std::uint64_t bytes) = 0;
+  // Waits until every enqueued kernel and copy has finished (for timing and host reads).
+  virtual void synchronize() = 0;
+
+  // --- kernels (fp32 compute) ------------------------------------------------------------
+  // y[M,N] (=|+=) x[M,K]·W[N,K]ᵀ (+ bias[N]).
+  virtual void linear_forward(const float* x, const float* W, const float* bias, float* y,
+                              Index M, Index K, Index N, bool accumulate) = 0;
+  // dx[M,K] (=|+=) dy[M,N]·W[N,K].
+  virtual void linear_backward_input(const float* dy, const float* W, float* dx, Index M,
+                                     Index K, Index N, bool accumulate) = 0;
+  // bf16 bit patterns -> fp32 (a base weight stored in bf16, per GEMM).
+  virtual void bf16_to_fp32(const std::uint16_t* src, float* dst, Index n) = 0;
+  // out[n] = x ⊙ keep / (1 − p) with the mask of `key`.
+  virtual void dropout_forward(const float* x, float* out, Index n, const DropoutKey& key) = 0;
+  // u[M,r] = x_in·Aᵀ; y[M,N] += scale·u·Bᵀ.
+  virtual void lora_forward(const float* x_in, const float* A, const float* B, float scale,
+                            float* u, float* y, Index M, Index K, Index N, Index r) = 0;
+  // du = scale·dy·B (scratch[0, M·r)); dB += scale·dyᵀ·u; dA += duᵀ·x_in;
+  // dx += drop'(du·A) (dx may be null; with key.p > 0 du·A goes through scratch[M·r, M·r+M·K)).
+  virtual void lora_backward(const float* dy, const float* x_in, const float* A, const float* B,
+                             const float* u, float scale, const DropoutKey& key, float* dA,
+                             float* dB, float* dx, float* scratch, Index M, Index K, Index N,
+                             Index r) = 0;
+  // RMSNorm: y = w ⊙ x·rstd, rstd[M] saved.
+  virtual void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* rstd,
+                               Index M, Index H) = 0;
+  // dx (=|+=) RMSNorm input gradient; the frozen weight gets no gradient.
+  virtual void rmsnorm_backward(const float* dy, const float* x, const float* w,
+                                const float* rstd, float* dx, Index M, Index H,
+                                bool accumulate) = 0;
+  // cos[S, d/2] then sin[S, d/2] in `tables`.
+  virtual void rope_tables(float* tables, Index S, Index d, double theta) = 0;
+  // In place on x[B,S,nheads,d]; backward = the transposed rotation.
+  virtual void rope_forward(float* x, const float* tables, Index B, Index S, Index nheads,
+                            Index d) = 0;
+  virtual void rope_backward(float* dx, const float* tables, Index B, Index S, Index nheads,
+                             Index d) = 0;
+  // Eager causal GQA attention (kernels.h §5); scratch_elems: a multiple of S·S.
+  virtual void attention_forward(const float* q, const float* k, const float* v, float* P,
+                                 float* out, Index B, Index S, Index nh, Index nkv, Index d) = 0;
+  virtual void attention_backward(const float* dout, const float* q, const float* k,
+                                  const float* v, const float* P, float* dq, float* dk, float* dv,
+                                  float* scratch, Index scratch_elems, Index B, Index S, Index nh,
+                                  Index nkv, Index d) = 0;
+  virtual void swiglu_forward(const float* gate, const float* up, float* act, Index n) = 0;
+  virtual void swiglu_backward(const float* dact, const float* gate, const float* up,
+                               float* dgate, float* dup, Index n) = 0;
+  virtual void embedding_forward(const std::int32_t* tokens, const float* table, float* out,
+                                 Index M, Index V, Index H) = 0;
+  // Loss sum over the rows (targets already shifted).
+  virtual double cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M,
+                                       Index V) = 0;
+  // dlogits = (softmax − onehot) / count; dlogits may alias logits.
+  virtual void cross_entropy_backward(const float* logits, const std::int32_t* targets,
+                                      float* dlogits, double count, Index M, Index V) = 0;
+  // out = a + b (out may alias a or b).
+  virtual void add(const float* a, const float* b, float* out, Index n) = 0;
+  virtual double sum_squares(const float* x, Index n) = 0;
+  virtual void scale(float* x, float s, Index n) = 0;
+  // torch.optim.AdamW over n elements (optim.h adamw_step).
+  virtual void adamw_step(float* param, const float* grad, float* m, float* v, Index n,
+                          std::int64_t step, double lr, double beta1, double beta2, double eps,
+                          double weight_decay) = 0;
+};
+
+// The CPU backend: Eigen GEMMs and OpenMP loops on `threads` threads (0: OpenMP's default).
+std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+
+}  // namespace peftplan::executor

@@ -1,0 +1,49 @@
+// What a run measured, and its JSON (measurement.json, "schema": "peftplan.measurement/1"):
+// losses and gradient norms per step, step times, memory per category with the same keys as
+// `peftplan plan --json` (memory.device.<category>_bytes, memory.device.peak_bytes,
+// memory.device.peak_op, memory.host.*), time per op, and a Chrome trace of the last step.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "peftplan/executor/allocator.h"
+
+namespace peftplan::executor {
+
+// Time of the ops that share (phase, kernel, label), summed over the measured steps.
+struct OpTime {
+  std::string phase;    // "forward", "backward", ...
+  std::string kernel;   // sim::name_of(Kernel)
+  std::string label;    // "q_proj", "attention_eager", ...
+  std::int64_t calls = 0;
+  double total_s = 0.0;
+  double flops = 0.0;   // the program's FLOPs of these calls
+};
+
+struct Measurement {
+  std::string backend;                  // Backend::description()
+  std::int32_t ranks = 1;               // N
+  std::int64_t tokens_per_step = 0;     // all ranks
+  double model_flops_per_step = 0.0;    // this rank's useful FLOPs (program, no recompute)
+  std::vector<double> losses;           // mean over the step's G·S target tokens
+  std::vector<double> grad_norms;       // global 2-norm before clipping
+  std::vector<double> lrs;              // learning rate of each step
+  std::vector<double> step_times_s;     // wall time of each step (setup excluded)
+  double gemm_s = 0.0;                  // time in GEMM ops (linear, LoRA, attention), all steps
+  double gemm_flops = 0.0;              // their FLOPs, all steps
+  MemoryStats memory;                   // the tracked allocator at the end
+  std::uint64_t untracked_gemm_scratch_bytes = 0;  // the largest GEMM library scratch of the
+                                        // step (outside the tracked allocator; an estimate)
+  std::string device_peak_op;           // "alloc <buffer>" as plan --json names it
+  std::string host_peak_op;
+  std::vector<OpTime> op_times;
+  nlohmann::json trace;                 // Chrome trace of the last step ("traceEvents")
+};
+
+nlohmann::json measurement_to_json(const Measurement& m);
+
+}  // namespace peftplan::executor

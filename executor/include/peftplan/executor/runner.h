@@ -1,0 +1,85 @@
+// The program runner: the executor's interpreter of the planner's step program
+// (planner::build_program with RuntimeProfile::executor). For each op in program order:
+//   alloc      -> a real allocation of exactly Buffer::bytes through the tracked allocator, under
+//                 Buffer::category (a micro-batch's token buffer is filled by the data loader);
+//   free       -> its release;
+//   compute    -> one Backend call, dispatched on Op::kernel, with the buffers Op::args names
+//                 (conventions in planner/program.cpp) and the dimensions of the model;
+//   collective -> the Communicator (one rank: nothing to exchange, skipped);
+//   copy       -> a backend copy (the executor profile emits none without offload).
+// Setup ops (weights, adapter, gradients, optimizer states) run once, when the session starts;
+// the rest once per optimizer step. Because every byte a kernel touches is a program buffer,
+// the measured memory per category is the planner's prediction.
+// Single rank in this version (ranks = 1, stage ddp); the program's collectives are where the
+// multi-rank runner will call the Communicator.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <span>
+
+#include "peftplan/executor/backend.h"
+#include "peftplan/executor/data.h"
+#include "peftplan/executor/measurement.h"
+#include "peftplan/planner/plan_file.h"
+#include "peftplan/sim/program.h"
+
+namespace peftplan::executor {
+
+class Communicator;
+
+// Result of one optimizer step.
+struct StepStats {
+  std::int64_t step = 0;     // 1-based optimizer step
+  double loss = 0.0;         // mean over the step's G·S target tokens
+  double grad_norm = 0.0;    // global 2-norm before clipping
+  double lr = 0.0;           // learning rate used
+  double seconds = 0.0;      // wall time of the step
+};
+
+class Session {
+ public:
+  // Checks that the executor can run the plan (check_executable), builds the step program,
+  // opens the checkpoint and adapter files, and runs the setup ops. `comm` may be null (one
+  // rank). Throws InputError for unsupported plans and bad files.
+  Session(const planner::PlanFile& plan, Backend& backend, TokenData data,
+          Communicator* comm = nullptr);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // One optimizer step (zero gradients, every micro-batch, clip, AdamW).
+  StepStats step();
+  // The step's forward and backward for optimizer step `step_index` (0-based: its data and
+  // dropout masks) without the update; gradients are left in gradients(). Returns the loss.
+  double forward_backward(std::int64_t step_index);
+
+  // trainable.flat and grad.flat (fp32, the adapter tensors in trainable-inventory order).
+  std::span<float> trainable_weights();
+  std::span<const float> gradients() const;
+  const sim::Program& program() const;
+  const MemoryStats& memory() const;
+  // Everything measured so far (memory, losses, op times, the last step's trace).
+  Measurement measurement() const;
+  // adapter_model.safetensors + adapter_config.json into dir.
+  void save_adapter(const std::filesystem::path& dir) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Validates what this executor supports, with a clear InputError otherwise: the executor
+// profile, Llama-family models (llama, mistral, qwen2), one LoRA adapter without DoRA, bias or
+// modules_to_save, eager attention, fp32 or bf16 base storage, AdamW, one rank with ddp.
+void check_executable(const planner::PlanFile& plan);
+
+// peftplan-exec PLAN.json: loads the data, runs plan.run.steps steps printing one progress line
+// per step to `progress` (may be null), writes <out_dir>/measurement.json and
+// <out_dir>/trace.json, and saves the adapter when plan.run.save_adapter is set.
+Measurement run_plan(const planner::PlanFile& plan, Backend& backend,
+                     const std::filesystem::path& out_dir, std::FILE* progress);
+
+}  // namespace peftplan::executor

@@ -1,0 +1,52 @@
+// measurement.json (see measurement.h).
+#include "peftplan/executor/measurement.h"
+
+#include <numeric>
+
+namespace peftplan::executor {
+
+nlohmann::json measurement_to_json(const Measurement& m) {
+  using nlohmann::json;
+  json dev, host;
+  for (int c = 0; c < sim::kNumCategories; ++c) {
+    const auto cc = static_cast<sim::MemCategory>(c);
+    const auto i = static_cast<std::size_t>(c);
+    json& side = sim::on_host(cc) ? host : dev;
+    side[std::string(sim::name_of(cc)) + "_bytes"] = m.memory.peak_bytes[i];
+    side["at_peak"][std::string(sim::name_of(cc)) + "_bytes"] = m.memory.at_peak_bytes[i];
+  }
+  dev["peak_bytes"] = m.memory.device_peak_bytes;
+  dev["peak_op"] = m.device_peak_op;
+  dev["peak_op_index"] = m.memory.device_peak_op;
+  dev["untracked_gemm_scratch_bytes"] = m.untracked_gemm_scratch_bytes;
+  host["peak_bytes"] = m.memory.host_peak_bytes;
+  host["peak_op"] = m.host_peak_op;
+  host["peak_op_index"] = m.memory.host_peak_op;
+  const double total_s = std::accumulate(m.step_times_s.begin(), m.step_times_s.end(), 0.0);
+  const auto steps = static_cast<double>(m.step_times_s.size());
+  json ops = json::array();
+  for (const OpTime& o : m.op_times)
+    ops.push_back({{"phase", o.phase}, {"kernel", o.kernel}, {"label", o.label}, {"calls", o.calls},
+                   {"total_s", o.total_s}, {"flops", o.flops}});
+  json time = {{"step_s", steps > 0 ? total_s / steps : 0.0},
+               {"tokens_per_s", total_s > 0 ? static_cast<double>(m.tokens_per_step) * steps / total_s : 0.0},
+               {"model_flops_per_step", m.model_flops_per_step},
+               {"achieved_flops_per_s", total_s > 0 ? m.model_flops_per_step * steps / total_s : 0.0},
+               {"gemm_s", m.gemm_s},
+               {"gemm_fraction", total_s > 0 ? m.gemm_s / total_s : 0.0},
+               {"gemm_flops_per_s", m.gemm_s > 0 ? m.gemm_flops / m.gemm_s : 0.0}};
+  return json{{"schema", "peftplan.measurement/1"},
+              {"backend", m.backend},
+              {"ranks", m.ranks},
+              {"steps", m.losses.size()},
+              {"tokens_per_step", m.tokens_per_step},
+              {"losses", m.losses},
+              {"grad_norms", m.grad_norms},
+              {"lrs", m.lrs},
+              {"step_times_s", m.step_times_s},
+              {"time", time},
+              {"memory", {{"device", dev}, {"host", host}}},
+              {"ops", ops}};
+}
+
+}  // namespace peftplan::executor

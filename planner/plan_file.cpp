@@ -1,0 +1,225 @@
+// plan.json in and out (see plan_file.h).
+#include "peftplan/planner/plan_file.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
+
+namespace peftplan::planner {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+// The enumerator whose name_of() is `s`, or an InputError listing the valid names.
+template <typename E>
+E parse_enum(const json& v, std::string_view source, std::string_view field, std::initializer_list<E> values) {
+  std::string valid;
+  for (E e : values) valid += (valid.empty() ? "" : ", ") + std::string(name_of(e));
+  if (!v.is_string()) throw input_error(source, field, "must be one of " + valid, v.dump());
+  for (E e : values)
+    if (v.get<std::string>() == name_of(e)) return e;
+  throw input_error(source, field, "must be one of " + valid, v.dump());
+}
+
+template <typename T>
+T get(const json& obj, const char* key, std::string_view source, std::string_view prefix, T fallback) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return fallback;
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    throw input_error(source, fmt::format("{}{}", prefix, key), "has the wrong type", it->dump());
+  }
+}
+
+std::int64_t positive(const json& obj, const char* key, std::string_view source, std::string_view prefix, std::int64_t fallback) {
+  const auto v = get<std::int64_t>(obj, key, source, prefix, fallback);
+  if (v <= 0) throw input_error(source, fmt::format("{}{}", prefix, key), "must be a positive integer", std::to_string(v));
+  return v;
+}
+
+}  // namespace
+
+json model_source_for(const std::string& name_or_path) {
+  if (models::zoo_config_text(name_or_path) != nullptr) return name_or_path;
+  fs::path p(name_or_path);
+  if (fs::is_directory(p)) p /= "config.json";
+  return models::read_json_file(p.string());
+}
+
+json plan_file_to_json(const PlanFile& pf) {
+  const PlanInput& in = pf.input;
+  const TrainingSpec& t = in.training;
+  json adapters = json::array();
+  for (const auto& a : in.peft.adapters) {
+    if (a.type != models::PeftType::lora)
+      throw InputError(fmt::format("plan.json: only LoRA adapters can be written, got {}", name_of(a.type)));
+    json c = models::lora_adapter_config(a, in.model.name);
+    c["adapter_name"] = a.name;
+    adapters.push_back(std::move(c));
+  }
+  json training = {{"micro_batch", t.micro_batch},
+                   {"seq_len", t.seq_len},
+                   {"grad_accum", t.grad_accum},
+                   {"precision", name_of(t.precision)},
+                   {"checkpointing", name_of(t.checkpointing)},
+                   {"checkpoint_every", t.checkpoint_every},
+                   {"attention", name_of(t.attention)},
+                   {"optimizer", name_of(t.optimizer)},
+                   {"full_finetune", t.full_finetune},
+                   {"base_storage", t.base_storage ? json(name_of(*t.base_storage)) : json(nullptr)}};
+  json ds = write_ds_config(in.strategy, t, pf.extras);
+  const RunOptions& r = pf.run;
+  json run = {{"steps", r.steps},
+              {"data", r.data},
+              {"data_format", r.data_format},
+              {"lr", t.lr},
+              {"weight_decay", t.weight_decay},
+              {"clip", t.grad_clip},
+              {"seed", r.seed},
+              {"weights", r.weights},
+              {"adapter_init", r.adapter_init},
+              {"save_adapter", r.save_adapter},
+              {"scheduler", ds.contains("scheduler") ? ds["scheduler"] : json(nullptr)}};
+  json j = {{"schema", kPlanSchema},
+            {"model", pf.model_source.is_null() ? json(in.model.name) : pf.model_source},
+            {"model_name", in.model.name},
+            {"adapters", adapters},
+            {"training", training},
+            {"ranks", in.strategy.ranks},
+            {"profile", name_of(in.profile)},
+            {"ds_config", ds},
+            {"run", run}};
+  return j;
+}
+
+PlanFile plan_file_from_json(const json& j, std::string_view source) {
+  if (!j.is_object()) throw input_error(source, "", "must be a JSON object", j.type_name());
+  const std::string schema = get<std::string>(j, "schema", source, "", "");
+  if (schema != kPlanSchema)
+    throw input_error(source, "schema", fmt::format("must be \"{}\"", kPlanSchema), "\"" + schema + "\"");
+  PlanFile pf;
+  PlanInput& in = pf.input;
+  // Model: a zoo name (or a path) or an embedded config.json object.
+  if (!j.contains("model")) throw input_error(source, "model", "is missing (a zoo name or a config.json object)");
+  pf.model_source = j["model"];
+  const std::string model_name = get<std::string>(j, "model_name", source, "", "");
+  if (pf.model_source.is_string()) {
+    in.model = models::load_model(pf.model_source.get<std::string>());
+  } else if (pf.model_source.is_object()) {
+    in.model = models::model_from_config(pf.model_source, fmt::format("{}: model", source), model_name.empty() ? "model" : model_name);
+  } else {
+    throw input_error(source, "model", "must be a zoo name or a config.json object", pf.model_source.dump());
+  }
+  // Adapters.
+  if (auto it = j.find("adapters"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) throw input_error(source, "adapters", "must be an array of adapter_config.json objects", it->dump());
+    for (std::size_t i = 0; i < it->size(); ++i) {
+      const json& c = (*it)[i];
+      models::AdapterSpec a = models::adapter_from_config(c, fmt::format("{}: adapters[{}]", source, i));
+      if (c.contains("adapter_name") && c["adapter_name"].is_string()) a.name = c["adapter_name"].get<std::string>();
+      in.peft.adapters.push_back(std::move(a));
+    }
+  }
+  // Training fields ds_config does not carry.
+  const json tr = j.value("training", json::object());
+  if (!tr.is_object()) throw input_error(source, "training", "must be an object", tr.dump());
+  TrainingSpec& t = in.training;
+  t.micro_batch = positive(tr, "micro_batch", source, "training.", t.micro_batch);
+  t.seq_len = positive(tr, "seq_len", source, "training.", t.seq_len);
+  t.grad_accum = positive(tr, "grad_accum", source, "training.", t.grad_accum);
+  t.checkpoint_every = positive(tr, "checkpoint_every", source, "training.", t.checkpoint_every);
+  if (tr.contains("precision"))
+    t.precision = parse_enum(tr["precision"], source, "training.precision",
+                             {Precision::fp32, Precision::fp16_mixed, Precision::bf16_mixed, Precision::bf16_pure});
+  if (tr.contains("checkpointing"))
+    t.checkpointing = parse_enum(tr["checkpointing"], source, "training.checkpointing",
+                                 {Checkpointing::none, Checkpointing::full, Checkpointing::every_k});
+  if (tr.contains("attention"))
+    t.attention = parse_enum(tr["attention"], source, "training.attention", {Attention::eager, Attention::flash});
+  if (tr.contains("optimizer"))
+    t.optimizer = parse_enum(tr["optimizer"], source, "training.optimizer",
+                             {Optimizer::adamw, Optimizer::adamw_8bit, Optimizer::sgd_momentum});
+  t.full_finetune = get<bool>(tr, "full_finetune", source, "training.", false);
+  if (auto it = tr.find("base_storage"); it != tr.end() && !it->is_null()) {
+    auto d = it->is_string() ? parse_dtype(it->get<std::string>()) : std::nullopt;
+    if (!d) throw input_error(source, "training.base_storage", "must be fp32, bf16, fp16, int8 or nf4", it->dump());
+    t.base_storage = *d;
+  }
+  const auto ranks = static_cast<std::int32_t>(positive(j, "ranks", source, "", 1));
+  if (j.contains("profile"))
+    in.profile = parse_enum(j["profile"], source, "profile",
+                            {RuntimeProfile::executor, RuntimeProfile::deepspeed, RuntimeProfile::pytorch});
+  // The run object; its scheduler replaces ds_config's.
+  const json run = j.value("run", json::object());
+  if (!run.is_object()) throw input_error(source, "run", "must be an object", run.dump());
+  json ds = j.value("ds_config", json::object());
+  if (!ds.is_object()) throw input_error(source, "ds_config", "must be a ds_config.json object", ds.dump());
+  if (auto it = run.find("scheduler"); it != run.end()) {
+    if (it->is_null()) ds.erase("scheduler");
+    else ds["scheduler"] = *it;
+  }
+  RunOptions& r = pf.run;
+  r.steps = positive(run, "steps", source, "run.", r.steps);
+  DsConfigInputs dsi;
+  dsi.world_size = ranks;
+  dsi.training = t;
+  dsi.hidden = in.model.hidden;
+  dsi.total_steps = r.steps;
+  DsConfig dc = read_ds_config(ds, fmt::format("{}: ds_config", source), dsi);
+  in.strategy = dc.strategy;
+  in.strategy.ranks = ranks;
+  // ds_config carries batch sizes, optimizer hyper-parameters and clipping; fields it lacks stay.
+  const TrainingSpec before = t;
+  t = dc.training;
+  t.seq_len = before.seq_len;
+  t.checkpointing = before.checkpointing;
+  t.checkpoint_every = before.checkpoint_every;
+  t.attention = before.attention;
+  t.base_storage = before.base_storage;
+  t.full_finetune = before.full_finetune;
+  pf.extras = dc.extras;
+  r.data = get<std::string>(run, "data", source, "run.", r.data);
+  r.data_format = get<std::string>(run, "data_format", source, "run.", r.data_format);
+  if (r.data_format != "u32" && r.data_format != "u16" && r.data_format != "bytes")
+    throw input_error(source, "run.data_format", "must be one of u32, u16, bytes", "\"" + r.data_format + "\"");
+  t.lr = get<double>(run, "lr", source, "run.", t.lr);
+  t.weight_decay = get<double>(run, "weight_decay", source, "run.", t.weight_decay);
+  t.grad_clip = get<double>(run, "clip", source, "run.", t.grad_clip);
+  if (t.lr < 0) throw input_error(source, "run.lr", "must be >= 0", std::to_string(t.lr));
+  if (t.weight_decay < 0) throw input_error(source, "run.weight_decay", "must be >= 0", std::to_string(t.weight_decay));
+  if (t.grad_clip < 0) throw input_error(source, "run.clip", "must be >= 0 (0 = off)", std::to_string(t.grad_clip));
+  r.seed = get<std::uint64_t>(run, "seed", source, "run.", r.seed);
+  r.weights = get<std::string>(run, "weights", source, "run.", r.weights);
+  r.adapter_init = get<std::string>(run, "adapter_init", source, "run.", r.adapter_init);
+  if (r.adapter_init.empty()) r.adapter_init = "peft";
+  r.save_adapter = get<std::string>(run, "save_adapter", source, "run.", r.save_adapter);
+  return pf;
+}
+
+PlanFile read_plan_file(const fs::path& path) {
+  return plan_file_from_json(models::read_json_file(path.string()), path.string());
+}
+
+void write_plan_file(const fs::path& path, const PlanFile& plan) {
+  const std::string text = plan_file_to_json(plan).dump(2) + "\n";
+  const fs::path tmp = path.string() + fmt::format(".tmp.{}", ::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) throw InputError(fmt::format("{}: cannot write", tmp.string()));
+    f << text;
+    if (!f.flush()) throw InputError(fmt::format("{}: write failed", tmp.string()));
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) throw InputError(fmt::format("{}: cannot rename into place: {}", path.string(), ec.message()));
+}
+
+}  // namespace peftplan::planner
