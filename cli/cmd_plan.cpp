@@ -64,18 +64,19 @@ void print_text(const planner::Plan& p) {
              t.checkpointing == planner::Checkpointing::every_k ? fmt::format("-{}", t.checkpoint_every) : "", name_of(in.profile));
   fmt::print("{:<28} {:>14} {:>14}\n", "memory per GPU (device)", "category peak", "at the peak");
   for (int c = 0; c < sim::kNumDeviceCategories; ++c)
-    fmt::print("  {:<26} {:>10.2f} GiB {:>10.2f} GiB\n", sim::name_of(static_cast<sim::MemCategory>(c)),
-               to_gib(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]), to_gib(p.memory.at_peak_bytes[static_cast<std::size_t>(c)]));
+    fmt::print("  {:<26} {:>14} {:>14}\n", sim::name_of(static_cast<sim::MemCategory>(c)),
+               human_bytes(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]),
+               human_bytes(p.memory.at_peak_bytes[static_cast<std::size_t>(c)]));
   const auto& peak_op = p.program.ops[static_cast<std::size_t>(std::max(0, p.memory.device_peak_op))];
-  fmt::print("  {:<26} {:>10.2f} GiB   at {} ({})\n", "simultaneous peak", to_gib(p.memory.device_peak_bytes),
+  fmt::print("  {:<26} {:>14}   at {} ({})\n", "simultaneous peak", human_bytes(p.memory.device_peak_bytes),
              peak_op.buffer >= 0 ? p.program.buffers[static_cast<std::size_t>(peak_op.buffer)].name : "-", sim::name_of(peak_op.phase));
-  fmt::print("  {:<26} {:>10.2f} GiB   ({:.0f}% used)\n", "GPU capacity", to_gib(p.device_capacity_bytes),
+  fmt::print("  {:<26} {:>14}   ({:.0f}% used)\n", "GPU capacity", human_bytes(p.device_capacity_bytes),
              100.0 * static_cast<double>(p.memory.device_peak_bytes) / static_cast<double>(std::max<std::uint64_t>(1, p.device_capacity_bytes)));
   if (p.memory.host_peak_bytes > 0) {
     fmt::print("{:<28}\n", "memory per rank (host)");
     for (int c = sim::kNumDeviceCategories; c < sim::kNumCategories; ++c)
-      fmt::print("  {:<26} {:>10.2f} GiB\n", sim::name_of(static_cast<sim::MemCategory>(c)), to_gib(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]));
-    fmt::print("  {:<26} {:>10.2f} GiB of {:.1f} GiB per rank\n", "host peak", to_gib(p.memory.host_peak_bytes), to_gib(p.host_capacity_bytes));
+      fmt::print("  {:<26} {:>14}\n", sim::name_of(static_cast<sim::MemCategory>(c)), human_bytes(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]));
+    fmt::print("  {:<26} {:>14}   of {} per rank\n", "host peak", human_bytes(p.memory.host_peak_bytes), human_bytes(p.host_capacity_bytes));
   }
   if (p.time) {
     const auto& tm = *p.time;
@@ -99,7 +100,7 @@ void print_text(const planner::Plan& p) {
   }
   for (const auto& w : p.warnings) fmt::print("warning: {}\n", w);
   if (p.fits) {
-    fmt::print("\nverdict: fits ({:.2f} of {:.2f} GiB per GPU)\n", to_gib(p.memory.device_peak_bytes), to_gib(p.device_capacity_bytes));
+    fmt::print("\nverdict: fits ({} of {} per GPU)\n", human_bytes(p.memory.device_peak_bytes), human_bytes(p.device_capacity_bytes));
   } else {
     fmt::print("\nverdict: does not fit\n");
     for (const auto& r : p.reasons) fmt::print("  - {}\n", r);
