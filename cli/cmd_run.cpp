@@ -1,8 +1,9 @@
 // `peftplan run`: plan and run. Predicts the configuration's memory with the executor profile,
 // writes <out>/plan.json atomically (planner/plan_file.h), launches the executor on it
-// (peftplan-exec PLAN.json --out <out>; one rank in this version, so directly, without
-// mpirun), streams its progress lines (step, loss, tokens/s), and prints predicted vs measured
-// memory per category from <out>/measurement.json.
+// (peftplan-exec PLAN.json --out <out>: directly for one rank, under `mpirun -np N` for several,
+// with --hostfile/--hosts and --mpi-args passed through to mpirun), streams its progress lines
+// (step, loss, tokens/s), and prints predicted vs measured memory per category and collective
+// bytes per step from <out>/measurement.json.
 // It never links the executor: peftplan-exec does the work in its own process.
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -80,6 +82,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
     planner::RunOptions run;
     std::optional<double> lr, weight_decay, clip;
     std::string out = "peftplan-run";
+    std::string hostfile, hosts, mpi_args;
   };
   auto o = std::make_shared<Options>();
   // The executor's defaults: its own profile, fp32 compute, eager attention, one rank.
@@ -103,6 +106,13 @@ void add_run_command(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   cmd->add_option("--save-adapter", o->run.save_adapter, "folder for adapter_model.safetensors + adapter_config.json");
   cmd->add_option("--out", o->out, "folder for plan.json, measurement.json and trace.json")->capture_default_str();
+  cmd->add_option("--checkpoint-every", o->run.checkpoint_every, "write a training checkpoint every K steps (0: never)")
+      ->capture_default_str();
+  cmd->add_option("--checkpoint-dir", o->run.checkpoint_dir, "folder for checkpoints (default: <out>/checkpoints)");
+  cmd->add_option("--resume", o->run.resume, "continue from a checkpoint (a step-<k> folder or a checkpoint folder)");
+  cmd->add_option("--hostfile", o->hostfile, "mpirun hostfile: run the ranks on several machines");
+  cmd->add_option("--hosts", o->hosts, "mpirun --host list (a,b or a:4,b:4)");
+  cmd->add_option("--mpi-args", o->mpi_args, "extra mpirun arguments, space-separated (e.g. \"--mca btl tcp,self\")");
   cmd->callback([o, &exit_code] {
     ResolvedPlan r = resolve_plan_flags(o->plan);
     for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", w);
@@ -125,6 +135,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
     pf.run.weights = absolute(pf.run.weights);
     if (pf.run.adapter_init != "peft") pf.run.adapter_init = absolute(pf.run.adapter_init);
     pf.run.save_adapter = absolute(pf.run.save_adapter);
+    if (pf.run.checkpoint_every > 0 && pf.run.checkpoint_dir.empty()) pf.run.checkpoint_dir = (fs::path(o->out) / "checkpoints").string();
+    pf.run.checkpoint_dir = absolute(pf.run.checkpoint_dir);
+    pf.run.resume = absolute(pf.run.resume);
     for (const auto& w : planner::validate(pf.input)) fmt::print(stderr, "warning: {}\n", w);
     const sim::MemoryProfile predicted = sim::walk_memory(planner::build_program(pf.input).program);
     const fs::path out = fs::absolute(o->out);
@@ -132,7 +145,21 @@ void add_run_command(CLI::App& app, int& exit_code) {
     const fs::path plan_path = out / "plan.json";
     planner::write_plan_file(plan_path, pf);
     fmt::print("wrote {}\n", plan_path.string());
-    const std::vector<std::string> args = {find_exec().string(), plan_path.string(), "--out", out.string()};
+    std::vector<std::string> args;
+    const int N = pf.input.strategy.ranks;
+    if (N > 1 || !o->hostfile.empty() || !o->hosts.empty()) {
+      // mpirun ($PEFTPLAN_MPIRUN or Open MPI's mpirun on the PATH); on one machine more ranks
+      // than cores are allowed (--oversubscribe), and root may run it.
+      const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
+      args = {mpirun && *mpirun ? mpirun : "mpirun", "-np", std::to_string(N)};
+      if (o->hostfile.empty() && o->hosts.empty()) args.push_back("--oversubscribe");
+      if (!o->hostfile.empty()) args.insert(args.end(), {"--hostfile", absolute(o->hostfile)});
+      if (!o->hosts.empty()) args.insert(args.end(), {"--host", o->hosts});
+      if (::geteuid() == 0) args.push_back("--allow-run-as-root");
+      std::istringstream extra(o->mpi_args);
+      for (std::string a; extra >> a;) args.push_back(a);
+    }
+    args.insert(args.end(), {find_exec().string(), plan_path.string(), "--out", out.string()});
     const int code = run_child(args);
     if (code != 0) {
       fmt::print(stderr, "peftplan run: peftplan-exec exited with code {}\n", code);
@@ -156,6 +183,17 @@ void add_run_command(CLI::App& app, int& exit_code) {
     }
     row("peak", predicted.device_peak_bytes, dev.at("peak_bytes").get<std::uint64_t>());
     fmt::print("peak at: {}\n", dev.at("peak_op").get<std::string>());
+    if (m.contains("collectives")) {
+      bool same = true;
+      fmt::print("\n{:<20} {:>16} {:>16}\n", "bytes per step", "predicted", "measured");
+      for (const auto& [kind, c] : m.at("collectives").items()) {
+        const auto p = c.at("predicted_bytes_per_step").get<std::uint64_t>(), q = c.at("bytes_per_step").get<std::uint64_t>();
+        same = same && p == q;
+        if (p != 0 || q != 0) fmt::print("{:<20} {:>16} {:>16}\n", kind, p, q);
+      }
+      if (N > 1) fmt::print("{}\n", same ? "measured collective bytes equal the prediction exactly"
+                                         : "measured collective bytes differ from the prediction");
+    }
     const auto& t = m.at("time");
     fmt::print("step {:.3f} s, {:.0f} tokens/s, {:.2f} GFLOP/s, {:.0f}% of the step in GEMMs\n", t.at("step_s").get<double>(),
                t.at("tokens_per_s").get<double>(), t.at("achieved_flops_per_s").get<double>() / 1e9,

@@ -35,9 +35,16 @@ nlohmann::json measurement_to_json(const Measurement& m) {
                {"gemm_s", m.gemm_s},
                {"gemm_fraction", total_s > 0 ? m.gemm_s / total_s : 0.0},
                {"gemm_flops_per_s", m.gemm_s > 0 ? m.gemm_flops / m.gemm_s : 0.0}};
-  return json{{"schema", "peftplan.measurement/1"},
+  json coll = json::object();
+  for (const CollectiveStat& c : m.collectives)
+    coll[c.kind] = {{"calls", c.calls}, {"bytes", c.bytes}, {"seconds", c.seconds}, {"bytes_per_step", c.bytes_per_step},
+                    {"predicted_calls_per_step", c.predicted_calls_per_step},
+                    {"predicted_bytes_per_step", c.predicted_bytes_per_step}};
+  json j = json{{"schema", "peftplan.measurement/1"},
               {"backend", m.backend},
               {"ranks", m.ranks},
+              {"rank", m.rank},
+              {"collectives", coll},
               {"steps", m.losses.size()},
               {"tokens_per_step", m.tokens_per_step},
               {"losses", m.losses},
@@ -47,6 +54,8 @@ nlohmann::json measurement_to_json(const Measurement& m) {
               {"time", time},
               {"memory", {{"device", dev}, {"host", host}}},
               {"ops", ops}};
+  if (!m.per_rank.is_null()) j["per_rank"] = m.per_rank;
+  return j;
 }
 
 }  // namespace peftplan::executor

@@ -10,6 +10,9 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <deque>
+#include <functional>
+#include <thread>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -72,10 +75,22 @@ void check_executable(const planner::PlanFile& plan) {
     refuse(fmt::format("sliding_window {} < seq_len {} (the executor attends over the whole sequence)", *in.model.sliding_window,
                        in.training.seq_len));
   if (in.model.out_bias || in.model.mlp_bias) refuse("bias on o_proj or the MLP");
-  if (in.strategy.ranks != 1 || in.strategy.stage != planner::Stage::ddp)
-    refuse(fmt::format("{} ranks with {}: this version runs one rank with ddp", in.strategy.ranks, planner::name_of(in.strategy.stage)));
-  if (in.strategy.offload_optimizer != planner::OffloadDevice::none || in.strategy.offload_param != planner::OffloadDevice::none)
-    refuse("CPU offload");
+  const auto& st = in.strategy;
+  if (st.stage == planner::Stage::zero3) refuse("ZeRO-3 (supported: ddp, zero1, zero2)");
+  if (st.offload_param != planner::OffloadDevice::none) refuse("parameter offload (ZeRO-3 only)");
+  if (st.offload_optimizer != planner::OffloadDevice::none && st.stage == planner::Stage::ddp)
+    refuse("optimizer offload with ddp (it needs a ZeRO stage)");
+  if (st.stage == planner::Stage::zero2 && st.ranks > 1) {
+    // The executor's partition of the adapter is the ZeRO one (rank r owns the r-th block of
+    // the flat adapter), which one bucket's reduce_scatter fills exactly.
+    const auto inv = planner::make_inventory(in.model, in.peft);
+    std::int64_t numel = 0;
+    for (const auto& t : inv.trainables) numel += t.numel();
+    if (st.ds.reduce_bucket_size < numel)
+      refuse(fmt::format("zero2 with reduce_bucket_size {} < the adapter's {} elements (the executor reduce-scatters one "
+                         "bucket; raise zero_optimization.reduce_bucket_size)",
+                         st.ds.reduce_bucket_size, numel));
+  }
   const auto& t = in.training;
   if (t.attention != planner::Attention::eager) refuse("flash attention (use eager)");
   if (t.optimizer != planner::Optimizer::adamw) refuse(fmt::format("optimizer {} (supported: adamw)", planner::name_of(t.optimizer)));
@@ -125,6 +140,20 @@ struct Session::Impl {
   std::vector<models::TrainableTensor> trainables;
   std::size_t first_step_op = 0;                // ops before it are setup
   std::int32_t trainable_flat = -1, grad_flat = -1;
+  std::int32_t grad_shard = -1;                 // persistent gradient partition (ZeRO-2)
+  std::int32_t opt_states = -1, host_params = -1;  // optimizer.states, optimizer.params (offload)
+  std::int32_t rank = 0, N = 1;                 // this rank, data-parallel size
+  // Collectives in flight on the communication thread, in issue order.
+  struct Pending {
+    std::unique_ptr<CommRequest> req;
+    std::size_t op = 0;                         // program op index
+    std::int32_t root = -1;                     // the payload's allocated buffer (views resolved)
+    std::function<void()> after;                // completion work (accumulating reduce_scatter)
+  };
+  std::deque<Pending> pending;
+  CommCounters base_counters;                   // the communicator's counters when setup ended
+  double watchdog_s = 30.0;                     // a collective waiting longer is a failed peer
+  std::optional<std::pair<std::int64_t, std::size_t>> fault;  // injected failure (step, op)
   LrSchedule schedule;
   // Dimensions.
   std::int64_t B = 0, S = 0, M = 0, H = 0, I = 0, V = 0, nh = 0, nkv = 0, d = 0, A = 1;
@@ -158,6 +187,24 @@ struct Session::Impl {
 
   void setup();
   void run_ops(bool update);
+  void collective(std::size_t i, const sim::Op& op);
+  void copy(const sim::Op& op);
+  void wait(CommRequest& req, std::size_t i);
+  void wait_through(std::size_t i);
+  void wait_for_buffer(std::int32_t root);
+  std::int32_t root_of(std::int32_t id) const {
+    const auto v = program.buffers[static_cast<std::size_t>(id)].view_of;
+    return v >= 0 ? v : id;
+  }
+  std::string op_name(std::size_t i) const;
+  // The mask of an adapter's dropout: a hash of the seed, the step, the GLOBAL micro-batch
+  // (rank·A + a: the same sequences get the same mask on any number of ranks) and the adapter's
+  // place in the inventory (not its buffer id, which differs between strategies).
+  DropoutKey dropout_key(double p, std::int32_t a_view, std::int32_t micro_batch) const {
+    const auto global_mb = static_cast<std::uint64_t>(rank) * static_cast<std::uint64_t>(A) + static_cast<std::uint64_t>(micro_batch);
+    const auto adapter = static_cast<std::uint64_t>(lora_of.at(static_cast<std::size_t>(a_view)));
+    return {p, mix(plan.run.seed ^ mix(static_cast<std::uint64_t>(step_index) * 0x100000001b3ull + global_mb) ^ mix(adapter + 0x51ed27ull))};
+  }
   void alloc_op(std::size_t i, const sim::Op& op);
   void compute(const sim::Op& op);
   double finish_norm();
@@ -201,6 +248,8 @@ void Session::Impl::setup() {
     const sim::Buffer& buf = program.buffers[b];
     if (buf.name == "trainable.flat") trainable_flat = static_cast<std::int32_t>(b);
     if (buf.name == "grad.flat") grad_flat = static_cast<std::int32_t>(b);
+    if (buf.name == "optimizer.states") opt_states = static_cast<std::int32_t>(b);
+    if (buf.name == "optimizer.params") host_params = static_cast<std::int32_t>(b);
     if (buf.view_of < 0 || buf.view_of != trainable_flat) continue;
     auto it = adapter.find(buf.name);
     PEFTPLAN_CHECK_MSG(it != adapter.end(), "view {} is no adapter tensor", buf.name);
@@ -211,7 +260,16 @@ void Session::Impl::setup() {
       loras.push_back({lm->linear.in, lm->linear.out, lm->r, lm->scale, lm->dropout});
     }
   }
-  PEFTPLAN_CHECK(trainable_flat >= 0 && grad_flat >= 0);
+  PEFTPLAN_CHECK(trainable_flat >= 0 && opt_states >= 0);
+  rank = comm ? comm->rank() : 0;
+  N = in.strategy.ranks;
+  if (const char* w = std::getenv("PEFTPLAN_WATCHDOG_S"); w && *w) watchdog_s = std::atof(w);
+  // Fault injection for the fault tests: PEFTPLAN_FAULT="RANK:STEP:OP" makes that rank throw
+  // when it reaches program op OP of optimizer step STEP (0-based).
+  if (const char* f = std::getenv("PEFTPLAN_FAULT"); f && *f) {
+    long long fr = -1, fs = -1, fo = -1;
+    if (std::sscanf(f, "%lld:%lld:%lld", &fr, &fs, &fo) == 3 && fr == rank) fault = {{fs, static_cast<std::size_t>(fo)}};
+  }
   for (const auto& op : program.ops)
     if (op.kind == OpKind::compute && op.kernel == Kernel::embedding_fwd) tokens_mb[static_cast<std::size_t>(op.args[0])] = op.micro_batch;
   // Files: the base checkpoint and the adapter, opened once (validated on open).
@@ -240,9 +298,15 @@ void Session::Impl::setup() {
     }
   }
   first_step_op = i;
+  for (std::size_t b = 0; b < nbuf; ++b)
+    if (program.buffers[b].name == "grad.shard" && ptr[b] != nullptr) grad_shard = static_cast<std::int32_t>(b);
   for (const auto& [id, tt] : adapter_views)
     init_adapter_tensor(*tt, {at(id), static_cast<std::size_t>(tt->numel())}, plan.run.seed,
                         adapter_file ? &*adapter_file : nullptr);
+  if (comm) base_counters = comm->counters();
+  if (host_params >= 0)  // the offloaded step's host copy of this rank's partition
+    be.copy_to_host(at(host_params), at<std::byte>(trainable_flat) + static_cast<std::uint64_t>(rank) * bytes(host_params),
+                    bytes(host_params));
   if (adapter_file)  // every tensor of the file must belong to the adapter
     for (const auto& st : adapter_file->tensors())
       if (adapter.find(st.name) == adapter.end())
@@ -261,21 +325,136 @@ void Session::Impl::alloc_op(std::size_t i, const sim::Op& op) {
   const auto b = static_cast<std::size_t>(op.buffer);
   const sim::Buffer& buf = program.buffers[b];
   ptr[b] = alloc.allocate(buf.bytes, buf.category, static_cast<std::int32_t>(i));
+  // Gradient buffers start at zero: kernels add into them (lora_bwd), and a bucket's padding
+  // must reduce to zero.
+  if (buf.category == sim::MemCategory::gradients) be.fill_zero(ptr[b], buf.bytes);
   if (tokens_mb[b] >= 0) {  // the data loader fills a micro-batch's tokens and targets
     auto* tok = static_cast<std::int32_t*>(ptr[b]);
     PEFTPLAN_CHECK(buf.bytes == 8ull * static_cast<std::uint64_t>(M));
-    const std::int32_t rank = comm ? comm->rank() : 0, ranks = comm ? comm->size() : 1;
-    data.micro_batch(step_index, rank, ranks, tokens_mb[b], A, B, {tok, static_cast<std::size_t>(M)},
+    data.micro_batch(step_index, rank, N, tokens_mb[b], A, B, {tok, static_cast<std::size_t>(M)},
                      {tok + M, static_cast<std::size_t>(M)});
   }
 }
 
 double Session::Impl::finish_norm() {
-  if (!have_norm) {
-    sumsq = be.sum_squares(at(grad_flat), floats(grad_flat));
-    have_norm = true;
-  }
+  PEFTPLAN_CHECK_MSG(have_norm, "the program computes no gradient norm before the optimizer step");
   return global_grad_norm(sumsq);
+}
+
+std::string Session::Impl::op_name(std::size_t i) const {
+  const sim::Op& op = program.ops[i];
+  std::string what;
+  switch (op.kind) {
+    case OpKind::alloc: what = "alloc"; break;
+    case OpKind::free: what = "free"; break;
+    case OpKind::compute: what = std::string(sim::name_of(op.kernel)); break;
+    case OpKind::collective: what = std::string(sim::name_of(op.collective)); break;
+    case OpKind::copy: what = "copy"; break;
+  }
+  if (!op.label.empty()) what += " " + std::string(op.label);
+  if (op.buffer >= 0) what += " " + program.buffers[static_cast<std::size_t>(op.buffer)].name;
+  return fmt::format("op {} ({}, {}{})", i, what, sim::name_of(op.phase),
+                     op.layer >= 0 ? fmt::format(", layer {}", op.layer) : std::string());
+}
+
+// Waits for a collective with a watchdog: a peer that died or stopped calling collectives
+// leaves this rank waiting, and after watchdog_s the wait becomes an error naming the op (main
+// then ends the job with MPI_Abort).
+void Session::Impl::wait(CommRequest& req, std::size_t i) {
+  const auto t0 = Clock::now();
+  for (int spin = 0; !req.done(); ++spin) {
+    if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    if (std::chrono::duration<double>(Clock::now() - t0).count() > watchdog_s)
+      throw CommError(fmt::format("rank {}: {} waited more than {:.0f} s for its peers (a rank failed or stopped)", rank,
+                                  op_name(i), watchdog_s));
+  }
+  req.wait();  // rethrows the operation's error
+}
+
+void Session::Impl::wait_through(std::size_t i) {
+  while (!pending.empty() && pending.front().op <= i) {
+    Pending p = std::move(pending.front());
+    pending.pop_front();
+    wait(*p.req, p.op);
+    if (p.after) p.after();
+  }
+}
+
+void Session::Impl::wait_for_buffer(std::int32_t root) {
+  std::size_t last = 0;
+  bool any = false;
+  for (const Pending& p : pending)
+    if (p.root == root) {
+      last = p.op;
+      any = true;
+    }
+  if (any) wait_through(last);
+}
+
+// A collective of the program: the payload (Op::buffer, a view or a buffer) is the whole array
+// of nccl-tests "size" Op::bytes; buffer -1 names the step's scalars (the loss sum, the squared
+// gradient norm), all-reduced as one fp64. Array collectives run asynchronously; compute ops that
+// depend on them, and frees of their buffers, wait.
+void Session::Impl::collective(std::size_t i, const sim::Op& op) {
+  if (N == 1) return;
+  PEFTPLAN_CHECK_MSG(comm != nullptr && comm->size() == N, "a {}-rank program needs a communicator of {} ranks", N, N);
+  if (op.buffer < 0) {
+    PEFTPLAN_CHECK(op.collective == sim::Collective::all_reduce && op.bytes == 8);
+    double* v = op.label == "loss" ? &loss_sum : op.label == "grad_norm" ? &sumsq : nullptr;
+    PEFTPLAN_CHECK_MSG(v != nullptr, "scalar collective {} names no scalar the executor knows", op.label);
+    wait_through(i);
+    auto req = comm->all_reduce_async(v, v, 1, CommDType::fp64, ReduceOp::sum);
+    wait(*req, i);
+    return;
+  }
+  PEFTPLAN_CHECK_MSG(bytes(op.buffer) == op.bytes, "{}: payload {} bytes, op {} bytes", op_name(i), bytes(op.buffer), op.bytes);
+  float* p = at(op.buffer);
+  const std::size_t n = op.bytes / 4;
+  Pending pd;
+  pd.op = i;
+  pd.root = root_of(op.buffer);
+  switch (op.collective) {
+    case sim::Collective::all_reduce:
+      pd.req = comm->all_reduce_async(p, p, n, CommDType::fp32, ReduceOp::sum);
+      break;
+    case sim::Collective::reduce_scatter: {
+      const std::size_t rc = n / static_cast<std::size_t>(N);
+      float* mine = p + static_cast<std::size_t>(rank) * rc;
+      if (op.buffer_out >= 0) PEFTPLAN_CHECK(static_cast<std::size_t>(floats(op.buffer_out)) == rc);
+      if (op.buffer_out >= 0 && !op.accumulate) {
+        pd.req = comm->reduce_scatter_async(p, at(op.buffer_out), rc, CommDType::fp32, ReduceOp::sum);
+      } else {
+        pd.req = comm->reduce_scatter_async(p, mine, rc, CommDType::fp32, ReduceOp::sum);
+        if (op.buffer_out >= 0) {
+          const std::int32_t out = op.buffer_out;
+          pd.after = [this, out, mine, rc] { be.add(at(out), mine, at(out), static_cast<std::int64_t>(rc)); };
+        }
+      }
+      break;
+    }
+    case sim::Collective::all_gather: {
+      const std::size_t sc = n / static_cast<std::size_t>(N);
+      pd.req = comm->all_gather_async(p + static_cast<std::size_t>(rank) * sc, p, sc, CommDType::fp32);
+      break;
+    }
+    case sim::Collective::broadcast:
+      throw InternalError(fmt::format("the executor's programs have no broadcast ({})", op_name(i)));
+  }
+  pending.push_back(std::move(pd));
+}
+
+// A copy between device and host buffers (optimizer offload): Op::buffer to Op::buffer_out; a
+// side N times the copy's bytes contributes this rank's block.
+void Session::Impl::copy(const sim::Op& op) {
+  PEFTPLAN_CHECK_MSG(op.buffer >= 0 && op.buffer_out >= 0, "a copy of the executor's program names no source or destination");
+  auto block = [&](std::int32_t id) {
+    auto* p = at<std::byte>(id);
+    if (bytes(id) == op.bytes) return p;
+    PEFTPLAN_CHECK(bytes(id) == op.bytes * static_cast<std::uint64_t>(N));
+    return p + static_cast<std::uint64_t>(rank) * op.bytes;
+  };
+  if (op.copy_dir == sim::CopyDir::device_to_host) be.copy_to_host(block(op.buffer_out), block(op.buffer), op.bytes);
+  else be.copy_to_device(block(op.buffer_out), block(op.buffer), op.bytes);
 }
 
 // One compute op: the kernel its Op::kernel names on the buffers its Op::args name.
@@ -306,10 +485,7 @@ void Session::Impl::compute(const sim::Op& op) {
       return;
     case Kernel::dropout: {
       const LoraInfo& l = loras.at(static_cast<std::size_t>(lora_of.at(static_cast<std::size_t>(a[2]))));
-      const DropoutKey key{l.dropout, mix(plan.run.seed ^ mix(static_cast<std::uint64_t>(step_index) * 0x100000001b3ull +
-                                                                static_cast<std::uint64_t>(op.micro_batch)) ^
-                                          mix(static_cast<std::uint64_t>(a[2])))};
-      be.dropout_forward(at(a[0]), at(a[1]), floats(a[1]), key);
+      be.dropout_forward(at(a[0]), at(a[1]), floats(a[1]), dropout_key(l.dropout, a[2], op.micro_batch));
       return;
     }
     case Kernel::lora_fwd: {
@@ -320,10 +496,7 @@ void Session::Impl::compute(const sim::Op& op) {
     case Kernel::lora_bwd: {
       const LoraInfo& l = loras.at(static_cast<std::size_t>(lora_of.at(static_cast<std::size_t>(a[2]))));
       DropoutKey key{};
-      if (l.dropout > 0.0)
-        key = {l.dropout, mix(plan.run.seed ^ mix(static_cast<std::uint64_t>(step_index) * 0x100000001b3ull +
-                                                  static_cast<std::uint64_t>(op.micro_batch)) ^
-                              mix(static_cast<std::uint64_t>(a[2])))};
+      if (l.dropout > 0.0) key = dropout_key(l.dropout, a[2], op.micro_batch);
       PEFTPLAN_CHECK(floats(a[5]) == M * (l.r + (l.dropout > 0.0 ? l.in : 0)));
       be.lora_backward(at(a[0]), at(a[1]), at(a[2]), at(a[3]), at(a[4]), static_cast<float>(l.scale), key, at(a[7]), at(a[8]),
                        opt(a[6]), at(a[5]), M, l.in, l.out, l.r);
@@ -362,15 +535,20 @@ void Session::Impl::compute(const sim::Op& op) {
     case Kernel::cross_entropy_bwd:
       be.cross_entropy_backward(at(a[0]), at<std::int32_t>(a[1]) + M, at(a[2]), count, M, V);
       return;
-    case Kernel::grad_norm:
+    case Kernel::grad_norm:  // this rank's partition; a "grad_norm" all_reduce may follow
       sumsq = be.sum_squares(at(a[0]), floats(a[0]));
       have_norm = true;
       return;
     case Kernel::optimizer_step: {
       const auto& t = plan.input.training;
       const double norm = finish_norm();
-      const std::int64_t n = floats(a[0]);
-      PEFTPLAN_CHECK(floats(a[1]) == n && floats(a[2]) == 2 * n);
+      const std::int64_t n = floats(a[1]);
+      float* params = at(a[0]);
+      if (floats(a[0]) != n) {  // this rank's block of trainable.flat
+        PEFTPLAN_CHECK(floats(a[0]) == n * N);
+        params += static_cast<std::int64_t>(rank) * n;
+      }
+      PEFTPLAN_CHECK(floats(a[2]) == 2 * n);
       if (t.grad_clip > 0.0) {
         const double coef = clip_coefficient(norm, t.grad_clip);
         if (coef < 1.0) be.scale(at(a[1]), static_cast<float>(coef), n);
@@ -378,7 +556,7 @@ void Session::Impl::compute(const sim::Op& op) {
       const std::int64_t step1 = step_index + 1;
       const double lr = lr_for_step(schedule, t.lr, step1);
       meas.lrs.push_back(lr);
-      be.adamw_step(at(a[0]), at(a[1]), at(a[2]), at(a[2]) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
+      be.adamw_step(params, at(a[1]), at(a[2]), at(a[2]) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
                     t.weight_decay);
       return;
     }
@@ -392,23 +570,43 @@ void Session::Impl::compute(const sim::Op& op) {
 }
 
 void Session::Impl::run_ops(bool update) {
-  be.fill_zero(at(grad_flat), bytes(grad_flat));  // optimizer.zero_grad()
+  // optimizer.zero_grad()
+  if (grad_flat >= 0) be.fill_zero(at(grad_flat), bytes(grad_flat));
+  if (grad_shard >= 0) be.fill_zero(at(grad_shard), bytes(grad_shard));
   loss_sum = 0.0;
   have_norm = false;
   const auto t0 = Clock::now();
   for (std::size_t i = first_step_op; i < program.ops.size(); ++i) {
     const sim::Op& op = program.ops[i];
+    if (fault && fault->first == step_index && fault->second == i)
+      throw InternalError(fmt::format("rank {}: injected fault (PEFTPLAN_FAULT) at step {}, {}", rank, step_index, op_name(i)));
+    if (!update && op.phase == Phase::optimizer) {  // forward_backward: no update, no step
+      if (op.kind == OpKind::free && ptr[static_cast<std::size_t>(op.buffer)] == nullptr) continue;
+      if (op.kind != OpKind::alloc && op.kind != OpKind::free) continue;
+    }
     switch (op.kind) {
       case OpKind::alloc: alloc_op(i, op); break;
       case OpKind::free:
+        wait_for_buffer(op.buffer);
         alloc.release(ptr[static_cast<std::size_t>(op.buffer)]);
         ptr[static_cast<std::size_t>(op.buffer)] = nullptr;
         break;
-      case OpKind::collective:  // one rank: nothing to exchange
-      case OpKind::copy:        // no offload in this version (check_executable)
+      case OpKind::collective:
+        try {
+          collective(i, op);
+        } catch (const CommError&) {
+          throw;  // the watchdog's and MPI's errors name the rank and op already
+        } catch (const std::exception& e) {
+          throw InternalError(fmt::format("rank {}: {}: {}", rank, op_name(i), e.what()));
+        }
+        break;
+      case OpKind::copy:
+        wait_through(i);
+        copy(op);
         break;
       case OpKind::compute: {
-        if (!update && op.kernel == Kernel::optimizer_step) break;
+        for (std::int32_t dep : program.deps_of(op))
+          if (program.ops[static_cast<std::size_t>(dep)].kind == OpKind::collective) wait_through(static_cast<std::size_t>(dep));
         const auto s = Clock::now();
         compute(op);
         be.synchronize();
@@ -425,11 +623,16 @@ void Session::Impl::run_ops(bool update) {
       }
     }
   }
+  if (!pending.empty()) wait_through(pending.back().op);
 }
 
 Session::Session(const planner::PlanFile& plan, Backend& backend, TokenData data, Communicator* comm)
     : impl_(std::make_unique<Impl>(plan, backend, std::move(data), comm)) {
   check_executable(plan);
+  const int world = comm ? comm->size() : 1;
+  if (world != plan.input.strategy.ranks)
+    throw InputError(fmt::format("the plan is for {} ranks, the job has {} (mpirun -np {})", plan.input.strategy.ranks, world,
+                                 plan.input.strategy.ranks));
   if (impl_->data.seq_len() != plan.input.training.seq_len)
     throw InternalError("token data cut for another sequence length");
   impl_->setup();
@@ -465,7 +668,113 @@ std::span<float> Session::trainable_weights() {
   return {impl_->at(impl_->trainable_flat), static_cast<std::size_t>(impl_->floats(impl_->trainable_flat))};
 }
 std::span<const float> Session::gradients() const {
+  PEFTPLAN_CHECK_MSG(impl_->grad_flat >= 0, "this strategy keeps no full gradient buffer");
   return {impl_->at(impl_->grad_flat), static_cast<std::size_t>(impl_->floats(impl_->grad_flat))};
+}
+std::int64_t Session::steps_done() const { return impl_->steps_done; }
+
+// ------------------------------------------------------------------------------- checkpoints
+//
+// <checkpoint_dir>/step-<k>/ holds adapter_model.safetensors + adapter_config.json (the whole
+// adapter, as every rank has it after the step), optimizer.rank<r>.bin (rank r's optimizer
+// states, then its host parameter copy under offload: a header of two uint64 element counts,
+// then fp32), and trainer_state.json (step, data position, seed, ranks, strategy). Ranks write
+// into step-<k>.tmp/, rank 0 renames it to step-<k> and then rewrites <checkpoint_dir>/latest
+// (temporary name, then rename): a crash leaves the previous checkpoint whole.
+// The data position is the step (step k reads global sequences k·G …); dropout masks are a
+// counter-based hash of (seed, step, micro-batch, adapter), so the seed and the step are all the
+// random state there is.
+namespace {
+void write_atomically(const std::filesystem::path& p, const std::string& text) {
+  const std::filesystem::path tmp = p.string() + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) throw InputError(fmt::format("{}: cannot write", tmp.string()));
+    f << text;
+    if (!f) throw InputError(fmt::format("{}: write failed", tmp.string()));
+  }
+  std::filesystem::rename(tmp, p);
+}
+}  // namespace
+
+void Session::save_checkpoint(const std::filesystem::path& dir) const {
+  namespace fs = std::filesystem;
+  const Impl& s = *impl_;
+  const std::string name = fmt::format("step-{}", s.steps_done);
+  const fs::path tmp = dir / (name + ".tmp"), final_dir = dir / name;
+  if (s.rank == 0) {
+    fs::create_directories(dir);
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  if (s.comm) s.comm->barrier();
+  {
+    const std::uint64_t ns = static_cast<std::uint64_t>(s.floats(s.opt_states));
+    const std::uint64_t np = s.host_params >= 0 ? static_cast<std::uint64_t>(s.floats(s.host_params)) : 0;
+    std::string blob(16 + 4 * (ns + np), '\0');
+    std::memcpy(blob.data(), &ns, 8);
+    std::memcpy(blob.data() + 8, &np, 8);
+    std::memcpy(blob.data() + 16, s.at(s.opt_states), 4 * ns);
+    if (np) std::memcpy(blob.data() + 16 + 4 * ns, s.at(s.host_params), 4 * np);
+    write_atomically(tmp / fmt::format("optimizer.rank{}.bin", s.rank), blob);
+  }
+  if (s.comm) s.comm->barrier();
+  if (s.rank == 0) {
+    save_adapter(tmp);
+    const auto& t = s.plan.input.training;
+    const nlohmann::json state = {{"schema", "peftplan.checkpoint/1"},
+                                  {"step", s.steps_done},
+                                  {"next_sequence", s.steps_done * t.micro_batch * t.grad_accum * s.N},
+                                  {"seed", s.plan.run.seed},
+                                  {"ranks", s.N},
+                                  {"strategy", planner::name_of(s.plan.input.strategy.stage)},
+                                  {"offload_optimizer", s.host_params >= 0}};
+    write_atomically(tmp / "trainer_state.json", state.dump(1) + "\n");
+    fs::remove_all(final_dir);
+    fs::rename(tmp, final_dir);
+    write_atomically(dir / "latest", name + "\n");
+  }
+  if (s.comm) s.comm->barrier();
+}
+
+void Session::resume(const std::filesystem::path& where) {
+  namespace fs = std::filesystem;
+  Impl& s = *impl_;
+  fs::path dir = where;
+  if (!fs::exists(dir / "trainer_state.json") && fs::exists(dir / "latest")) {
+    std::ifstream f(dir / "latest");
+    std::string name;
+    f >> name;
+    dir /= name;
+  }
+  if (!fs::exists(dir / "trainer_state.json"))
+    throw InputError(fmt::format("{}: no checkpoint here (no trainer_state.json, no latest)", where.string()));
+  const nlohmann::json st = nlohmann::json::parse(std::ifstream(dir / "trainer_state.json"), nullptr, false);
+  if (st.is_discarded() || !st.contains("step")) throw InputError(fmt::format("{}/trainer_state.json: not a peftplan checkpoint", dir.string()));
+  auto same = [&](const char* key, const nlohmann::json& want) {
+    if (st.value(key, nlohmann::json()) != want)
+      throw InputError(fmt::format("{}/trainer_state.json: {} is {}, this run has {}", dir.string(), key, st.value(key, nlohmann::json()).dump(),
+                                   want.dump()));
+  };
+  same("ranks", s.N);
+  same("strategy", std::string(planner::name_of(s.plan.input.strategy.stage)));
+  same("seed", s.plan.run.seed);
+  same("offload_optimizer", s.host_params >= 0);
+  const SafetensorsFile adapter = SafetensorsFile::open(dir / "adapter_model.safetensors");
+  for (const auto& [id, tt] : s.adapter_views)
+    init_adapter_tensor(*tt, {s.at(id), static_cast<std::size_t>(tt->numel())}, s.plan.run.seed, &adapter);
+  const fs::path opt = dir / fmt::format("optimizer.rank{}.bin", s.rank);
+  std::ifstream f(opt, std::ios::binary);
+  std::uint64_t ns = 0, np = 0;
+  f.read(reinterpret_cast<char*>(&ns), 8);
+  f.read(reinterpret_cast<char*>(&np), 8);
+  const std::uint64_t want_np = s.host_params >= 0 ? static_cast<std::uint64_t>(s.floats(s.host_params)) : 0;
+  if (!f || ns != static_cast<std::uint64_t>(s.floats(s.opt_states)) || np != want_np)
+    throw InputError(fmt::format("{}: optimizer states of another shape (or missing)", opt.string()));
+  f.read(reinterpret_cast<char*>(s.at(s.opt_states)), static_cast<std::streamsize>(4 * ns));
+  if (np) f.read(reinterpret_cast<char*>(s.at(s.host_params)), static_cast<std::streamsize>(4 * np));
+  if (!f) throw InputError(fmt::format("{}: truncated", opt.string()));
+  s.steps_done = st.at("step").get<std::int64_t>();
 }
 const sim::Program& Session::program() const { return impl_->program; }
 const MemoryStats& Session::memory() const { return impl_->alloc.stats(); }
@@ -505,6 +814,29 @@ Measurement Session::measurement() const {
                         {"args", {{"op", i}, {"phase", sim::name_of(op.phase)}, {"layer", op.layer}, {"micro_batch", op.micro_batch},
                                   {"flops", op.work.flops}}}});
   }
+  // Collectives: measured (the communicator's counters) and the program's, per step.
+  const auto steps = static_cast<std::uint64_t>(s.meas.step_times_s.size());
+  CommCounters cc;
+  if (s.comm) cc = s.comm->counters();
+  for (int k = 0; k < sim::kNumCollectives; ++k) {
+    CollectiveStat c;
+    c.kind = std::string(sim::name_of(static_cast<sim::Collective>(k)));
+    for (std::size_t i = s.first_step_op; i < s.program.ops.size(); ++i) {
+      const sim::Op& op = s.program.ops[i];
+      if (op.kind == OpKind::collective && static_cast<int>(op.collective) == k && s.N > 1) {
+        c.predicted_calls_per_step += 1;
+        c.predicted_bytes_per_step += op.bytes;
+      }
+    }
+    const CommCounter& got = cc[static_cast<CommKind>(k)];  // CommKind shares NCCL's order
+    const CommCounter& before = s.base_counters[static_cast<CommKind>(k)];
+    c.calls = got.calls - before.calls;
+    c.bytes = got.bytes - before.bytes;
+    c.seconds = got.seconds - before.seconds;
+    c.bytes_per_step = steps ? c.bytes / steps : 0;
+    m.collectives.push_back(c);
+  }
+  m.rank = s.rank;
   m.trace = {{"traceEvents", events}, {"displayTimeUnit", "ms"},
              {"otherData", {{"process", "peftplan measured step"}, {"backend", m.backend}}}};
   return m;
@@ -519,25 +851,70 @@ void Session::save_adapter(const std::filesystem::path& dir) const {
   executor::save_adapter(dir, s.plan.input.peft.adapters.at(0), s.plan.input.model.name, out);
 }
 
+namespace {
+
+// Every rank's measurement JSON on rank 0 (null elsewhere): lengths, then the texts padded to
+// the longest, with all_gather.
+nlohmann::json gather_measurements(Communicator& comm, const nlohmann::json& mine) {
+  const std::string text = mine.dump();
+  const auto n = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> lengths(n);
+  const auto len = static_cast<std::int64_t>(text.size());
+  comm.all_gather(&len, lengths.data(), 1, CommDType::int64);
+  const auto longest = static_cast<std::size_t>(*std::max_element(lengths.begin(), lengths.end()));
+  std::vector<char> send(longest, ' '), all(longest * n);
+  std::copy(text.begin(), text.end(), send.begin());
+  comm.all_gather(send.data(), all.data(), longest, CommDType::uint8);
+  if (comm.rank() != 0) return nullptr;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (std::size_t r = 0; r < n; ++r)
+    ranks.push_back(nlohmann::json::parse(all.begin() + static_cast<std::ptrdiff_t>(r * longest),
+                                          all.begin() + static_cast<std::ptrdiff_t>(r * longest + static_cast<std::size_t>(lengths[r]))));
+  return ranks;
+}
+
+}  // namespace
+
 Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std::filesystem::path& out_dir,
-                     std::FILE* progress) {
+                     std::FILE* progress, Communicator* comm) {
   check_executable(plan);
-  Session session(plan, backend, load_data(plan));
+  Session session(plan, backend, load_data(plan), comm);
+  const bool root = !comm || comm->rank() == 0;
+  if (!root) progress = nullptr;
   const auto& t = plan.input.training;
+  if (!plan.run.resume.empty()) {
+    session.resume(plan.run.resume);
+    if (progress) std::fprintf(progress, "peftplan-exec: resumed from %s at step %lld\n", plan.run.resume.c_str(),
+                               static_cast<long long>(session.steps_done()));
+  }
   if (progress)
-    std::fprintf(progress, "peftplan-exec: %s, %s, B=%lld S=%lld accum=%lld, %lld steps\n", plan.input.model.name.c_str(),
-                 backend.description().c_str(), static_cast<long long>(t.micro_batch), static_cast<long long>(t.seq_len),
+    std::fprintf(progress, "peftplan-exec: %s, %s, %d rank(s) %s, B=%lld S=%lld accum=%lld, %lld steps\n", plan.input.model.name.c_str(),
+                 backend.description().c_str(), plan.input.strategy.ranks, std::string(planner::name_of(plan.input.strategy.stage)).c_str(),
+                 static_cast<long long>(t.micro_batch), static_cast<long long>(t.seq_len),
                  static_cast<long long>(t.grad_accum), static_cast<long long>(plan.run.steps));
-  for (std::int64_t k = 0; k < plan.run.steps; ++k) {
+  while (session.steps_done() < plan.run.steps) {
     const StepStats st = session.step();
     if (progress) {
-      std::fprintf(progress, "step %lld/%lld  loss %.4f  grad_norm %.4f  lr %.3g  %.3f s  %.0f tokens/s\n",
+      std::fprintf(progress, "step %lld/%lld  loss %.6f  grad_norm %.4f  lr %.3g  %.3f s  %.0f tokens/s\n",
                    static_cast<long long>(st.step), static_cast<long long>(plan.run.steps), st.loss, st.grad_norm, st.lr,
-                   st.seconds, static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum) / st.seconds);
+                   st.seconds, static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum * plan.input.strategy.ranks) / st.seconds);
       std::fflush(progress);
+    }
+    if (plan.run.checkpoint_every > 0 && st.step % plan.run.checkpoint_every == 0) {
+      session.save_checkpoint(plan.run.checkpoint_dir);
+      if (progress) {
+        std::fprintf(progress, "checkpoint %s/step-%lld\n", plan.run.checkpoint_dir.c_str(), static_cast<long long>(st.step));
+        std::fflush(progress);
+      }
     }
   }
   Measurement m = session.measurement();
+  if (comm && comm->size() > 1) {
+    nlohmann::json mine = measurement_to_json(m);
+    mine.erase("per_rank");
+    m.per_rank = gather_measurements(*comm, mine);
+  }
+  if (!root) return m;
   std::filesystem::create_directories(out_dir);
   auto write = [](const std::filesystem::path& p, const nlohmann::json& j) {
     const std::filesystem::path tmp = p.string() + ".tmp";

@@ -87,6 +87,9 @@ json plan_file_to_json(const PlanFile& pf) {
               {"weights", r.weights},
               {"adapter_init", r.adapter_init},
               {"save_adapter", r.save_adapter},
+              {"checkpoint_every", r.checkpoint_every},
+              {"checkpoint_dir", r.checkpoint_dir},
+              {"resume", r.resume},
               {"scheduler", ds.contains("scheduler") ? ds["scheduler"] : json(nullptr)}};
   json j = {{"schema", kPlanSchema},
             {"model", pf.model_source.is_null() ? json(in.model.name) : pf.model_source},
@@ -201,6 +204,13 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   r.adapter_init = get<std::string>(run, "adapter_init", source, "run.", r.adapter_init);
   if (r.adapter_init.empty()) r.adapter_init = "peft";
   r.save_adapter = get<std::string>(run, "save_adapter", source, "run.", r.save_adapter);
+  r.checkpoint_every = get<std::int64_t>(run, "checkpoint_every", source, "run.", r.checkpoint_every);
+  if (r.checkpoint_every < 0)
+    throw input_error(source, "run.checkpoint_every", "must be >= 0 (0 = no checkpoints)", std::to_string(r.checkpoint_every));
+  r.checkpoint_dir = get<std::string>(run, "checkpoint_dir", source, "run.", r.checkpoint_dir);
+  if (r.checkpoint_every > 0 && r.checkpoint_dir.empty())
+    throw input_error(source, "run.checkpoint_dir", "must name a folder when run.checkpoint_every > 0", "\"\"");
+  r.resume = get<std::string>(run, "resume", source, "run.", r.resume);
   return pf;
 }
 

@@ -76,9 +76,11 @@ struct Adapter {       // a LoRA (or IA3) branch on one linear module
   double dropout = 0.0;
   std::int32_t a_buf = -1, b_buf = -1;  // views of lora_A / lora_B in trainable.flat (-1 under
                                         // ZeRO-3, where they live in the gathered unit)
-  std::int32_t ga_buf = -1, gb_buf = -1;  // views of their gradients in grad.flat (-1 when the
-                                          // strategy keeps no full gradient buffer)
+  std::int32_t ga_buf = -1, gb_buf = -1;  // views of their gradients in grad.flat, or (ZeRO-2/3
+                                          // with several ranks) in the micro-batch's bucket
   std::int64_t params = 0;
+  std::int64_t a_off = -1, b_off = -1;    // element offsets of lora_A / lora_B in the flat
+  std::int64_t a_numel = 0, b_numel = 0;  //   trainable layout (inventory order), and sizes
 };
 
 struct LinearPlan {
@@ -103,6 +105,18 @@ struct Unit {
   std::uint64_t persistent_bytes = 0;
   std::int64_t trainable_numel = 0;       // adapter (or all, in full fine-tuning) elements
   std::int32_t frozen_shard = -1, trainable_shard = -1;  // ZeRO-3 shard buffers
+  std::int64_t flat_offset = -1;          // first element of its adapters in the flat trainable
+                                          // layout (-1: unknown or not contiguous)
+};
+
+// ZeRO-2/3 gradient bucket: consecutive units (in backward order) whose gradients are one
+// contiguous buffer, padded to a multiple of N, from the bucket's first unit until its
+// reduce_scatter (DeepSpeed's ipg bucket of reduce_bucket_size elements).
+struct GradBucket {
+  std::vector<std::size_t> units;   // units with trainable elements, backward order
+  std::int64_t numel = 0;           // their trainable elements
+  std::size_t flush_unit = 0;       // the unit whose gradients_done issues the reduce_scatter
+  std::int64_t flat_lo = -1;        // first flat element covered (-1: not contiguous)
 };
 
 class Builder {
@@ -245,6 +259,7 @@ class Builder {
     return op;
   }
   void adapter_views();
+  void plan_buckets();
 
   const PlanInput& in_;
   const models::ModelSpec& m_;
@@ -300,7 +315,11 @@ class Builder {
   std::vector<std::vector<std::int32_t>> saved_;  // per layer saved buffers (freed in backward)
   std::vector<std::int32_t> gathered_;       // ZeRO-3: gathered buffers per unit (-1 when not)
   std::vector<std::int32_t> gather_op_;      // ZeRO-3: the all_gather op per unit
-  std::vector<std::int32_t> unit_grad_;      // ZeRO-2/3: transient full gradients per unit
+  std::vector<GradBucket> buckets_;          // ZeRO-2/3 with several ranks
+  std::vector<std::int32_t> bucket_of_, flush_of_;  // per unit: its bucket, the bucket it flushes
+  std::vector<std::int32_t> bucket_buf_;     // per bucket: this micro-batch's gradient buffer
+  std::int32_t staging_ = -1;                // host.staging (optimizer offload)
+  std::int32_t host_params_ = -1;            // executor offload: the host copy of the partition
   std::int32_t dres_ = -1;                   // gradient of the residual stream
   // Gradient buckets (DDP / ZeRO-2): pending unit gradients and their element count.
   std::vector<std::size_t> bucket_units_;
@@ -509,7 +528,11 @@ void Builder::setup() {
     if (s_.ranks > 1) alloc([&] { return "ddp.buckets"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
     add_cuda_runtime();
   }
-  if (host_opt) alloc([&] { return "host.staging"; }, Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
+  if (host_opt) staging_ = alloc([&] { return "host.staging"; }, Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
+  // The executor's offloaded step updates a host copy of this rank's parameter partition (the
+  // fp32 "master" DeepSpeed keeps on the CPU) and copies it back.
+  if (host_opt && in_.profile == RuntimeProfile::executor)
+    host_params_ = alloc([&] { return "optimizer.params"; }, Cat::host_optimizer_states, tw * static_cast<std::uint64_t>(opt_numel), S);
 }
 
 // ZeRO-3: all_gather a unit's frozen (and trainable) shards into a full buffer. `use` makes the
@@ -930,12 +953,31 @@ void Builder::layer_backward(std::int32_t l) {
   unit_gradients_done(unit, last);
 }
 
-// ZeRO-2/3 with several ranks: a unit's full gradients live only until their bucket is
-// reduce-scattered into this rank's partition.
+// ZeRO-2/3 with several ranks: a bucket's full gradients live from its first unit's backward
+// until its reduce_scatter. The buffer holds the bucket's flat range [flat_lo, flat_lo + numel)
+// padded to a multiple of N; the adapters' gradient views point into it.
 void Builder::begin_unit_gradients(std::size_t u) {
-  if (!sharded_grads() || s_.ranks == 1 || units_[u].trainable_numel == 0 || unit_grad_[u] >= 0) return;
-  unit_grad_[u] = alloc([&] { return fmt::format("{}.grad.mb{}", units_[u].name, mb_); }, Cat::gradients,
-                        bytes_of(f_.trainable_dtype) * static_cast<std::uint64_t>(units_[u].trainable_numel), Phase::backward);
+  if (!sharded_grads() || s_.ranks == 1 || bucket_of_.empty() || bucket_of_[u] < 0) return;
+  const auto b = static_cast<std::size_t>(bucket_of_[u]);
+  const GradBucket& bk = buckets_[b];
+  if (bk.units.front() != u || bucket_buf_[b] >= 0) return;
+  const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+  bucket_buf_[b] = alloc([&] { return fmt::format("grad.bucket{}.mb{}", b, mb_); }, Cat::gradients,
+                         tw * static_cast<std::uint64_t>(shard(bk.numel) * s_.ranks), Phase::backward);
+  if (bk.flat_lo < 0) return;
+  auto views = [&](LinearPlan& lp) {
+    if (!lp.adapter || lp.adapter->a_off < 0) return;
+    Adapter& a = *lp.adapter;
+    const std::string base = names_ ? fmt::format("grad.{}.mb{}", lp.mod->path, mb_) : std::string();
+    a.ga_buf = p_.add_view(names_ ? base + ".lora_A" : std::string(), bucket_buf_[b], tw * static_cast<std::uint64_t>(a.a_off - bk.flat_lo),
+                           tw * static_cast<std::uint64_t>(a.a_numel));
+    a.gb_buf = p_.add_view(names_ ? base + ".lora_B" : std::string(), bucket_buf_[b], tw * static_cast<std::uint64_t>(a.b_off - bk.flat_lo),
+                           tw * static_cast<std::uint64_t>(a.b_numel));
+  };
+  for (std::size_t v : bk.units) {
+    if (v == units_.size() - 1) for (auto& lp : head_linears_) views(lp);
+    else if (v >= 1) for (auto& lp : layer_linears_[v - 1]) views(lp);
+  }
 }
 
 // A unit's gradients are complete for this micro-batch: bucket them for reduction.
@@ -946,22 +988,19 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
   if (un.trainable_numel == 0 && u != 0) return;
   if (s_.ranks == 1) return;
   if (zero3() || s_.stage == Stage::zero2) {
-    // DeepSpeed reduces during every micro-batch's backward for ZeRO-2/3.
-    if (un.trainable_numel > 0) {
-      bucket_units_.push_back(u);
-      bucket_numel_ += un.trainable_numel;
-    }
-    const bool flush = bucket_numel_ >= s_.ds.reduce_bucket_size || u == 0;
-    if (!flush || bucket_numel_ == 0) return;
-    const std::int64_t padded = shard(bucket_numel_) * s_.ranks;
-    reduce_ops_.push_back(collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(padded), -1,
-                                     Phase::backward, unit_grad_[bucket_units_.front()], {after_op}));
-    for (std::size_t b : bucket_units_) {
-      free(unit_grad_[b], Phase::backward);
-      unit_grad_[b] = -1;
-    }
-    bucket_units_.clear();
-    bucket_numel_ = 0;
+    // DeepSpeed reduces during every micro-batch's backward for ZeRO-2/3: each bucket is
+    // reduce-scattered into this rank's gradient partition, adding to the earlier micro-batches'.
+    const std::int32_t b = flush_of_[u];
+    if (b < 0) return;
+    const GradBucket& bk = buckets_[static_cast<std::size_t>(b)];
+    const std::int64_t padded = shard(bk.numel) * s_.ranks;
+    const std::int32_t rs = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(padded), -1,
+                                       Phase::backward, bucket_buf_[static_cast<std::size_t>(b)], {after_op});
+    p_.ops[static_cast<std::size_t>(rs)].buffer_out = grad_shard_;
+    p_.ops[static_cast<std::size_t>(rs)].accumulate = mb_ > 0;
+    reduce_ops_.push_back(rs);
+    free(bucket_buf_[static_cast<std::size_t>(b)], Phase::backward);
+    bucket_buf_[static_cast<std::size_t>(b)] = -1;
     return;
   }
   if (s_.stage == Stage::ddp && last_mb) {
@@ -975,8 +1014,15 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
                                  : s_.ds.reduce_bucket_size;
     const bool flush = bucket_numel_ >= cap || u == 0;
     if (!flush || bucket_numel_ == 0) return;
+    // The bucket is a contiguous range of grad.flat (units in backward order are consecutive
+    // ranges of the flat layout): its view is the payload.
+    std::int32_t payload = grad_flat_;
+    const std::int64_t lo = units_[bucket_units_.back()].flat_offset;
+    if (lo >= 0 && units_[bucket_units_.front()].flat_offset + units_[bucket_units_.front()].trainable_numel - lo == bucket_numel_)
+      payload = p_.add_view(names_ ? fmt::format("grad.flat[{}:{}]", lo, lo + bucket_numel_) : std::string(), grad_flat_,
+                            tw * static_cast<std::uint64_t>(lo), tw * static_cast<std::uint64_t>(bucket_numel_));
     reduce_ops_.push_back(collective(Collective::all_reduce, "all_reduce_grads", tw * static_cast<std::uint64_t>(bucket_numel_), -1,
-                                     Phase::backward, grad_flat_, {after_op}));
+                                     Phase::backward, payload, {after_op}));
     bucket_units_.clear();
     bucket_numel_ = 0;
   }
@@ -1082,40 +1128,55 @@ void Builder::optimizer_step() {
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
   const std::int64_t part = sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
   const std::int32_t N = s_.ranks;
+  const bool exec = in_.profile == RuntimeProfile::executor;
   std::vector<std::int32_t> deps(reduce_ops_.begin(), reduce_ops_.end());
   std::int32_t dep = deps.empty() ? last_compute_ : deps.back();
-  // ZeRO-1: one reduce_scatter of the accumulated full gradients at the step.
+  // The executor reports the step's loss on every rank: the loss sums of the ranks (one fp64)
+  // are all-reduced, a collective of the program like any other.
+  if (exec && N > 1) dep = collective(Collective::all_reduce, "loss", 8, -1, O, -1, {dep});
+  // ZeRO-1: one reduce_scatter of the accumulated full gradients at the step, into this rank's
+  // partition.
   if (s_.stage == Stage::zero1 && N > 1) {
     const std::int32_t shard_buf = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(part), O);
     dep = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(part * N), -1, O, grad_flat_, {dep});
+    p_.ops[static_cast<std::size_t>(dep)].buffer_out = shard_buf;
     grad_shard_ = shard_buf;
   }
   // Mixed precision: the optimizer works on an fp32 copy of this rank's gradient partition.
   std::int32_t g32 = -1;
   const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
   if (f_.master_weights) g32 = alloc([&] { return "grad.fp32"; }, host_opt ? Cat::host_optimizer_states : Cat::gradients, f32(part), O);
-  if (t_.grad_clip > 0.0) {
-    // grad_norm {grads}: sum of squares of this rank's gradient partition
+  if (t_.grad_clip > 0.0 || exec) {  // the executor reports the norm even without clipping
+    // grad_norm {grads}: sum of squares of this rank's gradient partition (all of it for DDP);
+    // the partitions' sums are all-reduced as one fp64 (buffer -1)
     dep = compute(Kernel::grad_norm, "grad_norm", -1, O, elementwise(tw * static_cast<std::uint64_t>(part), 2.0 * static_cast<double>(part)), {grad_shard_ >= 0 ? grad_shard_ : grad_flat_}, {dep});
     if (N > 1 && s_.stage != Stage::ddp) dep = collective(Collective::all_reduce, "grad_norm", 8, -1, O, -1, {dep});
   }
   if (host_opt) {
+    // Copies name their source (Op::buffer) and, in the executor profile, their destination
+    // (Op::buffer_out); a destination N times the copy's bytes receives this rank's block.
     const std::int32_t d2h = copy(CopyDir::device_to_host, "grad_d2h", tw * static_cast<std::uint64_t>(part), O, grad_shard_, {dep});
+    if (exec) p_.ops[static_cast<std::size_t>(d2h)].buffer_out = staging_;
     const double state_rw = (f_.master_weights ? 4.0 : 0.0) + 8.0 + 4.0;
     sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));
     w.params = part;
-    dep = compute(Kernel::optimizer_step, "cpu_adam", -1, O, w, {}, {d2h}, Stream::host);
-    dep = copy(CopyDir::host_to_device, "param_h2d", tw * static_cast<std::uint64_t>(part), O, trainable_flat_, {dep});
+    // cpu_adam (executor) {host params, host.staging (the gradients), states}: as optimizer_step
+    if (exec) dep = compute(Kernel::optimizer_step, "cpu_adam", -1, O, w, {host_params_, staging_, opt_states_}, {d2h}, Stream::host);
+    else dep = compute(Kernel::optimizer_step, "cpu_adam", -1, O, w, {}, {d2h}, Stream::host);
+    dep = copy(CopyDir::host_to_device, "param_h2d", tw * static_cast<std::uint64_t>(part), O, exec ? host_params_ : trainable_flat_, {dep});
+    if (exec) p_.ops[static_cast<std::size_t>(dep)].buffer_out = trainable_flat_;
   } else {
     const double state_rw = (f_.master_weights ? 4.0 : 0.0) + 8.0 + 2.0 * static_cast<double>(tw);
     sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));
     w.params = part;
     // optimizer_step {params, grads, states}: AdamW over this rank's partition; states holds m
-    // then v (SGD: the momentum buffer), each as many elements as the gradients
+    // then v (SGD: the momentum buffer), each as many elements as the gradients; params N times
+    // the gradients' size (ZeRO-1/2: trainable.flat) means this rank's block of them
     dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {trainable_flat_, grad_shard_ >= 0 ? grad_shard_ : grad_flat_, opt_states_}, {dep});
   }
   free(g32, O);
-  // ZeRO-1/2: every rank needs the whole updated adapter again.
+  // ZeRO-1/2: every rank needs the whole updated adapter again (in place: rank r's block of
+  // trainable.flat is its contribution).
   if ((s_.stage == Stage::zero1 || s_.stage == Stage::zero2) && N > 1)
     collective(Collective::all_gather, "all_gather_params", tw * static_cast<std::uint64_t>(part * N), -1, O, trainable_flat_, {dep});
   if (s_.stage == Stage::zero1 && N > 1) {
@@ -1127,27 +1188,76 @@ void Builder::optimizer_step() {
 // Adapter weights are views into trainable.flat, laid out in the order of the trainable
 // inventory (models::trainable_tensors: per module lora_A then lora_B); their gradients are views
 // at the same offsets in grad.flat. Under ZeRO-3 they live in the gathered unit instead (-1).
+// Every strategy records each adapter tensor's flat offset and each unit's first element, which
+// place gradient buckets (DDP views of grad.flat, ZeRO-2/3 bucket buffers).
 void Builder::adapter_views() {
-  if (zero3() || trainable_flat_ < 0 || in_.peft.adapters.empty()) return;
+  if (in_.peft.adapters.empty()) return;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
-  std::uint64_t offset = 0;
+  std::int64_t offset = 0;
+  std::vector<std::int64_t> unit_lo(units_.size(), -1), unit_seen(units_.size(), 0);
+  bool contiguous = extra_trainable_numel_ == 0;
   for (const auto& t : inv_->trainables) {
-    const std::uint64_t bytes = tw * static_cast<std::uint64_t>(t.numel());
+    const std::int64_t numel = t.numel();
+    const std::uint64_t bytes = tw * static_cast<std::uint64_t>(numel);
     const bool is_a = t.name.find(".lora_A") != std::string::npos, is_b = t.name.find(".lora_B") != std::string::npos;
-    if (is_a || is_b) {
-      auto it = by_path_.find(std::string_view(t.module));
-      if (it != by_path_.end() && it->second->adapter) {
-        Adapter& a = *it->second->adapter;
-        std::int32_t& w = is_a ? a.a_buf : a.b_buf;
-        std::int32_t& g = is_a ? a.ga_buf : a.gb_buf;
-        if (w < 0) {  // several adapters on one module: the first one's tensors
-          w = p_.add_view(names_ ? t.name : std::string(), trainable_flat_, offset, bytes);
-          if (grad_flat_ >= 0) g = p_.add_view(names_ ? "grad." + t.name : std::string(), grad_flat_, offset, bytes);
+    auto it = by_path_.find(std::string_view(t.module));
+    if ((is_a || is_b) && it != by_path_.end() && it->second->adapter) {
+      Adapter& a = *it->second->adapter;
+      const std::size_t u = it->second->mod->layer >= 0 ? static_cast<std::size_t>(it->second->mod->layer) + 1 : units_.size() - 1;
+      if (unit_lo[u] < 0) unit_lo[u] = offset;
+      else if (unit_lo[u] + unit_seen[u] != offset) contiguous = false;
+      unit_seen[u] += numel;
+      std::int64_t& off = is_a ? a.a_off : a.b_off;
+      if (off < 0) {  // several adapters on one module: the first one's tensors
+        off = offset;
+        (is_a ? a.a_numel : a.b_numel) = numel;
+        if (!zero3() && trainable_flat_ >= 0) {
+          (is_a ? a.a_buf : a.b_buf) = p_.add_view(names_ ? t.name : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(offset), bytes);
+          if (grad_flat_ >= 0)
+            (is_a ? a.ga_buf : a.gb_buf) = p_.add_view(names_ ? "grad." + t.name : std::string(), grad_flat_, tw * static_cast<std::uint64_t>(offset), bytes);
         }
+      } else {
+        contiguous = false;
       }
+    } else {
+      contiguous = false;
     }
-    offset += bytes;
+    offset += numel;
   }
+  for (std::size_t u = 0; u < units_.size(); ++u)
+    if (contiguous && unit_seen[u] == units_[u].trainable_numel) units_[u].flat_offset = unit_lo[u];
+}
+
+// ZeRO-2/3 buckets, in the order backward completes units (head, layers L-1 … 0, embedding): a
+// bucket closes when it reaches reduce_bucket_size elements, and at the embedding.
+void Builder::plan_buckets() {
+  bucket_of_.assign(units_.size(), -1);
+  flush_of_.assign(units_.size(), -1);
+  if (!sharded_grads() || s_.ranks == 1) return;
+  std::vector<std::size_t> order = {units_.size() - 1};
+  for (std::size_t u = units_.size() - 2; u >= 1; --u) order.push_back(u);
+  order.push_back(0);
+  GradBucket cur;
+  for (std::size_t u : order) {
+    if (units_[u].trainable_numel > 0) {
+      cur.units.push_back(u);
+      cur.numel += units_[u].trainable_numel;
+    }
+    if (cur.numel > 0 && (cur.numel >= s_.ds.reduce_bucket_size || u == 0)) {
+      cur.flush_unit = u;
+      buckets_.push_back(std::move(cur));
+      cur = GradBucket{};
+    }
+  }
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    GradBucket& bk = buckets_[b];
+    for (std::size_t u : bk.units) bucket_of_[u] = static_cast<std::int32_t>(b);
+    flush_of_[bk.flush_unit] = static_cast<std::int32_t>(b);
+    const std::int64_t lo = units_[bk.units.back()].flat_offset;
+    const std::size_t hi = bk.units.front();
+    if (lo >= 0 && units_[hi].flat_offset >= 0 && units_[hi].flat_offset + units_[hi].trainable_numel - lo == bk.numel) bk.flat_lo = lo;
+  }
+  bucket_buf_.assign(buckets_.size(), -1);
 }
 
 BuiltProgram Builder::build() {
@@ -1163,9 +1273,9 @@ BuiltProgram Builder::build() {
   p_.deps.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) / 2);
   gathered_.assign(units_.size(), -1);
   gather_op_.assign(units_.size(), -1);
-  unit_grad_.assign(units_.size(), -1);
   setup();
   adapter_views();
+  plan_buckets();
   // RoPE cos/sin tables [S, d/2] each, built once per step and read by every layer (rope_tables
   // {tables}: cos then sin).
   const bool rope = m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon;

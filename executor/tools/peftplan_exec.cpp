@@ -3,7 +3,7 @@
 // maps failures to exit codes (2 bad input, 3 internal or MPI error), ending the whole job with
 // MPI_Abort when one rank fails so that no peer waits in a collective forever.
 //   mpirun -np N peftplan-exec calibrate --out FILE [--quick]
-//   peftplan-exec PLAN.json [--out DIR]      (one rank in this version; see executor/runner.h)
+//   mpirun -np N peftplan-exec PLAN.json [--out DIR]   (N = the plan's ranks; see executor/runner.h)
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -41,18 +41,21 @@ void calibrate(const std::string& out, bool quick) {
   std::fflush(stdout);
 }
 
-// Runs a plan.json: measurement.json and trace.json go to out_dir (default: the plan's folder).
+// Runs a plan.json on every rank of the job: measurement.json and trace.json go to out_dir
+// (default: the plan's folder), written by rank 0 with every rank's measurement inside.
 void run_plan_file(const std::string& plan_path, std::string out_dir) {
   auto world = executor::make_mpi_communicator();
-  if (world->size() != 1)
-    throw InputError(fmt::format("peftplan-exec {}: this version runs one rank, got {} (run it without mpirun or "
-                                 "with -np 1)", plan_path, world->size()));
   const planner::PlanFile plan = executor::load_plan(plan_path);
+  if (world->size() != plan.input.strategy.ranks)
+    throw InputError(fmt::format("peftplan-exec {}: the plan is for {} ranks, the job has {} (mpirun -np {})", plan_path,
+                                 plan.input.strategy.ranks, world->size(), plan.input.strategy.ranks));
   if (out_dir.empty()) out_dir = std::filesystem::absolute(plan_path).parent_path().string();
   auto backend = executor::make_cpu_backend();
-  executor::run_plan(plan, *backend, out_dir, stdout);
-  fmt::print("wrote {}/measurement.json and {}/trace.json\n", out_dir, out_dir);
-  std::fflush(stdout);
+  executor::run_plan(plan, *backend, out_dir, world->rank() == 0 ? stdout : nullptr, world.get());
+  if (world->rank() == 0) {
+    fmt::print("wrote {}/measurement.json and {}/trace.json\n", out_dir, out_dir);
+    std::fflush(stdout);
+  }
 }
 
 }  // namespace
@@ -87,8 +90,12 @@ int main(int argc, char** argv) {
     code = mpi->world_rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints
     if (code != 0) code = 2;
   } catch (const InputError& e) {
-    fmt::print(stderr, "peftplan-exec: error: {}\n", e.what());
+    fmt::print(stderr, "peftplan-exec: rank {}: error: {}\n", mpi->world_rank(), e.what());
     code = 2;
+    if (mpi->world_size() > 1) {  // peers may wait in a collective: end the job
+      std::fflush(stderr);
+      mpi->abort(2);
+    }
   } catch (const std::exception& e) {
     fmt::print(stderr, "peftplan-exec: rank {}: internal error: {}\n", mpi->world_rank(), e.what());
     mpi->abort(3);

@@ -24,9 +24,20 @@ struct OpTime {
   double flops = 0.0;   // the program's FLOPs of these calls
 };
 
+// One collective kind over the measured steps: what the communicator counted (nccl-tests sizes)
+// and what the step program says one step moves.
+struct CollectiveStat {
+  std::string kind;                          // "all_reduce", "reduce_scatter", ...
+  std::uint64_t calls = 0, bytes = 0;        // measured, all steps of this session
+  double seconds = 0.0;                      // measured time executing
+  std::uint64_t bytes_per_step = 0;          // measured bytes / steps
+  std::uint64_t predicted_calls_per_step = 0, predicted_bytes_per_step = 0;  // the program's
+};
+
 struct Measurement {
   std::string backend;                  // Backend::description()
   std::int32_t ranks = 1;               // N
+  std::int32_t rank = 0;                // the rank that measured this
   std::int64_t tokens_per_step = 0;     // all ranks
   double model_flops_per_step = 0.0;    // this rank's useful FLOPs (program, no recompute)
   std::vector<double> losses;           // mean over the step's G·S target tokens
@@ -42,6 +53,9 @@ struct Measurement {
   std::string host_peak_op;
   std::vector<OpTime> op_times;
   nlohmann::json trace;                 // Chrome trace of the last step ("traceEvents")
+  std::vector<CollectiveStat> collectives;  // per kind, NCCL's order
+  nlohmann::json per_rank;              // rank 0 of several: every rank's measurement (memory,
+                                        //   op times, collectives), null otherwise
 };
 
 nlohmann::json measurement_to_json(const Measurement& m);

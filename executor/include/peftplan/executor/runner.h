@@ -10,8 +10,10 @@
 // Setup ops (weights, adapter, gradients, optimizer states) run once, when the session starts;
 // the rest once per optimizer step. Because every byte a kernel touches is a program buffer,
 // the measured memory per category is the planner's prediction.
-// Single rank in this version (ranks = 1, stage ddp); the program's collectives are where the
-// multi-rank runner will call the Communicator.
+// Several ranks: every rank interprets the same program with its own rank; the program's
+// collectives go to the Communicator (asynchronously: a compute op that depends on one, or the
+// free of its buffer, waits, with a watchdog), its copies move offloaded optimizer data, and
+// the program's scalar all_reduces ("loss", "grad_norm") combine the step's loss and norm.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +67,14 @@ class Session {
   Measurement measurement() const;
   // adapter_model.safetensors + adapter_config.json into dir.
   void save_adapter(const std::filesystem::path& dir) const;
+  // Optimizer steps completed (including those before a resume).
+  std::int64_t steps_done() const;
+  // Collective over the ranks: writes <dir>/step-<steps_done>/ and <dir>/latest atomically
+  // (layout in runner.cpp). Every rank must reach it at the same step.
+  void save_checkpoint(const std::filesystem::path& dir) const;
+  // Loads a checkpoint (a step-<k> folder, or a folder with "latest"): adapter, this rank's
+  // optimizer states, the step; the next step() continues as an uninterrupted run would.
+  void resume(const std::filesystem::path& dir);
 
  private:
   struct Impl;
@@ -73,13 +83,18 @@ class Session {
 
 // Validates what this executor supports, with a clear InputError otherwise: the executor
 // profile, Llama-family models (llama, mistral, qwen2), one LoRA adapter without DoRA, bias or
-// modules_to_save, eager attention, fp32 or bf16 base storage, AdamW, one rank with ddp.
+// modules_to_save, eager attention, fp32 or bf16 base storage, AdamW; ddp, zero1 or zero2 (one
+// reduce bucket) on any number of ranks, optimizer offload with zero1/zero2.
 void check_executable(const planner::PlanFile& plan);
 
 // peftplan-exec PLAN.json: loads the data, runs plan.run.steps steps printing one progress line
 // per step to `progress` (may be null), writes <out_dir>/measurement.json and
 // <out_dir>/trace.json, and saves the adapter when plan.run.save_adapter is set.
+// Under several ranks `comm` is the job's communicator: rank 0 prints and writes one
+// measurement.json with every rank's in "per_rank". Checkpoints every plan.run.checkpoint_every
+// steps; plan.run.resume continues from one.
 Measurement run_plan(const planner::PlanFile& plan, Backend& backend,
-                     const std::filesystem::path& out_dir, std::FILE* progress);
+                     const std::filesystem::path& out_dir, std::FILE* progress,
+                     Communicator* comm = nullptr);
 
 }  // namespace peftplan::executor

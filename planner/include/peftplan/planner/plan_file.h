@@ -34,6 +34,10 @@ struct RunOptions {
                                       //   with PEFT names
   std::string save_adapter;           // directory for adapter_model.safetensors +
                                       //   adapter_config.json; empty: not saved
+  std::int64_t checkpoint_every = 0;  // write a training checkpoint every K steps (0: never)
+  std::string checkpoint_dir;         // where checkpoints go (step-<k>/ folders and "latest")
+  std::string resume;                 // a checkpoint folder (or a checkpoint_dir with "latest")
+                                      //   to continue from; empty: start at step 0
 };
 
 struct PlanFile {

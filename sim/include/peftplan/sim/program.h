@@ -137,6 +137,10 @@ struct Op {
                                        //   unscattered) array, i.e. shard bytes × group_size
                                        //   (nccl-tests doc/PERFORMANCE.md);
                                        // copy: bytes copied
+  std::int32_t buffer_out = -1;        // collective: the receive buffer when the result does
+                                       //   not stay in `buffer` (a reduce_scatter into a
+                                       //   gradient partition); copy: the destination (-1: none
+                                       //   named, as in the cost-only profiles)
   ComputeWork work;                    // compute ops
   bool accumulate = false;             // compute: add into the (first) output instead of
                                        //   overwriting it (several contributions to one grad)
