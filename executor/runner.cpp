@@ -76,21 +76,11 @@ void check_executable(const planner::PlanFile& plan) {
                        in.training.seq_len));
   if (in.model.out_bias || in.model.mlp_bias) refuse("bias on o_proj or the MLP");
   const auto& st = in.strategy;
-  if (st.stage == planner::Stage::zero3) refuse("ZeRO-3 (supported: ddp, zero1, zero2)");
+  if (st.stage == planner::Stage::zero3 && (plan.run.checkpoint_every > 0 || !plan.run.resume.empty()))
+    refuse("checkpoints and resume with ZeRO-3 (supported: ddp, zero1, zero2)");
   if (st.offload_param != planner::OffloadDevice::none) refuse("parameter offload (ZeRO-3 only)");
   if (st.offload_optimizer != planner::OffloadDevice::none && st.stage == planner::Stage::ddp)
     refuse("optimizer offload with ddp (it needs a ZeRO stage)");
-  if (st.stage == planner::Stage::zero2 && st.ranks > 1) {
-    // The executor's partition of the adapter is the ZeRO one (rank r owns the r-th block of
-    // the flat adapter), which one bucket's reduce_scatter fills exactly.
-    const auto inv = planner::make_inventory(in.model, in.peft);
-    std::int64_t numel = 0;
-    for (const auto& t : inv.trainables) numel += t.numel();
-    if (st.ds.reduce_bucket_size < numel)
-      refuse(fmt::format("zero2 with reduce_bucket_size {} < the adapter's {} elements (the executor reduce-scatters one "
-                         "bucket; raise zero_optimization.reduce_bucket_size)",
-                         st.ds.reduce_bucket_size, numel));
-  }
   const auto& t = in.training;
   if (t.attention != planner::Attention::eager) refuse("flash attention (use eager)");
   if (t.optimizer != planner::Optimizer::adamw) refuse(fmt::format("optimizer {} (supported: adamw)", planner::name_of(t.optimizer)));
@@ -140,6 +130,17 @@ struct Session::Impl {
   std::vector<models::TrainableTensor> trainables;
   std::size_t first_step_op = 0;                // ops before it are setup
   std::int32_t trainable_flat = -1, grad_flat = -1;
+  // ZeRO-3: this rank's adapter partition, and what each shard an all_gather reads holds (its
+  // unit's adapter tensors at byte offsets in the gathered region), to assemble the whole
+  // adapter (trainable_weights, save_adapter).
+  bool zero3 = false;
+  std::int32_t trainable_shard = -1;
+  struct ShardLayout {
+    std::int32_t shard = -1;
+    std::vector<std::pair<const models::TrainableTensor*, std::uint64_t>> adapters;
+  };
+  std::vector<ShardLayout> shard_layouts;
+  std::vector<float> full_adapter;              // the whole adapter (flat, inventory order)
   std::int32_t grad_shard = -1;                 // persistent gradient partition (ZeRO-2)
   std::int32_t opt_states = -1, host_params = -1;  // optimizer.states, optimizer.params (offload)
   std::int32_t rank = 0, N = 1;                 // this rank, data-parallel size
@@ -163,6 +164,8 @@ struct Session::Impl {
   std::int64_t step_index = 0;                  // the step being run (data, dropout)
   double loss_sum = 0.0, sumsq = 0.0;
   bool have_norm = false;
+  bool lr_logged = false;                       // the step's lr is recorded once (ZeRO-2 steps
+                                                // bucket by bucket)
   // Measurement.
   std::vector<double> op_s;                     // by op: seconds summed over steps
   std::vector<double> last_start_s, last_dur_s; // by op: the last step's timeline
@@ -186,6 +189,7 @@ struct Session::Impl {
   std::int64_t floats(std::int32_t id) const { return static_cast<std::int64_t>(bytes(id) / 4); }
 
   void setup();
+  std::span<float> gather_adapter();
   void run_ops(bool update);
   void collective(std::size_t i, const sim::Op& op);
   void copy(const sim::Op& op);
@@ -244,23 +248,37 @@ void Session::Impl::setup() {
   for (const auto& tt : trainables) adapter[tt.name] = &tt;
   std::unordered_map<std::string, const models::LoraModule*> lora_by_path;
   for (const auto& lm : inv.loras) lora_by_path[lm.linear.path] = &lm;
+  // LoRA modules in inventory order: the index keys the dropout masks, the same on every
+  // strategy.
+  std::unordered_map<std::string, std::int32_t> lora_index;
+  for (const auto& tt : trainables)
+    if (tt.name.find(".lora_A") != std::string::npos && lora_index.count(tt.module) == 0) {
+      const models::LoraModule* lm = lora_by_path.at(tt.module);
+      lora_index[tt.module] = static_cast<std::int32_t>(loras.size());
+      loras.push_back({lm->linear.in, lm->linear.out, lm->r, lm->scale, lm->dropout});
+    }
+  zero3 = in.strategy.stage == planner::Stage::zero3;
   for (std::size_t b = 0; b < nbuf; ++b) {
     const sim::Buffer& buf = program.buffers[b];
     if (buf.name == "trainable.flat") trainable_flat = static_cast<std::int32_t>(b);
+    if (buf.name == "trainable.shard") trainable_shard = static_cast<std::int32_t>(b);
     if (buf.name == "grad.flat") grad_flat = static_cast<std::int32_t>(b);
     if (buf.name == "optimizer.states") opt_states = static_cast<std::int32_t>(b);
     if (buf.name == "optimizer.params") host_params = static_cast<std::int32_t>(b);
-    if (buf.view_of < 0 || buf.view_of != trainable_flat) continue;
+    if (buf.view_of < 0) continue;
+    // Adapter tensors: views of trainable.flat, or (ZeRO-3) of a unit's gathered buffer.
+    const bool flat_view = buf.view_of == trainable_flat;
+    const bool gathered_view = program.buffers[static_cast<std::size_t>(buf.view_of)].category == sim::MemCategory::gathered_weights;
+    if (!flat_view && !gathered_view) continue;
     auto it = adapter.find(buf.name);
-    PEFTPLAN_CHECK_MSG(it != adapter.end(), "view {} is no adapter tensor", buf.name);
-    adapter_views[static_cast<std::int32_t>(b)] = it->second;
-    if (buf.name.find(".lora_A") != std::string::npos) {
-      const models::LoraModule* lm = lora_by_path.at(it->second->module);
-      lora_of[b] = static_cast<std::int32_t>(loras.size());
-      loras.push_back({lm->linear.in, lm->linear.out, lm->r, lm->scale, lm->dropout});
+    if (it == adapter.end()) {
+      PEFTPLAN_CHECK_MSG(!flat_view || buf.name.starts_with("trainable.flat["), "view {} is no adapter tensor", buf.name);
+      continue;
     }
+    if (flat_view) adapter_views[static_cast<std::int32_t>(b)] = it->second;
+    if (buf.name.find(".lora_A") != std::string::npos) lora_of[b] = lora_index.at(it->second->module);
   }
-  PEFTPLAN_CHECK(trainable_flat >= 0 && opt_states >= 0);
+  PEFTPLAN_CHECK((trainable_flat >= 0 || (zero3 && trainable_shard >= 0)) && opt_states >= 0);
   rank = comm ? comm->rank() : 0;
   N = in.strategy.ranks;
   if (const char* w = std::getenv("PEFTPLAN_WATCHDOG_S"); w && *w) watchdog_s = std::atof(w);
@@ -285,7 +303,7 @@ void Session::Impl::setup() {
     alloc_op(i, op);
     const sim::Buffer& buf = program.buffers[static_cast<std::size_t>(op.buffer)];
     void* p = ptr[static_cast<std::size_t>(op.buffer)];
-    if (buf.category == sim::MemCategory::base_weights) {
+    if (buf.category == sim::MemCategory::base_weights && !(zero3 && base.find(buf.name) == base.end())) {
       auto it = base.find(buf.name);
       PEFTPLAN_CHECK_MSG(it != base.end(), "base buffer {} is no model tensor", buf.name);
       const models::TensorInfo& ti = *it->second;
@@ -298,15 +316,70 @@ void Session::Impl::setup() {
     }
   }
   first_step_op = i;
+  if (zero3) {
+    // Persistent small tensors (views of a unit's persistent buffer) are filled whole. Each
+    // shard an all_gather reads is this rank's block of its unit's flattened region, cut from
+    // the same seeded full tensors every rank would have (DeepSpeed's zero.Init partitions the
+    // module's parameters the same way).
+    std::vector<std::vector<std::int32_t>> views_of(nbuf);
+    for (std::size_t b = 0; b < nbuf; ++b)
+      if (program.buffers[b].view_of >= 0) views_of[static_cast<std::size_t>(program.buffers[b].view_of)].push_back(static_cast<std::int32_t>(b));
+    auto init_base = [&](const models::TensorInfo& ti, std::byte* p, std::uint64_t n) {
+      const DType dt = ti.role == models::ParamRole::linear_weight ? storage : DType::fp32;
+      init_base_tensor(ti, dt, {p, n}, plan.run.seed, ckpt ? &*ckpt : nullptr);
+    };
+    for (std::size_t b = 0; b < nbuf; ++b) {
+      const sim::Buffer& buf = program.buffers[b];
+      if (buf.view_of < 0 || program.buffers[static_cast<std::size_t>(buf.view_of)].category != sim::MemCategory::base_weights) continue;
+      if (auto it = base.find(buf.name); it != base.end()) init_base(*it->second, at<std::byte>(static_cast<std::int32_t>(b)), buf.bytes);
+    }
+    std::vector<bool> done(nbuf, false);
+    for (std::size_t k = i; k < program.ops.size(); ++k) {
+      const sim::Op& op = program.ops[k];
+      if (op.kind != OpKind::collective || op.collective != sim::Collective::all_gather || op.buffer_in < 0) continue;
+      if (done[static_cast<std::size_t>(op.buffer_in)]) continue;
+      done[static_cast<std::size_t>(op.buffer_in)] = true;
+      const sim::Buffer& pay = program.buffers[static_cast<std::size_t>(op.buffer)];
+      PEFTPLAN_CHECK(pay.view_of >= 0 && bytes(op.buffer_in) * static_cast<std::uint64_t>(N) == pay.bytes);
+      std::vector<std::byte> full(pay.bytes);
+      ShardLayout layout;
+      layout.shard = op.buffer_in;
+      for (std::int32_t v : views_of[static_cast<std::size_t>(pay.view_of)]) {
+        const sim::Buffer& vb = program.buffers[static_cast<std::size_t>(v)];
+        if (vb.offset < pay.offset || vb.offset >= pay.offset + pay.bytes) continue;
+        const std::uint64_t off = vb.offset - pay.offset;
+        PEFTPLAN_CHECK(off + vb.bytes <= pay.bytes);
+        if (auto it = base.find(vb.name); it != base.end()) {
+          init_base(*it->second, full.data() + off, vb.bytes);
+        } else if (auto at_ = adapter.find(vb.name); at_ != adapter.end()) {
+          init_adapter_tensor(*at_->second, {reinterpret_cast<float*>(full.data() + off), static_cast<std::size_t>(at_->second->numel())},
+                              plan.run.seed, adapter_file ? &*adapter_file : nullptr);
+          layout.adapters.emplace_back(at_->second, off);
+        }
+      }
+      be.copy_to_device(at<std::byte>(op.buffer_in), full.data() + static_cast<std::uint64_t>(rank) * bytes(op.buffer_in),
+                        bytes(op.buffer_in));
+      if (!layout.adapters.empty()) shard_layouts.push_back(std::move(layout));
+    }
+  }
   for (std::size_t b = 0; b < nbuf; ++b)
     if (program.buffers[b].name == "grad.shard" && ptr[b] != nullptr) grad_shard = static_cast<std::int32_t>(b);
   for (const auto& [id, tt] : adapter_views)
     init_adapter_tensor(*tt, {at(id), static_cast<std::size_t>(tt->numel())}, plan.run.seed,
                         adapter_file ? &*adapter_file : nullptr);
   if (comm) base_counters = comm->counters();
-  if (host_params >= 0)  // the offloaded step's host copy of this rank's partition
-    be.copy_to_host(at(host_params), at<std::byte>(trainable_flat) + static_cast<std::uint64_t>(rank) * bytes(host_params),
-                    bytes(host_params));
+  // The offloaded step's host copy of this rank's partition: the step's param_h2d copies run
+  // backwards (ZeRO-2 has one per bucket, from a view of optimizer.params into its region).
+  if (host_params >= 0)
+    for (std::size_t k = first_step_op; k < program.ops.size(); ++k) {
+      const sim::Op& op = program.ops[k];
+      if (op.kind != OpKind::copy || op.copy_dir != sim::CopyDir::host_to_device || root_of(op.buffer) != host_params) continue;
+      auto block = [&](std::int32_t id) {
+        auto* p = at<std::byte>(id);
+        return bytes(id) == op.bytes ? p : p + static_cast<std::uint64_t>(rank) * op.bytes;
+      };
+      be.copy_to_host(block(op.buffer), block(op.buffer_out), op.bytes);
+    }
   if (adapter_file)  // every tensor of the file must belong to the adapter
     for (const auto& st : adapter_file->tensors())
       if (adapter.find(st.name) == adapter.end())
@@ -396,7 +469,11 @@ void Session::Impl::wait_for_buffer(std::int32_t root) {
 // gradient norm), all-reduced as one fp64. Array collectives run asynchronously; compute ops that
 // depend on them, and frees of their buffers, wait.
 void Session::Impl::collective(std::size_t i, const sim::Op& op) {
-  if (N == 1) return;
+  if (N == 1) {  // one rank: a ZeRO-3 gather is a copy of the shard
+    if (op.collective == sim::Collective::all_gather && op.buffer_in >= 0)
+      be.copy_to_device(at<std::byte>(op.buffer), at<std::byte>(op.buffer_in), bytes(op.buffer_in));
+    return;
+  }
   PEFTPLAN_CHECK_MSG(comm != nullptr && comm->size() == N, "a {}-rank program needs a communicator of {} ranks", N, N);
   if (op.buffer < 0) {
     PEFTPLAN_CHECK(op.collective == sim::Collective::all_reduce && op.bytes == 8);
@@ -433,6 +510,11 @@ void Session::Impl::collective(std::size_t i, const sim::Op& op) {
       break;
     }
     case sim::Collective::all_gather: {
+      if (op.buffer_in >= 0) {  // ZeRO-3: this rank's shard into block `rank` of the payload
+        PEFTPLAN_CHECK(bytes(op.buffer_in) * static_cast<std::uint64_t>(N) == op.bytes);
+        pd.req = comm->all_gather_async(at<std::byte>(op.buffer_in), at<std::byte>(op.buffer), bytes(op.buffer_in), CommDType::uint8);
+        break;
+      }
       const std::size_t sc = n / static_cast<std::size_t>(N);
       pd.req = comm->all_gather_async(p + static_cast<std::size_t>(rank) * sc, p, sc, CommDType::fp32);
       break;
@@ -555,7 +637,8 @@ void Session::Impl::compute(const sim::Op& op) {
       }
       const std::int64_t step1 = step_index + 1;
       const double lr = lr_for_step(schedule, t.lr, step1);
-      meas.lrs.push_back(lr);
+      if (!lr_logged) meas.lrs.push_back(lr);
+      lr_logged = true;
       be.adamw_step(params, at(a[1]), at(a[2]), at(a[2]) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
                     t.weight_decay);
       return;
@@ -575,6 +658,7 @@ void Session::Impl::run_ops(bool update) {
   if (grad_shard >= 0) be.fill_zero(at(grad_shard), bytes(grad_shard));
   loss_sum = 0.0;
   have_norm = false;
+  lr_logged = false;
   const auto t0 = Clock::now();
   for (std::size_t i = first_step_op; i < program.ops.size(); ++i) {
     const sim::Op& op = program.ops[i];
@@ -664,7 +748,56 @@ double Session::forward_backward(std::int64_t step_index) {
   return s.loss_sum / s.count;
 }
 
+// ZeRO-3: the whole adapter, all_gathered from the ranks' shards (a collective outside the
+// step: its bytes are not counted in the step's measurement).
+std::span<float> Session::Impl::gather_adapter() {
+  std::unordered_map<std::string, std::int64_t> flat_offset;
+  std::int64_t total = 0;
+  for (const auto& tt : trainables) {
+    flat_offset[tt.name] = total;
+    total += tt.numel();
+  }
+  full_adapter.assign(static_cast<std::size_t>(total), 0.0f);
+  const CommCounters before = comm ? comm->counters() : CommCounters{};
+  for (const ShardLayout& l : shard_layouts) {
+    std::vector<std::byte> region(bytes(l.shard) * static_cast<std::uint64_t>(N));
+    if (N > 1) comm->all_gather(at<std::byte>(l.shard), region.data(), bytes(l.shard), CommDType::uint8);
+    else std::memcpy(region.data(), at<std::byte>(l.shard), bytes(l.shard));
+    for (const auto& [tt, off] : l.adapters)
+      std::memcpy(full_adapter.data() + flat_offset.at(tt->name), region.data() + off, 4 * static_cast<std::size_t>(tt->numel()));
+  }
+  if (comm) {
+    const CommCounters after = comm->counters();
+    for (std::size_t k = 0; k < after.by_kind.size(); ++k) {
+      base_counters.by_kind[k].calls += after.by_kind[k].calls - before.by_kind[k].calls;
+      base_counters.by_kind[k].bytes += after.by_kind[k].bytes - before.by_kind[k].bytes;
+      base_counters.by_kind[k].seconds += after.by_kind[k].seconds - before.by_kind[k].seconds;
+    }
+  }
+  return full_adapter;
+}
 std::span<float> Session::trainable_weights() {
+  Impl& s = *impl_;
+  if (s.zero3) return s.gather_adapter();
+  // ZeRO-2's bucket-partitioned trainable.flat keeps padding between buckets: the adapter in
+  // inventory order is a copy.
+  std::int64_t natural = 0;
+  bool in_place = true;
+  for (const auto& tt : s.trainables) {
+    for (const auto& [id, t] : s.adapter_views)
+      if (t == &tt && s.program.buffers[static_cast<std::size_t>(id)].offset != 4 * static_cast<std::uint64_t>(natural)) in_place = false;
+    natural += tt.numel();
+  }
+  if (!in_place) {
+    s.full_adapter.assign(static_cast<std::size_t>(natural), 0.0f);
+    std::size_t off = 0;
+    for (const auto& tt : s.trainables) {
+      for (const auto& [id, t] : s.adapter_views)
+        if (t == &tt) std::memcpy(s.full_adapter.data() + off, s.at(id), 4 * static_cast<std::size_t>(tt.numel()));
+      off += static_cast<std::size_t>(tt.numel());
+    }
+    return s.full_adapter;
+  }
   return {impl_->at(impl_->trainable_flat), static_cast<std::size_t>(impl_->floats(impl_->trainable_flat))};
 }
 std::span<const float> Session::gradients() const {
@@ -845,6 +978,16 @@ Measurement Session::measurement() const {
 void Session::save_adapter(const std::filesystem::path& dir) const {
   const Impl& s = *impl_;
   std::vector<AdapterTensor> out;
+  if (s.zero3) {  // from the adapter trainable_weights() gathered on every rank
+    PEFTPLAN_CHECK_MSG(!s.full_adapter.empty(), "ZeRO-3: gather the adapter (trainable_weights) on every rank before saving it");
+    std::size_t off = 0;
+    for (const auto& tt : s.trainables) {
+      out.push_back({&tt, {s.full_adapter.data() + off, static_cast<std::size_t>(tt.numel())}});
+      off += static_cast<std::size_t>(tt.numel());
+    }
+    executor::save_adapter(dir, s.plan.input.peft.adapters.at(0), s.plan.input.model.name, out);
+    return;
+  }
   for (const auto& tt : s.trainables)
     for (const auto& [id, t] : s.adapter_views)
       if (t == &tt) out.push_back({t, {s.at(id), static_cast<std::size_t>(t->numel())}});
@@ -909,6 +1052,8 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
     }
   }
   Measurement m = session.measurement();
+  // ZeRO-3: the adapter is sharded; every rank takes part in gathering it.
+  if (plan.input.strategy.stage == planner::Stage::zero3 && !plan.run.save_adapter.empty()) session.trainable_weights();
   if (comm && comm->size() > 1) {
     nlohmann::json mine = measurement_to_json(m);
     mine.erase("per_rank");

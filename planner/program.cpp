@@ -81,6 +81,7 @@ struct Adapter {       // a LoRA (or IA3) branch on one linear module
   std::int64_t params = 0;
   std::int64_t a_off = -1, b_off = -1;    // element offsets of lora_A / lora_B in the flat
   std::int64_t a_numel = 0, b_numel = 0;  //   trainable layout (inventory order), and sizes
+  std::int32_t a_tensor = -1, b_tensor = -1;  // their index in the trainable inventory
 };
 
 struct LinearPlan {
@@ -107,6 +108,16 @@ struct Unit {
   std::int32_t frozen_shard = -1, trainable_shard = -1;  // ZeRO-3 shard buffers
   std::int64_t flat_offset = -1;          // first element of its adapters in the flat trainable
                                           // layout (-1: unknown or not contiguous)
+  // ZeRO-3 in the executor profile: where each frozen tensor lies (bytes from the start of the
+  // unit's flattened frozen region, or of its persistent buffer), this unit's block of the
+  // adapter partition (trainable.shard and grad.shard, elements) and its views.
+  struct Tensor {
+    const models::TensorInfo* info = nullptr;
+    std::uint64_t offset = 0, bytes = 0;
+  };
+  std::vector<Tensor> gathered_tensors, persistent_tensors;
+  std::int64_t part_offset = 0;
+  std::int32_t grad_shard_view = -1;
 };
 
 // ZeRO-2/3 gradient bucket: consecutive units (in backward order) whose gradients are one
@@ -117,6 +128,10 @@ struct GradBucket {
   std::int64_t numel = 0;           // their trainable elements
   std::size_t flush_unit = 0;       // the unit whose gradients_done issues the reduce_scatter
   std::int64_t flat_lo = -1;        // first flat element covered (-1: not contiguous)
+  // ZeRO-2 in the executor profile (bucket-partitioned layout, see plan_buckets): the bucket's
+  // block in every rank's partition (elements), its region of trainable.flat, and its views.
+  std::int64_t part_offset = 0, region = 0;
+  std::int32_t grad_view = -1, param_view = -1, state_view = -1, host_view = -1;
 };
 
 class Builder {
@@ -229,6 +244,13 @@ class Builder {
     return w;
   }
   bool zero3() const { return s_.stage == Stage::zero3; }
+  // ZeRO-3 as the executor runs it: the program names every tensor's place in the unit's
+  // gathered buffer and the shards the all_gathers read (see setup and gather_unit).
+  bool exec_z3() const { return zero3() && in_.profile == RuntimeProfile::executor; }
+  // ZeRO-2 as the executor runs it with several ranks: the adapter partition is laid out per
+  // gradient bucket (plan_buckets), so that every bucket's reduce_scatter fills a contiguous
+  // block of this rank's partition.
+  bool exec_z2() const { return s_.stage == Stage::zero2 && s_.ranks > 1 && in_.profile == RuntimeProfile::executor; }
   bool sharded_grads() const { return s_.stage == Stage::zero2 || s_.stage == Stage::zero3; }
   bool sharded_optimizer() const { return s_.stage != Stage::ddp; }
   std::int64_t shard(std::int64_t n) const { return static_cast<std::int64_t>(ceil_div(static_cast<std::uint64_t>(n), static_cast<std::uint64_t>(s_.ranks))); }
@@ -260,6 +282,9 @@ class Builder {
   }
   void adapter_views();
   void plan_buckets();
+  void bucket_ranges();
+  std::int64_t flat_position(std::int64_t x) const;  // trainable.flat element of flat element x
+  void bind_base(const models::TensorInfo& t, std::int32_t b);
 
   const PlanInput& in_;
   const models::ModelSpec& m_;
@@ -296,6 +321,9 @@ class Builder {
   // Persistent state buffers.
   std::int32_t grad_flat_ = -1;      // full gradients (DDP, ZeRO-1)
   std::int32_t grad_shard_ = -1;     // gradient partition (ZeRO-2/3)
+  std::int32_t trainable_shard_ = -1;  // ZeRO-3, executor profile: this rank's adapter partition
+  std::int64_t part_numel_ = 0;      // executor profile, ZeRO-3: the partition's elements (Σ unit
+                                     //   shards); ZeRO-2 with N > 1: Σ bucket shards
   std::int32_t trainable_flat_ = -1; // trainable weights, flat (replicated strategies)
   std::int32_t embed_buf_ = -1;
   std::int32_t opt_states_ = -1;     // optimizer.states (m then v for AdamW)
@@ -411,7 +439,11 @@ void Builder::plan_linears() {
     }
     const std::uint64_t bytes = frozen_bytes(t, f_.base_dtype, f_.compute_dtype, q);
     f_.base_bytes += bytes;
-    if (zero3() && t.numel() < s_.ds.stage3_param_persistence_threshold) {
+    const bool persistent = zero3() && t.numel() < s_.ds.stage3_param_persistence_threshold;
+    if (exec_z3())
+      (persistent ? units_[u].persistent_tensors : units_[u].gathered_tensors)
+          .push_back({&t, persistent ? units_[u].persistent_bytes : units_[u].frozen_bytes, bytes});
+    if (persistent) {
       units_[u].persistent_numel += t.numel();
       units_[u].persistent_bytes += bytes;
     } else {
@@ -460,8 +492,15 @@ void Builder::setup() {
         else
           un.frozen_shard = alloc([&] { return un.name + ".frozen.shard"; }, Cat::base_weights, shard_bytes, S);
       }
-      if (un.persistent_bytes > 0) alloc([&] { return un.name + ".frozen.persistent"; }, Cat::base_weights, un.persistent_bytes, S);
-      if (un.trainable_numel > 0)
+      if (un.persistent_bytes > 0) {
+        const std::int32_t pb = alloc([&] { return un.name + ".frozen.persistent"; }, Cat::base_weights, un.persistent_bytes, S);
+        // The persistent small tensors are whole on every rank: kernels read them directly.
+        for (const Unit::Tensor& t : un.persistent_tensors) bind_base(*t.info, p_.add_view(names_ ? t.info->name : std::string(), pb, t.offset, t.bytes));
+      }
+      if (exec_z3()) {  // one adapter partition, unit blocks in unit order (below)
+        un.part_offset = part_numel_;
+        part_numel_ += shard(un.trainable_numel);
+      } else if (un.trainable_numel > 0)
         un.trainable_shard = alloc([&] { return un.name + ".trainable.shard"; }, s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
                                    tw * static_cast<std::uint64_t>(shard(un.trainable_numel)), S);
     }
@@ -469,18 +508,10 @@ void Builder::setup() {
     const bool full = in_.peft.adapters.empty();
     for (const auto& t : *tensors_) {
       if (full) continue;
-      std::int32_t b = alloc([&] { return t.name; }, Cat::base_weights, frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization), S);
-      if (t.role == models::ParamRole::embedding) embed_buf_ = b;
-      if (t.role == models::ParamRole::norm_weight) {  // Llama-family names (transformers)
-        if (t.layer < 0) final_norm_ = b;
-        else if (t.module.ends_with("input_layernorm")) norm1_[static_cast<std::size_t>(t.layer)] = b;
-        else if (t.module.ends_with("post_attention_layernorm")) norm2_[static_cast<std::size_t>(t.layer)] = b;
-      }
-      if (auto it = by_path_.find(std::string_view(t.module)); it != by_path_.end())
-        (t.role == models::ParamRole::linear_bias ? it->second->bias_buf : it->second->weight_buf) = b;
+      bind_base(t, alloc([&] { return t.name; }, Cat::base_weights, frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization), S));
     }
     // Trainable weights, flat; padded to a multiple of N when an all_gather refills them.
-    const std::int64_t padded = sharded_optimizer() ? shard(trainable_numel_) * N : trainable_numel_;
+    const std::int64_t padded = exec_z2() ? part_numel_ * N : sharded_optimizer() ? shard(trainable_numel_) * N : trainable_numel_;
     trainable_flat_ = alloc([&] { return "trainable.flat"; }, Cat::trainable_weights, tw * static_cast<std::uint64_t>(padded), S);
     if (full) {  // every weight lives in the flat trainable buffer
       embed_buf_ = trainable_flat_;
@@ -489,14 +520,37 @@ void Builder::setup() {
       for (auto& lp : head_linears_) lp.weight_buf = trainable_flat_;
     }
     // Gradients: full on every rank for DDP / ZeRO-1, a partition for ZeRO-2.
-    if (sharded_grads())
+    if (exec_z2()) {
+      grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        GradBucket& bk = buckets_[b];
+        const std::uint64_t sb = static_cast<std::uint64_t>(shard(bk.numel));
+        bk.grad_view = p_.add_view(names_ ? fmt::format("grad.shard[bucket{}]", b) : std::string(), grad_shard_, tw * static_cast<std::uint64_t>(bk.part_offset), tw * sb);
+        bk.param_view = p_.add_view(names_ ? fmt::format("trainable.flat[bucket{}]", b) : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(bk.region), tw * sb * static_cast<std::uint64_t>(N));
+      }
+    } else if (sharded_grads())
       grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
     else
       grad_flat_ = alloc([&] { return "grad.flat"; }, Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
   }
-  if (zero3()) grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+  if (exec_z3()) {
+    // The executor's ZeRO-3 adapter partition is per unit: rank r holds block r of every unit's
+    // flattened adapter (padded to a multiple of N), the blocks one after another in unit order,
+    // in trainable.shard; grad.shard has the same layout, so that the optimizer pairs them
+    // element by element, and each unit's reduce_scatter delivers exactly its block.
+    trainable_shard_ = alloc([&] { return "trainable.shard"; }, Cat::trainable_weights, tw * static_cast<std::uint64_t>(part_numel_), S);
+    grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
+    for (Unit& un : units_) {
+      if (un.trainable_numel == 0) continue;
+      const std::uint64_t off = tw * static_cast<std::uint64_t>(un.part_offset), bytes = tw * static_cast<std::uint64_t>(shard(un.trainable_numel));
+      un.trainable_shard = p_.add_view(names_ ? un.name + ".trainable.shard" : std::string(), trainable_shard_, off, bytes);
+      un.grad_shard_view = p_.add_view(names_ ? un.name + ".grad.shard" : std::string(), grad_shard_, off, bytes);
+    }
+  } else if (zero3()) {
+    grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+  }
   // Optimizer states for this rank's partition (all of it for DDP), on the device or the host.
-  const std::int64_t opt_numel = sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
+  const std::int64_t opt_numel = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
   const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
   const Cat opt_cat = host_opt ? Cat::host_optimizer_states : Cat::optimizer_states;
   double state_bytes = 0.0;
@@ -509,6 +563,10 @@ void Builder::setup() {
     case Optimizer::sgd_momentum: state_bytes = pure ? 2.0 : 4.0; break;
   }
   opt_states_ = alloc([&] { return "optimizer.states"; }, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
+  if (exec_z2() && !host_opt)  // per bucket: its m then its v (the step runs bucket by bucket)
+    for (GradBucket& bk : buckets_)
+      bk.state_view = p_.add_view(std::string(), opt_states_, 2 * tw * static_cast<std::uint64_t>(bk.part_offset),
+                                  2 * tw * static_cast<std::uint64_t>(shard(bk.numel)));
   if (f_.master_weights) alloc([&] { return "optimizer.master_fp32"; }, opt_cat, f32(opt_numel), S);
   // Runtime profile: buffers outside the model.
   if (in_.profile == RuntimeProfile::deepspeed) {
@@ -533,6 +591,22 @@ void Builder::setup() {
   // fp32 "master" DeepSpeed keeps on the CPU) and copies it back.
   if (host_opt && in_.profile == RuntimeProfile::executor)
     host_params_ = alloc([&] { return "optimizer.params"; }, Cat::host_optimizer_states, tw * static_cast<std::uint64_t>(opt_numel), S);
+  if (exec_z2() && host_params_ >= 0)
+    for (GradBucket& bk : buckets_)
+      bk.host_view = p_.add_view(std::string(), host_params_, tw * static_cast<std::uint64_t>(bk.part_offset), tw * static_cast<std::uint64_t>(shard(bk.numel)));
+}
+
+// The buffer kernels read a frozen tensor from: its own buffer, a ZeRO-3 persistent view, or a
+// view of its unit's gathered buffer.
+void Builder::bind_base(const models::TensorInfo& t, std::int32_t b) {
+  if (t.role == models::ParamRole::embedding) embed_buf_ = b;
+  if (t.role == models::ParamRole::norm_weight) {  // Llama-family names (transformers)
+    if (t.layer < 0) final_norm_ = b;
+    else if (t.module.ends_with("input_layernorm")) norm1_[static_cast<std::size_t>(t.layer)] = b;
+    else if (t.module.ends_with("post_attention_layernorm")) norm2_[static_cast<std::size_t>(t.layer)] = b;
+  }
+  if (auto it = by_path_.find(std::string_view(t.module)); it != by_path_.end())
+    (t.role == models::ParamRole::linear_bias ? it->second->bias_buf : it->second->weight_buf) = b;
 }
 
 // ZeRO-3: all_gather a unit's frozen (and trainable) shards into a full buffer. `use` makes the
@@ -577,19 +651,54 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   }
   gathered_[u] = alloc([&] { return fmt::format("{}.gathered.{}", un.name, name_of(phase)); }, Cat::gathered_weights, frozen_full + train_full, phase);
   const auto layer = static_cast<std::int32_t>(u) - 1;
-  auto issue = [&](std::string_view label, std::uint64_t bytes) {
-    gather_op_[u] = dep >= 0 ? collective(Collective::all_gather, label, bytes, layer, phase, gathered_[u], {dep})
-                             : collective(Collective::all_gather, label, bytes, layer, phase, gathered_[u], {});
+  // Executor profile: the gathered buffer is the unit's flattened adapter (padded to a multiple
+  // of N elements, unit inventory order) then its flattened frozen tensors (padded to a multiple
+  // of N bytes, inventory order). Each all_gather fills one region (a view: its payload) from
+  // this rank's shard (Op::buffer_in), rank r's shard landing in block r of the region; kernels
+  // bind to views of the gathered buffer, one per tensor.
+  std::int32_t payload_train = gathered_[u], payload_frozen = gathered_[u], shard_train = -1, shard_frozen = -1;
+  if (exec_z3()) {
+    const std::int32_t g = gathered_[u];
+    const std::string gname = names_ ? p_.buffers[static_cast<std::size_t>(g)].name : std::string();
+    if (train_full > 0) {
+      payload_train = p_.add_view(names_ ? gname + ".trainable" : std::string(), g, 0, train_full);
+      shard_train = un.trainable_shard;
+    }
+    if (frozen_full > 0) {
+      payload_frozen = p_.add_view(names_ ? gname + ".frozen" : std::string(), g, train_full, frozen_full);
+      shard_frozen = un.frozen_shard;
+    }
+    for (const Unit::Tensor& t : un.gathered_tensors)
+      bind_base(*t.info, p_.add_view(names_ ? t.info->name : std::string(), g, train_full + t.offset, t.bytes));
+    auto bind_adapter = [&](LinearPlan& lp) {
+      if (!lp.adapter || lp.adapter->a_off < 0 || un.flat_offset < 0) return;
+      Adapter& a = *lp.adapter;
+      auto view = [&](std::int32_t tensor, std::int64_t off, std::int64_t numel) {
+        return p_.add_view(names_ ? inv_->trainables[static_cast<std::size_t>(tensor)].name : std::string(), g,
+                           tw * static_cast<std::uint64_t>(off - un.flat_offset), tw * static_cast<std::uint64_t>(numel));
+      };
+      a.a_buf = view(a.a_tensor, a.a_off, a.a_numel);
+      a.b_buf = view(a.b_tensor, a.b_off, a.b_numel);
+    };
+    if (u == units_.size() - 1) for (auto& lp : head_linears_) bind_adapter(lp);
+    else if (u >= 1) for (auto& lp : layer_linears_[u - 1]) bind_adapter(lp);
+  }
+  auto issue = [&](std::string_view label, std::uint64_t bytes, std::int32_t payload, std::int32_t from) {
+    gather_op_[u] = dep >= 0 ? collective(Collective::all_gather, label, bytes, layer, phase, payload, {dep})
+                             : collective(Collective::all_gather, label, bytes, layer, phase, payload, {});
+    p_.ops[static_cast<std::size_t>(gather_op_[u])].buffer_in = from;
   };
-  if (train_full > 0) issue("gather_trainable", train_full);
+  if (train_full > 0) issue("gather_trainable", train_full, payload_train, shard_train);
   if (frozen_full > 0) {
     // Prefetches go out in chunks of stage3_prefetch_bucket_size elements, one now and one after
-    // each following compute op; a gather needed now goes out whole.
+    // each following compute op; a gather needed now goes out whole. The executor profile
+    // gathers a unit's frozen region in one op (its chunks would not be contiguous blocks of
+    // every rank's shard).
     const std::uint64_t chunks =
-        use ? 1 : std::max<std::uint64_t>(1, ceil_div(static_cast<std::uint64_t>(un.frozen_numel),
+        use || exec_z3() ? 1 : std::max<std::uint64_t>(1, ceil_div(static_cast<std::uint64_t>(un.frozen_numel),
                                                       static_cast<std::uint64_t>(std::max<std::int64_t>(1, s_.ds.stage3_prefetch_bucket_size))));
     const std::uint64_t chunk = frozen_full / chunks;
-    issue("gather_frozen", frozen_full - chunk * (chunks - 1));
+    issue("gather_frozen", frozen_full - chunk * (chunks - 1), payload_frozen, shard_frozen);
     for (std::uint64_t c = 1; c < chunks; ++c) pending_.push_back(Chunk{u, chunk, "gather_frozen", phase});
   }
   if (staged >= 0) free(staged, phase);
@@ -996,7 +1105,7 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     const std::int64_t padded = shard(bk.numel) * s_.ranks;
     const std::int32_t rs = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(padded), -1,
                                        Phase::backward, bucket_buf_[static_cast<std::size_t>(b)], {after_op});
-    p_.ops[static_cast<std::size_t>(rs)].buffer_out = grad_shard_;
+    p_.ops[static_cast<std::size_t>(rs)].buffer_out = exec_z3() ? un.grad_shard_view : exec_z2() ? bk.grad_view : grad_shard_;
     p_.ops[static_cast<std::size_t>(rs)].accumulate = mb_ > 0;
     reduce_ops_.push_back(rs);
     free(bucket_buf_[static_cast<std::size_t>(b)], Phase::backward);
@@ -1126,8 +1235,9 @@ void Builder::optimizer_step() {
   mb_ = -1;
   const Phase O = Phase::optimizer;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
-  const std::int64_t part = sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
+  const std::int64_t part = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
   const std::int32_t N = s_.ranks;
+  const std::int32_t params = exec_z3() ? trainable_shard_ : trainable_flat_;
   const bool exec = in_.profile == RuntimeProfile::executor;
   std::vector<std::int32_t> deps(reduce_ops_.begin(), reduce_ops_.end());
   std::int32_t dep = deps.empty() ? last_compute_ : deps.back();
@@ -1163,8 +1273,16 @@ void Builder::optimizer_step() {
     // cpu_adam (executor) {host params, host.staging (the gradients), states}: as optimizer_step
     if (exec) dep = compute(Kernel::optimizer_step, "cpu_adam", -1, O, w, {host_params_, staging_, opt_states_}, {d2h}, Stream::host);
     else dep = compute(Kernel::optimizer_step, "cpu_adam", -1, O, w, {}, {d2h}, Stream::host);
-    dep = copy(CopyDir::host_to_device, "param_h2d", tw * static_cast<std::uint64_t>(part), O, exec ? host_params_ : trainable_flat_, {dep});
-    if (exec) p_.ops[static_cast<std::size_t>(dep)].buffer_out = trainable_flat_;
+    if (exec_z2()) {  // bucket by bucket: this rank's block of each bucket's region
+      const std::int32_t step = dep;
+      for (const GradBucket& bk : buckets_) {
+        dep = copy(CopyDir::host_to_device, "param_h2d", tw * static_cast<std::uint64_t>(shard(bk.numel)), O, bk.host_view, {step});
+        p_.ops[static_cast<std::size_t>(dep)].buffer_out = bk.param_view;
+      }
+    } else {
+      dep = copy(CopyDir::host_to_device, "param_h2d", tw * static_cast<std::uint64_t>(part), O, exec ? host_params_ : trainable_flat_, {dep});
+      if (exec) p_.ops[static_cast<std::size_t>(dep)].buffer_out = params;
+    }
   } else {
     const double state_rw = (f_.master_weights ? 4.0 : 0.0) + 8.0 + 2.0 * static_cast<double>(tw);
     sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));
@@ -1172,12 +1290,25 @@ void Builder::optimizer_step() {
     // optimizer_step {params, grads, states}: AdamW over this rank's partition; states holds m
     // then v (SGD: the momentum buffer), each as many elements as the gradients; params N times
     // the gradients' size (ZeRO-1/2: trainable.flat) means this rank's block of them
-    dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {trainable_flat_, grad_shard_ >= 0 ? grad_shard_ : grad_flat_, opt_states_}, {dep});
+    if (exec_z2()) {  // AdamW is elementwise: bucket by bucket over the same partition
+      const std::int32_t before = dep;
+      for (const GradBucket& bk : buckets_) {
+        const std::int64_t sb = shard(bk.numel);
+        sim::ComputeWork wb = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(sb)), 10.0 * static_cast<double>(sb));
+        wb.params = sb;
+        dep = compute(Kernel::optimizer_step, "adamw", -1, O, wb, {bk.param_view, bk.grad_view, bk.state_view}, {before});
+      }
+    } else {
+      dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {params, grad_shard_ >= 0 ? grad_shard_ : grad_flat_, opt_states_}, {dep});
+    }
   }
   free(g32, O);
   // ZeRO-1/2: every rank needs the whole updated adapter again (in place: rank r's block of
   // trainable.flat is its contribution).
-  if ((s_.stage == Stage::zero1 || s_.stage == Stage::zero2) && N > 1)
+  if (exec_z2()) {  // each bucket's region, in place
+    for (const GradBucket& bk : buckets_)
+      collective(Collective::all_gather, "all_gather_params", tw * static_cast<std::uint64_t>(shard(bk.numel) * N), -1, O, bk.param_view, {dep});
+  } else if ((s_.stage == Stage::zero1 || s_.stage == Stage::zero2) && N > 1)
     collective(Collective::all_gather, "all_gather_params", tw * static_cast<std::uint64_t>(part * N), -1, O, trainable_flat_, {dep});
   if (s_.stage == Stage::zero1 && N > 1) {
     free(grad_shard_, O);
@@ -1196,7 +1327,9 @@ void Builder::adapter_views() {
   std::int64_t offset = 0;
   std::vector<std::int64_t> unit_lo(units_.size(), -1), unit_seen(units_.size(), 0);
   bool contiguous = extra_trainable_numel_ == 0;
+  std::int32_t index = -1;
   for (const auto& t : inv_->trainables) {
+    ++index;
     const std::int64_t numel = t.numel();
     const std::uint64_t bytes = tw * static_cast<std::uint64_t>(numel);
     const bool is_a = t.name.find(".lora_A") != std::string::npos, is_b = t.name.find(".lora_B") != std::string::npos;
@@ -1211,8 +1344,9 @@ void Builder::adapter_views() {
       if (off < 0) {  // several adapters on one module: the first one's tensors
         off = offset;
         (is_a ? a.a_numel : a.b_numel) = numel;
+        (is_a ? a.a_tensor : a.b_tensor) = index;
         if (!zero3() && trainable_flat_ >= 0) {
-          (is_a ? a.a_buf : a.b_buf) = p_.add_view(names_ ? t.name : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(offset), bytes);
+          (is_a ? a.a_buf : a.b_buf) = p_.add_view(names_ ? t.name : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(flat_position(offset)), bytes);
           if (grad_flat_ >= 0)
             (is_a ? a.ga_buf : a.gb_buf) = p_.add_view(names_ ? "grad." + t.name : std::string(), grad_flat_, tw * static_cast<std::uint64_t>(offset), bytes);
         }
@@ -1243,7 +1377,9 @@ void Builder::plan_buckets() {
       cur.units.push_back(u);
       cur.numel += units_[u].trainable_numel;
     }
-    if (cur.numel > 0 && (cur.numel >= s_.ds.reduce_bucket_size || u == 0)) {
+    // The executor's ZeRO-3 reduce-scatters each unit on its own: its partition is per unit
+    // (setup), which a bucket of several units would not deliver as one contiguous block.
+    if (cur.numel > 0 && (cur.numel >= s_.ds.reduce_bucket_size || u == 0 || exec_z3())) {
       cur.flush_unit = u;
       buckets_.push_back(std::move(cur));
       cur = GradBucket{};
@@ -1253,11 +1389,51 @@ void Builder::plan_buckets() {
     GradBucket& bk = buckets_[b];
     for (std::size_t u : bk.units) bucket_of_[u] = static_cast<std::int32_t>(b);
     flush_of_[bk.flush_unit] = static_cast<std::int32_t>(b);
-    const std::int64_t lo = units_[bk.units.back()].flat_offset;
-    const std::size_t hi = bk.units.front();
-    if (lo >= 0 && units_[hi].flat_offset >= 0 && units_[hi].flat_offset + units_[hi].trainable_numel - lo == bk.numel) bk.flat_lo = lo;
   }
   bucket_buf_.assign(buckets_.size(), -1);
+  if (!exec_z2()) return;
+  // The executor's ZeRO-2 layout (DeepSpeed's stage 1/2 partitions each bucket the same way):
+  // trainable.flat holds every bucket's flat range padded to a multiple of N, one region per
+  // bucket in flat order (the units' adapters are consecutive ranges of the flat layout, unit
+  // by unit: the embedding, the layers, the head); rank r's partition is block r of every
+  // region, bucket after bucket in backward order. Bucket b's reduce_scatter then delivers a
+  // contiguous block of the partition (its grad.shard view), the optimizer steps each bucket's
+  // block, and one in-place all_gather per region rebuilds the whole adapter.
+  std::vector<std::int64_t> unit_lo(units_.size(), 0);
+  for (std::size_t u = 1; u < units_.size(); ++u) unit_lo[u] = unit_lo[u - 1] + units_[u - 1].trainable_numel;
+  for (GradBucket& bk : buckets_) {
+    bk.part_offset = part_numel_;
+    part_numel_ += shard(bk.numel);
+    bk.flat_lo = unit_lo[bk.units.back()];
+  }
+  std::int64_t region = 0;
+  for (std::size_t b = buckets_.size(); b-- > 0;) {
+    buckets_[b].region = region;
+    region += shard(buckets_[b].numel) * s_.ranks;
+  }
+}
+
+// Where flat element x lives in trainable.flat: itself, or (executor ZeRO-2) in its bucket's
+// region.
+std::int64_t Builder::flat_position(std::int64_t x) const {
+  if (!exec_z2()) return x;
+  for (const GradBucket& bk : buckets_)
+    if (x >= bk.flat_lo && x < bk.flat_lo + bk.numel) return bk.region + (x - bk.flat_lo);
+  PEFTPLAN_CHECK_MSG(false, "flat element {} is in no gradient bucket", x);
+  return x;
+}
+
+// Each bucket's first flat element, once adapter_views knows the units' flat offsets.
+void Builder::bucket_ranges() {
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    GradBucket& bk = buckets_[b];
+    const std::int64_t lo = units_[bk.units.back()].flat_offset;
+    const std::size_t hi = bk.units.front();
+    const std::int64_t want = bk.flat_lo;
+    bk.flat_lo = -1;
+    if (lo >= 0 && units_[hi].flat_offset >= 0 && units_[hi].flat_offset + units_[hi].trainable_numel - lo == bk.numel) bk.flat_lo = lo;
+    if (exec_z2()) PEFTPLAN_CHECK_MSG(bk.flat_lo == want, "the adapter's flat layout is not unit by unit (bucket {})", b);
+  }
 }
 
 BuiltProgram Builder::build() {
@@ -1273,9 +1449,27 @@ BuiltProgram Builder::build() {
   p_.deps.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) / 2);
   gathered_.assign(units_.size(), -1);
   gather_op_.assign(units_.size(), -1);
+  plan_buckets();
   setup();
   adapter_views();
-  plan_buckets();
+  bucket_ranges();
+  if (exec_z3() && s_.ranks == 1) {  // one rank: the gradients are the partition itself
+    const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+    for (std::size_t u = 1; u < units_.size(); ++u) {
+      const Unit& un = units_[u];
+      if (un.flat_offset < 0) continue;
+      auto views = [&](LinearPlan& lp) {
+        if (!lp.adapter || lp.adapter->a_off < 0) return;
+        Adapter& a = *lp.adapter;
+        a.ga_buf = p_.add_view(std::string(), grad_shard_, tw * static_cast<std::uint64_t>(un.part_offset + a.a_off - un.flat_offset),
+                               tw * static_cast<std::uint64_t>(a.a_numel));
+        a.gb_buf = p_.add_view(std::string(), grad_shard_, tw * static_cast<std::uint64_t>(un.part_offset + a.b_off - un.flat_offset),
+                               tw * static_cast<std::uint64_t>(a.b_numel));
+      };
+      if (u == units_.size() - 1) for (auto& lp : head_linears_) views(lp);
+      else for (auto& lp : layer_linears_[u - 1]) views(lp);
+    }
+  }
   // RoPE cos/sin tables [S, d/2] each, built once per step and read by every layer (rope_tables
   // {tables}: cos then sin).
   const bool rope = m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon;

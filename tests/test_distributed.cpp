@@ -1,6 +1,7 @@
 // Distributed training against single-rank training (tests/CMakeLists.txt runs this program
-// under mpirun with 2, 3 and 4 ranks). For DDP, ZeRO-1 and ZeRO-2, with and without optimizer
-// offload and activation checkpointing, with gradient accumulation and dropout:
+// under mpirun with 2, 3 and 4 ranks). For DDP, ZeRO-1, ZeRO-2 (one reduce bucket, and one per
+// layer) and ZeRO-3 (persistent and gathered base tensors, fp32 and bf16 storage), with and
+// without optimizer offload and activation checkpointing, with gradient accumulation and dropout:
 //   - losses equal one rank's with the same global batch (micro-batch B, accumulation A·N) to
 //     relative 1e-5, and the final adapters to fp32 tolerance;
 //   - every rank's measured memory per category, its simultaneous peak and the op of the peak
@@ -40,11 +41,14 @@ struct Case {
   planner::Checkpointing ckpt = planner::Checkpointing::none;
   double dropout = 0.0;
   double clip = 0.0;
+  bool bf16_base = false;  // linear base weights stored in bf16 (ZeRO-3: mixed-dtype flat units)
+  std::int64_t bucket = 0; // reduce_bucket_size (elements) when set
 };
 
 std::string describe(const Case& c, int ranks) {
-  return fmt::format("{} ranks {}{} ckpt={} dropout={} clip={}", ranks, planner::name_of(c.stage), c.offload ? "+offload" : "",
-                     planner::name_of(c.ckpt), c.dropout, c.clip);
+  return fmt::format("{} ranks {}{} ckpt={} dropout={} clip={}{}{}", ranks, planner::name_of(c.stage), c.offload ? "+offload" : "",
+                     planner::name_of(c.ckpt), c.dropout, c.clip, c.bf16_base ? " bf16 base" : "",
+                     c.bucket ? fmt::format(" reduce_bucket_size={}", c.bucket) : "");
 }
 
 planner::PlanFile make_plan(const Case& c, int ranks, std::int64_t accum) {
@@ -65,11 +69,18 @@ planner::PlanFile make_plan(const Case& c, int ranks, std::int64_t accum) {
   in.training.precision = planner::Precision::fp32;
   in.training.attention = planner::Attention::eager;
   in.training.checkpointing = c.ckpt;
+  if (c.bf16_base) in.training.base_storage = DType::bf16;
   in.training.lr = 1e-2;  // large enough that three steps move the adapter visibly
   in.training.grad_clip = c.clip;
   in.strategy.stage = c.stage;
   in.strategy.ranks = ranks;
   if (c.offload) in.strategy.offload_optimizer = planner::OffloadDevice::cpu;
+  // ZeRO-3: tensors under 3000 elements stay whole on every rank (the norms [64], k_proj and
+  // v_proj [32,64]); q_proj, o_proj, the MLP, the embedding and lm_head are flattened per unit
+  // and sharded (a layer's 41984 gathered elements, the embedding's 16384 and the adapter's
+  // 896 per layer need padding on 3 ranks).
+  in.strategy.ds.stage3_param_persistence_threshold = 3000;
+  if (c.bucket > 0) in.strategy.ds.reduce_bucket_size = c.bucket;
   in.profile = planner::RuntimeProfile::executor;
   pf.run.steps = 3;
   pf.run.seed = 11;
@@ -159,6 +170,43 @@ TEST(Distributed, Zero2MatchesSingleRank) {
   check_against_single_rank({planner::Stage::zero2, false, planner::Checkpointing::full, 0.1, 0.5});
   check_against_single_rank({planner::Stage::zero2, true});
   check_against_single_rank({planner::Stage::zero2, true, planner::Checkpointing::full, 0.1, 0.5});
+  // Several reduce buckets (one per layer: 896 adapter elements each, padded on 3 ranks): the
+  // partition is laid out bucket by bucket (planner/program.cpp, plan_buckets).
+  check_against_single_rank({planner::Stage::zero2, false, planner::Checkpointing::none, 0.0, 0.0, false, 500});
+  check_against_single_rank({planner::Stage::zero2, false, planner::Checkpointing::full, 0.1, 0.5, false, 500});
+  check_against_single_rank({planner::Stage::zero2, true, planner::Checkpointing::full, 0.1, 0.5, false, 500});
+}
+
+TEST(Distributed, Zero3MatchesSingleRank) {
+  check_against_single_rank({planner::Stage::zero3});
+  check_against_single_rank({planner::Stage::zero3, false, planner::Checkpointing::full, 0.1, 0.5});
+  check_against_single_rank({planner::Stage::zero3, true});
+  check_against_single_rank({planner::Stage::zero3, true, planner::Checkpointing::full, 0.1, 0.5});
+  check_against_single_rank({planner::Stage::zero3, false, planner::Checkpointing::none, 0.1, 0.0, true});
+}
+
+// ZeRO-3 on one rank (no communicator): each gather is a copy of the shard, the gradients are
+// the partition itself; the same losses as DDP on one rank.
+TEST(Distributed, Zero3OnOneRankMatchesDdp) {
+  for (bool bf16 : {false, true}) {
+    Case c{planner::Stage::zero3, false, planner::Checkpointing::full, 0.1, 0.5, bf16};
+    Case d = c;
+    d.stage = planner::Stage::ddp;
+    const planner::PlanFile zp = make_plan(c, 1, kAccum), dp = make_plan(d, 1, kAccum);
+    Session z(zp, backend(), corpus(zp));
+    Session r(dp, backend(), corpus(dp));
+    for (int k = 0; k < kSteps; ++k) {
+      const double want = r.step().loss, got = z.step().loss;
+      EXPECT_NEAR(got, want, 1e-5 * std::abs(want)) << describe(c, 1) << " step " << k;
+    }
+    const auto w = r.trainable_weights();
+    const auto g = z.trainable_weights();
+    ASSERT_EQ(g.size(), w.size());
+    for (std::size_t i = 0; i < w.size(); ++i) EXPECT_NEAR(g[i], w[i], 1e-4 * (1e-2 + std::abs(w[i]))) << describe(c, 1) << " " << i;
+    const sim::MemoryProfile mp = sim::walk_memory(z.program());
+    for (int k = 0; k < sim::kNumCategories; ++k)
+      EXPECT_EQ(z.memory().peak_bytes[static_cast<std::size_t>(k)], mp.category_peak_bytes[static_cast<std::size_t>(k)]) << describe(c, 1);
+  }
 }
 
 // Four steps straight, against two steps, a checkpoint, a new session that resumes, and two more
@@ -171,7 +219,8 @@ TEST(Distributed, ResumeFromCheckpointGivesTheSameLosses) {
   const fs::path dir = fs::temp_directory_path() / fmt::format("peftplan_test_distributed_{}", id);
   for (const Case& c : {Case{planner::Stage::zero2, true, planner::Checkpointing::none, 0.1, 0.5},
                         Case{planner::Stage::ddp, false, planner::Checkpointing::none, 0.1, 0.0},
-                        Case{planner::Stage::zero1}}) {
+                        Case{planner::Stage::zero1},
+                        Case{planner::Stage::zero2, true, planner::Checkpointing::none, 0.1, 0.5, false, 500}}) {
     const std::string what = describe(c, N);
     planner::PlanFile plan = make_plan(c, N, kAccum);
     std::vector<double> straight;

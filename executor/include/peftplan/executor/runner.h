@@ -58,7 +58,10 @@ class Session {
   // dropout masks) without the update; gradients are left in gradients(). Returns the loss.
   double forward_backward(std::int64_t step_index);
 
-  // trainable.flat and grad.flat (fp32, the adapter tensors in trainable-inventory order).
+  // trainable.flat and grad.flat (fp32, the adapter tensors in trainable-inventory order). With
+  // ZeRO-2's bucket-partitioned layout, a copy in inventory order; with ZeRO-3, the adapter
+  // all_gathered from the ranks' shards (a collective: every rank calls it; its bytes are not
+  // counted in the steps' measurement).
   std::span<float> trainable_weights();
   std::span<const float> gradients() const;
   const sim::Program& program() const;

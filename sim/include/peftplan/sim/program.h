@@ -141,6 +141,10 @@ struct Op {
                                        //   not stay in `buffer` (a reduce_scatter into a
                                        //   gradient partition); copy: the destination (-1: none
                                        //   named, as in the cost-only profiles)
+  std::int32_t buffer_in = -1;         // all_gather: the shard this rank contributes, when it
+                                       //   is not this rank's block of `buffer` (ZeRO-3 in the
+                                       //   executor profile: a unit's frozen or trainable shard
+                                       //   gathered into a view of the unit's gathered buffer)
   ComputeWork work;                    // compute ops
   bool accumulate = false;             // compute: add into the (first) output instead of
                                        //   overwriting it (several contributions to one grad)
