@@ -382,7 +382,9 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
     const int status = pclose(p);
     return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
   };
-  const std::string common = "--model tiny-llama-2l --seq-len 16 --micro-batch 2 --lora-targets q_proj,v_proj --data " + kCorpus;
+  // A fixed cluster (no calibration run) and time not judged: this test is about the executor.
+  const std::string fixed = " --cluster 1xA100-80GB --tolerance-time 1e9";
+  const std::string common = "--model tiny-llama-2l --seq-len 16 --micro-batch 2 --lora-targets q_proj,v_proj" + fixed + " --data " + kCorpus;
   auto [code, out] = run(common + " --steps 3 --save-adapter " + (dir / "adapter").string() + " --out " + dir.string());
   ASSERT_EQ(code, 0) << out;
   EXPECT_NE(out.find("step 3/3"), std::string::npos) << out;
@@ -398,7 +400,7 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
   EXPECT_EQ(code, 2) << out;
   EXPECT_NE(out.find("truncated.safetensors"), std::string::npos) << out;
   std::ofstream(dir / "short.txt") << "0123456789";
-  std::tie(code, out) = run("--model tiny-llama-2l --seq-len 16 --data " + (dir / "short.txt").string() + " --out " + dir.string());
+  std::tie(code, out) = run("--model tiny-llama-2l --seq-len 16" + fixed + " --data " + (dir / "short.txt").string() + " --out " + dir.string());
   EXPECT_EQ(code, 2) << out;
   EXPECT_NE(out.find("short.txt"), std::string::npos) << out;
   fs::remove_all(dir);

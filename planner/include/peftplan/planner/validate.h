@@ -1,0 +1,94 @@
+// Predicted versus measured: compare a plan with what the executor measured running it
+// (measurement.json, "schema": "peftplan.measurement/1", taken as JSON so the planner does not
+// depend on the executor), figure by figure, against tolerances — every memory category and the
+// device peak (each rank when the measurement has per_rank: the worst rank is reported), the
+// step time and its split, and the bytes of each collective kind — plus an op-by-op comparison
+// of the predicted timeline with the measured op times that names the op that differs most.
+// Pure functions; reading and writing the files is the caller's business. It does not judge
+// losses or adapters (the distributed tests do).
+//
+// Measured time figures (the executor runs one rank's ops in program order on one thread):
+//   step_s          mean of step_times_s after the first step (the first includes warm-up);
+//                   the only step when there is one
+//   compute_s       compute ops on the compute stream, per step
+//   optimizer_s     optimizer-phase compute ops (device or host), per step
+//   comm_s          collectives' measured seconds / steps
+//   exposed_comm_s  = comm_s: collectives block the rank, so none of them is hidden
+// compute_s and optimizer_s come from the last step's per-op times when the measurement carries
+// "trace" (trace.json's Chrome trace, whose events name the program op in args.op; `peftplan
+// run` attaches it), else from the per-(phase, kernel, label) totals in "ops" averaged over all
+// steps (warm-up included). relative_error = (measured - predicted) / predicted, signed; when
+// the prediction is 0 it is 0 if the measurement is 0 too and 1 otherwise. A figure is within
+// tolerance when |relative_error| <= its tolerance (memory and collective bytes: memory; time:
+// time).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "peftplan/planner/plan.h"
+
+namespace peftplan::planner {
+
+struct Tolerances {
+  double memory = 0.02;  // relative, memory categories, peak and collective bytes
+  double time = 0.15;    // relative, time figures
+};
+
+// One compared figure: memory.<category>, memory.peak (bytes), time.<figure> (seconds),
+// comm.<collective> (bytes per step).
+struct Figure {
+  std::string section;        // "memory", "time" or "comm"
+  std::string name;           // "activations", "peak", "step_s", "all_reduce", ...
+  double predicted = 0.0;     // bytes or seconds
+  double measured = 0.0;      // bytes or seconds (memory: the worst rank's)
+  double relative_error = 0.0;  // signed, see above
+  double tolerance = 0.0;
+  bool within = true;
+  std::int32_t rank = 0;      // memory: the rank measured (the worst one of per_rank)
+  std::string key() const { return section + "." + name; }
+};
+
+// Predicted and measured seconds per step of one program op (index >= 0) or of all the ops
+// that share (phase, kernel, label) (index -1, layer -1).
+struct OpDiff {
+  std::int32_t op = -1;        // program op index; -1 for a kind
+  std::string phase, kernel, label;
+  std::int32_t layer = -1;     // transformer layer, -1 for embedding/head/optimizer or a kind
+  std::int32_t micro_batch = -1;
+  std::int32_t ops = 1;        // program ops in the kind (1 for one op)
+  double predicted_s = 0.0;    // per step
+  double measured_s = 0.0;     // per step
+  double diff_s() const { return measured_s - predicted_s; }
+};
+
+struct Validation {
+  Tolerances tolerances;
+  std::vector<Figure> memory;  // device categories, host categories, then "peak"
+  std::vector<Figure> time;    // step_s, compute_s, comm_s, exposed_comm_s, optimizer_s
+  std::vector<Figure> comm;    // per collective kind the plan or the measurement has
+  std::vector<OpDiff> ops;     // per op, largest |diff| first (top 10); empty without a trace
+  std::vector<OpDiff> kinds;   // per (phase, kernel, label), largest |diff| first (top 10)
+  std::optional<OpDiff> most_different;  // ops.front(), else kinds.front()
+  std::int64_t steps = 0;      // measured steps
+  std::string op_time_source;  // "trace (last step)" or "ops (mean over all steps)"
+  bool within_tolerance = true;
+  std::vector<std::string> outside;  // keys of the figures outside, e.g. "time.step_s"
+};
+
+// Throws InputError when the measurement lacks a key it needs or its program (op count, trace
+// op indices) does not match the plan's.
+Validation validate(const Plan& predicted, const nlohmann::json& measurement, const Tolerances& tolerances = {});
+
+// validation.json ("schema": "peftplan.validation/1"): memory.<category> and memory.peak
+// {predicted_bytes, measured_bytes, relative_error}; time.<figure> {predicted, measured,
+// relative_error}; comm.<collective> {predicted_bytes, measured_bytes, relative_error};
+// within_tolerance; and beside them tolerances, outside, memory_rank (the rank of each memory
+// figure), steps, op_time_source, most_different_op, ops, op_kinds.
+nlohmann::json validation_to_json(const Validation& v);
+
+}  // namespace peftplan::planner

@@ -1,0 +1,253 @@
+// validate(): predicted versus measured (see validate.h for what each measured figure is).
+#include "peftplan/planner/validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/sim/compute.h"
+
+namespace peftplan::planner {
+namespace {
+
+using nlohmann::json;
+constexpr std::size_t kTop = 10;
+
+double relative_error(double predicted, double measured) {
+  if (predicted == 0.0) return measured == 0.0 ? 0.0 : 1.0;
+  return (measured - predicted) / predicted;
+}
+
+const json& need(const json& j, const char* key, const std::string& where) {
+  if (!j.is_object() || !j.contains(key))
+    throw InputError(fmt::format("measurement.json: {} has no \"{}\"", where.empty() ? "the top level" : where, key));
+  return j.at(key);
+}
+
+Figure figure(std::string section, std::string name, double p, double m, double tolerance) {
+  Figure f{std::move(section), std::move(name), p, m, relative_error(p, m), tolerance, true, 0};
+  f.within = std::abs(f.relative_error) <= tolerance;
+  return f;
+}
+
+// Memory figures of one rank's measurement: categories (device, then host) and the device peak.
+std::vector<Figure> memory_figures(const Plan& plan, const json& m, double tolerance, const std::string& where) {
+  const json& mem = need(m, "memory", where);
+  const json& dev = need(mem, "device", where + "memory");
+  const json& host = need(mem, "host", where + "memory");
+  std::vector<Figure> out;
+  for (int c = 0; c < sim::kNumCategories; ++c) {
+    const auto cc = static_cast<sim::MemCategory>(c);
+    const std::string key = std::string(sim::name_of(cc)) + "_bytes";
+    const json& side = sim::on_host(cc) ? host : dev;
+    const auto q = need(side, key.c_str(), where + (sim::on_host(cc) ? "memory.host" : "memory.device")).get<std::uint64_t>();
+    out.push_back(figure("memory", std::string(sim::name_of(cc)),
+                         static_cast<double>(plan.memory.category_peak_bytes[static_cast<std::size_t>(c)]), static_cast<double>(q),
+                         tolerance));
+  }
+  out.push_back(figure("memory", "peak", static_cast<double>(plan.memory.device_peak_bytes),
+                       static_cast<double>(need(dev, "peak_bytes", where + "memory.device").get<std::uint64_t>()), tolerance));
+  return out;
+}
+
+std::tuple<std::string, std::string, std::string> kind_of(const sim::Op& op) {
+  return {std::string(sim::name_of(op.phase)), std::string(sim::name_of(op.kernel)), std::string(op.label)};
+}
+
+bool by_abs_diff(const OpDiff& a, const OpDiff& b) {
+  const double da = std::abs(a.diff_s()), db = std::abs(b.diff_s());
+  return da != db ? da > db : a.op < b.op;
+}
+
+}  // namespace
+
+Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
+  if (!plan.time) throw InputError("validate: the plan has no simulated timeline (make_plan with simulate_time)");
+  const sim::Timeline& tl = *plan.time;
+  const sim::Program& prog = plan.program;
+  Validation v;
+  v.tolerances = tol;
+
+  // Memory: every rank when per_rank is there, the worst one (largest |relative error|) kept.
+  if (m.contains("per_rank") && m.at("per_rank").is_array() && !m.at("per_rank").empty()) {
+    const json& ranks = m.at("per_rank");
+    for (std::size_t r = 0; r < ranks.size(); ++r) {
+      std::vector<Figure> f = memory_figures(plan, ranks[r], tol.memory, fmt::format("per_rank[{}].", r));
+      for (Figure& x : f) x.rank = static_cast<std::int32_t>(r);
+      if (v.memory.empty()) {
+        v.memory = std::move(f);
+        continue;
+      }
+      for (std::size_t i = 0; i < f.size(); ++i)
+        if (std::abs(f[i].relative_error) > std::abs(v.memory[i].relative_error)) v.memory[i] = f[i];
+    }
+  } else {
+    v.memory = memory_figures(plan, m, tol.memory, "");
+    const std::int32_t rank = m.contains("rank") ? m.at("rank").get<std::int32_t>() : 0;
+    for (Figure& x : v.memory) x.rank = rank;
+  }
+
+  // Per-op measured seconds of one step: the last step's trace when given, else the totals.
+  const auto step_times = need(m, "step_times_s", "").get<std::vector<double>>();
+  v.steps = static_cast<std::int64_t>(step_times.size());
+  if (step_times.empty()) throw InputError("measurement.json: step_times_s is empty (no step was measured)");
+  const double steps = static_cast<double>(step_times.size());
+  std::vector<std::optional<double>> op_measured(prog.ops.size());
+  const bool have_trace = m.contains("trace") && m.at("trace").is_object() && m.at("trace").contains("traceEvents");
+  if (have_trace) {
+    v.op_time_source = "trace (last step)";
+    for (const json& e : m.at("trace").at("traceEvents")) {
+      if (e.value("ph", "") != "X" || !e.contains("args") || !e.at("args").contains("op")) continue;
+      const auto i = e.at("args").at("op").get<std::int64_t>();
+      if (i < 0 || static_cast<std::size_t>(i) >= prog.ops.size() || prog.ops[static_cast<std::size_t>(i)].kind != sim::OpKind::compute)
+        throw InputError(fmt::format("measurement trace: event \"{}\" names op {}, which is no compute op of the plan's {} ops "
+                                     "(was the run made from another plan?)",
+                                     e.value("name", ""), i, prog.ops.size()));
+      op_measured[static_cast<std::size_t>(i)] = op_measured[static_cast<std::size_t>(i)].value_or(0.0) + e.at("dur").get<double>() * 1e-6;
+    }
+  } else {
+    v.op_time_source = "ops (mean over all steps)";
+  }
+
+  // Kinds: predicted per step from the timeline; measured from "ops" (mean over all steps).
+  std::map<std::tuple<std::string, std::string, std::string>, OpDiff> kinds;
+  for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+    const sim::Op& op = prog.ops[i];
+    if (op.kind != sim::OpKind::compute || op.phase == sim::Phase::setup) continue;
+    const auto k = kind_of(op);
+    auto [it, inserted] = kinds.try_emplace(k);
+    OpDiff& d = it->second;
+    if (inserted) {
+      std::tie(d.phase, d.kernel, d.label) = k;
+      d.ops = 0;
+    }
+    d.ops += 1;
+    d.predicted_s += tl.ops[i].end_s - tl.ops[i].start_s;
+  }
+  for (const json& o : need(m, "ops", "")) {
+    const auto k = std::make_tuple(o.at("phase").get<std::string>(), o.at("kernel").get<std::string>(), o.at("label").get<std::string>());
+    auto [it, inserted] = kinds.try_emplace(k);
+    if (inserted) {
+      std::tie(it->second.phase, it->second.kernel, it->second.label) = k;
+      it->second.ops = 0;
+    }
+    it->second.measured_s += o.at("total_s").get<double>() / steps;
+  }
+  for (auto& [k, d] : kinds) v.kinds.push_back(d);
+  std::sort(v.kinds.begin(), v.kinds.end(), by_abs_diff);
+
+  // Per op (trace only): every compute op the trace timed.
+  double compute_m = 0.0, optimizer_m = 0.0;
+  if (have_trace) {
+    for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+      if (!op_measured[i]) continue;
+      const sim::Op& op = prog.ops[i];
+      OpDiff d;
+      d.op = static_cast<std::int32_t>(i);
+      std::tie(d.phase, d.kernel, d.label) = kind_of(op);
+      d.layer = op.layer;
+      d.micro_batch = op.micro_batch;
+      d.predicted_s = tl.ops[i].end_s - tl.ops[i].start_s;
+      d.measured_s = *op_measured[i];
+      if (op.stream == sim::Stream::compute) compute_m += d.measured_s;
+      if (op.phase == sim::Phase::optimizer) optimizer_m += d.measured_s;
+      v.ops.push_back(std::move(d));
+    }
+    std::sort(v.ops.begin(), v.ops.end(), by_abs_diff);
+  } else {
+    // A kind counts as compute-stream when its program ops are (kinds do not straddle streams).
+    std::map<std::tuple<std::string, std::string, std::string>, sim::Stream> stream;
+    for (const sim::Op& op : prog.ops)
+      if (op.kind == sim::OpKind::compute) stream.emplace(kind_of(op), op.stream);
+    for (const OpDiff& d : v.kinds) {
+      const auto it = stream.find({d.phase, d.kernel, d.label});
+      if (it == stream.end() || it->second == sim::Stream::compute) compute_m += d.measured_s;
+      if (d.phase == "optimizer") optimizer_m += d.measured_s;
+    }
+  }
+  if (!v.ops.empty()) v.most_different = v.ops.front();
+  else if (!v.kinds.empty()) v.most_different = v.kinds.front();
+  if (v.ops.size() > kTop) v.ops.resize(kTop);
+  if (v.kinds.size() > kTop) v.kinds.resize(kTop);
+
+  // Time figures.
+  const double step_m = step_times.size() > 1
+                            ? std::accumulate(step_times.begin() + 1, step_times.end(), 0.0) / (steps - 1.0)
+                            : step_times.front();
+  double comm_m = 0.0;
+  const json empty = json::object();
+  const json& coll = m.contains("collectives") ? m.at("collectives") : empty;
+  for (const auto& [kind, c] : coll.items()) comm_m += c.at("seconds").get<double>() / steps;
+  v.time = {figure("time", "step_s", tl.step_s, step_m, tol.time),
+            figure("time", "compute_s", tl.compute_s, compute_m, tol.time),
+            figure("time", "comm_s", tl.comm_s, comm_m, tol.time),
+            figure("time", "exposed_comm_s", tl.exposed_comm_s, comm_m, tol.time),
+            figure("time", "optimizer_s", tl.optimizer_s, optimizer_m, tol.time)};
+
+  // Collective bytes per step, per kind either side has.
+  for (int c = 0; c < sim::kNumCollectives; ++c) {
+    const std::string kind(sim::name_of(static_cast<sim::Collective>(c)));
+    const auto p = static_cast<double>(tl.collective_bytes[static_cast<std::size_t>(c)]);
+    const double q = coll.contains(kind) ? static_cast<double>(coll.at(kind).at("bytes_per_step").get<std::uint64_t>()) : 0.0;
+    if (p != 0.0 || q != 0.0) v.comm.push_back(figure("comm", kind, p, q, tol.memory));
+  }
+
+  for (const auto* section : {&v.memory, &v.time, &v.comm})
+    for (const Figure& f : *section)
+      if (!f.within) v.outside.push_back(f.key());
+  v.within_tolerance = v.outside.empty();
+  return v;
+}
+
+json validation_to_json(const Validation& v) {
+  json j;
+  j["schema"] = "peftplan.validation/1";
+  json mem = json::object(), ranks = json::object(), time = json::object(), comm = json::object();
+  for (const Figure& f : v.memory) {
+    mem[f.name] = {{"predicted_bytes", static_cast<std::uint64_t>(f.predicted)},
+                   {"measured_bytes", static_cast<std::uint64_t>(f.measured)},
+                   {"relative_error", f.relative_error}};
+    ranks[f.name] = f.rank;
+  }
+  for (const Figure& f : v.time)
+    time[f.name] = {{"predicted", f.predicted}, {"measured", f.measured}, {"relative_error", f.relative_error}};
+  for (const Figure& f : v.comm)
+    comm[f.name] = {{"predicted_bytes", static_cast<std::uint64_t>(f.predicted)},
+                    {"measured_bytes", static_cast<std::uint64_t>(f.measured)},
+                    {"relative_error", f.relative_error}};
+  auto op_json = [](const OpDiff& d) {
+    json o = {{"phase", d.phase}, {"kernel", d.kernel}, {"label", d.label}, {"predicted_s", d.predicted_s},
+              {"measured_s", d.measured_s}, {"diff_s", d.diff_s()}};
+    if (d.op >= 0) {
+      o["op"] = d.op;
+      o["layer"] = d.layer;
+      o["micro_batch"] = d.micro_batch;
+    } else {
+      o["ops"] = d.ops;
+    }
+    return o;
+  };
+  json ops = json::array(), kinds = json::array();
+  for (const OpDiff& d : v.ops) ops.push_back(op_json(d));
+  for (const OpDiff& d : v.kinds) kinds.push_back(op_json(d));
+  j["memory"] = mem;
+  j["time"] = time;
+  j["comm"] = comm;
+  j["within_tolerance"] = v.within_tolerance;
+  j["outside"] = v.outside;
+  j["tolerances"] = {{"memory", v.tolerances.memory}, {"time", v.tolerances.time}};
+  j["memory_rank"] = ranks;
+  j["steps"] = v.steps;
+  j["op_time_source"] = v.op_time_source;
+  j["most_different_op"] = v.most_different ? op_json(*v.most_different) : json(nullptr);
+  j["ops"] = ops;
+  j["op_kinds"] = kinds;
+  return j;
+}
+
+}  // namespace peftplan::planner

@@ -1,0 +1,303 @@
+// validate(): predicted versus measured on a plan and a synthetic measurement built from the
+// plan itself (so "exact" is exact), then with one figure or one op pushed off. The end-to-end
+// cases (RunCli.*) run `peftplan run` on tiny-llama-2l with 2 ranks under mpirun, planned on a
+// profile the test writes (so no calibration and no timing dependence).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
+#include "peftplan/planner/plan.h"
+#include "peftplan/planner/validate.h"
+#include "peftplan/sim/cluster.h"
+#include "peftplan/sim/compute.h"
+
+using namespace peftplan;
+using namespace peftplan::planner;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+Plan tiny_plan(Stage stage, std::int32_t ranks) {
+  PlanInput in;
+  in.model = models::load_model("tiny-llama-2l");
+  models::AdapterSpec a;
+  a.lora.r = 4;
+  a.lora.alpha = 8;
+  a.lora.targets.kind = models::ModuleSelector::Kind::list;
+  a.lora.targets.names = {"q_proj", "v_proj"};
+  in.peft = models::PeftSpec{{a}, std::nullopt};
+  in.training.micro_batch = 2;
+  in.training.seq_len = 16;
+  in.training.precision = Precision::fp32;
+  in.training.attention = Attention::eager;
+  in.profile = RuntimeProfile::executor;
+  in.strategy.stage = stage;
+  in.strategy.ranks = ranks;
+  PlanOptions o;
+  o.explain = false;
+  return make_plan(in, sim::default_cluster(ranks), o);
+}
+
+// A measurement.json (keys of executor/measurement.cpp) that measured exactly what the plan
+// predicts, over `steps` steps (the first one 10x slower: warm-up), with the last step's trace.
+json exact_measurement(const Plan& p, int steps = 3) {
+  const sim::Timeline& t = *p.time;
+  json dev, host;
+  for (int c = 0; c < sim::kNumCategories; ++c) {
+    const auto cc = static_cast<sim::MemCategory>(c);
+    (sim::on_host(cc) ? host : dev)[std::string(sim::name_of(cc)) + "_bytes"] = p.memory.category_peak_bytes[static_cast<std::size_t>(c)];
+  }
+  dev["peak_bytes"] = p.memory.device_peak_bytes;
+  dev["peak_op"] = "";
+  host["peak_bytes"] = p.memory.host_peak_bytes;
+  std::vector<double> step_times(static_cast<std::size_t>(steps), t.step_s);
+  step_times[0] = 10.0 * t.step_s;
+  std::map<std::tuple<std::string, std::string, std::string>, double> kinds;
+  json events = json::array();
+  for (std::size_t i = 0; i < p.program.ops.size(); ++i) {
+    const sim::Op& op = p.program.ops[i];
+    if (op.kind != sim::OpKind::compute || op.phase == sim::Phase::setup) continue;
+    const double d = t.ops[i].end_s - t.ops[i].start_s;
+    kinds[{std::string(sim::name_of(op.phase)), std::string(sim::name_of(op.kernel)), std::string(op.label)}] += d * steps;
+    events.push_back({{"name", std::string(op.label)}, {"ph", "X"}, {"ts", t.ops[i].start_s * 1e6}, {"dur", d * 1e6},
+                      {"pid", 0}, {"tid", 0}, {"args", {{"op", i}, {"layer", op.layer}}}});
+  }
+  json ops = json::array();
+  for (const auto& [k, s] : kinds)
+    ops.push_back({{"phase", std::get<0>(k)}, {"kernel", std::get<1>(k)}, {"label", std::get<2>(k)}, {"calls", steps}, {"total_s", s}});
+  json coll = json::object();
+  for (int c = 0; c < sim::kNumCollectives; ++c) {
+    const std::string kind(sim::name_of(static_cast<sim::Collective>(c)));
+    const auto b = t.collective_bytes[static_cast<std::size_t>(c)];
+    coll[kind] = {{"calls", 0}, {"bytes", b * static_cast<std::uint64_t>(steps)}, {"seconds", 0.0}, {"bytes_per_step", b}};
+  }
+  coll["all_reduce"]["seconds"] = t.comm_s * steps;
+  return {{"schema", "peftplan.measurement/1"},
+          {"ranks", p.input.strategy.ranks},
+          {"rank", 0},
+          {"step_times_s", step_times},
+          {"collectives", coll},
+          {"memory", {{"device", dev}, {"host", host}}},
+          {"ops", ops},
+          {"trace", {{"traceEvents", events}}}};
+}
+
+const Figure& find(const std::vector<Figure>& fs, const std::string& name) {
+  for (const Figure& f : fs)
+    if (f.name == name) return f;
+  throw std::runtime_error("no figure " + name);
+}
+
+std::set<std::string> keys(const json& j) {
+  std::set<std::string> k;
+  for (const auto& [key, value] : j.items()) k.insert(key);
+  return k;
+}
+
+}  // namespace
+
+TEST(Validate, ExactMeasurementIsWithinTolerance) {
+  const Plan p = tiny_plan(Stage::zero2, 2);
+  ASSERT_TRUE(p.time);
+  // The executor's collectives block, so its exposed communication is all of it; the synthetic
+  // measurement can only match exposed_comm_s when the plan exposes all of it too.
+  ASSERT_NEAR(p.time->exposed_comm_s, p.time->comm_s, 1e-9 * p.time->comm_s) << "plan hides communication; pick another config";
+  const Validation v = validate(p, exact_measurement(p));
+  EXPECT_TRUE(v.within_tolerance);
+  EXPECT_TRUE(v.outside.empty());
+  EXPECT_EQ(v.steps, 3);
+  EXPECT_EQ(v.op_time_source, "trace (last step)");
+  EXPECT_NEAR(find(v.time, "step_s").measured, p.time->step_s, 1e-15);  // the 10x first step left out
+  EXPECT_EQ(find(v.memory, "peak").measured, static_cast<double>(p.memory.device_peak_bytes));
+  EXPECT_FALSE(v.comm.empty());  // ZeRO-2 on 2 ranks moves gradients
+  for (const auto* s : {&v.memory, &v.time, &v.comm})
+    for (const Figure& f : *s) EXPECT_NEAR(f.relative_error, 0.0, 1e-9) << f.key();
+}
+
+TEST(Validate, MemoryCategoryOffByFivePercentIsNamed) {
+  const Plan p = tiny_plan(Stage::zero2, 2);
+  json m = exact_measurement(p);
+  const auto act = m["memory"]["device"]["activations_bytes"].get<std::uint64_t>();
+  ASSERT_GT(act, 0u);
+  m["memory"]["device"]["activations_bytes"] = act + act / 20;  // +5%
+  const Validation v = validate(p, m);
+  EXPECT_FALSE(v.within_tolerance);
+  ASSERT_EQ(v.outside.size(), 1u);
+  EXPECT_EQ(v.outside[0], "memory.activations");
+  EXPECT_NEAR(find(v.memory, "activations").relative_error, 0.05, 1e-3);
+  // Per rank: rank 1 off, rank 0 exact -> the worst rank (1) is reported.
+  json pr = exact_measurement(p);
+  json r0 = pr, r1 = m;
+  r0.erase("trace");
+  r1.erase("trace");
+  r1["rank"] = 1;
+  pr["per_rank"] = json::array({r0, r1});
+  const Validation w = validate(p, pr);
+  ASSERT_EQ(w.outside.size(), 1u);
+  EXPECT_EQ(w.outside[0], "memory.activations");
+  EXPECT_EQ(find(w.memory, "activations").rank, 1);
+  EXPECT_EQ(validation_to_json(w)["memory_rank"]["activations"], 1);
+}
+
+TEST(Validate, TimeFigureOffByThirtyPercentIsNamed) {
+  const Plan p = tiny_plan(Stage::zero2, 2);
+  json m = exact_measurement(p);
+  for (auto& s : m["step_times_s"]) s = s.get<double>() * 1.3;
+  const Validation v = validate(p, m);
+  EXPECT_FALSE(v.within_tolerance);
+  ASSERT_EQ(v.outside.size(), 1u);
+  EXPECT_EQ(v.outside[0], "time.step_s");
+  EXPECT_NEAR(find(v.time, "step_s").relative_error, 0.3, 1e-9);
+  // Within a 31% tolerance.
+  EXPECT_TRUE(validate(p, m, Tolerances{0.02, 0.31}).within_tolerance);
+}
+
+TEST(Validate, OpByOpNamesTheInjectedSlowOp) {
+  const Plan p = tiny_plan(Stage::zero2, 2);
+  json m = exact_measurement(p);
+  // Slow down the layer-1 backward of one op by a millisecond in the trace and in the totals.
+  std::int64_t slow = -1;
+  for (auto& e : m["trace"]["traceEvents"]) {
+    const auto& op = p.program.ops[e["args"]["op"].get<std::size_t>()];
+    if (op.phase == sim::Phase::backward && op.layer == 1 && op.kernel == sim::Kernel::linear_bwd_data) {
+      slow = e["args"]["op"].get<std::int64_t>();
+      e["dur"] = e["dur"].get<double>() + 1000.0;
+      break;
+    }
+  }
+  ASSERT_GE(slow, 0);
+  const sim::Op& op = p.program.ops[static_cast<std::size_t>(slow)];
+  for (auto& o : m["ops"])
+    if (o["phase"] == "backward" && o["kernel"] == "linear_bwd_data" && o["label"] == std::string(op.label))
+      o["total_s"] = o["total_s"].get<double>() + 3 * 1e-3;
+  const Validation v = validate(p, m, Tolerances{0.02, 1000.0});
+  ASSERT_TRUE(v.most_different);
+  EXPECT_EQ(v.most_different->op, slow);
+  EXPECT_EQ(v.most_different->layer, 1);
+  EXPECT_EQ(v.most_different->phase, "backward");
+  EXPECT_EQ(v.most_different->label, std::string(op.label));
+  EXPECT_NEAR(v.most_different->diff_s(), 1e-3, 1e-9);
+  ASSERT_FALSE(v.kinds.empty());
+  EXPECT_EQ(v.kinds.front().label, std::string(op.label));
+  EXPECT_EQ(v.kinds.front().kernel, "linear_bwd_data");
+  EXPECT_NEAR(v.kinds.front().diff_s(), 1e-3, 1e-9);
+  // Without the trace the kinds alone name it.
+  m.erase("trace");
+  const Validation k = validate(p, m, Tolerances{0.02, 1000.0});
+  EXPECT_EQ(k.op_time_source, "ops (mean over all steps)");
+  EXPECT_TRUE(k.ops.empty());
+  ASSERT_TRUE(k.most_different);
+  EXPECT_EQ(k.most_different->label, std::string(op.label));
+  EXPECT_EQ(k.most_different->op, -1);
+}
+
+TEST(Validate, JsonKeysAreTheIssues) {
+  const Plan p = tiny_plan(Stage::zero2, 2);
+  const json j = validation_to_json(validate(p, exact_measurement(p)));
+  EXPECT_TRUE(j.at("within_tolerance").get<bool>());
+  const std::set<std::string> bytes_keys = {"predicted_bytes", "measured_bytes", "relative_error"};
+  const std::set<std::string> time_keys = {"predicted", "measured", "relative_error"};
+  for (int c = 0; c < sim::kNumCategories; ++c)
+    EXPECT_EQ(keys(j.at("memory").at(std::string(sim::name_of(static_cast<sim::MemCategory>(c))))), bytes_keys);
+  EXPECT_EQ(keys(j.at("memory").at("peak")), bytes_keys);
+  for (const char* t : {"step_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s"}) EXPECT_EQ(keys(j.at("time").at(t)), time_keys) << t;
+  ASSERT_FALSE(j.at("comm").empty());
+  for (const auto& [kind, c] : j.at("comm").items()) EXPECT_EQ(keys(c), bytes_keys) << kind;
+  EXPECT_EQ(j.at("memory").at("peak").at("predicted_bytes").get<std::uint64_t>(), p.memory.device_peak_bytes);
+}
+
+TEST(Validate, MissingKeyIsAnInputError) {
+  const Plan p = tiny_plan(Stage::ddp, 1);
+  json m = exact_measurement(p);
+  m["memory"]["device"].erase("activations_bytes");
+  EXPECT_THROW(validate(p, m), InputError);
+}
+
+#ifdef PEFTPLAN_HAVE_EXEC
+namespace {
+
+struct CliRun {
+  int code = 0;
+  std::string out;
+};
+
+CliRun run_cli(const std::string& args) {
+  const std::string cmd = "OMP_NUM_THREADS=1 " + std::string(PEFTPLAN_CLI) + " run " + args + " 2>&1";
+  CliRun r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), static_cast<int>(buf.size()), p)) r.out += buf.data();
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / ("peftplan_test_validate_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+// A hand-made 2-GPU profile (no timing involved) and the common arguments.
+std::string common_args(const fs::path& dir) {
+  sim::write_cluster_file(sim::default_cluster(2), dir / "profile.json");
+  return "--model tiny-llama-2l --lora-r 4 --gpus 2 --strategy zero2 --steps 2 --seq-len 16 --micro-batch 2 --data " +
+         std::string(PEFTPLAN_TEST_DATA) + "/executor/corpus.txt --calibration " + (dir / "profile.json").string();
+}
+
+}  // namespace
+
+TEST(RunCli, WritesValidationTraceAndReport) {
+  const fs::path dir = temp_dir("ok");
+  const CliRun r = run_cli(common_args(dir) + " --tolerance-time 1000 --out " + (dir / "out").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("calibrated profile " + (dir / "profile.json").string()), std::string::npos) << r.out;
+  const json v = models::read_json_file((dir / "out" / "validation.json").string());
+  EXPECT_TRUE(v.at("within_tolerance").get<bool>());
+  for (const char* k : {"peak", "activations", "trainable_weights", "optimizer_states"}) {
+    EXPECT_EQ(keys(v.at("memory").at(k)), (std::set<std::string>{"predicted_bytes", "measured_bytes", "relative_error"})) << k;
+    EXPECT_EQ(v["memory"][k]["predicted_bytes"], v["memory"][k]["measured_bytes"]) << k;  // exact
+  }
+  for (const char* t : {"step_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s"})
+    EXPECT_EQ(keys(v.at("time").at(t)), (std::set<std::string>{"predicted", "measured", "relative_error"})) << t;
+  EXPECT_TRUE(v.at("comm").contains("reduce_scatter") || v.at("comm").contains("all_reduce")) << v.dump(1);
+  for (const auto& [kind, c] : v.at("comm").items()) EXPECT_EQ(c["predicted_bytes"], c["measured_bytes"]) << kind;
+  EXPECT_TRUE(v.at("most_different_op").contains("layer")) << v.dump(1);
+  const json tp = models::read_json_file((dir / "out" / "trace.predicted.json").string());
+  EXPECT_FALSE(tp.at("traceEvents").empty());
+  EXPECT_TRUE(fs::exists(dir / "out" / "trace.json"));
+  EXPECT_TRUE(fs::exists(dir / "out" / "report.md"));
+  std::ifstream rep(dir / "out" / "report.md");
+  std::stringstream s;
+  s << rep.rdbuf();
+  EXPECT_NE(s.str().find("step_s"), std::string::npos);
+  EXPECT_NE(s.str().find("Differs most"), std::string::npos);
+  for (const auto& e : fs::directory_iterator(dir / "out")) EXPECT_NE(e.path().extension(), ".tmp") << e.path();
+  fs::remove_all(dir);
+}
+
+TEST(RunCli, TimeOutsideToleranceExitsOneNamingIt) {
+  const fs::path dir = temp_dir("tight");
+  const CliRun r = run_cli(common_args(dir) + " --tolerance-time 0.0000001 --out " + (dir / "out").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("outside tolerance: time.step_s"), std::string::npos) << r.out;
+  const json v = models::read_json_file((dir / "out" / "validation.json").string());
+  EXPECT_FALSE(v.at("within_tolerance").get<bool>());
+  fs::remove_all(dir);
+}
+#endif
