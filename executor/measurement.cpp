@@ -53,7 +53,9 @@ nlohmann::json measurement_to_json(const Measurement& m) {
               {"step_times_s", m.step_times_s},
               {"time", time},
               {"memory", {{"device", dev}, {"host", host}}},
-              {"ops", ops}};
+              {"ops", ops},
+              {"op_s", m.op_s},
+              {"op_s_steps", m.op_s_steps}};
   if (!m.per_rank.is_null()) j["per_rank"] = m.per_rank;
   return j;
 }

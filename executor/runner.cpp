@@ -76,9 +76,8 @@ void check_executable(const planner::PlanFile& plan) {
                        in.training.seq_len));
   if (in.model.out_bias || in.model.mlp_bias) refuse("bias on o_proj or the MLP");
   const auto& st = in.strategy;
-  if (st.stage == planner::Stage::zero3 && (plan.run.checkpoint_every > 0 || !plan.run.resume.empty()))
-    refuse("checkpoints and resume with ZeRO-3 (supported: ddp, zero1, zero2)");
-  if (st.offload_param != planner::OffloadDevice::none) refuse("parameter offload (ZeRO-3 only)");
+  if (st.offload_param != planner::OffloadDevice::none && st.stage != planner::Stage::zero3)
+    refuse("parameter offload without ZeRO-3 (it needs --strategy zero3)");
   if (st.offload_optimizer != planner::OffloadDevice::none && st.stage == planner::Stage::ddp)
     refuse("optimizer offload with ddp (it needs a ZeRO stage)");
   const auto& t = in.training;
@@ -149,6 +148,8 @@ struct Session::Impl {
     std::unique_ptr<CommRequest> req;
     std::size_t op = 0;                         // program op index
     std::int32_t root = -1;                     // the payload's allocated buffer (views resolved)
+    std::int32_t root_in = -1;                  // a ZeRO-3 gather's input (its shard, or the
+                                                // staging buffer under parameter offload)
     std::function<void()> after;                // completion work (accumulating reduce_scatter)
   };
   std::deque<Pending> pending;
@@ -169,6 +170,10 @@ struct Session::Impl {
   // Measurement.
   std::vector<double> op_s;                     // by op: seconds summed over steps
   std::vector<double> last_start_s, last_dur_s; // by op: the last step's timeline
+  std::vector<double> op_warm_s;                // by op: seconds summed over this session's
+                                                //   steps after its first (compute, copies,
+                                                //   collectives' execution on the comm thread)
+  std::int64_t op_runs = 0;                     // run_ops calls of this session
   Measurement meas;
 
   Impl(const planner::PlanFile& p, Backend& b, TokenData tokens, Communicator* c)
@@ -239,6 +244,7 @@ void Session::Impl::setup() {
   tokens_mb.assign(nbuf, -1);
   lora_of.assign(nbuf, -1);
   op_s.assign(program.ops.size(), 0.0);
+  op_warm_s.assign(program.ops.size(), 0.0);
   last_start_s.assign(program.ops.size(), 0.0);
   last_dur_s.assign(program.ops.size(), -1.0);
   // Name tables: base tensors (HF names), adapter tensors (PEFT names), LoRA modules.
@@ -333,17 +339,28 @@ void Session::Impl::setup() {
       if (buf.view_of < 0 || program.buffers[static_cast<std::size_t>(buf.view_of)].category != sim::MemCategory::base_weights) continue;
       if (auto it = base.find(buf.name); it != base.end()) init_base(*it->second, at<std::byte>(static_cast<std::int32_t>(b)), buf.bytes);
     }
+    // Parameter offload: a gather reads a view of a staging buffer that a param_h2d copy fills
+    // from the persistent (host) shard; that shard is the one to fill.
+    std::unordered_map<std::int32_t, std::int32_t> staged_from;
+    for (std::size_t k = i; k < program.ops.size(); ++k) {
+      const sim::Op& op = program.ops[k];
+      if (op.kind == OpKind::copy && op.copy_dir == sim::CopyDir::host_to_device && op.buffer_out >= 0 &&
+          program.buffers[static_cast<std::size_t>(root_of(op.buffer_out))].category == sim::MemCategory::comm_buffers)
+        staged_from[op.buffer_out] = op.buffer;
+    }
     std::vector<bool> done(nbuf, false);
     for (std::size_t k = i; k < program.ops.size(); ++k) {
       const sim::Op& op = program.ops[k];
       if (op.kind != OpKind::collective || op.collective != sim::Collective::all_gather || op.buffer_in < 0) continue;
-      if (done[static_cast<std::size_t>(op.buffer_in)]) continue;
-      done[static_cast<std::size_t>(op.buffer_in)] = true;
+      std::int32_t shard = op.buffer_in;
+      if (auto it = staged_from.find(shard); it != staged_from.end()) shard = it->second;
+      if (done[static_cast<std::size_t>(shard)]) continue;
+      done[static_cast<std::size_t>(shard)] = true;
       const sim::Buffer& pay = program.buffers[static_cast<std::size_t>(op.buffer)];
-      PEFTPLAN_CHECK(pay.view_of >= 0 && bytes(op.buffer_in) * static_cast<std::uint64_t>(N) == pay.bytes);
+      PEFTPLAN_CHECK(pay.view_of >= 0 && bytes(shard) * static_cast<std::uint64_t>(N) == pay.bytes);
       std::vector<std::byte> full(pay.bytes);
       ShardLayout layout;
-      layout.shard = op.buffer_in;
+      layout.shard = shard;
       for (std::int32_t v : views_of[static_cast<std::size_t>(pay.view_of)]) {
         const sim::Buffer& vb = program.buffers[static_cast<std::size_t>(v)];
         if (vb.offset < pay.offset || vb.offset >= pay.offset + pay.bytes) continue;
@@ -357,8 +374,7 @@ void Session::Impl::setup() {
           layout.adapters.emplace_back(at_->second, off);
         }
       }
-      be.copy_to_device(at<std::byte>(op.buffer_in), full.data() + static_cast<std::uint64_t>(rank) * bytes(op.buffer_in),
-                        bytes(op.buffer_in));
+      be.copy_to_device(at<std::byte>(shard), full.data() + static_cast<std::uint64_t>(rank) * bytes(shard), bytes(shard));
       if (!layout.adapters.empty()) shard_layouts.push_back(std::move(layout));
     }
   }
@@ -442,6 +458,7 @@ void Session::Impl::wait(CommRequest& req, std::size_t i) {
                                   op_name(i), watchdog_s));
   }
   req.wait();  // rethrows the operation's error
+  if (const double t = req.seconds(); t >= 0.0 && op_runs > 0) op_warm_s[i] += t;
 }
 
 void Session::Impl::wait_through(std::size_t i) {
@@ -457,7 +474,7 @@ void Session::Impl::wait_for_buffer(std::int32_t root) {
   std::size_t last = 0;
   bool any = false;
   for (const Pending& p : pending)
-    if (p.root == root) {
+    if (p.root == root || p.root_in == root) {
       last = p.op;
       any = true;
     }
@@ -512,6 +529,7 @@ void Session::Impl::collective(std::size_t i, const sim::Op& op) {
     case sim::Collective::all_gather: {
       if (op.buffer_in >= 0) {  // ZeRO-3: this rank's shard into block `rank` of the payload
         PEFTPLAN_CHECK(bytes(op.buffer_in) * static_cast<std::uint64_t>(N) == op.bytes);
+        pd.root_in = root_of(op.buffer_in);
         pd.req = comm->all_gather_async(at<std::byte>(op.buffer_in), at<std::byte>(op.buffer), bytes(op.buffer_in), CommDType::uint8);
         break;
       }
@@ -684,10 +702,13 @@ void Session::Impl::run_ops(bool update) {
           throw InternalError(fmt::format("rank {}: {}: {}", rank, op_name(i), e.what()));
         }
         break;
-      case OpKind::copy:
+      case OpKind::copy: {
         wait_through(i);
+        const auto s = Clock::now();
         copy(op);
+        if (op_runs > 0) op_warm_s[i] += std::chrono::duration<double>(Clock::now() - s).count();
         break;
+      }
       case OpKind::compute: {
         for (std::int32_t dep : program.deps_of(op))
           if (program.ops[static_cast<std::size_t>(dep)].kind == OpKind::collective) wait_through(static_cast<std::size_t>(dep));
@@ -697,6 +718,7 @@ void Session::Impl::run_ops(bool update) {
         const auto e = Clock::now();
         const double dur = std::chrono::duration<double>(e - s).count();
         op_s[i] += dur;
+        if (op_runs > 0) op_warm_s[i] += dur;
         last_start_s[i] = std::chrono::duration<double>(s - t0).count();
         last_dur_s[i] = dur;
         if (is_gemm(op.kernel)) {
@@ -708,6 +730,7 @@ void Session::Impl::run_ops(bool update) {
     }
   }
   if (!pending.empty()) wait_through(pending.back().op);
+  ++op_runs;
 }
 
 Session::Session(const planner::PlanFile& plan, Backend& backend, TokenData data, Communicator* comm)
@@ -809,9 +832,15 @@ std::int64_t Session::steps_done() const { return impl_->steps_done; }
 // ------------------------------------------------------------------------------- checkpoints
 //
 // <checkpoint_dir>/step-<k>/ holds adapter_model.safetensors + adapter_config.json (the whole
-// adapter, as every rank has it after the step), optimizer.rank<r>.bin (rank r's optimizer
-// states, then its host parameter copy under offload: a header of two uint64 element counts,
-// then fp32), and trainer_state.json (step, data position, seed, ranks, strategy). Ranks write
+// adapter, as every rank has it after the step; under ZeRO-3 all_gathered from the ranks'
+// shards first, outside the step's counted collectives), optimizer.rank<r>.bin (rank r's
+// optimizer states, then its host parameter copy under offload: a header of two uint64 element
+// counts, then fp32), and trainer_state.json (step, data position, seed, ranks, strategy).
+// ZeRO-3 adds trainable.rank<r>.bin: rank r's adapter partition exactly as trainable.shard
+// holds it (its block of every unit's flattened, padded adapter, in unit order; a header of one
+// uint64 element count, then fp32). Resume restores each rank's partition from it bit for bit
+// (not from the adapter file, whose tensors do not carry the padding); the frozen shards are
+// not trained and are rebuilt from the seed or the weights file as at the start. Ranks write
 // into step-<k>.tmp/, rank 0 renames it to step-<k> and then rewrites <checkpoint_dir>/latest
 // (temporary name, then rename): a crash leaves the previous checkpoint whole.
 // The data position is the step (step k reads global sequences k·G …); dropout masks are a
@@ -832,7 +861,8 @@ void write_atomically(const std::filesystem::path& p, const std::string& text) {
 
 void Session::save_checkpoint(const std::filesystem::path& dir) const {
   namespace fs = std::filesystem;
-  const Impl& s = *impl_;
+  Impl& s = *impl_;
+  if (s.zero3) s.gather_adapter();  // a collective: every rank, before rank 0 writes the adapter
   const std::string name = fmt::format("step-{}", s.steps_done);
   const fs::path tmp = dir / (name + ".tmp"), final_dir = dir / name;
   if (s.rank == 0) {
@@ -850,6 +880,13 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
     std::memcpy(blob.data() + 16, s.at(s.opt_states), 4 * ns);
     if (np) std::memcpy(blob.data() + 16 + 4 * ns, s.at(s.host_params), 4 * np);
     write_atomically(tmp / fmt::format("optimizer.rank{}.bin", s.rank), blob);
+    if (s.zero3) {
+      const std::uint64_t nt = static_cast<std::uint64_t>(s.floats(s.trainable_shard));
+      std::string shard(8 + 4 * nt, '\0');
+      std::memcpy(shard.data(), &nt, 8);
+      std::memcpy(shard.data() + 8, s.at(s.trainable_shard), 4 * nt);
+      write_atomically(tmp / fmt::format("trainable.rank{}.bin", s.rank), shard);
+    }
   }
   if (s.comm) s.comm->barrier();
   if (s.rank == 0) {
@@ -907,6 +944,16 @@ void Session::resume(const std::filesystem::path& where) {
   f.read(reinterpret_cast<char*>(s.at(s.opt_states)), static_cast<std::streamsize>(4 * ns));
   if (np) f.read(reinterpret_cast<char*>(s.at(s.host_params)), static_cast<std::streamsize>(4 * np));
   if (!f) throw InputError(fmt::format("{}: truncated", opt.string()));
+  if (s.zero3) {  // this rank's adapter partition, padding included
+    const fs::path tp = dir / fmt::format("trainable.rank{}.bin", s.rank);
+    std::ifstream tf(tp, std::ios::binary);
+    std::uint64_t nt = 0;
+    tf.read(reinterpret_cast<char*>(&nt), 8);
+    if (!tf || nt != static_cast<std::uint64_t>(s.floats(s.trainable_shard)))
+      throw InputError(fmt::format("{}: adapter partition of another shape (or missing)", tp.string()));
+    tf.read(reinterpret_cast<char*>(s.at(s.trainable_shard)), static_cast<std::streamsize>(4 * nt));
+    if (!tf) throw InputError(fmt::format("{}: truncated", tp.string()));
+  }
   s.steps_done = st.at("step").get<std::int64_t>();
 }
 const sim::Program& Session::program() const { return impl_->program; }
@@ -923,6 +970,11 @@ Measurement Session::measurement() const {
   };
   m.device_peak_op = op_name(m.memory.device_peak_op);
   m.host_peak_op = op_name(m.memory.host_peak_op);
+  // Per program op: mean seconds per step over the steps after the first.
+  m.op_s.assign(s.program.ops.size(), 0.0);
+  if (s.op_runs > 1)
+    for (std::size_t i = 0; i < m.op_s.size(); ++i) m.op_s[i] = s.op_warm_s[i] / static_cast<double>(s.op_runs - 1);
+  m.op_s_steps = s.op_runs > 1 ? s.op_runs - 1 : 0;
   // Time per (phase, kernel, label), in first-appearance order.
   std::map<std::tuple<std::string, std::string, std::string>, std::size_t> index;
   nlohmann::json events = nlohmann::json::array();

@@ -538,7 +538,10 @@ void Builder::setup() {
     // flattened adapter (padded to a multiple of N), the blocks one after another in unit order,
     // in trainable.shard; grad.shard has the same layout, so that the optimizer pairs them
     // element by element, and each unit's reduce_scatter delivers exactly its block.
-    trainable_shard_ = alloc([&] { return "trainable.shard"; }, Cat::trainable_weights, tw * static_cast<std::uint64_t>(part_numel_), S);
+    // Under parameter offload the partition lives on the host with the frozen shards (as the
+    // other profiles place their trainable shards); each gather stages it on the device.
+    trainable_shard_ = alloc([&] { return "trainable.shard"; }, s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
+                             tw * static_cast<std::uint64_t>(part_numel_), S);
     grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
     for (Unit& un : units_) {
       if (un.trainable_numel == 0) continue;
@@ -643,11 +646,29 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   std::int32_t staged = -1;
   // The gather is issued when the program reaches it: after the compute emitted before it.
   std::int32_t dep = last_compute_;
+  std::int32_t dep_train = -1, dep_frozen = -1, staged_train = -1, staged_frozen = -1;  // executor profile
   if (s_.offload_param == OffloadDevice::cpu) {  // host shard -> device staging before the gather
     const std::uint64_t shard_bytes = (frozen_full + train_full) / static_cast<std::uint64_t>(N);
     staged = alloc([&] { return un.name + ".staged"; }, Cat::comm_buffers, shard_bytes, phase);
-    dep = dep >= 0 ? copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {dep})
-                   : copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {});
+    if (exec_z3()) {
+      // Executor profile: the staging buffer holds this rank's adapter block then its frozen
+      // shard, each copied from its host buffer (Op::buffer) into a view of the staging buffer
+      // (Op::buffer_out), the view the all_gather reads (Op::buffer_in).
+      const std::string sname = names_ ? p_.buffers[static_cast<std::size_t>(staged)].name : std::string();
+      auto stage = [&](std::string_view part, std::uint64_t off, std::uint64_t bytes, std::int32_t from, std::int32_t& view) {
+        view = p_.add_view(names_ ? sname + std::string(part) : std::string(), staged, off, bytes);
+        const std::int32_t c = dep >= 0 ? copy(CopyDir::host_to_device, "param_h2d", bytes, phase, from, {dep})
+                                        : copy(CopyDir::host_to_device, "param_h2d", bytes, phase, from, {});
+        p_.ops[static_cast<std::size_t>(c)].buffer_out = view;
+        return c;
+      };
+      const std::uint64_t train_shard = train_full / static_cast<std::uint64_t>(N);
+      if (train_full > 0) dep_train = stage(".trainable", 0, train_shard, un.trainable_shard, staged_train);
+      if (frozen_full > 0) dep_frozen = stage(".frozen", train_shard, frozen_full / static_cast<std::uint64_t>(N), un.frozen_shard, staged_frozen);
+    } else {
+      dep = dep >= 0 ? copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {dep})
+                     : copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {});
+    }
   }
   gathered_[u] = alloc([&] { return fmt::format("{}.gathered.{}", un.name, name_of(phase)); }, Cat::gathered_weights, frozen_full + train_full, phase);
   const auto layer = static_cast<std::int32_t>(u) - 1;
@@ -662,11 +683,11 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     const std::string gname = names_ ? p_.buffers[static_cast<std::size_t>(g)].name : std::string();
     if (train_full > 0) {
       payload_train = p_.add_view(names_ ? gname + ".trainable" : std::string(), g, 0, train_full);
-      shard_train = un.trainable_shard;
+      shard_train = staged_train >= 0 ? staged_train : un.trainable_shard;
     }
     if (frozen_full > 0) {
       payload_frozen = p_.add_view(names_ ? gname + ".frozen" : std::string(), g, train_full, frozen_full);
-      shard_frozen = un.frozen_shard;
+      shard_frozen = staged_frozen >= 0 ? staged_frozen : un.frozen_shard;
     }
     for (const Unit::Tensor& t : un.gathered_tensors)
       bind_base(*t.info, p_.add_view(names_ ? t.info->name : std::string(), g, train_full + t.offset, t.bytes));
@@ -683,12 +704,12 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     if (u == units_.size() - 1) for (auto& lp : head_linears_) bind_adapter(lp);
     else if (u >= 1) for (auto& lp : layer_linears_[u - 1]) bind_adapter(lp);
   }
-  auto issue = [&](std::string_view label, std::uint64_t bytes, std::int32_t payload, std::int32_t from) {
-    gather_op_[u] = dep >= 0 ? collective(Collective::all_gather, label, bytes, layer, phase, payload, {dep})
-                             : collective(Collective::all_gather, label, bytes, layer, phase, payload, {});
+  auto issue = [&](std::string_view label, std::uint64_t bytes, std::int32_t payload, std::int32_t from, std::int32_t after) {
+    gather_op_[u] = after >= 0 ? collective(Collective::all_gather, label, bytes, layer, phase, payload, {after})
+                               : collective(Collective::all_gather, label, bytes, layer, phase, payload, {});
     p_.ops[static_cast<std::size_t>(gather_op_[u])].buffer_in = from;
   };
-  if (train_full > 0) issue("gather_trainable", train_full, payload_train, shard_train);
+  if (train_full > 0) issue("gather_trainable", train_full, payload_train, shard_train, dep_train >= 0 ? dep_train : dep);
   if (frozen_full > 0) {
     // Prefetches go out in chunks of stage3_prefetch_bucket_size elements, one now and one after
     // each following compute op; a gather needed now goes out whole. The executor profile
@@ -698,7 +719,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
         use || exec_z3() ? 1 : std::max<std::uint64_t>(1, ceil_div(static_cast<std::uint64_t>(un.frozen_numel),
                                                       static_cast<std::uint64_t>(std::max<std::int64_t>(1, s_.ds.stage3_prefetch_bucket_size))));
     const std::uint64_t chunk = frozen_full / chunks;
-    issue("gather_frozen", frozen_full - chunk * (chunks - 1), payload_frozen, shard_frozen);
+    issue("gather_frozen", frozen_full - chunk * (chunks - 1), payload_frozen, shard_frozen, dep_frozen >= 0 ? dep_frozen : dep);
     for (std::uint64_t c = 1; c < chunks; ++c) pending_.push_back(Chunk{u, chunk, "gather_frozen", phase});
   }
   if (staged >= 0) free(staged, phase);

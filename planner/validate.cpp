@@ -55,8 +55,17 @@ std::vector<Figure> memory_figures(const Plan& plan, const json& m, double toler
   return out;
 }
 
+// (phase, kernel, label); a collective's "kernel" is its kind, a copy's "copy".
 std::tuple<std::string, std::string, std::string> kind_of(const sim::Op& op) {
-  return {std::string(sim::name_of(op.phase)), std::string(sim::name_of(op.kernel)), std::string(op.label)};
+  std::string k = op.kind == sim::OpKind::collective ? std::string(sim::name_of(op.collective))
+                  : op.kind == sim::OpKind::copy     ? std::string("copy")
+                                                     : std::string(sim::name_of(op.kernel));
+  return {std::string(sim::name_of(op.phase)), std::move(k), std::string(op.label)};
+}
+
+bool timed_kind(const sim::Op& op) {
+  return op.phase != sim::Phase::setup &&
+         (op.kind == sim::OpKind::compute || op.kind == sim::OpKind::collective || op.kind == sim::OpKind::copy);
 }
 
 bool by_abs_diff(const OpDiff& a, const OpDiff& b) {
@@ -98,8 +107,19 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
   if (step_times.empty()) throw InputError("measurement.json: step_times_s is empty (no step was measured)");
   const double steps = static_cast<double>(step_times.size());
   std::vector<std::optional<double>> op_measured(prog.ops.size());
-  const bool have_trace = m.contains("trace") && m.at("trace").is_object() && m.at("trace").contains("traceEvents");
-  if (have_trace) {
+  // Preferred: "op_s", every program op's mean seconds per step after the first step.
+  const bool have_op_s = m.contains("op_s") && m.at("op_s").is_array() && !m.at("op_s").empty() &&
+                         m.value("op_s_steps", std::int64_t{0}) > 0;
+  if (have_op_s && m.at("op_s").size() != prog.ops.size())
+    throw InputError(fmt::format("measurement.json: op_s has {} entries, the plan's program {} ops (was the run made from another plan?)",
+                                 m.at("op_s").size(), prog.ops.size()));
+  const bool have_trace = !have_op_s && m.contains("trace") && m.at("trace").is_object() && m.at("trace").contains("traceEvents");
+  if (have_op_s) {
+    v.op_time_source = fmt::format("op_s (mean of {} step(s) after the first)", m.at("op_s_steps").get<std::int64_t>());
+    const json& a = m.at("op_s");
+    for (std::size_t i = 0; i < prog.ops.size(); ++i)
+      if (timed_kind(prog.ops[i])) op_measured[i] = a[i].get<double>();
+  } else if (have_trace) {
     v.op_time_source = "trace (last step)";
     for (const json& e : m.at("trace").at("traceEvents")) {
       if (e.value("ph", "") != "X" || !e.contains("args") || !e.at("args").contains("op")) continue;
@@ -118,7 +138,7 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
   std::map<std::tuple<std::string, std::string, std::string>, OpDiff> kinds;
   for (std::size_t i = 0; i < prog.ops.size(); ++i) {
     const sim::Op& op = prog.ops[i];
-    if (op.kind != sim::OpKind::compute || op.phase == sim::Phase::setup) continue;
+    if (have_op_s ? !timed_kind(op) : (op.kind != sim::OpKind::compute || op.phase == sim::Phase::setup)) continue;
     const auto k = kind_of(op);
     auto [it, inserted] = kinds.try_emplace(k);
     OpDiff& d = it->second;
@@ -128,7 +148,9 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
     }
     d.ops += 1;
     d.predicted_s += tl.ops[i].end_s - tl.ops[i].start_s;
+    if (have_op_s) d.measured_s += *op_measured[i];
   }
+  if (!have_op_s)
   for (const json& o : need(m, "ops", "")) {
     const auto k = std::make_tuple(o.at("phase").get<std::string>(), o.at("kernel").get<std::string>(), o.at("label").get<std::string>());
     auto [it, inserted] = kinds.try_emplace(k);
@@ -142,8 +164,8 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
   std::sort(v.kinds.begin(), v.kinds.end(), by_abs_diff);
 
   // Per op (trace only): every compute op the trace timed.
-  double compute_m = 0.0, optimizer_m = 0.0;
-  if (have_trace) {
+  double compute_m = 0.0, optimizer_m = 0.0, comm_ops_m = 0.0;
+  if (have_op_s || have_trace) {
     for (std::size_t i = 0; i < prog.ops.size(); ++i) {
       if (!op_measured[i]) continue;
       const sim::Op& op = prog.ops[i];
@@ -154,8 +176,9 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
       d.micro_batch = op.micro_batch;
       d.predicted_s = tl.ops[i].end_s - tl.ops[i].start_s;
       d.measured_s = *op_measured[i];
-      if (op.stream == sim::Stream::compute) compute_m += d.measured_s;
-      if (op.phase == sim::Phase::optimizer) optimizer_m += d.measured_s;
+      if (op.kind == sim::OpKind::compute && op.stream == sim::Stream::compute) compute_m += d.measured_s;
+      if (op.kind == sim::OpKind::compute && op.phase == sim::Phase::optimizer) optimizer_m += d.measured_s;
+      if (op.kind == sim::OpKind::collective) comm_ops_m += d.measured_s;
       v.ops.push_back(std::move(d));
     }
     std::sort(v.ops.begin(), v.ops.end(), by_abs_diff);
@@ -182,7 +205,9 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
   double comm_m = 0.0;
   const json empty = json::object();
   const json& coll = m.contains("collectives") ? m.at("collectives") : empty;
-  for (const auto& [kind, c] : coll.items()) comm_m += c.at("seconds").get<double>() / steps;
+  if (have_op_s) comm_m = comm_ops_m;  // the sum over collective ops of their per-op times
+  else
+    for (const auto& [kind, c] : coll.items()) comm_m += c.at("seconds").get<double>() / steps;
   v.time = {figure("time", "step_s", tl.step_s, step_m, tol.time),
             figure("time", "compute_s", tl.compute_s, compute_m, tol.time),
             figure("time", "comm_s", tl.comm_s, comm_m, tol.time),

@@ -14,6 +14,8 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
+#include "peftplan/sim/compute.h"
+#include "peftplan/sim/program.h"
 
 #ifndef PEFTPLAN_CLUSTERS_DIR
 #define PEFTPLAN_CLUSTERS_DIR "sim/clusters"
@@ -509,7 +511,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
              {"version", "name", "gpu", "nodes", "gpus_per_node", "intra_node_link",
               "inter_node_link", "nics_per_node", "host_ram_GiB", "host_device_GBps",
               "host_memory_GBps", "cpu_adam_Mparams_per_s", "efficiency",
-              "shared_gemm_GFLOPs_per_rank"});
+              "shared_gemm_GFLOPs_per_rank", "host_calibration"});
   if (j.contains("version") && j["version"] != 1)
     throw input_error(where, "version", "must be 1", j["version"].dump());
   if (!j.contains("gpu")) throw input_error(where, "gpu", "is required (a GPU name or object)");
@@ -562,6 +564,51 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
       if (ranks < 1) throw input_error(where, obj + "ranks", "must be a positive integer", std::to_string(ranks));
       c.shared_compute.push_back(
           {static_cast<std::int32_t>(ranks), number(a[i], "GFLOPs", where, obj) * kGiga});
+    }
+  }
+  if (j.contains("host_calibration")) {
+    // {"kernel_scale": {"<kernel>": x, ...}, "copy_scale": x, "collectives": [{"kind": "all_reduce",
+    //  "ranks": n, "bytes": [...], "seconds": [...]}]}, all optional (see HostCalibration).
+    const auto& h = j["host_calibration"];
+    if (!h.is_object()) throw input_error(where, "host_calibration", "must be an object", h.dump());
+    check_keys(h, where, "host_calibration.", {"kernel_scale", "copy_scale", "collectives"});
+    if (h.contains("kernel_scale")) {
+      const auto& ks = h["kernel_scale"];
+      if (!ks.is_object()) throw input_error(where, "host_calibration.kernel_scale", "must be an object", ks.dump());
+      for (const auto& [key, val] : ks.items()) {
+        std::size_t k = 0;
+        while (k < kKernelSlots && name_of(static_cast<Kernel>(k)) != key) ++k;
+        if (k >= kKernelSlots || key == "unknown")
+          throw input_error(where, "host_calibration.kernel_scale." + key, "is no kernel name", val.dump());
+        const double x = number(ks, key, where, "host_calibration.kernel_scale.");
+        if (!(x > 0.0)) throw input_error(where, "host_calibration.kernel_scale." + key, "must be positive", val.dump());
+        c.host_calibration.kernel_scale[k] = x;
+      }
+    }
+    if (h.contains("copy_scale")) c.host_calibration.copy_scale = number(h, "copy_scale", where, "host_calibration.");
+    if (h.contains("collectives")) {
+      const auto& a = h["collectives"];
+      if (!a.is_array()) throw input_error(where, "host_calibration.collectives", "must be an array", a.dump());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        const std::string obj = fmt::format("host_calibration.collectives[{}].", i);
+        if (!a[i].is_object()) throw input_error(where, obj, "must be an object", a[i].dump());
+        check_keys(a[i], where, obj, {"kind", "ranks", "bytes", "seconds"});
+        CollectiveTable t;
+        const std::string kind = a[i].value("kind", "");
+        int k = 0;
+        while (k < kNumCollectives && name_of(static_cast<Collective>(k)) != kind) ++k;
+        if (k >= kNumCollectives) throw input_error(where, obj + "kind", "must be all_reduce, reduce_scatter, all_gather or broadcast", a[i].dump());
+        t.kind = k;
+        t.ranks = static_cast<std::int32_t>(integer(a[i], "ranks", where));
+        if (!a[i].contains("bytes") || !a[i].contains("seconds") || !a[i]["bytes"].is_array() || !a[i]["seconds"].is_array() ||
+            a[i]["bytes"].size() != a[i]["seconds"].size())
+          throw input_error(where, obj + "bytes", "bytes and seconds must be arrays of one length", a[i].dump());
+        t.bytes = a[i]["bytes"].get<std::vector<double>>();
+        t.seconds = a[i]["seconds"].get<std::vector<double>>();
+        if (!std::is_sorted(t.bytes.begin(), t.bytes.end()))
+          throw input_error(where, obj + "bytes", "must be ascending", a[i]["bytes"].dump());
+        c.host_calibration.collectives.push_back(std::move(t));
+      }
     }
   }
   if (j.contains("efficiency")) {
@@ -637,6 +684,17 @@ nlohmann::json cluster_to_json(const Cluster& c) {
     for (const SharedComputeRate& r : c.shared_compute)
       rates.push_back({{"ranks", r.ranks}, {"GFLOPs", r.flops_per_s / kGiga}});
     j["shared_gemm_GFLOPs_per_rank"] = rates;
+  }
+  if (!c.host_calibration.empty()) {
+    const HostCalibration& h = c.host_calibration;
+    nlohmann::json ks = nlohmann::json::object(), colls = nlohmann::json::array();
+    for (std::size_t k = 0; k < kKernelSlots; ++k)
+      if (h.kernel_scale[k] > 0.0) ks[std::string(name_of(static_cast<Kernel>(k)))] = h.kernel_scale[k];
+    for (const CollectiveTable& t : h.collectives)
+      colls.push_back({{"kind", name_of(static_cast<Collective>(t.kind))}, {"ranks", t.ranks}, {"bytes", t.bytes}, {"seconds", t.seconds}});
+    nlohmann::json hj = {{"kernel_scale", ks}, {"collectives", colls}};
+    if (h.copy_scale > 0.0) hj["copy_scale"] = h.copy_scale;
+    j["host_calibration"] = hj;
   }
   return j;
 }

@@ -130,12 +130,34 @@ double busbw_factor(Collective kind, std::int32_t n) {
   return 1.0;
 }
 
+double table_time_s(const CollectiveTable& t, double bytes) {
+  const auto& x = t.bytes;
+  const auto& y = t.seconds;
+  const std::size_t n = std::min(x.size(), y.size());
+  if (n == 0) return 0.0;
+  if (n == 1 || bytes <= x[0]) return y[0];
+  std::size_t hi = static_cast<std::size_t>(std::upper_bound(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(n), bytes) - x.begin());
+  if (hi >= n) hi = n - 1;  // beyond the table: the last segment's slope
+  const std::size_t lo = hi - 1;
+  const double dx = x[hi] - x[lo];
+  const double slope = dx > 0.0 ? (y[hi] - y[lo]) / dx : 0.0;
+  return std::max(y[lo] + slope * (bytes - x[lo]), 0.0);
+}
+
 CollectiveCost collective_cost(Collective kind, std::uint64_t bytes, std::int32_t group_size,
                                const Cluster& cluster, CollectiveAlgorithm algorithm) {
   PEFTPLAN_CHECK_MSG(group_size >= 1 && group_size <= total_gpus(cluster),
                      "group of {} ranks on a cluster of {} GPUs", group_size, total_gpus(cluster));
   if (group_size == 1 || bytes == 0) return CollectiveCost{};
   const Layout l = layout_of(group_size, cluster);
+  // A calibrated host: the measured table of this kind and group size, when there is one (see
+  // CollectiveTable in cluster.h). Bytes on the links are still the ring's.
+  for (const CollectiveTable& t : cluster.host_calibration.collectives) {
+    if (t.kind != static_cast<std::int32_t>(kind) || t.ranks != group_size || t.bytes.empty()) continue;
+    CollectiveCost c = ring_cost(kind, static_cast<double>(bytes), l, cluster);
+    c.time_s = table_time_s(t, static_cast<double>(bytes));
+    return c;
+  }
   PEFTPLAN_CHECK_MSG(l.k <= 1.0 || inter_node_bytes_per_s_per_gpu(cluster) > 0.0,
                      "cluster {} spans nodes without a network", cluster.name);
   const double S = static_cast<double>(bytes);

@@ -13,6 +13,13 @@ namespace {
 
 double saturate(double x, double half) { return x / (x + half); }
 
+// The calibrated factor of a kernel (1 when not calibrated).
+double kernel_scale(const Cluster& cluster, Kernel k) {
+  const auto i = static_cast<std::size_t>(k);
+  const double x = i < kKernelSlots ? cluster.host_calibration.kernel_scale[i] : 0.0;
+  return x > 0.0 ? x : 1.0;
+}
+
 }  // namespace
 
 std::string_view name_of(Kernel k) {
@@ -66,7 +73,7 @@ ComputeCost device_compute_cost(const ComputeWork& work, Kernel kernel, const Cl
   c.memory_s = static_cast<double>(work.bytes_moved) / (cluster.gpu.hbm_bytes_per_s * e.hbm);
   c.launch_s = e.kernel_launch_s;
   c.memory_bound = c.memory_s > c.math_s;
-  c.time_s = std::max(c.math_s, c.memory_s) + c.launch_s;
+  c.time_s = std::max(c.math_s, c.memory_s) * kernel_scale(cluster, kernel) + c.launch_s;
   return c;
 }
 
@@ -79,14 +86,17 @@ ComputeCost host_compute_cost(const ComputeWork& work, Kernel kernel, const Clus
     c.memory_s = static_cast<double>(work.bytes_moved) / cluster.host_memory_bytes_per_s;
     c.memory_bound = true;
   }
-  c.time_s = std::max(c.math_s, c.memory_s);
+  // A calibrated host applies the kernel's factor here too (the host optimizer is the same AdamW
+  // code as the device one on a CPU host; calibrate measures it per parameter).
+  c.time_s = std::max(c.math_s, c.memory_s) * kernel_scale(cluster, kernel);
   return c;
 }
 
 double copy_time_s(std::uint64_t bytes, const Cluster& cluster) {
   if (bytes == 0) return 0.0;
+  const double s = cluster.host_calibration.copy_scale > 0.0 ? cluster.host_calibration.copy_scale : 1.0;
   return static_cast<double>(bytes) /
-             (cluster.host_device_bytes_per_s * cluster.efficiency.host_device) +
+             (cluster.host_device_bytes_per_s * cluster.efficiency.host_device) * s +
          cluster.efficiency.kernel_launch_s;
 }
 

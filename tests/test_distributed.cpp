@@ -8,9 +8,11 @@
 //     equal the walk of the program exactly;
 //   - the collective bytes the communicator counted equal the program's (nccl-tests sizes),
 //     exactly, kind by kind;
-// and training interrupted by a checkpoint and resumed gives the uninterrupted run's losses.
+// and training interrupted by a checkpoint and resumed gives the uninterrupted run's losses and
+// adapter (ZeRO-3 included). ZeRO-3 also runs with parameter offload (--offload-param cpu).
 // The adapter of tiny-llama-2l with LoRA r=4 on q_proj and v_proj has 1792 elements: 3 ranks
 // need padding (1792 = 3·597 + 1), 2 and 4 do not.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -43,10 +45,12 @@ struct Case {
   double clip = 0.0;
   bool bf16_base = false;  // linear base weights stored in bf16 (ZeRO-3: mixed-dtype flat units)
   std::int64_t bucket = 0; // reduce_bucket_size (elements) when set
+  bool offload_param = false;  // ZeRO-3: shards on the host, staged on the device per gather
 };
 
 std::string describe(const Case& c, int ranks) {
-  return fmt::format("{} ranks {}{} ckpt={} dropout={} clip={}{}{}", ranks, planner::name_of(c.stage), c.offload ? "+offload" : "",
+  return fmt::format("{} ranks {}{}{} ckpt={} dropout={} clip={}{}{}", ranks, planner::name_of(c.stage), c.offload ? "+offload" : "",
+                     c.offload_param ? "+offload_param" : "",
                      planner::name_of(c.ckpt), c.dropout, c.clip, c.bf16_base ? " bf16 base" : "",
                      c.bucket ? fmt::format(" reduce_bucket_size={}", c.bucket) : "");
 }
@@ -75,6 +79,7 @@ planner::PlanFile make_plan(const Case& c, int ranks, std::int64_t accum) {
   in.strategy.stage = c.stage;
   in.strategy.ranks = ranks;
   if (c.offload) in.strategy.offload_optimizer = planner::OffloadDevice::cpu;
+  if (c.offload_param) in.strategy.offload_param = planner::OffloadDevice::cpu;
   // ZeRO-3: tensors under 3000 elements stay whole on every rank (the norms [64], k_proj and
   // v_proj [32,64]); q_proj, o_proj, the MLP, the embedding and lm_head are flattened per unit
   // and sharded (a layer's 41984 gathered elements, the embedding's 16384 and the adapter's
@@ -106,6 +111,7 @@ void check_against_single_rank(const Case& c) {
   Case one = c;
   one.stage = planner::Stage::ddp;
   one.offload = false;
+  one.offload_param = false;
   const planner::PlanFile ref_plan = make_plan(one, 1, kAccum * N);
   Session ref(ref_plan, backend(), corpus(ref_plan));
   const planner::PlanFile plan = make_plan(c, N, kAccum);
@@ -137,6 +143,19 @@ void check_against_single_rank(const Case& c) {
   EXPECT_EQ(ms.host_peak_bytes, mp.host_peak_bytes) << what;
   EXPECT_EQ(ms.device_peak_op, mp.device_peak_op) << what;
   EXPECT_EQ(ms.live_bytes, mp.end_bytes) << what;
+  if (c.offload_param) {  // the shards live on the host; every gather reads a device staging view
+    EXPECT_GT(ms.peak_bytes[static_cast<std::size_t>(sim::MemCategory::host_weights)], 0u) << what;
+    const sim::Program& p = dist.program();
+    int gathers = 0;
+    for (const sim::Op& op : p.ops) {
+      if (op.kind != sim::OpKind::collective || op.collective != sim::Collective::all_gather || op.buffer_in < 0) continue;
+      const sim::Buffer& in = p.buffers[static_cast<std::size_t>(op.buffer_in)];
+      ASSERT_GE(in.view_of, 0) << what;
+      EXPECT_EQ(p.buffers[static_cast<std::size_t>(in.view_of)].category, sim::MemCategory::comm_buffers) << what;
+      ++gathers;
+    }
+    EXPECT_GT(gathers, 0) << what;
+  }
   // Collectives: the communicator's counts and bytes equal the program's, kind by kind.
   const Measurement m = dist.measurement();
   std::uint64_t total = 0;
@@ -183,6 +202,10 @@ TEST(Distributed, Zero3MatchesSingleRank) {
   check_against_single_rank({planner::Stage::zero3, true});
   check_against_single_rank({planner::Stage::zero3, true, planner::Checkpointing::full, 0.1, 0.5});
   check_against_single_rank({planner::Stage::zero3, false, planner::Checkpointing::none, 0.1, 0.0, true});
+  // Parameter offload: the frozen shards and the adapter partition on the host, each gather's
+  // input a device staging buffer filled by param_h2d copies (host_weights, comm_buffers).
+  check_against_single_rank({planner::Stage::zero3, false, planner::Checkpointing::none, 0.0, 0.0, false, 0, true});
+  check_against_single_rank({planner::Stage::zero3, true, planner::Checkpointing::full, 0.1, 0.5, true, 0, true});
 }
 
 // ZeRO-3 on one rank (no communicator): each gather is a copy of the shard, the gradients are
@@ -220,13 +243,22 @@ TEST(Distributed, ResumeFromCheckpointGivesTheSameLosses) {
   for (const Case& c : {Case{planner::Stage::zero2, true, planner::Checkpointing::none, 0.1, 0.5},
                         Case{planner::Stage::ddp, false, planner::Checkpointing::none, 0.1, 0.0},
                         Case{planner::Stage::zero1},
-                        Case{planner::Stage::zero2, true, planner::Checkpointing::none, 0.1, 0.5, false, 500}}) {
+                        Case{planner::Stage::zero2, true, planner::Checkpointing::none, 0.1, 0.5, false, 500},
+                        // ZeRO-3: every rank's adapter partition (trainable.rank<r>.bin), plain and
+                        // under optimizer offload (then also the host copy in optimizer.rank<r>.bin)
+                        Case{planner::Stage::zero3, false, planner::Checkpointing::none, 0.1, 0.5},
+                        Case{planner::Stage::zero3, true, planner::Checkpointing::full, 0.1, 0.5},
+                        // and with parameter offload (the partition restored into host memory)
+                        Case{planner::Stage::zero3, true, planner::Checkpointing::none, 0.1, 0.5, false, 0, true}}) {
     const std::string what = describe(c, N);
     planner::PlanFile plan = make_plan(c, N, kAccum);
     std::vector<double> straight;
+    std::vector<float> straight_adapter;
     {
       Session s(plan, backend(), corpus(plan), g_world);
       for (int k = 0; k < 4; ++k) straight.push_back(s.step().loss);
+      const auto w = s.trainable_weights();
+      straight_adapter.assign(w.begin(), w.end());
     }
     std::vector<double> resumed;
     {
@@ -239,12 +271,16 @@ TEST(Distributed, ResumeFromCheckpointGivesTheSameLosses) {
       EXPECT_TRUE(fs::exists(dir / "step-2" / "adapter_model.safetensors")) << what;
       EXPECT_TRUE(fs::exists(dir / "step-2" / fmt::format("optimizer.rank{}.bin", N - 1))) << what;
       EXPECT_FALSE(fs::exists(dir / "step-2.tmp")) << what;
+      if (c.stage == planner::Stage::zero3)
+        EXPECT_TRUE(fs::exists(dir / "step-2" / fmt::format("trainable.rank{}.bin", N - 1))) << what;
     }
     {
       Session s(plan, backend(), corpus(plan), g_world);
       s.resume(dir);
       EXPECT_EQ(s.steps_done(), 2) << what;
       for (int k = 0; k < 2; ++k) resumed.push_back(s.step().loss);
+      const auto w = s.trainable_weights();
+      EXPECT_TRUE(std::equal(w.begin(), w.end(), straight_adapter.begin(), straight_adapter.end())) << what << ": adapters differ";
     }
     ASSERT_EQ(resumed.size(), straight.size());
     for (std::size_t k = 0; k < straight.size(); ++k) EXPECT_EQ(resumed[k], straight[k]) << what << " step " << k;

@@ -115,6 +115,7 @@ struct OpState {
   std::mutex m;
   std::condition_variable cv;
   bool done = false;
+  double seconds = -1.0;  // execution time on the communication thread, once done
   std::exception_ptr error;
 };
 
@@ -133,6 +134,10 @@ class MpiRequest final : public CommRequest {
   bool done() override {
     std::lock_guard lock(s_->m);
     return s_->done;
+  }
+  double seconds() override {
+    std::lock_guard lock(s_->m);
+    return s_->done ? s_->seconds : -1.0;
   }
 
  private:
@@ -307,10 +312,12 @@ class MpiCommunicator final : public Communicator {
     auto state = std::make_shared<OpState>();
     thread_.post([this, state, kind, bytes, call = std::move(call)] {
       std::exception_ptr error;
+      double seconds = -1.0;
       try {
         const auto t0 = std::chrono::steady_clock::now();
         call(comm_.get());
         const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+        seconds = dt.count();
         if (kind) {
           std::lock_guard lock(counters_m_);
           CommCounter& k = counters_[*kind];
@@ -324,6 +331,7 @@ class MpiCommunicator final : public Communicator {
       {
         std::lock_guard lock(state->m);
         state->done = true;
+        state->seconds = seconds;
         state->error = error;
       }
       state->cv.notify_all();

@@ -84,6 +84,9 @@ class CommRequest {
   virtual void wait() = 0;
   // Whether the operation has completed (successfully or not); never blocks.
   virtual bool done() = 0;
+  // Seconds the operation executed on the communication resource (library call start to end,
+  // queueing excluded) once done(); -1 when the implementation does not time it.
+  virtual double seconds() { return -1.0; }
 };
 
 class Communicator {

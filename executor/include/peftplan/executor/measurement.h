@@ -1,7 +1,8 @@
 // What a run measured, and its JSON (measurement.json, "schema": "peftplan.measurement/1"):
 // losses and gradient norms per step, step times, memory per category with the same keys as
 // `peftplan plan --json` (memory.device.<category>_bytes, memory.device.peak_bytes,
-// memory.device.peak_op, memory.host.*), time per op, and a Chrome trace of the last step.
+// memory.device.peak_op, memory.host.*), time per (phase, kernel, label), op_s (mean seconds per
+// step of every program op, warm-up step excluded), and a Chrome trace of the last step.
 #pragma once
 
 #include <cstdint>
@@ -52,6 +53,13 @@ struct Measurement {
   std::string device_peak_op;           // "alloc <buffer>" as plan --json names it
   std::string host_peak_op;
   std::vector<OpTime> op_times;
+  std::vector<double> op_s;             // by program op index: mean seconds per step over the
+                                        //   steps after the first (warm-up excluded); compute
+                                        //   ops and copies as the rank timed them, collectives
+                                        //   their execution on the communication thread
+                                        //   (library call start to end, queueing excluded);
+                                        //   0 for alloc/free and ops not run
+  std::int64_t op_s_steps = 0;          // steps op_s averages over (0: op_s is all zeros)
   nlohmann::json trace;                 // Chrome trace of the last step ("traceEvents")
   std::vector<CollectiveStat> collectives;  // per kind, NCCL's order
   nlohmann::json per_rank;              // rank 0 of several: every rank's measurement (memory,

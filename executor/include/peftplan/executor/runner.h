@@ -6,7 +6,8 @@
 //   compute    -> one Backend call, dispatched on Op::kernel, with the buffers Op::args names
 //                 (conventions in planner/program.cpp) and the dimensions of the model;
 //   collective -> the Communicator (one rank: nothing to exchange, skipped);
-//   copy       -> a backend copy (the executor profile emits none without offload).
+//   copy       -> a backend copy (the executor profile emits none without offload; ZeRO-3's
+//                 parameter offload stages each host shard on the device before its gather).
 // Setup ops (weights, adapter, gradients, optimizer states) run once, when the session starts;
 // the rest once per optimizer step. Because every byte a kernel touches is a program buffer,
 // the measured memory per category is the planner's prediction.
@@ -75,8 +76,9 @@ class Session {
   // Collective over the ranks: writes <dir>/step-<steps_done>/ and <dir>/latest atomically
   // (layout in runner.cpp). Every rank must reach it at the same step.
   void save_checkpoint(const std::filesystem::path& dir) const;
-  // Loads a checkpoint (a step-<k> folder, or a folder with "latest"): adapter, this rank's
-  // optimizer states, the step; the next step() continues as an uninterrupted run would.
+  // Loads a checkpoint (a step-<k> folder, or a folder with "latest"): adapter (ZeRO-3: this
+  // rank's adapter partition), this rank's optimizer states, the step; the next step()
+  // continues as an uninterrupted run would.
   void resume(const std::filesystem::path& dir);
 
  private:
@@ -86,8 +88,9 @@ class Session {
 
 // Validates what this executor supports, with a clear InputError otherwise: the executor
 // profile, Llama-family models (llama, mistral, qwen2), one LoRA adapter without DoRA, bias or
-// modules_to_save, eager attention, fp32 or bf16 base storage, AdamW; ddp, zero1 or zero2 (one
-// reduce bucket) on any number of ranks, optimizer offload with zero1/zero2.
+// modules_to_save, eager attention, fp32 or bf16 base storage, AdamW; ddp, zero1, zero2 or zero3
+// on any number of ranks, optimizer offload with a ZeRO stage, parameter offload with zero3;
+// checkpoints and resume with every strategy.
 void check_executable(const planner::PlanFile& plan);
 
 // peftplan-exec PLAN.json: loads the data, runs plan.run.steps steps printing one progress line

@@ -14,6 +14,12 @@
 //   optimizer_s     optimizer-phase compute ops (device or host), per step
 //   comm_s          collectives' measured seconds / steps
 //   exposed_comm_s  = comm_s: collectives block the rank, so none of them is hidden
+// When the measurement carries "op_s" (every program op's mean seconds per step over the steps
+// after the first: compute ops, copies, and collectives' execution on the communication thread),
+// compute_s, optimizer_s and comm_s are sums of op_s over the ops of each kind, and the
+// op-by-op comparison covers every compute, copy and collective op (a collective's "kernel" is
+// its kind, a copy's "copy"); the op that differs most is the one with the largest absolute
+// difference. Otherwise (older measurements):
 // compute_s and optimizer_s come from the last step's per-op times when the measurement carries
 // "trace" (trace.json's Chrome trace, whose events name the program op in args.op; `peftplan
 // run` attaches it), else from the per-(phase, kernel, label) totals in "ops" averaged over all
@@ -75,7 +81,7 @@ struct Validation {
   std::vector<OpDiff> kinds;   // per (phase, kernel, label), largest |diff| first (top 10)
   std::optional<OpDiff> most_different;  // ops.front(), else kinds.front()
   std::int64_t steps = 0;      // measured steps
-  std::string op_time_source;  // "trace (last step)" or "ops (mean over all steps)"
+  std::string op_time_source;  // "op_s (...)", "trace (last step)" or "ops (mean over all steps)"
   bool within_tolerance = true;
   std::vector<std::string> outside;  // keys of the figures outside, e.g. "time.step_s"
 };

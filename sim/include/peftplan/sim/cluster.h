@@ -5,6 +5,7 @@
 // This file holds data and parsing only; the cost models live in compute.h and collectives.h.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -83,6 +84,43 @@ struct SharedComputeRate {
   double flops_per_s = 0.0;  // fp32 GEMM rate of one rank over the executor's shape mix
 };
 
+// Calibrated CPU-host model (`peftplan calibrate`), optional: absent, sim's GPU roofline is used
+// unchanged. Both parts are measurements of the executor on this host with all N ranks busy.
+//
+// kernel_scale: per compute kernel (indexed by sim::Kernel), measured seconds / the roofline's
+//   seconds for the same ops, summed over a calibration step of the executor's own program run
+//   by N ranks at once (so it holds what the roofline misses on a CPU: Eigen's efficiency on
+//   that kernel's shapes, cache-resident elementwise kernels running faster than the triad
+//   bandwidth, per-call overheads, ranks sharing cores). 0 = not calibrated (factor 1).
+//   Modelling choice: one factor per kernel class, applied to max(math, memory); a kernel's
+//   shape dependence beyond the roofline's is not modelled.
+inline constexpr std::size_t kKernelSlots = 32;  // >= the number of sim::Kernel values
+//
+// CollectiveTable: one collective kind over `ranks` ranks as measured (nccl-tests sizes S and
+//   the slowest rank's mean seconds), ascending in bytes. sim interpolates linearly in bytes
+//   between measured sizes, i.e. a piecewise latency + bandwidth model whose bandwidth changes
+//   size by size — it follows MPI's shared-memory protocol switches and the drop in bandwidth
+//   once messages leave the cache, which one alpha-beta pair cannot (a factor ~2 off). Below the
+//   smallest size: the smallest size's time (latency-bound). Above the largest: the last
+//   segment's slope (the out-of-cache bandwidth).
+struct CollectiveTable {
+  std::int32_t kind = 0;             // sim::Collective as an integer (all_reduce 0, ...)
+  std::int32_t ranks = 2;            // group size measured
+  std::vector<double> bytes;         // ascending nccl-tests sizes
+  std::vector<double> seconds;       // time per operation at each size
+};
+
+struct HostCalibration {
+  std::array<double, kKernelSlots> kernel_scale{};  // see above; 0 = 1
+  double copy_scale = 0.0;           // measured / modelled seconds of copies (0 = 1)
+  std::vector<CollectiveTable> collectives;
+  bool empty() const {
+    for (double x : kernel_scale)
+      if (x > 0.0) return false;
+    return copy_scale <= 0.0 && collectives.empty();
+  }
+};
+
 struct Cluster {
   std::string name;                    // preset or spelling it came from, e.g. "8xA100-80GB"
   GpuSpec gpu;                         // every GPU in the cluster is this one
@@ -99,6 +137,7 @@ struct Cluster {
   Efficiency efficiency;
   std::vector<SharedComputeRate> shared_compute;  // by rank count; empty unless calibrated on a
                                                   //   host whose ranks share cores
+  HostCalibration host_calibration;  // calibrated CPU-host model; empty for GPU clusters
 };
 
 constexpr std::int32_t total_gpus(const Cluster& c) { return c.nodes * c.gpus_per_node; }

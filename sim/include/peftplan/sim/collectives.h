@@ -36,6 +36,10 @@ struct CollectiveCost {
 // broadcast 1 (NVIDIA/nccl-tests doc/PERFORMANCE.md).
 double busbw_factor(Collective kind, std::int32_t n);
 
+// Seconds of one operation of `bytes` from a calibrated table: linear interpolation between
+// measured sizes, the first size's time below it, the last segment's slope above it.
+double table_time_s(const CollectiveTable& t, double bytes);
+
 // One collective of nccl-tests size `bytes` over `group_size` ranks (1 <= group_size <=
 // total_gpus(cluster)). A group of one costs nothing.
 CollectiveCost collective_cost(Collective kind, std::uint64_t bytes, std::int32_t group_size,

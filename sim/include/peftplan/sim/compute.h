@@ -4,6 +4,8 @@
 // with the GEMM efficiency a smooth saturating function of the GEMM's dimensions so that LoRA's
 // skinny rank-r GEMMs come out memory-bound, elementwise ops on the memory roof, and an optimizer
 // step on the host costed per parameter at the CPU-Adam rate.
+// A calibrated CPU host (Cluster::host_calibration) multiplies each kernel's roofline time by
+// its measured factor, and copies by theirs (see cluster.h).
 // Not modelled: wave/tile quantisation, L2 reuse, clock throttling, kernel fusion beyond what the
 // planner's bytes_moved already says.
 #pragma once
