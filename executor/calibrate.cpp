@@ -44,6 +44,13 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/executor/kernels.h"
+#include "peftplan/executor/backend.h"
+#include "peftplan/executor/data.h"
+#include "peftplan/executor/plan_file.h"
+#include "peftplan/executor/runner.h"
+#include "peftplan/models/peft.h"
+#include "peftplan/models/config.h"
+#include "peftplan/planner/plan_file.h"
 #include "peftplan/sim/collectives.h"
 #include "peftplan/sim/compute.h"
 
@@ -504,7 +511,66 @@ sim::Cluster make_profile(const Calibration& cal) {
   c.efficiency.kernel_launch_s = 0.0;
   c.efficiency.collective_base_latency_s = 0.0;
   for (const auto& s : cal.shared) c.shared_compute.push_back({s.ranks, s.gemm_flops_per_s});
+  // The executor's kernels and MPI's collectives as measured (see sim::HostCalibration).
+  fit_kernel_scales(cal.kernels, cal.copies, c);
+  c.host_calibration.collectives = collective_tables(cal.collectives);
   return c;
+}
+
+void fit_kernel_scales(std::span<const KernelSample> kernels, std::span<const CopySample> copies, sim::Cluster& c) {
+  std::array<double, sim::kKernelSlots> measured{}, modelled{};
+  double host_params = 0.0, host_s = 0.0;
+  for (const KernelSample& k : kernels) {
+    if (k.seconds <= 0.0) continue;
+    if (k.host && k.kernel == sim::Kernel::optimizer_step && k.work.params > 0) {
+      host_params += static_cast<double>(k.work.params);
+      host_s += k.seconds;
+      continue;
+    }
+    if (k.host) continue;
+    const auto i = static_cast<std::size_t>(k.kernel);
+    if (i >= sim::kKernelSlots) continue;
+    measured[i] += k.seconds;
+    modelled[i] += sim::device_compute_cost(k.work, k.kernel, c, DType::fp32).time_s;
+  }
+  for (std::size_t i = 0; i < sim::kKernelSlots; ++i)
+    c.host_calibration.kernel_scale[i] = measured[i] > 0.0 && modelled[i] > 0.0 ? measured[i] / modelled[i] : 0.0;
+  if (host_s > 0.0) c.cpu_adam_params_per_s = host_params / host_s;
+  double cm = 0.0, cp = 0.0;
+  for (const CopySample& s : copies) {
+    if (s.seconds <= 0.0 || s.bytes == 0) continue;
+    cm += s.seconds;
+    cp += sim::copy_time_s(s.bytes, c);
+  }
+  c.host_calibration.copy_scale = cm > 0.0 && cp > 0.0 ? cm / cp : 0.0;
+}
+
+std::vector<sim::CollectiveTable> collective_tables(std::span<const CollectivePoint> points) {
+  std::vector<sim::CollectiveTable> out;
+  for (const CollectivePoint& p : points) {
+    auto it = std::find_if(out.begin(), out.end(), [&](const sim::CollectiveTable& t) {
+      return t.kind == static_cast<std::int32_t>(p.kind) && t.ranks == p.ranks;
+    });
+    if (it == out.end()) {
+      out.push_back({static_cast<std::int32_t>(p.kind), p.ranks, {}, {}});
+      it = out.end() - 1;
+    }
+    it->bytes.push_back(static_cast<double>(p.bytes));
+    it->seconds.push_back(p.time_s);
+  }
+  for (auto& t : out) {  // ascending sizes
+    std::vector<std::size_t> idx(t.bytes.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return t.bytes[a] < t.bytes[b]; });
+    std::vector<double> b, s;
+    for (std::size_t i : idx) {
+      b.push_back(t.bytes[i]);
+      s.push_back(t.seconds[i]);
+    }
+    t.bytes = std::move(b);
+    t.seconds = std::move(s);
+  }
+  return out;
 }
 
 std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
@@ -717,6 +783,55 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   }
   cal.fits = fit_collectives(cal.collectives);
   cal.link = fit_link(cal.collectives, N);
+
+  // 4. The executor's own kernels: all N ranks run a calibration step program at once, the
+  // op times of the steps after the first are kept. Two programs cover every kernel class:
+  // DDP with an fp32 base (device AdamW) and ZeRO-2 with optimizer offload and a bf16 base
+  // (host AdamW, copies, casts). tiny-llama-4l, LoRA r 8 on every linear, B 4, S 128: a step of
+  // tens of milliseconds, sizes like the models the executor trains.
+  say(log, fmt::format("measuring the executor's kernels with {} rank(s) at once...\n", N));
+  for (int prog = 0; prog < 2; ++prog) {
+    planner::PlanFile pf;
+    auto& in = pf.input;
+    in.model = models::load_model("tiny-llama-4l");
+    pf.model_source = "tiny-llama-4l";
+    models::AdapterSpec a;
+    a.lora.r = 8;
+    a.lora.alpha = 16;
+    a.lora.targets.kind = models::ModuleSelector::Kind::all_linear;
+    in.peft.adapters = {a};
+    in.training.micro_batch = 4;
+    in.training.seq_len = 128;
+    in.training.precision = planner::Precision::fp32;
+    in.training.attention = planner::Attention::eager;
+    in.training.lr = 1e-4;
+    in.profile = planner::RuntimeProfile::executor;
+    in.strategy.ranks = N;
+    if (prog == 1) {
+      in.strategy.stage = planner::Stage::zero2;
+      in.strategy.offload_optimizer = planner::OffloadDevice::cpu;
+      in.training.base_storage = DType::bf16;
+    }
+    pf.run.steps = quick ? 3 : 5;
+    pf.run.seed = 1;
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(in.training.seq_len * 64 + 1));
+    for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7919u) % static_cast<std::size_t>(in.model.vocab));
+    auto backend = make_cpu_backend();
+    Session session(pf, *backend, TokenData::from_tokens(std::move(tokens), in.model.vocab, in.training.seq_len, "calibration"),
+                    N > 1 ? &world : nullptr);
+    for (std::int64_t k = 0; k < pf.run.steps; ++k) session.step();
+    const Measurement m = session.measurement();
+    const sim::Program& p = session.program();
+    for (std::size_t i = 0; i < p.ops.size() && i < m.op_s.size(); ++i) {
+      const sim::Op& op = p.ops[i];
+      if (op.phase == sim::Phase::setup || m.op_s[i] <= 0.0) continue;
+      if (op.kind == sim::OpKind::compute)
+        cal.kernels.push_back({op.kernel, op.stream == sim::Stream::host, op.work, m.op_s[i]});
+      else if (op.kind == sim::OpKind::copy)
+        cal.copies.push_back({op.bytes, m.op_s[i]});
+    }
+    world.barrier();
+  }
   return cal;
 }
 

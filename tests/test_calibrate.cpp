@@ -191,6 +191,51 @@ TEST(Calibrate, SharedComputeJsonIsValidated) {
                    .contains("shared_gemm_GFLOPs_per_rank"));
 }
 
+// Per-kernel factors: measured / the roofline on the base profile; the host optimizer becomes a
+// parameter rate; copies a factor; collective points become ascending tables per kind and size.
+TEST(Calibrate, KernelScalesAndCollectiveTablesFromSamples) {
+  sim::Cluster c = sim::default_cluster(2);
+  c.efficiency.kernel_launch_s = 0.0;  // as calibrated profiles have it (CPU kernels are calls)
+  sim::ComputeWork w;
+  w.flops = 2e9;
+  w.bytes_moved = 1 << 20;
+  const double roof = sim::device_compute_cost(w, sim::Kernel::attention_fwd, c, DType::fp32).time_s;
+  sim::ComputeWork adam;
+  adam.params = 1000000;
+  const std::vector<KernelSample> k = {{sim::Kernel::attention_fwd, false, w, 2.0 * roof},
+                                       {sim::Kernel::attention_fwd, false, w, 4.0 * roof},
+                                       {sim::Kernel::optimizer_step, true, adam, 0.01}};
+  const std::vector<CopySample> copies = {{1 << 20, 5.0 * sim::copy_time_s(1 << 20, c)}};
+  fit_kernel_scales(k, copies, c);
+  EXPECT_NEAR(c.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::attention_fwd)], 3.0, 1e-9);
+  EXPECT_EQ(c.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::linear_fwd)], 0.0);
+  EXPECT_NEAR(c.cpu_adam_params_per_s, 1e8, 1.0);
+  EXPECT_NEAR(c.host_calibration.copy_scale, 5.0, 1e-9);
+  // With the factor the cost model reproduces the mean of the samples.
+  EXPECT_NEAR(sim::device_compute_cost(w, sim::Kernel::attention_fwd, c, DType::fp32).time_s, 3.0 * roof, 1e-9 * roof);
+
+  std::vector<CollectivePoint> pts;
+  for (std::uint64_t b : {4096u, 1024u, 16384u}) {
+    CollectivePoint p;
+    p.kind = Collective::reduce_scatter;
+    p.ranks = 2;
+    p.bytes = b;
+    p.time_s = 1e-6 + 1e-9 * static_cast<double>(b);
+    pts.push_back(p);
+  }
+  pts.push_back({Collective::all_gather, 2, 1024, 0, 1, 3e-6, 0, 0});
+  const auto tables = collective_tables(pts);
+  ASSERT_EQ(tables.size(), 2u);
+  EXPECT_EQ(tables[0].kind, static_cast<std::int32_t>(Collective::reduce_scatter));
+  EXPECT_EQ(tables[0].bytes, (std::vector<double>{1024, 4096, 16384}));
+  // Each kind is its own: the table reproduces its points and interpolates between them.
+  sim::Cluster p = sim::default_cluster(2);
+  p.host_calibration.collectives = tables;
+  EXPECT_NEAR(sim::collective_cost(Collective::reduce_scatter, 8192, 2, p, sim::CollectiveAlgorithm::ring).time_s,
+              1e-6 + 1e-9 * 8192, 1e-12);
+  EXPECT_NEAR(sim::collective_cost(Collective::all_gather, 1024, 2, p, sim::CollectiveAlgorithm::ring).time_s, 3e-6, 1e-15);
+}
+
 using peftplan::testing::CliResult;
 using peftplan::testing::run_cli;
 

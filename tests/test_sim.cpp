@@ -748,3 +748,47 @@ TEST(Memory, WalkOfAHandBuiltProgram) {
 
 }  // namespace
 }  // namespace peftplan::sim
+
+namespace peftplan::sim {
+namespace {
+
+// A calibrated host: kernel factors multiply the roofline, copies their own factor, and a
+// collective table replaces the ring model for its kind and group size (piecewise linear in
+// bytes, flat below the first size, the last slope above the last).
+TEST(HostCalibration, KernelScalesCopyScaleAndCollectiveTables) {
+  Cluster c = default_cluster(2);
+  ComputeWork w;
+  w.flops = 1e9;
+  w.bytes_moved = 1 << 20;
+  const double base = device_compute_cost(w, Kernel::norm_fwd, c, DType::fp32).time_s;
+  const double copy = copy_time_s(1 << 20, c);
+  const double ring = collective_cost(Collective::all_gather, 1 << 20, 2, c, CollectiveAlgorithm::ring).time_s;
+  c.host_calibration.kernel_scale[static_cast<std::size_t>(Kernel::norm_fwd)] = 3.0;
+  c.host_calibration.copy_scale = 2.0;
+  const double launch = c.efficiency.kernel_launch_s;
+  EXPECT_NEAR(device_compute_cost(w, Kernel::norm_fwd, c, DType::fp32).time_s - launch, 3.0 * (base - launch), 1e-12);
+  EXPECT_NEAR(copy_time_s(1 << 20, c) - launch, 2.0 * (copy - launch), 1e-12);
+  CollectiveTable t{static_cast<std::int32_t>(Collective::all_gather), 2, {1000.0, 2000.0, 4000.0}, {1e-5, 2e-5, 6e-5}};
+  c.host_calibration.collectives = {t};
+  EXPECT_DOUBLE_EQ(table_time_s(t, 10.0), 1e-5);
+  EXPECT_NEAR(table_time_s(t, 1500.0), 1.5e-5, 1e-15);
+  EXPECT_NEAR(table_time_s(t, 3000.0), 4e-5, 1e-15);
+  EXPECT_NEAR(table_time_s(t, 8000.0), 14e-5, 1e-15);  // last slope: 2e-8 s/B
+  EXPECT_NEAR(collective_cost(Collective::all_gather, 3000, 2, c, CollectiveAlgorithm::ring).time_s, 4e-5, 1e-15);
+  // Other kinds keep the ring model.
+  EXPECT_DOUBLE_EQ(collective_cost(Collective::all_gather, 1 << 20, 2, default_cluster(2), CollectiveAlgorithm::ring).time_s, ring);
+  EXPECT_NE(collective_cost(Collective::all_reduce, 3000, 2, c, CollectiveAlgorithm::ring).time_s, 4e-5);
+  // JSON round trip, and defaults stay empty (GPU clusters unchanged).
+  const Cluster back = cluster_from_json(cluster_to_json(c), "c.json");
+  EXPECT_DOUBLE_EQ(back.host_calibration.kernel_scale[static_cast<std::size_t>(Kernel::norm_fwd)], 3.0);
+  EXPECT_DOUBLE_EQ(back.host_calibration.copy_scale, 2.0);
+  ASSERT_EQ(back.host_calibration.collectives.size(), 1u);
+  EXPECT_EQ(back.host_calibration.collectives[0].seconds, t.seconds);
+  EXPECT_FALSE(cluster_to_json(default_cluster(2)).contains("host_calibration"));
+  nlohmann::json bad = cluster_to_json(c);
+  bad["host_calibration"]["kernel_scale"]["no_such_kernel"] = 1.0;
+  EXPECT_THROW(cluster_from_json(bad, "c.json"), InputError);
+}
+
+}  // namespace
+}  // namespace peftplan::sim

@@ -204,6 +204,41 @@ TEST(Validate, OpByOpNamesTheInjectedSlowOp) {
   EXPECT_EQ(k.most_different->op, -1);
 }
 
+// op_s (every program op's seconds per step, warm-up excluded) drives the op-by-op comparison,
+// collectives included, and the measured compute_s / comm_s / optimizer_s are its sums by kind.
+TEST(Validate, OpSecondsNameACollectiveAndSumByKind) {
+  const Plan p = tiny_plan(Stage::zero2, 2);
+  const sim::Timeline& t = *p.time;
+  json m = exact_measurement(p);
+  std::vector<double> op_s(p.program.ops.size(), 0.0);
+  std::int64_t coll = -1;
+  for (std::size_t i = 0; i < op_s.size(); ++i) {
+    const sim::Op& op = p.program.ops[i];
+    if (op.phase == sim::Phase::setup) continue;
+    if (op.kind == sim::OpKind::compute || op.kind == sim::OpKind::collective || op.kind == sim::OpKind::copy)
+      op_s[i] = t.ops[i].end_s - t.ops[i].start_s;
+    if (op.kind == sim::OpKind::collective && op.collective == sim::Collective::reduce_scatter && coll < 0)
+      coll = static_cast<std::int64_t>(i);
+  }
+  ASSERT_GE(coll, 0);
+  op_s[static_cast<std::size_t>(coll)] += 2e-3;
+  m["op_s"] = op_s;
+  m["op_s_steps"] = 2;
+  const Validation v = validate(p, m, Tolerances{0.02, 1000.0});
+  EXPECT_EQ(v.op_time_source, "op_s (mean of 2 step(s) after the first)");
+  ASSERT_TRUE(v.most_different);
+  EXPECT_EQ(v.most_different->op, coll);
+  EXPECT_EQ(v.most_different->kernel, "reduce_scatter");
+  EXPECT_NEAR(v.most_different->diff_s(), 2e-3, 1e-12);
+  EXPECT_EQ(v.kinds.front().kernel, "reduce_scatter");
+  EXPECT_NEAR(find(v.time, "compute_s").measured, t.compute_s, 1e-12);
+  EXPECT_NEAR(find(v.time, "optimizer_s").measured, t.optimizer_s, 1e-12);
+  EXPECT_NEAR(find(v.time, "comm_s").measured, t.comm_s + 2e-3, 1e-12);
+  // An op_s of another program is an input error.
+  m["op_s"] = std::vector<double>(3, 0.0);
+  EXPECT_THROW(validate(p, m), InputError);
+}
+
 TEST(Validate, JsonKeysAreTheIssues) {
   const Plan p = tiny_plan(Stage::zero2, 2);
   const json j = validation_to_json(validate(p, exact_measurement(p)));

@@ -97,6 +97,20 @@ struct LinkFit {
   double error_factor = 1.0;   // exp(rms of log(sim / measured)): the typical factor off
 };
 
+// One timed op of the calibration step program (the executor's own kernels, N ranks at once):
+// its kernel and work as the program states them and the measured mean seconds per step (rank
+// 0's, steps after the first).
+struct KernelSample {
+  sim::Kernel kernel = sim::Kernel::none;
+  bool host = false;             // on the host stream (offloaded optimizer)
+  sim::ComputeWork work;
+  double seconds = 0.0;
+};
+struct CopySample {
+  std::uint64_t bytes = 0;
+  double seconds = 0.0;
+};
+
 struct Calibration {
   bool quick = false;
   std::string cpu_model;          // /proc/cpuinfo "model name"
@@ -111,7 +125,17 @@ struct Calibration {
   std::vector<CollectiveFit> fits;               // per kind and rank count
   GemmCurve gemm_curve;
   LinkFit link;
+  std::vector<KernelSample> kernels;             // calibration step programs' compute ops
+  std::vector<CopySample> copies;                // and copies (offload)
 };
+
+// Per-kernel factor measured / roofline (on `base`, a profile without host calibration) summed
+// over the samples of each kernel, into base.host_calibration.kernel_scale; host optimizer
+// samples set cpu_adam_params_per_s instead (parameters per measured second); copies set
+// copy_scale. Kernels without samples keep factor 1.
+void fit_kernel_scales(std::span<const KernelSample> kernels, std::span<const CopySample> copies, sim::Cluster& base);
+// The measured collective tables (kind, ranks, ascending sizes), for host_calibration.
+std::vector<sim::CollectiveTable> collective_tables(std::span<const CollectivePoint> points);
 
 // --- pure parts ---------------------------------------------------------------------------
 
