@@ -486,7 +486,7 @@ void Session::Impl::wait_for_buffer(std::int32_t root) {
 // gradient norm), all-reduced as one fp64. Array collectives run asynchronously; compute ops that
 // depend on them, and frees of their buffers, wait.
 void Session::Impl::collective(std::size_t i, const sim::Op& op) {
-  if (N == 1) {  // one rank: a ZeRO-3 gather is a copy of the shard
+  if (N == 1 && comm == nullptr) {  // one rank, no communicator: a ZeRO-3 gather is a copy of the shard
     if (op.collective == sim::Collective::all_gather && op.buffer_in >= 0)
       be.copy_to_device(at<std::byte>(op.buffer), at<std::byte>(op.buffer_in), bytes(op.buffer_in));
     return;

@@ -251,7 +251,8 @@ class Builder {
   // gradient bucket (plan_buckets), so that every bucket's reduce_scatter fills a contiguous
   // block of this rank's partition.
   bool exec_z2() const { return s_.stage == Stage::zero2 && s_.ranks > 1 && in_.profile == RuntimeProfile::executor; }
-  bool sharded_grads() const { return s_.stage == Stage::zero2 || s_.stage == Stage::zero3; }
+  // ZeRO-2 on one rank has nothing to shard: its gradients live whole, as DDP's do.
+  bool sharded_grads() const { return (s_.stage == Stage::zero2 && s_.ranks > 1) || s_.stage == Stage::zero3; }
   bool sharded_optimizer() const { return s_.stage != Stage::ddp; }
   std::int64_t shard(std::int64_t n) const { return static_cast<std::int64_t>(ceil_div(static_cast<std::uint64_t>(n), static_cast<std::uint64_t>(s_.ranks))); }
   bool checkpointed(std::int64_t layer) const {
@@ -1286,7 +1287,9 @@ void Builder::optimizer_step() {
   if (host_opt) {
     // Copies name their source (Op::buffer) and, in the executor profile, their destination
     // (Op::buffer_out); a destination N times the copy's bytes receives this rank's block.
-    const std::int32_t d2h = copy(CopyDir::device_to_host, "grad_d2h", tw * static_cast<std::uint64_t>(part), O, grad_shard_, {dep});
+    // The gradient partition, or the whole gradients when nothing is sharded (one rank).
+    const std::int32_t grads = grad_shard_ >= 0 ? grad_shard_ : grad_flat_;
+    const std::int32_t d2h = copy(CopyDir::device_to_host, "grad_d2h", tw * static_cast<std::uint64_t>(part), O, grads, {dep});
     if (exec) p_.ops[static_cast<std::size_t>(d2h)].buffer_out = staging_;
     const double state_rw = (f_.master_weights ? 4.0 : 0.0) + 8.0 + 4.0;
     sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));

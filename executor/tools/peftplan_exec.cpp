@@ -4,11 +4,14 @@
 // MPI_Abort when one rank fails so that no peer waits in a collective forever.
 //   mpirun -np N peftplan-exec calibrate --out FILE [--quick]
 //   mpirun -np N peftplan-exec PLAN.json [--out DIR]   (N = the plan's ranks; see executor/runner.h)
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -41,6 +44,18 @@ void calibrate(const std::string& out, bool quick) {
   std::fflush(stdout);
 }
 
+// OpenMP threads for this rank: OMP_NUM_THREADS when set; otherwise the machine's cores shared
+// among the job's ranks on this node (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE), at least one, as
+// calibrate measures. OpenMP's default of every core per rank oversubscribes the machine as soon
+// as two ranks share it, and its spinning barriers then stretch every step several-fold.
+int threads_per_rank() {
+  if (std::getenv("OMP_NUM_THREADS") != nullptr) return 0;  // OpenMP reads it
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const int ranks = local != nullptr ? std::max(1, std::atoi(local)) : 1;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / ranks);
+}
+
 // Runs a plan.json on every rank of the job: measurement.json and trace.json go to out_dir
 // (default: the plan's folder), written by rank 0 with every rank's measurement inside.
 void run_plan_file(const std::string& plan_path, std::string out_dir) {
@@ -50,7 +65,7 @@ void run_plan_file(const std::string& plan_path, std::string out_dir) {
     throw InputError(fmt::format("peftplan-exec {}: the plan is for {} ranks, the job has {} (mpirun -np {})", plan_path,
                                  plan.input.strategy.ranks, world->size(), plan.input.strategy.ranks));
   if (out_dir.empty()) out_dir = std::filesystem::absolute(plan_path).parent_path().string();
-  auto backend = executor::make_cpu_backend();
+  auto backend = executor::make_cpu_backend(threads_per_rank());
   executor::run_plan(plan, *backend, out_dir, world->rank() == 0 ? stdout : nullptr, world.get());
   if (world->rank() == 0) {
     fmt::print("wrote {}/measurement.json and {}/trace.json\n", out_dir, out_dir);
