@@ -48,9 +48,8 @@ mkdir -p "$out"
 rows="$out/rows.tsv"
 : > "$rows"
 for n in "${ranks_list[@]}"; do
-  # calibrate needs two ranks (collectives): one rank uses the 2-rank profile, whose kernel
-  # rates are per rank with two ranks sharing the cores (a known limitation, see the report).
-  cn=$(( n < 2 ? 2 : n ))
+  # one profile per rank count: a profile's rates are per rank with that many ranks sharing the cores
+  cn=$n
   cal="$out/calibration.$cn.json"
   [[ -f "$cal" ]] || "$peftplan" calibrate --ranks "$cn" --quick --out "$cal" > "$out/calibrate.$cn.log" 2>&1
   for model in "${models[@]}"; do

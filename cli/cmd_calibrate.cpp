@@ -101,14 +101,17 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--quick", o->quick, "fewer shapes, sizes and repetitions (seconds)");
   cmd->add_option("--mpirun", o->mpirun, "the MPI launcher")->capture_default_str();
   cmd->callback([o, &exit_code] {
-    if (o->ranks < 2)
-      throw input_error("--ranks", "", "must be at least 2 (collectives need two ranks)",
+    if (o->ranks < 1)
+      throw input_error("--ranks", "", "must be a positive integer (one rank measures no collectives)",
                         std::to_string(o->ranks));
     const fs::path out = o->out.empty() ? default_profile_path() : fs::path(o->out);
     if (out.has_parent_path()) fs::create_directories(out.parent_path());
     std::vector<std::string> args = {o->mpirun, "-np", std::to_string(o->ranks)};
     if (static_cast<unsigned>(o->ranks) > std::thread::hardware_concurrency())
       args.push_back("--oversubscribe");
+    // Unbound ranks, as `peftplan run` starts them: Open MPI binds up to two ranks to one core
+    // each by default, which would calibrate one rank with one core while it trains with all.
+    args.insert(args.end(), {"--bind-to", "none"});
     if (::geteuid() == 0) args.push_back("--allow-run-as-root");
     args.insert(args.end(), {find_exec().string(), "calibrate", "--out", out.string()});
     if (o->quick) args.push_back("--quick");

@@ -102,29 +102,31 @@ fs::path default_profile_path() {
   return fs::path("calibration.json");
 }
 
-// This machine's profile for N ranks: the file given, else the cached one. Missing (or, for the
-// cache, calibrated for fewer ranks than N): `peftplan calibrate --ranks max(2, N) --quick` with
+// This machine's profile for N ranks: the file given, else the cached one for N ranks
+// (calibration.<N>.json beside the default calibration.json: a profile describes ranks sharing
+// the cores, so each rank count has its own). Missing: `peftplan calibrate --ranks N --quick` with
 // this same binary, once, written where it was looked for.
 sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N) {
-  const fs::path path = given.empty() ? default_profile_path() : fs::absolute(given);
+  const fs::path path = given.empty() ? default_profile_path().replace_filename(fmt::format("calibration.{}.json", N))
+                                      : fs::absolute(given);
   if (fs::is_regular_file(path)) {
     sim::Cluster c = sim::read_cluster_file(path);
-    if (sim::total_gpus(c) >= N) {
+    if (sim::total_gpus(c) == N || !given.empty()) {
       fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);
+      if (sim::total_gpus(c) < N)
+        throw input_error("--calibration", "", fmt::format("must profile at least {} ranks, has {} (rerun peftplan calibrate --ranks {})",
+                                                           N, sim::total_gpus(c), N),
+                          path.string());
+      if (sim::total_gpus(c) != N)
+        fmt::print("warning: the profile was calibrated with {} ranks sharing the cores, this run has {}\n", sim::total_gpus(c), N);
       return c;
     }
-    if (!given.empty())
-      throw input_error("--calibration", "", fmt::format("must profile at least {} ranks, has {} (rerun peftplan calibrate --ranks {})",
-                                                         N, sim::total_gpus(c), N),
-                        path.string());
-    fmt::print("cluster: cached profile {} has {} ranks, fewer than {}: calibrating again\n", path.string(), sim::total_gpus(c), N);
-  } else {
-    fmt::print("cluster: no calibrated profile at {}: running peftplan calibrate --quick once\n", path.string());
   }
+  fmt::print("cluster: no calibrated profile for {} rank(s) at {}: running peftplan calibrate --quick once\n", N, path.string());
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (ec) throw std::runtime_error("peftplan run: cannot find its own binary to run calibrate");
-  const int code = run_child({self.string(), "calibrate", "--ranks", std::to_string(std::max(2, N)), "--quick", "--out", path.string()});
+  const int code = run_child({self.string(), "calibrate", "--ranks", std::to_string(N), "--quick", "--out", path.string()});
   if (code != 0) throw std::runtime_error(fmt::format("peftplan run: peftplan calibrate exited with code {}", code));
   sim::Cluster c = sim::read_cluster_file(path);
   fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);
@@ -304,7 +306,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
       // than cores are allowed (--oversubscribe), and root may run it.
       const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
       args = {mpirun && *mpirun ? mpirun : "mpirun", "-np", std::to_string(N)};
-      if (o->hostfile.empty() && o->hosts.empty()) args.push_back("--oversubscribe");
+      // Ranks are not bound to cores: each rank runs cores/ranks OpenMP threads (peftplan-exec),
+      // the way calibrate measured them.
+      if (o->hostfile.empty() && o->hosts.empty()) args.insert(args.end(), {"--oversubscribe", "--bind-to", "none"});
       if (!o->hostfile.empty()) args.insert(args.end(), {"--hostfile", absolute(o->hostfile)});
       if (!o->hosts.empty()) args.insert(args.end(), {"--host", o->hosts});
       if (::geteuid() == 0) args.push_back("--allow-run-as-root");

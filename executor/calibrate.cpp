@@ -498,7 +498,9 @@ sim::Cluster make_profile(const Calibration& cal) {
   gpu.host_link = "PCIe4";
   sim::Cluster c = sim::make_cluster(gpu, 1, cal.ranks);
   c.name = fmt::format("{}x{}", cal.ranks, gpu.name);
-  c.intra_node_link = {"MPI-shm", sim::LinkFamily::pcie, cal.link.bytes_per_s, cal.link.latency_s};
+  // One rank measures no collectives (and needs none); its link is a memory copy.
+  const double link_bytes_per_s = cal.link.bytes_per_s > 0.0 ? cal.link.bytes_per_s : all.memory_bytes_per_s;
+  c.intra_node_link = {"MPI-shm", sim::LinkFamily::pcie, link_bytes_per_s, cal.link.latency_s};
   c.host_ram_bytes_per_node = cal.ram_bytes;
   c.host_memory_bytes_per_s = all.memory_bytes_per_s;
   c.host_device_bytes_per_s = all.memory_bytes_per_s / 2.0;
