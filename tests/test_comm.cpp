@@ -16,13 +16,14 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/executor/communicator.h"
+#include "mpi_test_main.h"
 
 namespace {
 
 using namespace peftplan;
 using namespace peftplan::executor;
 
-Communicator* g_world = nullptr;  // owned by main(); every test uses it
+using peftplan::testing::g_world;  // set by run_mpi_tests(); every test uses it
 Communicator& world() { return *g_world; }
 
 // Triangular numbers: sum over ranks r of (r + 1) = n(n+1)/2; of r = n(n-1)/2.
@@ -208,39 +209,6 @@ TEST(Comm, BadArgumentsAreRefusedBeforeMpi) {
   EXPECT_THROW(world().broadcast(h, h, 2, CommDType::fp16, world().size()), InternalError);
 }
 
-// Non-zero ranks: print only failures, prefixed with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.summary());
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  MpiRuntime mpi(&argc, &argv);
-  if (mpi.world_rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(mpi.world_rank()));
-  }
-  int result = 0;
-  {
-    auto comm = make_mpi_communicator();
-    g_world = comm.get();
-    result = RUN_ALL_TESTS();
-    std::int32_t worst = result;
-    comm->all_reduce(&worst, &worst, 1, CommDType::int32, ReduceOp::max);
-    result = worst;
-    g_world = nullptr;
-  }
-  return result;
-}
+int main(int argc, char** argv) { return peftplan::testing::run_mpi_tests(argc, argv); }

@@ -22,6 +22,7 @@
 
 #include "peftplan/executor/backend.h"
 #include "peftplan/executor/communicator.h"
+#include "mpi_test_main.h"
 #include "peftplan/executor/runner.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan_file.h"
@@ -33,7 +34,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-Communicator* g_world = nullptr;  // owned by main()
+using peftplan::testing::g_world;  // set by run_mpi_tests()
 
 const std::string kCorpus = std::string(PEFTPLAN_TEST_DATA) + "/executor/corpus.txt";
 
@@ -271,8 +272,9 @@ TEST(Distributed, ResumeFromCheckpointGivesTheSameLosses) {
       EXPECT_TRUE(fs::exists(dir / "step-2" / "adapter_model.safetensors")) << what;
       EXPECT_TRUE(fs::exists(dir / "step-2" / fmt::format("optimizer.rank{}.bin", N - 1))) << what;
       EXPECT_FALSE(fs::exists(dir / "step-2.tmp")) << what;
-      if (c.stage == planner::Stage::zero3)
+      if (c.stage == planner::Stage::zero3) {
         EXPECT_TRUE(fs::exists(dir / "step-2" / fmt::format("trainable.rank{}.bin", N - 1))) << what;
+      }
     }
     {
       Session s(plan, backend(), corpus(plan), g_world);
@@ -290,35 +292,4 @@ TEST(Distributed, ResumeFromCheckpointGivesTheSameLosses) {
   }
 }
 
-// Only rank 0 prints; other ranks print their failures with their rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed()) fmt::print(stderr, "[rank {}] {}:{}: {}\n", rank_, r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
-  }
-
- private:
-  int rank_;
-};
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  MpiRuntime mpi(&argc, &argv);
-  if (mpi.world_rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter(mpi.world_rank()));
-  }
-  int result = 0;
-  {
-    auto comm = make_mpi_communicator();
-    g_world = comm.get();
-    result = RUN_ALL_TESTS();
-    std::int32_t worst = result;
-    comm->all_reduce(&worst, &worst, 1, CommDType::int32, ReduceOp::max);
-    result = worst;
-    g_world = nullptr;
-  }
-  return result;
-}
+int main(int argc, char** argv) { return peftplan::testing::run_mpi_tests(argc, argv); }
