@@ -25,6 +25,7 @@
 
 #include <fmt/format.h>
 
+#include "child_process.h"
 #include "commands.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
@@ -41,43 +42,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// $PEFTPLAN_EXEC, else the build layout (build/<preset>/cli/peftplan ->
-// build/<preset>/executor/peftplan-exec), else beside this binary (an installed bin/).
-fs::path find_exec() {
-  if (const char* env = std::getenv("PEFTPLAN_EXEC"); env && *env) {
-    if (!fs::is_regular_file(env)) throw input_error("PEFTPLAN_EXEC", "", "must name the peftplan-exec binary", env);
-    return env;
-  }
-  std::error_code ec;
-  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  const fs::path dir = ec ? fs::current_path() : self.parent_path();
-  for (const fs::path& p : {dir / ".." / "executor" / "peftplan-exec", dir / "peftplan-exec"})
-    if (fs::is_regular_file(p)) return fs::weakly_canonical(p);
-  throw InputError(fmt::format("peftplan run: peftplan-exec not found at {} or {}; build the peftplan-exec target "
-                               "(it needs MPI) or set PEFTPLAN_EXEC",
-                               (dir / ".." / "executor" / "peftplan-exec").lexically_normal().string(), (dir / "peftplan-exec").string()));
-}
-
-// Runs argv with this process's stdout/stderr (the child's lines stream through); its exit code.
-int run_child(const std::vector<std::string>& args) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error("peftplan run: fork failed");
-  if (pid == 0) {
-    ::execvp(argv[0], argv.data());
-    std::fprintf(stderr, "peftplan run: cannot run %s\n", argv[0]);
-    ::_exit(127);
-  }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR) throw std::runtime_error("peftplan run: waitpid failed");
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
 std::string absolute(const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); }
 
 std::string mib(std::uint64_t b) { return fmt::format("{:.3f} MiB", static_cast<double>(b) / (1024.0 * 1024.0)); }
@@ -92,14 +56,6 @@ void write_atomic(const fs::path& path, const std::string& text) {
     if (!f) throw InputError(fmt::format("{}: cannot write", path.string()));
   }
   fs::rename(tmp, path);
-}
-
-// The profile `peftplan calibrate` writes by default: $XDG_CACHE_HOME/peftplan/calibration.json,
-// else ~/.cache/peftplan/calibration.json (the same rule as cmd_calibrate.cpp).
-fs::path default_profile_path() {
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return fs::path(xdg) / "peftplan" / "calibration.json";
-  if (const char* home = std::getenv("HOME"); home && *home) return fs::path(home) / ".cache" / "peftplan" / "calibration.json";
-  return fs::path("calibration.json");
 }
 
 // This machine's profile for N ranks: the file given, else the cached one for N ranks

@@ -1,0 +1,60 @@
+// Starting peftplan-exec and mpirun (see child_process.h).
+#include "child_process.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+
+namespace peftplan::cli {
+
+namespace fs = std::filesystem;
+
+fs::path find_exec() {
+  if (const char* env = std::getenv("PEFTPLAN_EXEC"); env && *env) {
+    if (!fs::is_regular_file(env)) throw input_error("PEFTPLAN_EXEC", "", "must name the peftplan-exec binary", env);
+    return env;
+  }
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  const fs::path dir = ec ? fs::current_path() : self.parent_path();
+  for (const fs::path& p : {dir / ".." / "executor" / "peftplan-exec", dir / "peftplan-exec"})
+    if (fs::is_regular_file(p)) return fs::weakly_canonical(p);
+  throw InputError(fmt::format("peftplan: peftplan-exec not found at {} or {}; build the peftplan-exec target "
+                               "(it needs MPI) or set PEFTPLAN_EXEC",
+                               (dir / ".." / "executor" / "peftplan-exec").lexically_normal().string(),
+                               (dir / "peftplan-exec").string()));
+}
+
+int run_child(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("peftplan: fork failed");
+  if (pid == 0) {
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "peftplan: cannot run %s\n", argv[0]);
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) throw std::runtime_error("peftplan: waitpid failed");
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+fs::path default_profile_path() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return fs::path(xdg) / "peftplan" / "calibration.json";
+  if (const char* home = std::getenv("HOME"); home && *home) return fs::path(home) / ".cache" / "peftplan" / "calibration.json";
+  return fs::path("calibration.json");
+}
+
+}  // namespace peftplan::cli
