@@ -246,6 +246,20 @@ class Builder {
   bool zero3() const { return s_.stage == Stage::zero3; }
   // ZeRO-3 as the executor runs it: the program names every tensor's place in the unit's
   // gathered buffer and the shards the all_gathers read (see setup and gather_unit).
+  // The fraction of eager attention's S x S_kv score GEMM work that is done. PyTorch's eager
+  // attention (transformers' eager_attention_forward) multiplies the full matrices and masks
+  // afterwards: all of it. The executor (executor/cpu/attention.cpp) multiplies causal row
+  // blocks of kExecAttentionRows rows, each against the columns up to its last row, and skips
+  // the blocks above the diagonal: with nb = ceil(S / rows) blocks, (nb + 1) / (2 nb) of the work
+  // when S_kv = S (3/4 at S 128, 5/8 at S 256, towards 1/2).
+  double eager_gemm_fraction() const {
+    if (in_.profile != RuntimeProfile::executor || kv_len_ != t_.seq_len) return 1.0;
+    const std::int64_t S = t_.seq_len, rows = kExecAttentionRows;
+    double done = 0.0;  // sum over row blocks of rows x columns multiplied
+    for (std::int64_t i0 = 0; i0 < S; i0 += rows)
+      done += static_cast<double>(std::min(rows, S - i0)) * static_cast<double>(std::min(S, i0 + rows));
+    return done / (static_cast<double>(S) * static_cast<double>(S));
+  }
   bool exec_z3() const { return zero3() && in_.profile == RuntimeProfile::executor; }
   // ZeRO-2 as the executor runs it with several ranks: the adapter partition is laid out per
   // gradient bucket (plan_buckets), so that every bucket's reduce_scatter fills a contiguous
@@ -911,6 +925,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   if (t_.attention == Attention::eager) {
     probs = alloc([&] { return pre + ".attn.probs"; }, keep, act(B * nh * S * kv), P);
     aw.bytes_moved = act(B * nh * S * kv) * 3 + act(M_ * (m_.q_width() + 2 * m_.kv_width()));
+    aw.flops *= eager_gemm_fraction();
   } else {
     probs = alloc([&] { return pre + ".attn.lse"; }, keep, f32(B * nh * S), P);
     aw.flops /= 2.0;  // causal blocks above the diagonal are skipped
@@ -1048,6 +1063,7 @@ void Builder::layer_backward(std::int32_t l) {
   if (t_.attention == Attention::eager) {
     dprobs = alloc([&] { return pre + ".attn.d_probs"; }, Cat::workspace, act(Bm * nh * S * kv), B);
     aw.bytes_moved = act(Bm * nh * S * kv) * 4 + act(M_ * (2 * m_.q_width() + 4 * m_.kv_width()));
+    aw.flops *= eager_gemm_fraction();
   } else {
     aw.flops /= 2.0;
     aw.flops *= 1.25;  // FlashAttention-2 backward recomputes the scores (5 GEMMs instead of 4)

@@ -13,6 +13,7 @@
 #include "eigen_maps.h"
 #include "peftplan/common/error.h"
 #include "peftplan/executor/kernels.h"
+#include "peftplan/planner/program.h"
 
 namespace peftplan::executor::cpu {
 
@@ -37,7 +38,7 @@ void attention_forward(const T* q, const T* k, const T* v, T* P, T* out, Index B
       Map<T> Pm(p, S, S);
       // Causal: row block [i0, i0+len) attends to columns [0, i0+len) only, so the scores
       // above the diagonal's blocks are never computed (about half the GEMM work at large S).
-      constexpr Index kRows = 64;
+      constexpr Index kRows = planner::kExecAttentionRows;  // the planner counts this work
       for (Index i0 = 0; i0 < S; i0 += kRows) {
         const Index len = std::min(kRows, S - i0), cols = i0 + len;
         Pm.block(i0, 0, len, cols).noalias() = Q.middleRows(i0, len) * K.topRows(cols).transpose();
@@ -94,7 +95,7 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
       const T* p = P + (b * nh + h) * S * S;
       CMap<T> Pm(p, S, S);
       // Causal row blocks as in the forward: row block [i0, i0+len) touches columns [0, i0+len).
-      constexpr Index kRows = 64;
+      constexpr Index kRows = planner::kExecAttentionRows;  // the planner counts this work
       for (Index i0 = 0; i0 < S; i0 += kRows) {
         const Index len = std::min(kRows, S - i0), cols = i0 + len;
         dV.topRows(cols).noalias() += Pm.block(i0, 0, len, cols).transpose() * dO.middleRows(i0, len);  // out = P v

@@ -37,6 +37,11 @@ enum class RuntimeProfile {
 };
 std::string_view name_of(RuntimeProfile p);
 
+// Rows per causal block in the executor's eager attention (executor/cpu/attention.cpp): each
+// block of rows multiplies only the key columns up to its last row. The builder counts that work
+// for RuntimeProfile::executor; the executor's kernel uses this constant.
+inline constexpr std::int64_t kExecAttentionRows = 64;
+
 // What the builder derives from the model and adapters alone (inventories and adapter
 // resolution). It is a third of a build's time; a search over strategies and batch sizes makes it
 // once with make_inventory() and shares it through PlanInput::inventory.
