@@ -53,6 +53,7 @@
 #include "peftplan/planner/plan_file.h"
 #include "peftplan/sim/collectives.h"
 #include "peftplan/sim/compute.h"
+#include "peftplan/sim/timeline.h"
 
 namespace peftplan::executor {
 namespace {
@@ -516,11 +517,52 @@ sim::Cluster make_profile(const Calibration& cal) {
   // The executor's kernels and MPI's collectives as measured (see sim::HostCalibration).
   fit_kernel_scales(cal.kernels, cal.copies, c);
   c.host_calibration.collectives = collective_tables(cal.collectives);
+  // Whole steps: the op timers miss the time a rank is descheduled between ops (ranks
+  // outnumbering cores time-share them; an op that is not preempted runs at full speed while its
+  // rank's share of the core is spent elsewhere) and the step loop's own cost. Scale every
+  // compute rate by the factor that makes the calibration programs' predicted steps match their
+  // measured wall time (geometric mean over the programs; a few rounds, as collectives do not
+  // scale). Without time-sharing the factor is close to 1.
+  for (int round = 0; round < 4 && !cal.programs.empty(); ++round) {
+    const double g = step_ratio(cal.programs, c);
+    if (!(g > 0.0) || !std::isfinite(g)) break;
+    for (std::size_t i = 1; i < sim::kKernelSlots; ++i) {  // every kernel, measured or not
+      if (sim::name_of(static_cast<sim::Kernel>(i)) == "unknown") continue;
+      auto& scale = c.host_calibration.kernel_scale[i];
+      scale = (scale > 0.0 ? scale : 1.0) * g;
+      c.host_calibration.kernel_overhead_s[i] *= g;
+    }
+    c.cpu_adam_params_per_s /= g;
+    c.host_calibration.copy_scale = (c.host_calibration.copy_scale > 0.0 ? c.host_calibration.copy_scale : 1.0) * g;
+  }
   return c;
 }
 
+double step_ratio(std::span<const ProgramSample> programs, const sim::Cluster& profile) {
+  double log_sum = 0.0;
+  int n = 0;
+  for (const ProgramSample& p : programs) {
+    const double predicted = sim::simulate(p.step, profile).step_s;
+    if (!(predicted > 0.0) || !(p.step_s > 0.0)) continue;
+    log_sum += std::log(p.step_s / predicted);
+    ++n;
+  }
+  return n > 0 ? std::exp(log_sum / n) : 1.0;
+}
+
 void fit_kernel_scales(std::span<const KernelSample> kernels, std::span<const CopySample> copies, sim::Cluster& c) {
-  std::array<double, sim::kKernelSlots> measured{}, modelled{};
+  // Per kernel and calibration program: the measured seconds per step T_p of its n_p ops against
+  // the roofline's R_p on the base profile. Then per kernel T = overhead × n + scale × R, fitted
+  // over the programs (weights 1 / T_p², least relative error per program, both terms
+  // non-negative). Summing within a program first keeps the fit unbiased when single ops are
+  // noisy (ranks time-sharing cores: a descheduled op takes many times its share; per-op relative
+  // weights would discount exactly those). Programs of one size only, or a fit without a positive
+  // scale, fall back to the ratio of sums (scale = ΣT / ΣR, no overhead).
+  struct Agg {
+    std::string program;
+    double n = 0.0, roof = 0.0, meas = 0.0;
+  };
+  std::array<std::vector<Agg>, sim::kKernelSlots> agg;
   double host_params = 0.0, host_s = 0.0;
   for (const KernelSample& k : kernels) {
     if (k.seconds <= 0.0) continue;
@@ -532,11 +574,37 @@ void fit_kernel_scales(std::span<const KernelSample> kernels, std::span<const Co
     if (k.host) continue;
     const auto i = static_cast<std::size_t>(k.kernel);
     if (i >= sim::kKernelSlots) continue;
-    measured[i] += k.seconds;
-    modelled[i] += sim::device_compute_cost(k.work, k.kernel, c, DType::fp32).time_s;
+    const double r = sim::device_compute_cost(k.work, k.kernel, c, DType::fp32).time_s;
+    if (!(r > 0.0)) continue;
+    auto it = std::find_if(agg[i].begin(), agg[i].end(), [&](const Agg& a) { return a.program == k.program; });
+    if (it == agg[i].end()) it = agg[i].insert(agg[i].end(), Agg{k.program});
+    it->n += 1.0;
+    it->roof += r;
+    it->meas += k.seconds;
   }
-  for (std::size_t i = 0; i < sim::kKernelSlots; ++i)
-    c.host_calibration.kernel_scale[i] = measured[i] > 0.0 && modelled[i] > 0.0 ? measured[i] / modelled[i] : 0.0;
+  for (std::size_t i = 0; i < sim::kKernelSlots; ++i) {
+    c.host_calibration.kernel_scale[i] = 0.0;
+    c.host_calibration.kernel_overhead_s[i] = 0.0;
+    if (agg[i].empty()) continue;
+    std::vector<double> n, r, t, w;
+    for (const Agg& a : agg[i]) {
+      n.push_back(a.n);
+      r.push_back(a.roof);
+      t.push_back(a.meas);
+      w.push_back(1.0 / (a.meas * a.meas));
+    }
+    const double sum_t = std::accumulate(t.begin(), t.end(), 0.0), sum_r = std::accumulate(r.begin(), r.end(), 0.0);
+    // per-op roofline of each program: sizes spread enough to tell a per-call constant from the rate?
+    double lo = std::numeric_limits<double>::max(), hi = 0.0;
+    for (std::size_t j = 0; j < r.size(); ++j) lo = std::min(lo, r[j] / n[j]), hi = std::max(hi, r[j] / n[j]);
+    Fit2 f{0.0, sum_t / sum_r};
+    if (hi > 1.5 * lo) {
+      const Fit2 g = nonneg_least_squares(n, r, t, w);
+      if (g.b > 0.0) f = g;
+    }
+    c.host_calibration.kernel_overhead_s[i] = f.a;
+    c.host_calibration.kernel_scale[i] = f.b;
+  }
   if (host_s > 0.0) c.cpu_adam_params_per_s = host_params / host_s;
   double cm = 0.0, cp = 0.0;
   for (const CopySample& s : copies) {
@@ -622,6 +690,44 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
                          100.0 * (s / p.time_s - 1.0));
       }
     }
+  // The executor's kernels: per calibration program and kernel, the measured seconds per step
+  // (rank 0, steps after the first) against sim on the profile (the fitted overhead and scale).
+  if (!cal.kernels.empty()) {
+    o += fmt::format("\n# executor kernels, {} rank(s) at once: per program and kernel, ms per step (rank 0); "
+                     "sim = overhead + scale x roofline on the profile\n", cal.ranks);
+    o += fmt::format("# {:<26} {:<18} {:>5} {:>10} {:>10} {:>7} {:>13} {:>7}\n", "program", "kernel", "ops", "meas(ms)", "sim(ms)",
+                     "err", "overhead(us)", "scale");
+    std::vector<std::pair<std::string, sim::Kernel>> keys;
+    for (const KernelSample& k : cal.kernels)
+      if (std::find(keys.begin(), keys.end(), std::make_pair(k.program, k.kernel)) == keys.end()) keys.emplace_back(k.program, k.kernel);
+    for (const auto& [prog, kernel] : keys) {
+      double meas = 0.0, sim_s = 0.0;
+      int ops = 0;
+      bool host = false;
+      for (const KernelSample& k : cal.kernels) {
+        if (k.program != prog || k.kernel != kernel) continue;
+        ++ops;
+        meas += k.seconds;
+        host = host || k.host;
+        sim_s += k.host ? sim::host_compute_cost(k.work, k.kernel, profile).time_s
+                        : sim::device_compute_cost(k.work, k.kernel, profile, DType::fp32).time_s;
+      }
+      const auto i = static_cast<std::size_t>(kernel);
+      o += fmt::format("  {:<26} {:<18} {:>5} {:>10.3f} {:>10.3f} {:>+6.0f}% {:>13.1f} {:>7.3f}\n", prog,
+                       std::string(sim::name_of(kernel)) + (host ? " (host)" : ""), ops, meas * 1e3, sim_s * 1e3,
+                       100.0 * (sim_s / meas - 1.0), host ? 0.0 : profile.host_calibration.kernel_overhead_s[i] / kMicro,
+                       host ? 1.0 : (profile.host_calibration.kernel_scale[i] > 0.0 ? profile.host_calibration.kernel_scale[i] : 1.0));
+    }
+  }
+  if (!cal.programs.empty()) {
+    o += fmt::format("\n# calibration steps, {} rank(s) at once: measured wall time per step (rank 0) and sim on the profile\n",
+                     cal.ranks);
+    o += fmt::format("# {:<26} {:>10} {:>10} {:>7}\n", "program", "meas(ms)", "sim(ms)", "err");
+    for (const ProgramSample& p : cal.programs) {
+      const double s = sim::simulate(p.step, profile).step_s;
+      o += fmt::format("  {:<26} {:>10.3f} {:>10.3f} {:>+6.0f}%\n", p.program, p.step_s * 1e3, s * 1e3, 100.0 * (s / p.step_s - 1.0));
+    }
+  }
   o += "\n# alpha-beta fits, t = alpha + bytes_sent / bw (bytes_sent = S x busbw factor)\n";
   o += fmt::format("# {:>15} {:>5} {:>11} {:>10} {:>9}\n", "collective", "ranks", "alpha(us)",
                    "bw(GB/s)", "rms err");
@@ -655,6 +761,14 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
                     {"count", p.count}, {"iterations", p.iterations}, {"time_us", p.time_s / kMicro},
                     {"algbw_GBps", p.algbw_bytes_per_s / kGiga},
                     {"busbw_GBps", p.busbw_bytes_per_s / kGiga}});
+  nlohmann::json kernels = nlohmann::json::array();
+  for (const auto& k : cal.kernels)
+    kernels.push_back({{"program", k.program}, {"kernel", sim::name_of(k.kernel)}, {"host", k.host}, {"flops", k.work.flops},
+                       {"bytes_moved", k.work.bytes_moved}, {"params", k.work.params}, {"gemm_mnk", {k.work.gemm_m, k.work.gemm_n, k.work.gemm_k}},
+                       {"gemm_count", k.work.gemm_count}, {"time_us", k.seconds / kMicro}});
+  nlohmann::json programs = nlohmann::json::array();
+  for (const auto& p : cal.programs)
+    programs.push_back({{"program", p.program}, {"ops", p.step.ops.size()}, {"step_ms", p.step_s * 1e3}});
   nlohmann::json fits = nlohmann::json::array();
   for (const auto& f : cal.fits)
     fits.push_back({{"collective", sim::name_of(f.kind)}, {"ranks", f.ranks},
@@ -677,6 +791,8 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
       {"shared", shared},
       {"collectives", coll},
       {"alpha_beta", fits},
+      {"kernels", kernels},
+      {"programs", programs},
       {"link", {{"ranks", cal.link.ranks}, {"latency_us", cal.link.latency_s / kMicro},
                 {"GBps", cal.link.bytes_per_s / kGiga}, {"rms_rel_error", cal.link.rms_rel_error},
                 {"error_factor", cal.link.error_factor}}},
@@ -789,10 +905,14 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   // 4. The executor's own kernels: all N ranks run a calibration step program at once, the
   // op times of the steps after the first are kept. Two programs cover every kernel class:
   // DDP with an fp32 base (device AdamW) and ZeRO-2 with optimizer offload and a bf16 base
-  // (host AdamW, copies, casts). tiny-llama-4l, LoRA r 8 on every linear, B 4, S 128: a step of
-  // tens of milliseconds, sizes like the models the executor trains.
+  // (host AdamW, copies, casts). tiny-llama-4l, LoRA r 8 on every linear, each at two sizes,
+  // B 2 × S 128 and B 8 × S 256 (8x the tokens), so that fit_kernel_scales can tell a kernel's
+  // per-call overhead from its rate: steps of milliseconds to a few hundred milliseconds.
   say(log, fmt::format("measuring the executor's kernels with {} rank(s) at once...\n", N));
-  for (int prog = 0; prog < 2; ++prog) {
+  constexpr std::pair<std::int64_t, std::int64_t> kSizes[] = {{2, 128}, {8, 256}};
+  for (int run = 0; run < 4; ++run) {
+    const int prog = run % 2;
+    const auto [micro_batch, seq_len] = kSizes[run / 2];
     planner::PlanFile pf;
     auto& in = pf.input;
     in.model = models::load_model("tiny-llama-4l");
@@ -802,8 +922,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     a.lora.alpha = 16;
     a.lora.targets.kind = models::ModuleSelector::Kind::all_linear;
     in.peft.adapters = {a};
-    in.training.micro_batch = 4;
-    in.training.seq_len = 128;
+    in.training.micro_batch = micro_batch;
+    in.training.seq_len = seq_len;
     in.training.precision = planner::Precision::fp32;
     in.training.attention = planner::Attention::eager;
     in.training.lr = 1e-4;
@@ -814,7 +934,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
       in.strategy.offload_optimizer = planner::OffloadDevice::cpu;
       in.training.base_storage = DType::bf16;
     }
-    pf.run.steps = quick ? 3 : 5;
+    pf.run.steps = quick ? 4 : 6;  // the first is warm-up
     pf.run.seed = 1;
     std::vector<std::int32_t> tokens(static_cast<std::size_t>(in.training.seq_len * 64 + 1));
     for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7919u) % static_cast<std::size_t>(in.model.vocab));
@@ -823,12 +943,19 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
                     N > 1 ? &world : nullptr);
     for (std::int64_t k = 0; k < pf.run.steps; ++k) session.step();
     const Measurement m = session.measurement();
+    const std::string label = fmt::format("{} {} B{} S{}", prog == 0 ? "ddp" : "zero2+offload", prog == 0 ? "fp32" : "bf16",
+                                          micro_batch, seq_len);
     const sim::Program& p = session.program();
+    const double after_first = m.step_times_s.size() > 1
+                                   ? std::accumulate(m.step_times_s.begin() + 1, m.step_times_s.end(), 0.0) /
+                                         static_cast<double>(m.step_times_s.size() - 1)
+                                   : m.step_times_s.front();
+    cal.programs.push_back({label, p, after_first});
     for (std::size_t i = 0; i < p.ops.size() && i < m.op_s.size(); ++i) {
       const sim::Op& op = p.ops[i];
       if (op.phase == sim::Phase::setup || m.op_s[i] <= 0.0) continue;
       if (op.kind == sim::OpKind::compute)
-        cal.kernels.push_back({op.kernel, op.stream == sim::Stream::host, op.work, m.op_s[i]});
+        cal.kernels.push_back({op.kernel, op.stream == sim::Stream::host, op.work, m.op_s[i], label});
       else if (op.kind == sim::OpKind::copy)
         cal.copies.push_back({op.bytes, m.op_s[i]});
     }

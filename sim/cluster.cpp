@@ -571,20 +571,25 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     //  "ranks": n, "bytes": [...], "seconds": [...]}]}, all optional (see HostCalibration).
     const auto& h = j["host_calibration"];
     if (!h.is_object()) throw input_error(where, "host_calibration", "must be an object", h.dump());
-    check_keys(h, where, "host_calibration.", {"kernel_scale", "copy_scale", "collectives"});
-    if (h.contains("kernel_scale")) {
-      const auto& ks = h["kernel_scale"];
-      if (!ks.is_object()) throw input_error(where, "host_calibration.kernel_scale", "must be an object", ks.dump());
+    check_keys(h, where, "host_calibration.", {"kernel_scale", "kernel_overhead_us", "copy_scale", "collectives"});
+    // {"<kernel>": x, ...} into a per-kernel array; positive (scale) or non-negative (overhead).
+    auto per_kernel = [&](const char* field, std::array<double, kKernelSlots>& out, double unit, bool zero_ok) {
+      if (!h.contains(field)) return;
+      const std::string f = std::string("host_calibration.") + field;
+      const auto& ks = h[field];
+      if (!ks.is_object()) throw input_error(where, f, "must be an object", ks.dump());
       for (const auto& [key, val] : ks.items()) {
         std::size_t k = 0;
         while (k < kKernelSlots && name_of(static_cast<Kernel>(k)) != key) ++k;
-        if (k >= kKernelSlots || key == "unknown")
-          throw input_error(where, "host_calibration.kernel_scale." + key, "is no kernel name", val.dump());
-        const double x = number(ks, key, where, "host_calibration.kernel_scale.");
-        if (!(x > 0.0)) throw input_error(where, "host_calibration.kernel_scale." + key, "must be positive", val.dump());
-        c.host_calibration.kernel_scale[k] = x;
+        if (k >= kKernelSlots || key == "unknown") throw input_error(where, f + "." + key, "is no kernel name", val.dump());
+        const double x = number(ks, key, where, f + ".");
+        if (zero_ok ? !(x >= 0.0) : !(x > 0.0))
+          throw input_error(where, f + "." + key, zero_ok ? "must be non-negative" : "must be positive", val.dump());
+        out[k] = x * unit;
       }
-    }
+    };
+    per_kernel("kernel_scale", c.host_calibration.kernel_scale, 1.0, false);
+    per_kernel("kernel_overhead_us", c.host_calibration.kernel_overhead_s, kMicro, true);
     if (h.contains("copy_scale")) c.host_calibration.copy_scale = number(h, "copy_scale", where, "host_calibration.");
     if (h.contains("collectives")) {
       const auto& a = h["collectives"];
@@ -687,12 +692,15 @@ nlohmann::json cluster_to_json(const Cluster& c) {
   }
   if (!c.host_calibration.empty()) {
     const HostCalibration& h = c.host_calibration;
-    nlohmann::json ks = nlohmann::json::object(), colls = nlohmann::json::array();
-    for (std::size_t k = 0; k < kKernelSlots; ++k)
+    nlohmann::json ks = nlohmann::json::object(), ko = nlohmann::json::object(), colls = nlohmann::json::array();
+    for (std::size_t k = 0; k < kKernelSlots; ++k) {
       if (h.kernel_scale[k] > 0.0) ks[std::string(name_of(static_cast<Kernel>(k)))] = h.kernel_scale[k];
+      if (h.kernel_overhead_s[k] > 0.0) ko[std::string(name_of(static_cast<Kernel>(k)))] = h.kernel_overhead_s[k] / kMicro;
+    }
     for (const CollectiveTable& t : h.collectives)
       colls.push_back({{"kind", name_of(static_cast<Collective>(t.kind))}, {"ranks", t.ranks}, {"bytes", t.bytes}, {"seconds", t.seconds}});
     nlohmann::json hj = {{"kernel_scale", ks}, {"collectives", colls}};
+    if (!ko.empty()) hj["kernel_overhead_us"] = ko;
     if (h.copy_scale > 0.0) hj["copy_scale"] = h.copy_scale;
     j["host_calibration"] = hj;
   }

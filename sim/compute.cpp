@@ -20,6 +20,12 @@ double kernel_scale(const Cluster& cluster, Kernel k) {
   return x > 0.0 ? x : 1.0;
 }
 
+// The calibrated per-call overhead of a kernel (0 when not calibrated).
+double kernel_overhead_s(const Cluster& cluster, Kernel k) {
+  const auto i = static_cast<std::size_t>(k);
+  return i < kKernelSlots ? cluster.host_calibration.kernel_overhead_s[i] : 0.0;
+}
+
 }  // namespace
 
 std::string_view name_of(Kernel k) {
@@ -73,7 +79,7 @@ ComputeCost device_compute_cost(const ComputeWork& work, Kernel kernel, const Cl
   c.memory_s = static_cast<double>(work.bytes_moved) / (cluster.gpu.hbm_bytes_per_s * e.hbm);
   c.launch_s = e.kernel_launch_s;
   c.memory_bound = c.memory_s > c.math_s;
-  c.time_s = std::max(c.math_s, c.memory_s) * kernel_scale(cluster, kernel) + c.launch_s;
+  c.time_s = std::max(c.math_s, c.memory_s) * kernel_scale(cluster, kernel) + kernel_overhead_s(cluster, kernel) + c.launch_s;
   return c;
 }
 
@@ -81,14 +87,15 @@ ComputeCost host_compute_cost(const ComputeWork& work, Kernel kernel, const Clus
   ComputeCost c;
   c.efficiency = 1.0;
   if (kernel == Kernel::optimizer_step && work.params > 0) {
+    // The host optimizer's rate is itself the measurement (calibrate times the executor's host
+    // AdamW per parameter into cpu_adam_params_per_s): no kernel factor on top.
     c.math_s = static_cast<double>(work.params) / cluster.cpu_adam_params_per_s;
-  } else {
-    c.memory_s = static_cast<double>(work.bytes_moved) / cluster.host_memory_bytes_per_s;
-    c.memory_bound = true;
+    c.time_s = c.math_s;
+    return c;
   }
-  // A calibrated host applies the kernel's factor here too (the host optimizer is the same AdamW
-  // code as the device one on a CPU host; calibrate measures it per parameter).
-  c.time_s = std::max(c.math_s, c.memory_s) * kernel_scale(cluster, kernel);
+  c.memory_s = static_cast<double>(work.bytes_moved) / cluster.host_memory_bytes_per_s;
+  c.memory_bound = true;
+  c.time_s = c.memory_s * kernel_scale(cluster, kernel) + kernel_overhead_s(cluster, kernel);
   return c;
 }
 

@@ -191,6 +191,45 @@ TEST(Calibrate, SharedComputeJsonIsValidated) {
                    .contains("shared_gemm_GFLOPs_per_rank"));
 }
 
+// Several sizes: t = overhead + scale × roofline is recovered exactly from programs whose totals
+// lie on that line (here 40 us per call plus 1.5x the roofline, at 1x, 2x and 8x the work, the
+// 1x program's two ops split unevenly around it), and the model then predicts a size it never
+// saw; a kernel whose programs fit no positive scale keeps the ratio of sums.
+TEST(Calibrate, KernelOverheadAndScaleFromTwoSizes) {
+  sim::Cluster c = sim::default_cluster(2);
+  c.efficiency.kernel_launch_s = 0.0;
+  auto work = [](double f) {
+    sim::ComputeWork w;
+    w.flops = f;
+    w.gemm_m = 4096, w.gemm_n = 4096, w.gemm_k = 4096;
+    return w;
+  };
+  auto roof = [&](double f) { return sim::device_compute_cost(work(f), sim::Kernel::linear_fwd, c, DType::fp32).time_s; };
+  std::vector<KernelSample> k;
+  // three programs (sizes); two ops each in the first, whose times split unevenly (a noisy op)
+  k.push_back({sim::Kernel::linear_fwd, false, work(1e9), 10e-6 + 0.5 * roof(1e9), "small"});
+  k.push_back({sim::Kernel::linear_fwd, false, work(1e9), 70e-6 + 2.5 * roof(1e9), "small"});
+  for (double f : {2e9, 8e9}) k.push_back({sim::Kernel::linear_fwd, false, work(f), 40e-6 + 1.5 * roof(f), f < 4e9 ? "mid" : "large"});
+  // norm_fwd: times fall as the work grows (noise): no positive scale, the ratio of sums is kept
+  auto roof_norm = [&](double f) { return sim::device_compute_cost(work(f), sim::Kernel::norm_fwd, c, DType::fp32).time_s; };
+  k.push_back({sim::Kernel::norm_fwd, false, work(1e9), 2.0 * roof_norm(1e9), "small"});
+  k.push_back({sim::Kernel::norm_fwd, false, work(4e9), 1.0 * roof_norm(1e9), "large"});
+  const double f_ref = 32e9, expect = 40e-6 + 1.5 * roof(f_ref);
+  fit_kernel_scales(k, {}, c);
+  EXPECT_NEAR(c.host_calibration.kernel_overhead_s[static_cast<std::size_t>(sim::Kernel::linear_fwd)], 40e-6, 1e-9);
+  EXPECT_NEAR(c.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::linear_fwd)], 1.5, 1e-6);
+  EXPECT_NEAR(sim::device_compute_cost(work(f_ref), sim::Kernel::linear_fwd, c, DType::fp32).time_s, expect, 1e-6 * expect);
+  EXPECT_EQ(c.host_calibration.kernel_overhead_s[static_cast<std::size_t>(sim::Kernel::norm_fwd)], 0.0);
+  EXPECT_NEAR(c.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::norm_fwd)],
+              3.0 * roof_norm(1e9) / (roof_norm(1e9) + roof_norm(4e9)), 1e-9);
+  // Written and read back in microseconds.
+  const sim::Cluster back = sim::cluster_from_json(sim::cluster_to_json(c), "cal.json");
+  EXPECT_NEAR(back.host_calibration.kernel_overhead_s[static_cast<std::size_t>(sim::Kernel::linear_fwd)], 40e-6, 1e-12);
+  nlohmann::json bad = sim::cluster_to_json(c);
+  bad["host_calibration"]["kernel_overhead_us"]["linear_fwd"] = -1.0;
+  EXPECT_THROW(sim::cluster_from_json(bad, "cal.json"), InputError);
+}
+
 // Per-kernel factors: measured / the roofline on the base profile; the host optimizer becomes a
 // parameter rate; copies a factor; collective points become ascending tables per kind and size.
 TEST(Calibrate, KernelScalesAndCollectiveTablesFromSamples) {
@@ -211,8 +250,11 @@ TEST(Calibrate, KernelScalesAndCollectiveTablesFromSamples) {
   EXPECT_EQ(c.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::linear_fwd)], 0.0);
   EXPECT_NEAR(c.cpu_adam_params_per_s, 1e8, 1.0);
   EXPECT_NEAR(c.host_calibration.copy_scale, 5.0, 1e-9);
-  // With the factor the cost model reproduces the mean of the samples.
+  // With the factor the cost model reproduces the mean of the samples (one size: no overhead).
   EXPECT_NEAR(sim::device_compute_cost(w, sim::Kernel::attention_fwd, c, DType::fp32).time_s, 3.0 * roof, 1e-9 * roof);
+  EXPECT_EQ(c.host_calibration.kernel_overhead_s[static_cast<std::size_t>(sim::Kernel::attention_fwd)], 0.0);
+  // The host optimizer's measured rate is used as is: no device factor on top of it.
+  EXPECT_NEAR(sim::host_compute_cost(adam, sim::Kernel::optimizer_step, c).time_s, 0.01, 1e-12);
 
   std::vector<CollectivePoint> pts;
   for (std::uint64_t b : {4096u, 1024u, 16384u}) {

@@ -105,10 +105,20 @@ struct KernelSample {
   bool host = false;             // on the host stream (offloaded optimizer)
   sim::ComputeWork work;
   double seconds = 0.0;
+  std::string program;           // which calibration program, e.g. "ddp fp32 B2 S128"
 };
 struct CopySample {
   std::uint64_t bytes = 0;
   double seconds = 0.0;
+};
+
+// One calibration step program as the ranks ran it: the program and the measured wall time of a
+// step (rank 0, mean of the steps after the first), which includes what no op's timer sees:
+// time a rank spends descheduled while ranks outnumber cores, waits for slower peers, the loop.
+struct ProgramSample {
+  std::string program;           // e.g. "ddp fp32 B2 S128"
+  sim::Program step;
+  double step_s = 0.0;
 };
 
 struct Calibration {
@@ -127,12 +137,18 @@ struct Calibration {
   LinkFit link;
   std::vector<KernelSample> kernels;             // calibration step programs' compute ops
   std::vector<CopySample> copies;                // and copies (offload)
+  std::vector<ProgramSample> programs;           // the calibration step programs and their step times
 };
 
-// Per-kernel factor measured / roofline (on `base`, a profile without host calibration) summed
-// over the samples of each kernel, into base.host_calibration.kernel_scale; host optimizer
-// samples set cpu_adam_params_per_s instead (parameters per measured second); copies set
-// copy_scale. Kernels without samples keep factor 1.
+// The factor by which measured steps exceed what `profile` predicts for them (sim::simulate):
+// the geometric mean over the programs of measured / predicted step time (1 without programs).
+double step_ratio(std::span<const ProgramSample> programs, const sim::Cluster& profile);
+
+// Per kernel, time = overhead + scale × roofline (the roofline on `base`, a profile without host
+// calibration) fitted over the kernel's samples into base.host_calibration.kernel_overhead_s and
+// kernel_scale (the ratio of sums, no overhead, when the samples do not span sizes); host
+// optimizer samples set cpu_adam_params_per_s instead (parameters per measured second); copies
+// set copy_scale. Kernels without samples keep factor 1.
 void fit_kernel_scales(std::span<const KernelSample> kernels, std::span<const CopySample> copies, sim::Cluster& base);
 // The measured collective tables (kind, ranks, ascending sizes), for host_calibration.
 std::vector<sim::CollectiveTable> collective_tables(std::span<const CollectivePoint> points);

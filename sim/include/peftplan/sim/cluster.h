@@ -91,9 +91,12 @@ struct SharedComputeRate {
 //   seconds for the same ops, summed over a calibration step of the executor's own program run
 //   by N ranks at once (so it holds what the roofline misses on a CPU: Eigen's efficiency on
 //   that kernel's shapes, cache-resident elementwise kernels running faster than the triad
-//   bandwidth, per-call overheads, ranks sharing cores). 0 = not calibrated (factor 1).
-//   Modelling choice: one factor per kernel class, applied to max(math, memory); a kernel's
-//   shape dependence beyond the roofline's is not modelled.
+//   bandwidth, ranks sharing cores). 0 = not calibrated (factor 1).
+// kernel_overhead_s: per compute kernel, seconds added to every call whatever its size: OpenMP
+//   fork and join, Eigen's packing set-up, the loops around small GEMMs. Fitted together with
+//   kernel_scale (time = overhead + scale × roofline, weighted least squares on relative error)
+//   over calibration programs of two sizes; a kernel's shape dependence beyond the roofline and
+//   this constant is not modelled.
 inline constexpr std::size_t kKernelSlots = 32;  // >= the number of sim::Kernel values
 //
 // CollectiveTable: one collective kind over `ranks` ranks as measured (nccl-tests sizes S and
@@ -112,10 +115,13 @@ struct CollectiveTable {
 
 struct HostCalibration {
   std::array<double, kKernelSlots> kernel_scale{};  // see above; 0 = 1
+  std::array<double, kKernelSlots> kernel_overhead_s{};  // see above; 0 = none
   double copy_scale = 0.0;           // measured / modelled seconds of copies (0 = 1)
   std::vector<CollectiveTable> collectives;
   bool empty() const {
     for (double x : kernel_scale)
+      if (x > 0.0) return false;
+    for (double x : kernel_overhead_s)
       if (x > 0.0) return false;
     return copy_scale <= 0.0 && collectives.empty();
   }
