@@ -141,7 +141,7 @@ std::string report(const planner::Plan& plan, const planner::Validation& v, cons
   const auto& t = in.training;
   std::string s = "# peftplan run: predicted versus measured\n\n## Configuration\n\n";
   s += fmt::format("- model: {}\n- strategy: {}, {} rank(s)\n- micro-batch {}, sequence {}, gradient accumulation {}\n"
-                   "- cluster: {} ({})\n- steps measured: {} (step time: mean of the steps after the first)\n\n",
+                   "- cluster: {} ({})\n- steps measured: {} (step time: median of the steps after the first)\n\n",
                    in.model.name, planner::name_of(in.strategy.stage), in.strategy.ranks, t.micro_batch, t.seq_len, t.grad_accum,
                    plan.cluster.name, profile, v.steps);
   s += "## Figures\n\n" + tables(v, true);
@@ -287,7 +287,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
     fmt::print("{}", tables(v, false));
     fmt::print("peak at: {} (measured), {} (predicted)\n", m.at("memory").at("device").at("peak_op").get<std::string>(),
                planner::plan_to_json(plan).at("memory").at("device").at("peak_op").get<std::string>());
-    fmt::print("step time: mean of the {} step(s) after the first (the first includes warm-up); op times from the {}\n",
+    fmt::print("step time: median of the {} step(s) after the first (the first includes warm-up); op times from the {}\n",
                v.steps > 1 ? v.steps - 1 : 1, v.op_time_source);
     if (v.most_different) fmt::print("op that differs most: {}\n", describe(*v.most_different));
     bool exact = true;

@@ -199,9 +199,15 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
   if (v.kinds.size() > kTop) v.kinds.resize(kTop);
 
   // Time figures.
-  const double step_m = step_times.size() > 1
-                            ? std::accumulate(step_times.begin() + 1, step_times.end(), 0.0) / (steps - 1.0)
-                            : step_times.front();
+  // The median of the steps after the first: a steady step, robust to the second step's
+  // remaining warm-up and to a step the OS stalled (a shared machine).
+  double step_m = step_times.front();
+  if (step_times.size() > 1) {
+    std::vector<double> after(step_times.begin() + 1, step_times.end());
+    std::sort(after.begin(), after.end());
+    const std::size_t h = after.size() / 2;
+    step_m = after.size() % 2 == 1 ? after[h] : 0.5 * (after[h - 1] + after[h]);
+  }
   double comm_m = 0.0;
   const json empty = json::object();
   const json& coll = m.contains("collectives") ? m.at("collectives") : empty;

@@ -165,6 +165,18 @@ TEST(Validate, TimeFigureOffByThirtyPercentIsNamed) {
   EXPECT_TRUE(validate(p, m, Tolerances{0.02, 0.31}).within_tolerance);
 }
 
+// The measured step is the median of the steps after the first: one step the OS stalled (5x)
+// does not move it, where a mean would be off by 80%.
+TEST(Validate, StepTimeIsTheMedianAfterTheFirstStep) {
+  const Plan p = tiny_plan(Stage::zero2, 2);
+  json m = exact_measurement(p);
+  const double t = p.time->step_s;
+  m["step_times_s"] = {10.0 * t, t, 5.0 * t, t, t, t};
+  EXPECT_NEAR(find(validate(p, m).time, "step_s").measured, t, 1e-15);
+  m["step_times_s"] = {10.0 * t, t, 2.0 * t};  // an even count: the middle two's mean
+  EXPECT_NEAR(find(validate(p, m).time, "step_s").measured, 1.5 * t, 1e-15);
+}
+
 TEST(Validate, OpByOpNamesTheInjectedSlowOp) {
   const Plan p = tiny_plan(Stage::zero2, 2);
   json m = exact_measurement(p);

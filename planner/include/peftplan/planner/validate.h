@@ -8,8 +8,9 @@
 // losses or adapters (the distributed tests do).
 //
 // Measured time figures (the executor runs one rank's ops in program order on one thread):
-//   step_s          mean of step_times_s after the first step (the first includes warm-up);
-//                   the only step when there is one
+//   step_s          median of step_times_s after the first step (the first includes warm-up;
+//                   the median is robust to a step the OS stalled); the only step when there
+//                   is one
 //   compute_s       compute ops on the compute stream, per step
 //   optimizer_s     optimizer-phase compute ops (device or host), per step
 //   comm_s          collectives' measured seconds / steps
