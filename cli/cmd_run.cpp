@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 
 #include "child_process.h"
+#include "corpus.h"
 #include "commands.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
@@ -164,10 +165,75 @@ std::string report(const planner::Plan& plan, const planner::Validation& v, cons
   return s;
 }
 
+// Splits "ddp,zero2,zero3" into its names (empty items are an input error).
+std::vector<std::string> strategy_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::string item;
+  std::istringstream in(s);
+  while (std::getline(in, item, ',')) {
+    if (item.empty()) throw input_error("--strategy", "", "must be a strategy or a comma-separated list of them (ddp,zero2,zero3)", s);
+    out.push_back(item);
+  }
+  if (out.empty()) throw input_error("--strategy", "", "must name at least one strategy", s);
+  return out;
+}
+
+// One plan-and-run's outcome, for the closing comparison of several strategies.
+struct Outcome {
+  std::string strategy;
+  fs::path dir;
+  planner::Validation v;
+};
+
+const planner::Figure* figure_named(const std::vector<planner::Figure>& fs, const std::string& name) {
+  for (const auto& f : fs)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+// The comparison of several runs: step time and peak predicted versus measured, collective
+// bytes, and the verdict, one row per strategy (text for the console, Markdown for summary.md).
+std::string summary_table(const std::vector<Outcome>& runs, bool markdown) {
+  std::string s;
+  if (markdown)
+    s += "| strategy | step predicted | step measured | error | peak predicted | peak measured | error | collective bytes | verdict |\n"
+         "|---|--:|--:|--:|--:|--:|--:|---|---|\n";
+  else
+    s += fmt::format("{:<10} {:>14} {:>11} {:>8} {:>15} {:>12} {:>8} {:>17}  {}\n", "strategy", "step predicted", "measured", "error",
+                     "peak predicted", "measured", "error", "collective bytes", "verdict");
+  for (const Outcome& r : runs) {
+    const planner::Figure* st = figure_named(r.v.time, "step_s");
+    const planner::Figure* pk = figure_named(r.v.memory, "peak");
+    bool exact = true;
+    for (const auto& f : r.v.comm) exact = exact && f.predicted == f.measured;
+    const std::string bytes = r.v.comm.empty() ? "none" : exact ? "exact" : "differ";
+    std::string verdict = r.v.within_tolerance ? "within tolerance" : "outside:";
+    for (const auto& k : r.v.outside) verdict += " " + k;
+    const std::string cells[] = {
+        r.strategy,
+        fmt::format("{:.3f} ms", st ? st->predicted * 1e3 : 0.0),
+        fmt::format("{:.3f} ms", st ? st->measured * 1e3 : 0.0),
+        st ? pct(st->relative_error) : "n/a",
+        mib(pk ? static_cast<std::uint64_t>(pk->predicted) : 0),
+        mib(pk ? static_cast<std::uint64_t>(pk->measured) : 0),
+        pk ? pct(pk->relative_error) : "n/a",
+        bytes,
+        verdict};
+    if (markdown)
+      s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", cells[0], cells[1], cells[2], cells[3], cells[4], cells[5],
+                       cells[6], cells[7], cells[8]);
+    else
+      s += fmt::format("{:<10} {:>14} {:>11} {:>8} {:>15} {:>12} {:>8} {:>17}  {}\n", cells[0], cells[1], cells[2], cells[3], cells[4],
+                       cells[5], cells[6], cells[7], cells[8]);
+  }
+  return s;
+}
+
 }  // namespace
 
 void add_run_command(CLI::App& app, int& exit_code) {
-  auto* cmd = app.add_subcommand("run", "plan, run the executor for real, and compare predicted with measured memory");
+  auto* cmd = app.add_subcommand("run", "plan, run the executor for real, and compare predicted with measured (several strategies: one "
+                                        "run each, then a comparison)");
   struct Options {
     PlanFlags plan;
     planner::RunOptions run;
@@ -178,15 +244,22 @@ void add_run_command(CLI::App& app, int& exit_code) {
     double tolerance_memory = 0.02, tolerance_time = 0.15;
   };
   auto o = std::make_shared<Options>();
-  // The executor's defaults: its own profile, fp32 compute, eager attention, one rank.
+  // The embedded default job: tiny-llama-4l with LoRA, DDP, ZeRO-2 and ZeRO-3 on 2 ranks (unless
+  // --cluster says otherwise), the bundled text, the executor's own profile (fp32 compute, eager
+  // attention).
   o->plan.model = "tiny-llama-4l";
   o->plan.profile = "executor";
   o->plan.precision = "fp32";
   o->plan.attention = "eager";
   o->plan.seq_len = 128;
-  o->plan.gpus = 1;
+  o->plan.micro_batch = 4;
+  o->plan.strategy = "ddp,zero2,zero3";
+  o->run.steps = 20;
   add_plan_flags(cmd, o->plan);
-  cmd->add_option("--data", o->run.data, "token file to train on")->required();
+  // run's --strategy takes a list; its default differs from plan's
+  if (auto* opt = cmd->get_option_no_throw("--strategy"))
+    opt->description("ddp, zero1, zero2 or zero3, or a comma-separated list to run each and compare");
+  cmd->add_option("--data", o->run.data, "token file to train on (default: the bundled text, written to <out>/corpus.txt)");
   cmd->add_option("--data-format", o->run.data_format, "u32, u16 (little-endian) or bytes (every byte a token)")
       ->capture_default_str();
   cmd->add_option("--steps", o->run.steps, "optimizer steps")->capture_default_str();
@@ -198,7 +271,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--adapter-init", o->run.adapter_init, "peft (A uniform, B zero) or a safetensors adapter with PEFT names")
       ->capture_default_str();
   cmd->add_option("--save-adapter", o->run.save_adapter, "folder for adapter_model.safetensors + adapter_config.json");
-  cmd->add_option("--out", o->out, "folder for plan.json, measurement.json and trace.json")->capture_default_str();
+  cmd->add_option("--out", o->out, "folder for plan.json, measurement.json, validation.json, traces and report.md (several "
+                                   "strategies: one subfolder each)")
+      ->capture_default_str();
   cmd->add_option("--checkpoint-every", o->run.checkpoint_every, "write a training checkpoint every K steps (0: never)")
       ->capture_default_str();
   cmd->add_option("--checkpoint-dir", o->run.checkpoint_dir, "folder for checkpoints (default: <out>/checkpoints)");
@@ -211,112 +286,166 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--tolerance-memory", o->tolerance_memory, "relative tolerance of memory and collective bytes")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--tolerance-time", o->tolerance_time, "relative tolerance of the time figures")
+  cmd->add_option("--tolerance-time", o->tolerance_time,
+                  "relative tolerance of the step time (the step's parts: their error as a share of the step)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   cmd->callback([o, &exit_code] {
-    ResolvedPlan r = resolve_plan_flags(o->plan);
-    for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", w);
-    planner::PlanFile pf;
-    pf.input = r.input;
-    if (o->lr) pf.input.training.lr = *o->lr;
-    if (o->weight_decay) pf.input.training.weight_decay = *o->weight_decay;
-    if (o->clip) pf.input.training.grad_clip = *o->clip;
-    if (!o->plan.ds_config.empty()) {  // the scheduler rides in ds_config.json
-      planner::DsConfigInputs di;
-      di.world_size = pf.input.strategy.ranks;
-      di.training = pf.input.training;
-      di.hidden = pf.input.model.hidden;
-      di.total_steps = o->run.steps;
-      pf.extras = planner::read_ds_config(models::read_json_file(o->plan.ds_config), o->plan.ds_config, di).extras;
+    const std::vector<std::string> strategies = strategy_list(o->plan.strategy);
+    const bool several = strategies.size() > 1;
+    if (several) {
+      // What belongs to one training run cannot be shared by several.
+      if (!o->run.save_adapter.empty()) throw input_error("--save-adapter", "", "needs a single --strategy", o->plan.strategy);
+      if (!o->run.resume.empty()) throw input_error("--resume", "", "needs a single --strategy", o->plan.strategy);
+      if (!o->run.checkpoint_dir.empty()) throw input_error("--checkpoint-dir", "", "needs a single --strategy", o->plan.strategy);
     }
-    pf.model_source = planner::model_source_for(o->plan.model);
-    pf.run = o->run;
-    pf.run.data = absolute(pf.run.data);
-    pf.run.weights = absolute(pf.run.weights);
-    if (pf.run.adapter_init != "peft") pf.run.adapter_init = absolute(pf.run.adapter_init);
-    pf.run.save_adapter = absolute(pf.run.save_adapter);
-    if (pf.run.checkpoint_every > 0 && pf.run.checkpoint_dir.empty()) pf.run.checkpoint_dir = (fs::path(o->out) / "checkpoints").string();
-    pf.run.checkpoint_dir = absolute(pf.run.checkpoint_dir);
-    pf.run.resume = absolute(pf.run.resume);
-    for (const auto& w : planner::validate(pf.input)) fmt::print(stderr, "warning: {}\n", w);
-    const int N = pf.input.strategy.ranks;
-    std::string profile = "--cluster";
-    if (o->plan.cluster.empty()) {
-      r.cluster = calibrated_cluster(o->calibration, N);
-      profile = "calibrated profile";
-    } else {
-      fmt::print("cluster: {} (--cluster)\n", r.cluster.name);
+    PlanFlags flags = o->plan;
+    if (!flags.gpus && flags.cluster.empty()) flags.gpus = 2;  // the default job's 2 ranks
+    for (const std::string& s : strategies) {  // every strategy's input checked before anything runs
+      PlanFlags f = flags;
+      f.strategy = s;
+      (void)resolve_plan_flags(f);
     }
-    planner::PlanOptions po;
-    po.explain = false;
-    const planner::Plan plan = planner::make_plan(pf.input, r.cluster, po);
     const fs::path out = fs::absolute(o->out);
     fs::create_directories(out);
-    const fs::path plan_path = out / "plan.json";
-    planner::write_plan_file(plan_path, pf);
-    fmt::print("wrote {}\n", plan_path.string());
-    std::vector<std::string> args;
-    if (N > 1 || !o->hostfile.empty() || !o->hosts.empty()) {
-      // mpirun ($PEFTPLAN_MPIRUN or Open MPI's mpirun on the PATH); on one machine more ranks
-      // than cores are allowed (--oversubscribe), and root may run it.
-      const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
-      args = {mpirun && *mpirun ? mpirun : "mpirun", "-np", std::to_string(N)};
-      // Ranks are not bound to cores: each rank runs cores/ranks OpenMP threads (peftplan-exec),
-      // the way calibrate measured them.
-      if (o->hostfile.empty() && o->hosts.empty()) args.insert(args.end(), {"--oversubscribe", "--bind-to", "none"});
-      if (!o->hostfile.empty()) args.insert(args.end(), {"--hostfile", absolute(o->hostfile)});
-      if (!o->hosts.empty()) args.insert(args.end(), {"--host", o->hosts});
-      if (::geteuid() == 0) args.push_back("--allow-run-as-root");
-      std::istringstream extra(o->mpi_args);
-      for (std::string a; extra >> a;) args.push_back(a);
+    planner::RunOptions run = o->run;
+    if (run.data.empty()) {  // the bundled text, as bytes
+      write_atomic(out / "corpus.txt", std::string(bundled_corpus()));
+      run.data = (out / "corpus.txt").string();
+      run.data_format = "bytes";
+      fmt::print("data: the bundled text ({} bytes), written to {}\n", bundled_corpus().size(), run.data);
     }
-    args.insert(args.end(), {find_exec().string(), plan_path.string(), "--out", out.string()});
-    const int code = run_child(args);
-    if (code != 0) {
-      fmt::print(stderr, "peftplan run: peftplan-exec exited with code {}\n", code);
-      exit_code = code == 2 ? 2 : 3;
-      return;
+    std::optional<sim::Cluster> calibrated;
+    std::string profile = "--cluster";
+    std::vector<Outcome> outcomes;
+    std::string job_model;
+    int job_ranks = 0;
+    for (std::size_t si = 0; si < strategies.size(); ++si) {
+      flags.strategy = strategies[si];
+      const fs::path dir = several ? out / strategies[si] : out;
+      if (several) fmt::print("\n== {} ({} of {}): {}\n", strategies[si], si + 1, strategies.size(), dir.string());
+      ResolvedPlan r = resolve_plan_flags(flags);
+      for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", w);
+      planner::PlanFile pf;
+      pf.input = r.input;
+      if (o->lr) pf.input.training.lr = *o->lr;
+      if (o->weight_decay) pf.input.training.weight_decay = *o->weight_decay;
+      if (o->clip) pf.input.training.grad_clip = *o->clip;
+      if (!flags.ds_config.empty()) {  // the scheduler rides in ds_config.json
+        planner::DsConfigInputs di;
+        di.world_size = pf.input.strategy.ranks;
+        di.training = pf.input.training;
+        di.hidden = pf.input.model.hidden;
+        di.total_steps = run.steps;
+        pf.extras = planner::read_ds_config(models::read_json_file(flags.ds_config), flags.ds_config, di).extras;
+      }
+      pf.model_source = planner::model_source_for(flags.model);
+      pf.run = run;
+      pf.run.data = absolute(pf.run.data);
+      pf.run.weights = absolute(pf.run.weights);
+      if (pf.run.adapter_init != "peft") pf.run.adapter_init = absolute(pf.run.adapter_init);
+      pf.run.save_adapter = absolute(pf.run.save_adapter);
+      if (pf.run.checkpoint_every > 0 && pf.run.checkpoint_dir.empty()) pf.run.checkpoint_dir = (dir / "checkpoints").string();
+      pf.run.checkpoint_dir = absolute(pf.run.checkpoint_dir);
+      pf.run.resume = absolute(pf.run.resume);
+      for (const auto& w : planner::validate(pf.input)) fmt::print(stderr, "warning: {}\n", w);
+      const int N = pf.input.strategy.ranks;
+      job_model = pf.input.model.name;
+      job_ranks = N;
+      if (flags.cluster.empty()) {
+        if (!calibrated) calibrated = calibrated_cluster(o->calibration, N);
+        r.cluster = *calibrated;
+        profile = "calibrated profile";
+      } else if (si == 0) {
+        fmt::print("cluster: {} (--cluster)\n", r.cluster.name);
+      }
+      planner::PlanOptions po;
+      po.explain = false;
+      const planner::Plan plan = planner::make_plan(pf.input, r.cluster, po);
+      fs::create_directories(dir);
+      const fs::path plan_path = dir / "plan.json";
+      planner::write_plan_file(plan_path, pf);
+      fmt::print("wrote {}\n", plan_path.string());
+      std::vector<std::string> args;
+      if (N > 1 || !o->hostfile.empty() || !o->hosts.empty()) {
+        // mpirun ($PEFTPLAN_MPIRUN or Open MPI's mpirun on the PATH); on one machine more ranks
+        // than cores are allowed (--oversubscribe), and root may run it.
+        const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
+        args = {mpirun && *mpirun ? mpirun : "mpirun", "-np", std::to_string(N)};
+        // Ranks are not bound to cores: each rank runs cores/ranks OpenMP threads (peftplan-exec),
+        // the way calibrate measured them.
+        if (o->hostfile.empty() && o->hosts.empty()) args.insert(args.end(), {"--oversubscribe", "--bind-to", "none"});
+        if (!o->hostfile.empty()) args.insert(args.end(), {"--hostfile", absolute(o->hostfile)});
+        if (!o->hosts.empty()) args.insert(args.end(), {"--host", o->hosts});
+        if (::geteuid() == 0) args.push_back("--allow-run-as-root");
+        std::istringstream extra(o->mpi_args);
+        for (std::string a; extra >> a;) args.push_back(a);
+      }
+      args.insert(args.end(), {find_exec().string(), plan_path.string(), "--out", dir.string()});
+      const int code = run_child(args);
+      if (code != 0) {
+        fmt::print(stderr, "peftplan run: peftplan-exec exited with code {}\n", code);
+        exit_code = code == 2 ? 2 : 3;
+        return;
+      }
+      auto m = models::read_json_file((dir / "measurement.json").string());
+      if (fs::is_regular_file(dir / "trace.json")) m["trace"] = models::read_json_file((dir / "trace.json").string());
+      planner::Tolerances tol;
+      tol.memory = o->tolerance_memory;
+      tol.time = o->tolerance_time;
+      const planner::Validation v = planner::validate(plan, m, tol);
+      fmt::print("{}", tables(v, false));
+      fmt::print("peak at: {} (measured), {} (predicted)\n", m.at("memory").at("device").at("peak_op").get<std::string>(),
+                 planner::plan_to_json(plan).at("memory").at("device").at("peak_op").get<std::string>());
+      fmt::print("step time: median of the {} step(s) after the first (the first includes warm-up); op times from the {}\n",
+                 v.steps > 1 ? v.steps - 1 : 1, v.op_time_source);
+      if (v.most_different) fmt::print("op that differs most: {}\n", describe(*v.most_different));
+      bool exact = true;
+      for (const auto& f : v.memory)
+        if (f.name.rfind("host_", 0) != 0 && f.predicted != f.measured) exact = false;  // device categories and the peak
+      bool same = true;
+      for (const auto& f : v.comm) same = same && f.predicted == f.measured;
+      if (N > 1)
+        fmt::print("{}\n", same ? "measured collective bytes equal the prediction exactly" : "measured collective bytes differ from the prediction");
+      const auto& t = m.at("time");
+      fmt::print("step {:.3f} s, {:.0f} tokens/s, {:.2f} GFLOP/s, {:.0f}% of the step in GEMMs\n", t.at("step_s").get<double>(),
+                 t.at("tokens_per_s").get<double>(), t.at("achieved_flops_per_s").get<double>() / 1e9,
+                 100.0 * t.at("gemm_fraction").get<double>());
+      fmt::print("{}\n", exact ? "measured memory equals the prediction exactly" : "measured memory differs from the prediction");
+      nlohmann::json vj = planner::validation_to_json(v);
+      write_atomic(dir / "validation.json", vj.dump(1) + "\n");
+      sim::TraceOptions to;
+      to.ranks = N;
+      to.pid_base = 1000;  // the measured trace.json uses pid 0
+      write_atomic(dir / "trace.predicted.json", sim::chrome_trace(plan.program, *plan.time, to).dump() + "\n");
+      write_atomic(dir / "report.md", report(plan, v, profile));
+      fmt::print("wrote {}, {}, {}, {}, {}\n", (dir / "measurement.json").string(), (dir / "trace.json").string(),
+                 (dir / "validation.json").string(), (dir / "trace.predicted.json").string(), (dir / "report.md").string());
+      std::fflush(stdout);  // the table first, then the verdict lines on stderr
+      for (const auto* section : {&v.memory, &v.time, &v.comm})
+        for (const auto& f : *section)
+          if (!f.within) fmt::print(stderr, "{}\n", outside_line(f));
+      if (!v.within_tolerance) {
+        fmt::print(stderr, "peftplan run: {} figure(s) outside tolerance\n", v.outside.size());
+        exit_code = 1;
+      }
+      std::fflush(stderr);
+      outcomes.push_back({strategies[si], dir, v});
     }
-    auto m = models::read_json_file((out / "measurement.json").string());
-    if (fs::is_regular_file(out / "trace.json")) m["trace"] = models::read_json_file((out / "trace.json").string());
-    planner::Tolerances tol;
-    tol.memory = o->tolerance_memory;
-    tol.time = o->tolerance_time;
-    const planner::Validation v = planner::validate(plan, m, tol);
-    fmt::print("{}", tables(v, false));
-    fmt::print("peak at: {} (measured), {} (predicted)\n", m.at("memory").at("device").at("peak_op").get<std::string>(),
-               planner::plan_to_json(plan).at("memory").at("device").at("peak_op").get<std::string>());
-    fmt::print("step time: median of the {} step(s) after the first (the first includes warm-up); op times from the {}\n",
-               v.steps > 1 ? v.steps - 1 : 1, v.op_time_source);
-    if (v.most_different) fmt::print("op that differs most: {}\n", describe(*v.most_different));
-    bool exact = true;
-    for (const auto& f : v.memory)
-      if (f.name.rfind("host_", 0) != 0 && f.predicted != f.measured) exact = false;  // device categories and the peak
-    bool same = true;
-    for (const auto& f : v.comm) same = same && f.predicted == f.measured;
-    if (N > 1) fmt::print("{}\n", same ? "measured collective bytes equal the prediction exactly" : "measured collective bytes differ from the prediction");
-    const auto& t = m.at("time");
-    fmt::print("step {:.3f} s, {:.0f} tokens/s, {:.2f} GFLOP/s, {:.0f}% of the step in GEMMs\n", t.at("step_s").get<double>(),
-               t.at("tokens_per_s").get<double>(), t.at("achieved_flops_per_s").get<double>() / 1e9,
-               100.0 * t.at("gemm_fraction").get<double>());
-    fmt::print("{}\n", exact ? "measured memory equals the prediction exactly" : "measured memory differs from the prediction");
-    nlohmann::json vj = planner::validation_to_json(v);
-    write_atomic(out / "validation.json", vj.dump(1) + "\n");
-    sim::TraceOptions to;
-    to.ranks = N;
-    to.pid_base = 1000;  // the measured trace.json uses pid 0
-    write_atomic(out / "trace.predicted.json", sim::chrome_trace(plan.program, *plan.time, to).dump() + "\n");
-    write_atomic(out / "report.md", report(plan, v, profile));
-    fmt::print("wrote {}, {}, {}, {}, {}\n", (out / "measurement.json").string(), (out / "trace.json").string(),
-               (out / "validation.json").string(), (out / "trace.predicted.json").string(), (out / "report.md").string());
-    std::fflush(stdout);  // the table first, then the verdict lines on stderr
-    for (const auto* section : {&v.memory, &v.time, &v.comm})
-      for (const auto& f : *section)
-        if (!f.within) fmt::print(stderr, "{}\n", outside_line(f));
-    if (!v.within_tolerance) {
-      fmt::print(stderr, "peftplan run: {} figure(s) outside tolerance\n", v.outside.size());
-      exit_code = 1;
+    if (several) {
+      const std::string what = fmt::format("{}, {} rank(s), {}", job_model, job_ranks, profile);
+      fmt::print("\n== predicted versus measured, {} strategies ({}); tolerances: memory {:.4g}%, time {:.4g}%\n", outcomes.size(),
+                 what, 100.0 * o->tolerance_memory, 100.0 * o->tolerance_time);
+      fmt::print("{}", summary_table(outcomes, false));
+      nlohmann::json sj = nlohmann::json::array();
+      for (const Outcome& r : outcomes) {
+        nlohmann::json vj = planner::validation_to_json(r.v);
+        sj.push_back({{"strategy", r.strategy}, {"dir", r.dir.string()}, {"within_tolerance", r.v.within_tolerance}, {"outside", r.v.outside},
+                      {"step_s", vj["time"]["step_s"]}, {"peak", vj["memory"]["peak"]}, {"comm", vj["comm"]}});
+      }
+      write_atomic(out / "summary.json", nlohmann::json{{"schema", "peftplan.run-summary/1"}, {"runs", sj}}.dump(1) + "\n");
+      write_atomic(out / "summary.md", "# peftplan run: predicted versus measured, by strategy\n\n" + summary_table(outcomes, true));
+      fmt::print("wrote {}, {}\n", (out / "summary.json").string(), (out / "summary.md").string());
     }
   });
 }

@@ -690,34 +690,44 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
                          100.0 * (s / p.time_s - 1.0));
       }
     }
-  // The executor's kernels: per calibration program and kernel, the measured seconds per step
-  // (rank 0, steps after the first) against sim on the profile (the fitted overhead and scale).
+  // The executor's kernels: per kernel, sim's error on each calibration program's measured
+  // seconds per step (rank 0, steps after the first), with the fitted overhead and scale.
   if (!cal.kernels.empty()) {
-    o += fmt::format("\n# executor kernels, {} rank(s) at once: per program and kernel, ms per step (rank 0); "
-                     "sim = overhead + scale x roofline on the profile\n", cal.ranks);
-    o += fmt::format("# {:<26} {:<18} {:>5} {:>10} {:>10} {:>7} {:>13} {:>7}\n", "program", "kernel", "ops", "meas(ms)", "sim(ms)",
-                     "err", "overhead(us)", "scale");
-    std::vector<std::pair<std::string, sim::Kernel>> keys;
-    for (const KernelSample& k : cal.kernels)
-      if (std::find(keys.begin(), keys.end(), std::make_pair(k.program, k.kernel)) == keys.end()) keys.emplace_back(k.program, k.kernel);
-    for (const auto& [prog, kernel] : keys) {
-      double meas = 0.0, sim_s = 0.0;
-      int ops = 0;
-      bool host = false;
-      for (const KernelSample& k : cal.kernels) {
-        if (k.program != prog || k.kernel != kernel) continue;
-        ++ops;
-        meas += k.seconds;
-        host = host || k.host;
-        sim_s += k.host ? sim::host_compute_cost(k.work, k.kernel, profile).time_s
-                        : sim::device_compute_cost(k.work, k.kernel, profile, DType::fp32).time_s;
-      }
-      const auto i = static_cast<std::size_t>(kernel);
-      o += fmt::format("  {:<26} {:<18} {:>5} {:>10.3f} {:>10.3f} {:>+6.0f}% {:>13.1f} {:>7.3f}\n", prog,
-                       std::string(sim::name_of(kernel)) + (host ? " (host)" : ""), ops, meas * 1e3, sim_s * 1e3,
-                       100.0 * (sim_s / meas - 1.0), host ? 0.0 : profile.host_calibration.kernel_overhead_s[i] / kMicro,
-                       host ? 1.0 : (profile.host_calibration.kernel_scale[i] > 0.0 ? profile.host_calibration.kernel_scale[i] : 1.0));
+    std::vector<std::string> progs;
+    std::vector<sim::Kernel> kinds;
+    for (const KernelSample& k : cal.kernels) {
+      if (std::find(progs.begin(), progs.end(), k.program) == progs.end()) progs.push_back(k.program);
+      if (std::find(kinds.begin(), kinds.end(), k.kernel) == kinds.end()) kinds.push_back(k.kernel);
     }
+    o += fmt::format("\n# executor kernels, {} rank(s) at once: sim = overhead + scale x roofline on the profile; its error on each "
+                     "program's measured ms per step:\n", cal.ranks);
+    for (std::size_t p = 0; p < progs.size(); ++p) o += fmt::format("#   p{} = {}\n", p + 1, progs[p]);
+    o += fmt::format("# {:<24} {:>13} {:>7}", "kernel", "overhead(us)", "scale");
+    for (std::size_t p = 0; p < progs.size(); ++p) o += fmt::format(" {:>16}", fmt::format("p{} meas(ms) err", p + 1));
+    o += "\n";
+    for (const sim::Kernel kernel : kinds)
+      for (const bool host : {false, true}) {
+        std::string row;
+        bool any = false;
+        for (const std::string& prog : progs) {
+          double meas = 0.0, sim_s = 0.0;
+          for (const KernelSample& k : cal.kernels) {
+            if (k.program != prog || k.kernel != kernel || k.host != host) continue;
+            any = true;
+            meas += k.seconds;
+            sim_s += host ? sim::host_compute_cost(k.work, k.kernel, profile).time_s
+                          : sim::device_compute_cost(k.work, k.kernel, profile, DType::fp32).time_s;
+          }
+          row += meas > 0.0 ? fmt::format(" {:>9.3f} {:>+5.0f}%", meas * 1e3, 100.0 * (sim_s / meas - 1.0)) : fmt::format(" {:>16}", "-");
+        }
+        if (!any) continue;
+        const auto i = static_cast<std::size_t>(kernel);
+        const double scale = profile.host_calibration.kernel_scale[i] > 0.0 ? profile.host_calibration.kernel_scale[i] : 1.0;
+        o += host ? fmt::format("  {:<24} {:>13} {:>7}", std::string(sim::name_of(kernel)) + " (host)", "-", "-")
+                  : fmt::format("  {:<24} {:>13.1f} {:>7.3f}", sim::name_of(kernel), profile.host_calibration.kernel_overhead_s[i] / kMicro,
+                                scale);
+        o += row + "\n";
+      }
   }
   if (!cal.programs.empty()) {
     o += fmt::format("\n# calibration steps, {} rank(s) at once: measured wall time per step (rank 0) and sim on the profile\n",

@@ -383,7 +383,7 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
     return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
   };
   // A fixed cluster (no calibration run) and time not judged: this test is about the executor.
-  const std::string fixed = " --cluster 1xA100-80GB --tolerance-time 1e9";
+  const std::string fixed = " --cluster 1xA100-80GB --strategy ddp --tolerance-time 1e9";
   const std::string common = "--model tiny-llama-2l --seq-len 16 --micro-batch 2 --lora-targets q_proj,v_proj" + fixed + " --data " + kCorpus;
   auto [code, out] = run(common + " --steps 3 --save-adapter " + (dir / "adapter").string() + " --out " + dir.string());
   ASSERT_EQ(code, 0) << out;

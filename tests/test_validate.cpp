@@ -177,6 +177,29 @@ TEST(Validate, StepTimeIsTheMedianAfterTheFirstStep) {
   EXPECT_NEAR(find(validate(p, m).time, "step_s").measured, 1.5 * t, 1e-15);
 }
 
+// A part of the step is judged by its error's share of the step: communication 10x its
+// prediction but 10% of the step longer is within a 15% tolerance; 20% of the step is not, and
+// both communication figures are named.
+TEST(Validate, PartsOfTheStepAreJudgedByTheirShareOfTheStep) {
+  const Plan p = tiny_plan(Stage::zero2, 2);
+  json m = exact_measurement(p);
+  const double step = p.time->step_s, comm = p.time->comm_s;
+  ASSERT_GT(comm, 0.0);
+  const std::int64_t steps = static_cast<std::int64_t>(m["step_times_s"].size());
+  m["collectives"]["all_reduce"]["seconds"] = (comm + 0.10 * step) * static_cast<double>(steps);
+  Validation v = validate(p, m);
+  EXPECT_TRUE(v.within_tolerance);
+  EXPECT_NEAR(find(v.time, "comm_s").share_of_step, 0.10, 1e-9);
+  EXPECT_GT(find(v.time, "comm_s").relative_error, 0.15);  // its own relative error is large
+  EXPECT_NEAR(validation_to_json(v)["time"]["comm_s"]["error_share_of_step"].get<double>(), 0.10, 1e-9);
+  m["collectives"]["all_reduce"]["seconds"] = (comm + 0.20 * step) * static_cast<double>(steps);
+  v = validate(p, m);
+  EXPECT_FALSE(v.within_tolerance);
+  EXPECT_EQ(v.outside, (std::vector<std::string>{"time.comm_s", "time.exposed_comm_s"}));
+  // step_s itself is judged by its relative error only
+  EXPECT_TRUE(find(v.time, "step_s").within);
+}
+
 TEST(Validate, OpByOpNamesTheInjectedSlowOp) {
   const Plan p = tiny_plan(Stage::zero2, 2);
   json m = exact_measurement(p);
@@ -260,7 +283,12 @@ TEST(Validate, JsonKeysAreTheIssues) {
   for (int c = 0; c < sim::kNumCategories; ++c)
     EXPECT_EQ(keys(j.at("memory").at(std::string(sim::name_of(static_cast<sim::MemCategory>(c))))), bytes_keys);
   EXPECT_EQ(keys(j.at("memory").at("peak")), bytes_keys);
-  for (const char* t : {"step_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s"}) EXPECT_EQ(keys(j.at("time").at(t)), time_keys) << t;
+  // the issue's keys, plus each time figure's verdict and, for the parts, their error's share of the step
+  std::set<std::string> step_keys = time_keys, part_keys = time_keys;
+  step_keys.insert("within_tolerance");
+  part_keys.insert({"within_tolerance", "error_share_of_step"});
+  EXPECT_EQ(keys(j.at("time").at("step_s")), step_keys);
+  for (const char* t : {"compute_s", "comm_s", "exposed_comm_s", "optimizer_s"}) EXPECT_EQ(keys(j.at("time").at(t)), part_keys) << t;
   ASSERT_FALSE(j.at("comm").empty());
   for (const auto& [kind, c] : j.at("comm").items()) EXPECT_EQ(keys(c), bytes_keys) << kind;
   EXPECT_EQ(j.at("memory").at("peak").at("predicted_bytes").get<std::uint64_t>(), p.memory.device_peak_bytes);
@@ -321,7 +349,7 @@ TEST(RunCli, WritesValidationTraceAndReport) {
     EXPECT_EQ(v["memory"][k]["predicted_bytes"], v["memory"][k]["measured_bytes"]) << k;  // exact
   }
   for (const char* t : {"step_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s"})
-    EXPECT_EQ(keys(v.at("time").at(t)), (std::set<std::string>{"predicted", "measured", "relative_error"})) << t;
+    for (const char* k : {"predicted", "measured", "relative_error", "within_tolerance"}) EXPECT_TRUE(v.at("time").at(t).contains(k)) << t << k;
   EXPECT_TRUE(v.at("comm").contains("reduce_scatter") || v.at("comm").contains("all_reduce")) << v.dump(1);
   for (const auto& [kind, c] : v.at("comm").items()) EXPECT_EQ(c["predicted_bytes"], c["measured_bytes"]) << kind;
   EXPECT_TRUE(v.at("most_different_op").contains("layer")) << v.dump(1);
@@ -335,6 +363,55 @@ TEST(RunCli, WritesValidationTraceAndReport) {
   EXPECT_NE(s.str().find("step_s"), std::string::npos);
   EXPECT_NE(s.str().find("Differs most"), std::string::npos);
   for (const auto& e : fs::directory_iterator(dir / "out")) EXPECT_NE(e.path().extension(), ".tmp") << e.path();
+  fs::remove_all(dir);
+}
+
+// Several strategies: one run each in its own folder, then the comparison table and
+// summary.json/summary.md; without --data the bundled text is written to <out>/corpus.txt and
+// trained on.
+TEST(RunCli, SeveralStrategiesEndWithTheirComparison) {
+  const fs::path dir = temp_dir("several");
+  sim::write_cluster_file(sim::default_cluster(2), dir / "profile.json");
+  const CliRun r = run_cli("--model tiny-llama-2l --lora-r 4 --gpus 2 --strategy ddp,zero3 --steps 2 --seq-len 16 --micro-batch 2 "
+                           "--tolerance-time 1000 --calibration " + (dir / "profile.json").string() + " --out " + (dir / "out").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("data: the bundled text"), std::string::npos) << r.out;
+  std::ifstream corpus(dir / "out" / "corpus.txt");
+  std::stringstream text;
+  text << corpus.rdbuf();
+  EXPECT_GT(text.str().size(), 4000u);
+  EXPECT_NE(text.str().find("all-gather"), std::string::npos);
+  for (const char* s : {"ddp", "zero3"}) {
+    const json v = models::read_json_file((dir / "out" / s / "validation.json").string());
+    EXPECT_EQ(v["memory"]["peak"]["predicted_bytes"], v["memory"]["peak"]["measured_bytes"]) << s;
+    EXPECT_TRUE(fs::exists(dir / "out" / s / "report.md")) << s;
+  }
+  const json sj = models::read_json_file((dir / "out" / "summary.json").string());
+  ASSERT_EQ(sj.at("runs").size(), 2u);
+  EXPECT_EQ(sj["runs"][0]["strategy"], "ddp");
+  EXPECT_EQ(sj["runs"][1]["strategy"], "zero3");
+  EXPECT_TRUE(sj["runs"][1].at("comm").contains("all_gather")) << sj.dump(1);  // ZeRO-3 gathers, DDP does not
+  EXPECT_FALSE(sj["runs"][0].at("comm").contains("all_gather")) << sj.dump(1);
+  const std::size_t table = r.out.find("== predicted versus measured, 2 strategies");
+  ASSERT_NE(table, std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nzero3 ", table), std::string::npos) << r.out;
+  EXPECT_TRUE(fs::exists(dir / "out" / "summary.md"));
+  fs::remove_all(dir);
+}
+
+// What belongs to one training run is refused for several, and a malformed list is bad input.
+TEST(RunCli, SeveralStrategiesRefuseSingleRunOptions) {
+  const fs::path dir = temp_dir("refuse");
+  CliRun r = run_cli("--strategy ddp,zero2 --save-adapter " + (dir / "a").string() + " --out " + (dir / "out").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--save-adapter"), std::string::npos) << r.out;
+  r = run_cli("--strategy ddp,,zero2 --out " + (dir / "out").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--strategy"), std::string::npos) << r.out;
+  r = run_cli("--strategy ddp,zero4 --cluster 2xA100-80GB --out " + (dir / "out").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("zero4"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(dir / "out" / "ddp")) << "nothing runs before every strategy is checked";
   fs::remove_all(dir);
 }
 

@@ -27,7 +27,9 @@
 // steps (warm-up included). relative_error = (measured - predicted) / predicted, signed; when
 // the prediction is 0 it is 0 if the measurement is 0 too and 1 otherwise. A figure is within
 // tolerance when |relative_error| <= its tolerance (memory and collective bytes: memory; time:
-// time).
+// time); the parts of the step (compute_s, comm_s, exposed_comm_s, optimizer_s) also when their
+// absolute error is within the time tolerance times the predicted step_s (share_of_step): what
+// matters of a part is what its error does to the step.
 #pragma once
 
 #include <cstdint>
@@ -57,6 +59,7 @@ struct Figure {
   double tolerance = 0.0;
   bool within = true;
   std::int32_t rank = 0;      // memory: the rank measured (the worst one of per_rank)
+  double share_of_step = 0.0; // time figures but step_s: (measured - predicted) / predicted step_s
   std::string key() const { return section + "." + name; }
 };
 
