@@ -12,7 +12,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 build="$here/build/acc"
 quick=0
-steps=6
+steps=10  # 4 ranks on 2 cores settle over several steps; the median of the steps after the first is compared
 out="$(mktemp -d /tmp/peftplan-accuracy.XXXXXX)"
 while [[ $# -gt 0 ]]; do
   case "$1" in

@@ -27,6 +27,7 @@
 #include "peftplan/executor/calibrate.h"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -288,24 +289,35 @@ CollectivePoint time_collective(Communicator& comm, sim::Collective kind, std::u
         return comm.all_gather_async(send.data(), recv.data(), count, CommDType::fp32);
     }
   };
-  // Warm-up, and a probe that sets the iteration count (the same on every rank).
+  // Warm-up, and a probe that sets the iteration count (the same on every rank): the fastest of
+  // three, so that one stalled probe does not cut the iterations to a handful.
   launch()->wait();
-  auto t0 = Clock::now();
-  launch()->wait();
-  const double probe = max_over_ranks(comm, seconds_since(t0));
+  double probe = std::numeric_limits<double>::max();
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = Clock::now();
+    launch()->wait();
+    probe = std::min(probe, seconds_since(t0));
+  }
+  probe = max_over_ranks(comm, probe);
   const double target_s = quick ? 0.01 : 0.05;
   const int min_iters = quick ? 3 : 5, max_iters = quick ? 200 : 1000;
-  p.iterations = std::clamp(static_cast<int>(std::ceil(target_s / std::max(probe, 1e-7))),
-                            min_iters, max_iters);
-  comm.barrier();
-  launch()->wait();  // aligns the ranks more tightly than the (sleeping) barrier does
+  constexpr int kBlocks = 3;  // timed blocks; their median is the result (a stalled block is dropped)
+  p.iterations = std::clamp(static_cast<int>(std::ceil(target_s / kBlocks / std::max(probe, 1e-7))), min_iters, max_iters);
+  std::array<double, kBlocks> block{};
   std::vector<std::unique_ptr<CommRequest>> inflight;
   inflight.reserve(static_cast<std::size_t>(p.iterations));
-  t0 = Clock::now();
-  for (int i = 0; i < p.iterations; ++i) inflight.push_back(launch());
-  for (auto& r : inflight) r->wait();
-  const double mean = seconds_since(t0) / p.iterations;
-  p.time_s = max_over_ranks(comm, mean);
+  for (double& b : block) {
+    comm.barrier();
+    launch()->wait();  // aligns the ranks more tightly than the (sleeping) barrier does
+    inflight.clear();
+    const auto t0 = Clock::now();
+    for (int i = 0; i < p.iterations; ++i) inflight.push_back(launch());
+    for (auto& r : inflight) r->wait();
+    b = max_over_ranks(comm, seconds_since(t0) / p.iterations);
+  }
+  std::sort(block.begin(), block.end());
+  p.time_s = block[kBlocks / 2];
+  p.iterations *= kBlocks;
   p.algbw_bytes_per_s = static_cast<double>(p.bytes) / p.time_s;
   p.busbw_bytes_per_s = p.algbw_bytes_per_s * sim::busbw_factor(kind, n);
   return p;
