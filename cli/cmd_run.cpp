@@ -45,6 +45,14 @@ namespace fs = std::filesystem;
 
 std::string absolute(const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); }
 
+// A path as the user would type it: relative to the working directory when inside it.
+std::string shown(const fs::path& p) {
+  std::error_code ec;
+  const fs::path rel = fs::relative(p, fs::current_path(ec), ec);
+  if (ec || rel.empty() || *rel.begin() == "..") return p.string();
+  return rel.string();
+}
+
 std::string mib(std::uint64_t b) { return fmt::format("{:.3f} MiB", static_cast<double>(b) / (1024.0 * 1024.0)); }
 
 // Writes text to path through a temporary name and a rename, so a reader never sees half a file.
@@ -313,7 +321,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       write_atomic(out / "corpus.txt", std::string(bundled_corpus()));
       run.data = (out / "corpus.txt").string();
       run.data_format = "bytes";
-      fmt::print("data: the bundled text ({} bytes), written to {}\n", bundled_corpus().size(), run.data);
+      fmt::print("data: the bundled text ({} bytes), written to {}\n", bundled_corpus().size(), shown(run.data));
     }
     std::optional<sim::Cluster> calibrated;
     std::string profile = "--cluster";
@@ -323,7 +331,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
     for (std::size_t si = 0; si < strategies.size(); ++si) {
       flags.strategy = strategies[si];
       const fs::path dir = several ? out / strategies[si] : out;
-      if (several) fmt::print("\n== {} ({} of {}): {}\n", strategies[si], si + 1, strategies.size(), dir.string());
+      if (several) fmt::print("\n== {} ({} of {}): {}\n", strategies[si], si + 1, strategies.size(), shown(dir));
       ResolvedPlan r = resolve_plan_flags(flags);
       for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", w);
       planner::PlanFile pf;
@@ -365,7 +373,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       fs::create_directories(dir);
       const fs::path plan_path = dir / "plan.json";
       planner::write_plan_file(plan_path, pf);
-      fmt::print("wrote {}\n", plan_path.string());
+      fmt::print("wrote {}\n", shown(plan_path));
       std::vector<std::string> args;
       if (N > 1 || !o->hostfile.empty() || !o->hosts.empty()) {
         // mpirun ($PEFTPLAN_MPIRUN or Open MPI's mpirun on the PATH); on one machine more ranks
@@ -419,8 +427,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       to.pid_base = 1000;  // the measured trace.json uses pid 0
       write_atomic(dir / "trace.predicted.json", sim::chrome_trace(plan.program, *plan.time, to).dump() + "\n");
       write_atomic(dir / "report.md", report(plan, v, profile));
-      fmt::print("wrote {}, {}, {}, {}, {}\n", (dir / "measurement.json").string(), (dir / "trace.json").string(),
-                 (dir / "validation.json").string(), (dir / "trace.predicted.json").string(), (dir / "report.md").string());
+      fmt::print("wrote validation.json, trace.predicted.json and report.md beside measurement.json and trace.json in {}\n", shown(dir));
       std::fflush(stdout);  // the table first, then the verdict lines on stderr
       for (const auto* section : {&v.memory, &v.time, &v.comm})
         for (const auto& f : *section)
@@ -445,7 +452,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       }
       write_atomic(out / "summary.json", nlohmann::json{{"schema", "peftplan.run-summary/1"}, {"runs", sj}}.dump(1) + "\n");
       write_atomic(out / "summary.md", "# peftplan run: predicted versus measured, by strategy\n\n" + summary_table(outcomes, true));
-      fmt::print("wrote {}, {}\n", (out / "summary.json").string(), (out / "summary.md").string());
+      fmt::print("wrote {} and {}\n", shown(out / "summary.json"), shown(out / "summary.md"));
     }
   });
 }

@@ -956,7 +956,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
       in.strategy.offload_optimizer = planner::OffloadDevice::cpu;
       in.training.base_storage = DType::bf16;
     }
-    pf.run.steps = quick ? 4 : 6;  // the first is warm-up
+    // the first step is warm-up; small steps are cheap, so they get more (noise falls with steps)
+    pf.run.steps = run / 2 == 0 ? (quick ? 10 : 16) : (quick ? 4 : 6);
     pf.run.seed = 1;
     std::vector<std::int32_t> tokens(static_cast<std::size_t>(in.training.seq_len * 64 + 1));
     for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7919u) % static_cast<std::size_t>(in.model.vocab));
@@ -968,11 +969,12 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     const std::string label = fmt::format("{} {} B{} S{}", prog == 0 ? "ddp" : "zero2+offload", prog == 0 ? "fp32" : "bf16",
                                           micro_batch, seq_len);
     const sim::Program& p = session.program();
-    const double after_first = m.step_times_s.size() > 1
-                                   ? std::accumulate(m.step_times_s.begin() + 1, m.step_times_s.end(), 0.0) /
-                                         static_cast<double>(m.step_times_s.size() - 1)
-                                   : m.step_times_s.front();
-    cal.programs.push_back({label, p, after_first});
+    // the median step after the first, as planner::validate measures a run's step
+    std::vector<double> after(m.step_times_s.begin() + (m.step_times_s.size() > 1 ? 1 : 0), m.step_times_s.end());
+    std::sort(after.begin(), after.end());
+    const std::size_t h = after.size() / 2;
+    const double step = after.size() % 2 == 1 ? after[h] : 0.5 * (after[h - 1] + after[h]);
+    cal.programs.push_back({label, p, step});
     for (std::size_t i = 0; i < p.ops.size() && i < m.op_s.size(); ++i) {
       const sim::Op& op = p.ops[i];
       if (op.phase == sim::Phase::setup || m.op_s[i] <= 0.0) continue;

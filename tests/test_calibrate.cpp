@@ -18,6 +18,9 @@
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/sim/collectives.h"
 #include "peftplan/sim/compute.h"
+#include "peftplan/sim/timeline.h"
+#include "peftplan/models/config.h"
+#include "peftplan/planner/program.h"
 
 namespace {
 
@@ -126,6 +129,38 @@ Calibration synthetic_calibration() {
   cal.fits = fit_collectives(cal.collectives);
   cal.link = {2, 1.5e-6, 4e9, 0.3, 1.3};
   return cal;
+}
+
+// Whole calibration steps: every compute rate is scaled so that the programs' simulated steps
+// match their measured wall time (geometric mean over the programs), the time the op timers
+// miss (a rank descheduled between ops) included.
+TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
+  Calibration cal = synthetic_calibration();
+  cal.ranks = 1;
+  cal.shared = {{1, 1e11, 1e11, 40e9}};
+  cal.collectives.clear();
+  cal.fits.clear();
+  planner::PlanInput in;
+  in.model = models::load_model("tiny-llama-2l");
+  models::AdapterSpec a;
+  a.lora.r = 4;
+  in.peft.adapters = {a};
+  in.training.micro_batch = 2;
+  in.training.seq_len = 32;
+  in.training.precision = planner::Precision::fp32;
+  in.training.attention = planner::Attention::eager;
+  in.profile = planner::RuntimeProfile::executor;
+  in.strategy.ranks = 1;
+  const sim::Program prog = planner::build_program(in).program;
+  const double base = sim::simulate(prog, make_profile(cal)).step_s;
+  ASSERT_GT(base, 0.0);
+  cal.programs = {{"a", prog, 1.3 * base}, {"b", prog, 1.5 * base}};
+  const sim::Cluster c = make_profile(cal);
+  EXPECT_NEAR(sim::simulate(prog, c).step_s, std::sqrt(1.3 * 1.5) * base, 1e-3 * base);
+  EXPECT_NEAR(step_ratio(cal.programs, c), 1.0, 1e-3);
+  // The factor is folded into the kernel factors, which a profile file keeps.
+  EXPECT_NEAR(sim::simulate(prog, sim::cluster_from_json(sim::cluster_to_json(c), "c.json")).step_s, sim::simulate(prog, c).step_s,
+              1e-9 * base);
 }
 
 TEST(Calibrate, ProfileDescribesTheHostAndRoundTripsThroughSim) {
@@ -241,9 +276,9 @@ TEST(Calibrate, KernelScalesAndCollectiveTablesFromSamples) {
   const double roof = sim::device_compute_cost(w, sim::Kernel::attention_fwd, c, DType::fp32).time_s;
   sim::ComputeWork adam;
   adam.params = 1000000;
-  const std::vector<KernelSample> k = {{sim::Kernel::attention_fwd, false, w, 2.0 * roof},
-                                       {sim::Kernel::attention_fwd, false, w, 4.0 * roof},
-                                       {sim::Kernel::optimizer_step, true, adam, 0.01}};
+  const std::vector<KernelSample> k = {{sim::Kernel::attention_fwd, false, w, 2.0 * roof, "p"},
+                                       {sim::Kernel::attention_fwd, false, w, 4.0 * roof, "p"},
+                                       {sim::Kernel::optimizer_step, true, adam, 0.01, "p"}};
   const std::vector<CopySample> copies = {{1 << 20, 5.0 * sim::copy_time_s(1 << 20, c)}};
   fit_kernel_scales(k, copies, c);
   EXPECT_NEAR(c.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::attention_fwd)], 3.0, 1e-9);

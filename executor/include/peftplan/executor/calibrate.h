@@ -113,7 +113,7 @@ struct CopySample {
 };
 
 // One calibration step program as the ranks ran it: the program and the measured wall time of a
-// step (rank 0, mean of the steps after the first), which includes what no op's timer sees:
+// step (rank 0, median of the steps after the first), which includes what no op's timer sees:
 // time a rank spends descheduled while ranks outnumber cores, waits for slower peers, the loop.
 struct ProgramSample {
   std::string program;           // e.g. "ddp fp32 B2 S128"
