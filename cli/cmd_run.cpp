@@ -156,6 +156,9 @@ std::string report(const planner::Plan& plan, const planner::Validation& v, cons
   s += "## Figures\n\n" + tables(v, true);
   s += fmt::format("\n## Op by op\n\nMeasured op times from the {}.\n\n", v.op_time_source);
   if (v.most_different) s += "Differs most: " + describe(*v.most_different) + "\n\n";
+  if (v.sync_wait_s)
+    s += fmt::format("Ranks waited {:.3f} ms per step inside collectives for the last rank to arrive (skew, not modelled; comm_s "
+                     "counts each collective's transfer).\n\n", *v.sync_wait_s * 1e3);
   if (!v.kinds.empty()) {
     s += "| op kind (phase, kernel, label) | ops | predicted (ms) | measured (ms) | difference (ms) |\n|---|--:|--:|--:|--:|\n";
     for (std::size_t i = 0; i < std::min<std::size_t>(5, v.kinds.size()); ++i) {
@@ -408,6 +411,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
       fmt::print("step time: median of the {} step(s) after the first (the first includes warm-up); op times from the {}\n",
                  v.steps > 1 ? v.steps - 1 : 1, v.op_time_source);
       if (v.most_different) fmt::print("op that differs most: {}\n", describe(*v.most_different));
+      if (v.sync_wait_s)
+        fmt::print("ranks waited {:.3f} ms per step inside collectives for the last rank to arrive (skew, not modelled; "
+                   "comm_s counts each collective's transfer)\n", *v.sync_wait_s * 1e3);
       bool exact = true;
       for (const auto& f : v.memory)
         if (f.name.rfind("host_", 0) != 0 && f.predicted != f.measured) exact = false;  // device categories and the peak

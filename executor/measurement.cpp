@@ -55,7 +55,14 @@ nlohmann::json measurement_to_json(const Measurement& m) {
               {"memory", {{"device", dev}, {"host", host}}},
               {"ops", ops},
               {"op_s", m.op_s},
-              {"op_s_steps", m.op_s_steps}};
+              {"op_s_steps", m.op_s_steps},
+              {"exposed_comm_s", m.exposed_comm_s},
+              {"collective_ops", m.collective_ops},
+              {"collective_op_s_by_step", m.collective_op_s_by_step}};
+  if (!m.collective_transfer_s.empty()) {
+    j["collective_transfer_s"] = m.collective_transfer_s;
+    j["sync_wait_s"] = m.sync_wait_s;
+  }
   if (!m.per_rank.is_null()) j["per_rank"] = m.per_rank;
   return j;
 }

@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 #include <deque>
+#include <limits>
 #include <functional>
 #include <thread>
 #include <unordered_map>
@@ -174,6 +175,12 @@ struct Session::Impl {
                                                 //   steps after its first (compute, copies,
                                                 //   collectives' execution on the comm thread)
   std::int64_t op_runs = 0;                     // run_ops calls of this session
+  double exposed_warm_s = 0.0;                  // compute thread's waits on collectives, summed
+                                                //   over the steps after the first
+  std::vector<std::int32_t> coll_ordinal;       // by op: its index among the step's collectives
+  std::vector<std::int32_t> coll_ops;           // the step's collective ops in program order
+  std::vector<double> coll_cur;                 // this step's execution seconds per collective
+  std::deque<std::vector<double>> coll_recent;  // the last steps' (after the first), at most 32
   Measurement meas;
 
   Impl(const planner::PlanFile& p, Backend& b, TokenData tokens, Communicator* c)
@@ -245,6 +252,13 @@ void Session::Impl::setup() {
   lora_of.assign(nbuf, -1);
   op_s.assign(program.ops.size(), 0.0);
   op_warm_s.assign(program.ops.size(), 0.0);
+  coll_ordinal.assign(program.ops.size(), -1);
+  for (std::size_t i = 0; i < program.ops.size(); ++i)
+    if (program.ops[i].kind == OpKind::collective && program.ops[i].phase != Phase::setup) {
+      coll_ordinal[i] = static_cast<std::int32_t>(coll_ops.size());
+      coll_ops.push_back(static_cast<std::int32_t>(i));
+    }
+  coll_cur.assign(coll_ops.size(), 0.0);
   last_start_s.assign(program.ops.size(), 0.0);
   last_dur_s.assign(program.ops.size(), -1.0);
   // Name tables: base tensors (HF names), adapter tensors (PEFT names), LoRA modules.
@@ -451,6 +465,7 @@ std::string Session::Impl::op_name(std::size_t i) const {
 // then ends the job with MPI_Abort).
 void Session::Impl::wait(CommRequest& req, std::size_t i) {
   const auto t0 = Clock::now();
+  const bool was_done = req.done();
   for (int spin = 0; !req.done(); ++spin) {
     if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(200));
     if (std::chrono::duration<double>(Clock::now() - t0).count() > watchdog_s)
@@ -458,7 +473,11 @@ void Session::Impl::wait(CommRequest& req, std::size_t i) {
                                   op_name(i), watchdog_s));
   }
   req.wait();  // rethrows the operation's error
-  if (const double t = req.seconds(); t >= 0.0 && op_runs > 0) op_warm_s[i] += t;
+  if (op_runs > 0 && !was_done) exposed_warm_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (const double t = req.seconds(); t >= 0.0 && op_runs > 0) {
+    op_warm_s[i] += t;
+    if (i < coll_ordinal.size() && coll_ordinal[i] >= 0) coll_cur[static_cast<std::size_t>(coll_ordinal[i])] = t;
+  }
 }
 
 void Session::Impl::wait_through(std::size_t i) {
@@ -730,6 +749,11 @@ void Session::Impl::run_ops(bool update) {
     }
   }
   if (!pending.empty()) wait_through(pending.back().op);
+  if (op_runs > 0 && !coll_ops.empty()) {
+    coll_recent.push_back(coll_cur);
+    if (coll_recent.size() > 32) coll_recent.pop_front();
+  }
+  std::fill(coll_cur.begin(), coll_cur.end(), 0.0);
   ++op_runs;
 }
 
@@ -975,6 +999,9 @@ Measurement Session::measurement() const {
   if (s.op_runs > 1)
     for (std::size_t i = 0; i < m.op_s.size(); ++i) m.op_s[i] = s.op_warm_s[i] / static_cast<double>(s.op_runs - 1);
   m.op_s_steps = s.op_runs > 1 ? s.op_runs - 1 : 0;
+  m.exposed_comm_s = s.op_runs > 1 ? s.exposed_warm_s / static_cast<double>(s.op_runs - 1) : 0.0;
+  m.collective_ops = s.coll_ops;
+  m.collective_op_s_by_step.assign(s.coll_recent.begin(), s.coll_recent.end());
   // Time per (phase, kernel, label), in first-appearance order.
   std::map<std::tuple<std::string, std::string, std::string>, std::size_t> index;
   nlohmann::json events = nlohmann::json::array();
@@ -1068,6 +1095,37 @@ nlohmann::json gather_measurements(Communicator& comm, const nlohmann::json& min
   return ranks;
 }
 
+// Rank 0: each collective's transfer (the shortest rank's execution, step by step: the rank
+// that arrived last waited for nobody) and the time ranks waited for the last one to arrive,
+// from every rank's collective_op_s_by_step (see Measurement).
+void split_collective_time(Measurement& m) {
+  const auto& ranks = m.per_rank;
+  if (!ranks.is_array() || ranks.empty() || m.collective_ops.empty()) return;
+  std::vector<std::vector<std::vector<double>>> d;  // [rank][step][collective]
+  for (const auto& r : ranks) {
+    if (!r.contains("collective_op_s_by_step") || r.at("collective_ops") != nlohmann::json(m.collective_ops)) return;
+    d.push_back(r.at("collective_op_s_by_step").get<std::vector<std::vector<double>>>());
+  }
+  std::size_t steps = d.front().size();
+  for (const auto& r : d) steps = std::min(steps, r.size());
+  if (steps == 0) return;
+  const std::size_t C = m.collective_ops.size();
+  m.collective_transfer_s.assign(C, 0.0);
+  double wait = 0.0;
+  for (std::size_t k = 0; k < steps; ++k)
+    for (std::size_t c = 0; c < C; ++c) {
+      double lo = std::numeric_limits<double>::max(), sum = 0.0;
+      for (const auto& r : d) {
+        const std::size_t kk = r.size() - steps + k;  // align the last `steps` steps
+        lo = std::min(lo, r[kk][c]);
+        sum += r[kk][c];
+      }
+      m.collective_transfer_s[c] += lo / static_cast<double>(steps);
+      wait += (sum / static_cast<double>(d.size()) - lo) / static_cast<double>(steps);
+    }
+  m.sync_wait_s = wait;
+}
+
 }  // namespace
 
 Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std::filesystem::path& out_dir,
@@ -1110,6 +1168,7 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
     nlohmann::json mine = measurement_to_json(m);
     mine.erase("per_rank");
     m.per_rank = gather_measurements(*comm, mine);
+    if (root) split_collective_time(m);
   }
   if (!root) return m;
   std::filesystem::create_directories(out_dir);

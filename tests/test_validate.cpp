@@ -269,6 +269,32 @@ TEST(Validate, OpSecondsNameACollectiveAndSumByKind) {
   EXPECT_NEAR(find(v.time, "compute_s").measured, t.compute_s, 1e-12);
   EXPECT_NEAR(find(v.time, "optimizer_s").measured, t.optimizer_s, 1e-12);
   EXPECT_NEAR(find(v.time, "comm_s").measured, t.comm_s + 2e-3, 1e-12);
+  // Several ranks: the collectives' transfer replaces their calls (the 2 ms were a wait for the
+  // last rank, reported apart), and the compute thread's measured wait is the exposed time.
+  std::vector<std::int64_t> colls;
+  std::vector<double> transfer;
+  for (std::size_t i = 0; i < op_s.size(); ++i)
+    if (p.program.ops[i].kind == sim::OpKind::collective && p.program.ops[i].phase != sim::Phase::setup) {
+      colls.push_back(static_cast<std::int64_t>(i));
+      transfer.push_back(t.ops[i].end_s - t.ops[i].start_s);
+    }
+  m["collective_ops"] = colls;
+  m["collective_transfer_s"] = transfer;
+  m["sync_wait_s"] = 2e-3;
+  m["exposed_comm_s"] = 1e-4;
+  const Validation w = validate(p, m, Tolerances{0.02, 1000.0});
+  EXPECT_NEAR(find(w.time, "comm_s").measured, t.comm_s, 1e-12);
+  EXPECT_NEAR(find(w.time, "exposed_comm_s").measured, 1e-4, 1e-15);
+  ASSERT_TRUE(w.sync_wait_s);
+  EXPECT_DOUBLE_EQ(*w.sync_wait_s, 2e-3);
+  EXPECT_DOUBLE_EQ(validation_to_json(w)["sync_wait_s"].get<double>(), 2e-3);
+  ASSERT_TRUE(w.most_different);
+  EXPECT_NE(w.most_different->op, coll);
+  m["collective_ops"] = std::vector<std::int64_t>{0};  // the setup's first op is no collective
+  m["collective_transfer_s"] = std::vector<double>{0.0};
+  EXPECT_THROW(validate(p, m), InputError);
+  m.erase("collective_ops");
+  m.erase("collective_transfer_s");
   // An op_s of another program is an input error.
   m["op_s"] = std::vector<double>(3, 0.0);
   EXPECT_THROW(validate(p, m), InputError);
@@ -353,6 +379,18 @@ TEST(RunCli, WritesValidationTraceAndReport) {
   EXPECT_TRUE(v.at("comm").contains("reduce_scatter") || v.at("comm").contains("all_reduce")) << v.dump(1);
   for (const auto& [kind, c] : v.at("comm").items()) EXPECT_EQ(c["predicted_bytes"], c["measured_bytes"]) << kind;
   EXPECT_TRUE(v.at("most_different_op").contains("layer")) << v.dump(1);
+  // Two ranks: each collective's transfer is at most its call on rank 0; the rest is the wait.
+  const json meas = models::read_json_file((dir / "out" / "measurement.json").string());
+  const auto colls = meas.at("collective_ops").get<std::vector<std::int64_t>>();
+  const auto transfer = meas.at("collective_transfer_s").get<std::vector<double>>();
+  ASSERT_EQ(colls.size(), transfer.size());
+  ASSERT_FALSE(colls.empty());
+  for (std::size_t c = 0; c < colls.size(); ++c) {
+    EXPECT_GE(transfer[c], 0.0);
+    EXPECT_LE(transfer[c], meas["op_s"][static_cast<std::size_t>(colls[c])].get<double>() * (1.0 + 1e-9) + 1e-12) << c;
+  }
+  EXPECT_GE(v.at("sync_wait_s").get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(v["time"]["exposed_comm_s"]["measured"].get<double>(), meas.at("exposed_comm_s").get<double>());
   const json tp = models::read_json_file((dir / "out" / "trace.predicted.json").string());
   EXPECT_FALSE(tp.at("traceEvents").empty());
   EXPECT_TRUE(fs::exists(dir / "out" / "trace.json"));

@@ -60,6 +60,18 @@ struct Measurement {
                                         //   (library call start to end, queueing excluded);
                                         //   0 for alloc/free and ops not run
   std::int64_t op_s_steps = 0;          // steps op_s averages over (0: op_s is all zeros)
+  double exposed_comm_s = 0.0;          // mean per step after the first: time the rank's compute
+                                        //   thread stood waiting for collectives
+  std::vector<std::int32_t> collective_ops;  // program op index of each collective of a step
+  std::vector<std::vector<double>> collective_op_s_by_step;  // [step][collective]: execution
+                                        //   seconds on the communication thread, the last (up to
+                                        //   32) steps after the first
+  // Rank 0 of several, from every rank's collective_op_s_by_step: per collective op, the mean
+  // over steps of the shortest rank's execution — the rank that arrived last waits for nobody, so
+  // its call is the transfer — and the mean over steps and ranks of the rest: waiting for the
+  // last rank to arrive (skew; a cost no rank-symmetric model predicts).
+  std::vector<double> collective_transfer_s;  // aligned with collective_ops; empty otherwise
+  double sync_wait_s = 0.0;             // per step, summed over collective ops, mean over ranks
   nlohmann::json trace;                 // Chrome trace of the last step ("traceEvents")
   std::vector<CollectiveStat> collectives;  // per kind, NCCL's order
   nlohmann::json per_rank;              // rank 0 of several: every rank's measurement (memory,

@@ -13,8 +13,10 @@
 //                   is one
 //   compute_s       compute ops on the compute stream, per step
 //   optimizer_s     optimizer-phase compute ops (device or host), per step
-//   comm_s          collectives' measured seconds / steps
-//   exposed_comm_s  = comm_s: collectives block the rank, so none of them is hidden
+//   comm_s          collectives' measured seconds / steps; with several ranks, each collective's
+//                   transfer: the shortest rank's execution (the last to arrive waits for nobody)
+//   exposed_comm_s  the time the compute thread waited for collectives ("exposed_comm_s" of the
+//                   measurement), else = comm_s
 // When the measurement carries "op_s" (every program op's mean seconds per step over the steps
 // after the first: compute ops, copies, and collectives' execution on the communication thread),
 // compute_s, optimizer_s and comm_s are sums of op_s over the ops of each kind, and the
@@ -81,6 +83,8 @@ struct Validation {
   std::vector<Figure> memory;  // device categories, host categories, then "peak"
   std::vector<Figure> time;    // step_s, compute_s, comm_s, exposed_comm_s, optimizer_s
   std::vector<Figure> comm;    // per collective kind the plan or the measurement has
+  std::optional<double> sync_wait_s;  // several ranks: seconds per step ranks waited inside
+                                     //   collectives for the last rank to arrive (not modelled)
   std::vector<OpDiff> ops;     // per op, largest |diff| first (top 10); empty without a trace
   std::vector<OpDiff> kinds;   // per (phase, kernel, label), largest |diff| first (top 10)
   std::optional<OpDiff> most_different;  // ops.front(), else kinds.front()
