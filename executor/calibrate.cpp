@@ -53,6 +53,7 @@
 #include "peftplan/models/peft.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan_file.h"
+#include "peftplan/planner/validate.h"
 #include "peftplan/sim/collectives.h"
 #include "peftplan/sim/compute.h"
 #include "peftplan/sim/timeline.h"
@@ -979,11 +980,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     const std::string label = fmt::format("{} {} B{} S{}", prog == 0 ? "ddp" : "zero2+offload", prog == 0 ? "fp32" : "bf16",
                                           micro_batch, seq_len);
     const sim::Program& p = session.program();
-    // the median step after the first, as planner::validate measures a run's step
-    std::vector<double> after(m.step_times_s.begin() + (m.step_times_s.size() > 1 ? 1 : 0), m.step_times_s.end());
-    std::sort(after.begin(), after.end());
-    const std::size_t h = after.size() / 2;
-    const double step = after.size() % 2 == 1 ? after[h] : 0.5 * (after[h - 1] + after[h]);
+    const double step = planner::steady_step_s(m.step_times_s);  // as validate measures a run's step
     Kept k{{label, p, step}, {}, {}};
     for (std::size_t i = 0; i < p.ops.size() && i < m.op_s.size(); ++i) {
       const sim::Op& op = p.ops[i];

@@ -75,6 +75,15 @@ bool by_abs_diff(const OpDiff& a, const OpDiff& b) {
 
 }  // namespace
 
+double steady_step_s(const std::vector<double>& step_times) {
+  if (step_times.empty()) return 0.0;
+  if (step_times.size() == 1) return step_times.front();
+  std::vector<double> after(step_times.begin() + 1, step_times.end());
+  std::sort(after.begin(), after.end());
+  const std::size_t h = after.size() / 2;
+  return after.size() % 2 == 1 ? after[h] : 0.5 * (after[h - 1] + after[h]);
+}
+
 Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
   if (!plan.time) throw InputError("validate: the plan has no simulated timeline (make_plan with simulate_time)");
   const sim::Timeline& tl = *plan.time;
@@ -214,15 +223,7 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
   if (v.kinds.size() > kTop) v.kinds.resize(kTop);
 
   // Time figures.
-  // The median of the steps after the first: a steady step, robust to the second step's
-  // remaining warm-up and to a step the OS stalled (a shared machine).
-  double step_m = step_times.front();
-  if (step_times.size() > 1) {
-    std::vector<double> after(step_times.begin() + 1, step_times.end());
-    std::sort(after.begin(), after.end());
-    const std::size_t h = after.size() / 2;
-    step_m = after.size() % 2 == 1 ? after[h] : 0.5 * (after[h - 1] + after[h]);
-  }
+  const double step_m = steady_step_s(step_times);
   double comm_m = 0.0;
   const json empty = json::object();
   const json& coll = m.contains("collectives") ? m.at("collectives") : empty;

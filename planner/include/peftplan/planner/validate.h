@@ -96,6 +96,10 @@ struct Validation {
 
 // Throws InputError when the measurement lacks a key it needs or its program (op count, trace
 // op indices) does not match the plan's.
+// A run's steady step time: the median of step_times after the first (the first includes
+// warm-up; the median is robust to a step the OS stalled), the only step when there is one.
+double steady_step_s(const std::vector<double>& step_times);
+
 Validation validate(const Plan& predicted, const nlohmann::json& measurement, const Tolerances& tolerances = {});
 
 // validation.json ("schema": "peftplan.validation/1"): memory.<category> and memory.peak
