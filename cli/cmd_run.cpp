@@ -29,6 +29,7 @@
 #include "corpus.h"
 #include "commands.h"
 #include "peftplan/common/error.h"
+#include "peftplan/common/paths.h"
 #include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan.h"
@@ -45,13 +46,7 @@ namespace fs = std::filesystem;
 
 std::string absolute(const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); }
 
-// A path as the user would type it: relative to the working directory when inside it.
-std::string shown(const fs::path& p) {
-  std::error_code ec;
-  const fs::path rel = fs::relative(p, fs::current_path(ec), ec);
-  if (ec || rel.empty() || *rel.begin() == "..") return p.string();
-  return rel.string();
-}
+std::string shown(const fs::path& p) { return shown_path(p); }
 
 std::string mib(std::uint64_t b) { return fmt::format("{:.3f} MiB", static_cast<double>(b) / (1024.0 * 1024.0)); }
 

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/paths.h"
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/executor/communicator.h"
 #include "peftplan/executor/plan_file.h"
@@ -64,7 +65,8 @@ void run_plan_file(const std::string& plan_path, std::string out_dir) {
   auto backend = executor::make_cpu_backend(threads_per_rank());
   executor::run_plan(plan, *backend, out_dir, world->rank() == 0 ? stdout : nullptr, world.get());
   if (world->rank() == 0) {
-    fmt::print("wrote {}/measurement.json and {}/trace.json\n", out_dir, out_dir);
+    const std::filesystem::path dir(out_dir);
+    fmt::print("wrote {} and {}\n", shown_path(dir / "measurement.json"), shown_path(dir / "trace.json"));
     std::fflush(stdout);
   }
 }
