@@ -307,10 +307,11 @@ void add_run_command(CLI::App& app, int& exit_code) {
     }
     PlanFlags flags = o->plan;
     if (!flags.gpus && flags.cluster.empty()) flags.gpus = 2;  // the default job's 2 ranks
-    for (const std::string& s : strategies) {  // every strategy's input checked before anything runs
+    std::vector<ResolvedPlan> resolved;  // every strategy's input, checked before anything runs
+    for (const std::string& s : strategies) {
       PlanFlags f = flags;
       f.strategy = s;
-      (void)resolve_plan_flags(f);
+      resolved.push_back(resolve_plan_flags(f));
     }
     const fs::path out = fs::absolute(o->out);
     fs::create_directories(out);
@@ -327,10 +328,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
     std::string job_model;
     int job_ranks = 0;
     for (std::size_t si = 0; si < strategies.size(); ++si) {
-      flags.strategy = strategies[si];
       const fs::path dir = several ? out / strategies[si] : out;
       if (several) fmt::print("\n== {} ({} of {}): {}\n", strategies[si], si + 1, strategies.size(), shown(dir));
-      ResolvedPlan r = resolve_plan_flags(flags);
+      ResolvedPlan& r = resolved[si];
       for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", w);
       planner::PlanFile pf;
       pf.input = r.input;
