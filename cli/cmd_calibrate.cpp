@@ -38,6 +38,7 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
     int ranks = static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
     std::string out;
     bool quick = false;
+    int rounds = 5;
     std::string mpirun = PEFTPLAN_MPIEXEC;
   };
   auto o = std::make_shared<Options>();
@@ -46,6 +47,9 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--out", o->out, fmt::format("profile to write (default {})",
                                                default_profile_path().string()));
   cmd->add_flag("--quick", o->quick, "fewer shapes, sizes and repetitions (seconds)");
+  cmd->add_option("--rounds", o->rounds, "interleaved rounds of the calibration step programs (the median round is kept)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
   cmd->add_option("--mpirun", o->mpirun, "the MPI launcher")->capture_default_str();
   cmd->callback([o, &exit_code] {
     if (o->ranks < 1)
@@ -62,6 +66,7 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
     if (::geteuid() == 0) args.push_back("--allow-run-as-root");
     args.insert(args.end(), {find_exec().string(), "calibrate", "--out", out.string()});
     if (o->quick) args.push_back("--quick");
+    args.insert(args.end(), {"--rounds", std::to_string(o->rounds)});
     std::string line;
     for (const auto& a : args) line += (line.empty() ? "" : " ") + a;
     fmt::print("$ {}\n", line);

@@ -13,6 +13,7 @@
 #include "peftplan/common/units.h"
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/plan.h"
+#include "peftplan/planner/plan_file.h"
 #include "peftplan/sim/trace.h"
 
 namespace peftplan::cli {
@@ -114,7 +115,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   struct Options {
     PlanFlags plan;
     bool json = false;
-    std::string memory_trace, trace, write_ds_config;
+    std::string memory_trace, trace, write_ds_config, write_plan;
   };
   auto o = std::make_shared<Options>();
   add_plan_flags(cmd, o->plan);
@@ -122,6 +123,8 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--memory-trace", o->memory_trace, "write the memory timeline as Chrome trace counters");
   cmd->add_option("--trace", o->trace, "write the simulated step as a Chrome trace (Perfetto)");
   cmd->add_option("--write-ds-config", o->write_ds_config, "write the strategy as a DeepSpeed ds_config.json");
+  cmd->add_option("--write-plan", o->write_plan,
+                  "write plan.json (the configuration and the cluster) for `peftplan compare` against your own job's measurement");
   cmd->callback([&exit_code, o] {
     ResolvedPlan r = resolve_plan_flags(o->plan);
     planner::Plan p = planner::make_plan(r.input, r.cluster);
@@ -129,6 +132,13 @@ void add_plan_command(CLI::App& app, int& exit_code) {
     if (!o->memory_trace.empty()) write_json_atomically(o->memory_trace, planner::memory_trace(p));
     if (!o->write_ds_config.empty())
       write_json_atomically(o->write_ds_config, planner::write_ds_config(r.input.strategy, r.input.training));
+    if (!o->write_plan.empty()) {
+      planner::PlanFile pf;
+      pf.input = r.input;
+      pf.model_source = planner::model_source_for(o->plan.model);
+      pf.cluster = r.cluster;
+      planner::write_plan_file(o->write_plan, pf);
+    }
     if (!o->trace.empty() && p.time) {
       sim::TraceOptions to;
       to.process_name = "peftplan predicted";

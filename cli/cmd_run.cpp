@@ -38,6 +38,7 @@
 #include "peftplan/sim/memory.h"
 #include "peftplan/sim/trace.h"
 #include "plan_flags.h"
+#include "validation_text.h"
 
 namespace peftplan::cli {
 namespace {
@@ -47,8 +48,6 @@ namespace fs = std::filesystem;
 std::string absolute(const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); }
 
 std::string shown(const fs::path& p) { return shown_path(p); }
-
-std::string mib(std::uint64_t b) { return fmt::format("{:.3f} MiB", static_cast<double>(b) / (1024.0 * 1024.0)); }
 
 // Writes text to path through a temporary name and a rename, so a reader never sees half a file.
 void write_atomic(const fs::path& path, const std::string& text) {
@@ -93,84 +92,6 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N) {
   return c;
 }
 
-std::string pct(double rel) { return std::isfinite(rel) ? fmt::format("{:+.2f}%", 100.0 * rel) : "n/a"; }
-
-// The comparison tables, as text rows (the console) or Markdown (report.md).
-std::string tables(const planner::Validation& v, bool markdown) {
-  std::string s;
-  auto head = [&](const std::string& what, const std::string& unit) {
-    if (markdown) s += fmt::format("| {} | predicted{} | measured{} | abs. error | rel. error | |\n|---|--:|--:|--:|--:|---|\n", what, unit, unit);
-    else s += fmt::format("\n{:<24} {:>14} {:>14} {:>14} {:>9}\n", what, "predicted", "measured", "abs. error", "rel.");
-  };
-  auto row = [&](const planner::Figure& f, const std::string& p, const std::string& m, const std::string& d) {
-    const char* mark = f.within ? "" : "OUTSIDE";
-    if (markdown) s += fmt::format("| {} | {} | {} | {} | {} | {} |\n", f.name, p, m, d, pct(f.relative_error), mark);
-    else s += fmt::format("{:<24} {:>14} {:>14} {:>14} {:>9} {}\n", f.name, p, m, d, pct(f.relative_error), mark);
-  };
-  const std::string mem_head = v.memory.empty() || v.memory.front().rank == 0 ? "memory" : "memory (worst rank)";
-  head(mem_head, markdown ? " (MiB)" : "");
-  for (const auto& f : v.memory)
-    if (f.predicted != 0.0 || f.measured != 0.0 || f.name == "peak")
-      row(f, mib(static_cast<std::uint64_t>(f.predicted)), mib(static_cast<std::uint64_t>(f.measured)),
-          fmt::format("{:+.0f} B", f.measured - f.predicted));
-  if (markdown) s += "\n";
-  head("time per step", markdown ? " (ms)" : "");
-  for (const auto& f : v.time)
-    row(f, fmt::format("{:.3f} ms", f.predicted * 1e3), fmt::format("{:.3f} ms", f.measured * 1e3),
-        fmt::format("{:+.3f} ms", (f.measured - f.predicted) * 1e3));
-  if (!v.comm.empty()) {
-    if (markdown) s += "\n";
-    head("bytes per step", markdown ? " (B)" : "");
-    for (const auto& f : v.comm)
-      row(f, fmt::format("{:.0f}", f.predicted), fmt::format("{:.0f}", f.measured), fmt::format("{:+.0f}", f.measured - f.predicted));
-  }
-  return s;
-}
-
-std::string describe(const planner::OpDiff& d) {
-  if (d.op >= 0)
-    return fmt::format("op {} {} ({}, {}, layer {}, micro-batch {}): predicted {:.3f} ms, measured {:.3f} ms ({:+.3f} ms)", d.op,
-                       d.label, d.phase, d.kernel, d.layer, d.micro_batch, d.predicted_s * 1e3, d.measured_s * 1e3, d.diff_s() * 1e3);
-  return fmt::format("{} ({}, {}, {} ops): predicted {:.3f} ms, measured {:.3f} ms ({:+.3f} ms)", d.label, d.phase, d.kernel, d.ops,
-                     d.predicted_s * 1e3, d.measured_s * 1e3, d.diff_s() * 1e3);
-}
-
-std::string outside_line(const planner::Figure& f) {
-  return fmt::format("outside tolerance: {}: predicted {:.6g}, measured {:.6g} ({}, tolerance {:.4g}%)", f.key(), f.predicted,
-                     f.measured, pct(f.relative_error), 100.0 * f.tolerance);
-}
-
-std::string report(const planner::Plan& plan, const planner::Validation& v, const std::string& profile) {
-  const auto& in = plan.input;
-  const auto& t = in.training;
-  std::string s = "# peftplan run: predicted versus measured\n\n## Configuration\n\n";
-  s += fmt::format("- model: {}\n- strategy: {}, {} rank(s)\n- micro-batch {}, sequence {}, gradient accumulation {}\n"
-                   "- cluster: {} ({})\n- steps measured: {} (step time: median of the steps after the first)\n\n",
-                   in.model.name, planner::name_of(in.strategy.stage), in.strategy.ranks, t.micro_batch, t.seq_len, t.grad_accum,
-                   plan.cluster.name, profile, v.steps);
-  s += "## Figures\n\n" + tables(v, true);
-  s += fmt::format("\n## Op by op\n\nMeasured op times from the {}.\n\n", v.op_time_source);
-  if (v.most_different) s += "Differs most: " + describe(*v.most_different) + "\n\n";
-  if (v.sync_wait_s)
-    s += fmt::format("Ranks waited {:.3f} ms per step inside collectives for the last rank to arrive (skew, not modelled; comm_s "
-                     "counts each collective's transfer).\n\n", *v.sync_wait_s * 1e3);
-  if (!v.kinds.empty()) {
-    s += "| op kind (phase, kernel, label) | ops | predicted (ms) | measured (ms) | difference (ms) |\n|---|--:|--:|--:|--:|\n";
-    for (std::size_t i = 0; i < std::min<std::size_t>(5, v.kinds.size()); ++i) {
-      const auto& d = v.kinds[i];
-      s += fmt::format("| {}, {}, {} | {} | {:.3f} | {:.3f} | {:+.3f} |\n", d.phase, d.kernel, d.label, d.ops, d.predicted_s * 1e3,
-                       d.measured_s * 1e3, d.diff_s() * 1e3);
-    }
-  }
-  s += fmt::format("\n## Verdict\n\nTolerances: memory and collective bytes {:.4g}%, time {:.4g}%.\n\n", 100.0 * v.tolerances.memory,
-                   100.0 * v.tolerances.time);
-  if (v.within_tolerance) s += "Every figure is within tolerance.\n";
-  for (const auto* section : {&v.memory, &v.time, &v.comm})
-    for (const auto& f : *section)
-      if (!f.within) s += "- " + outside_line(f) + "\n";
-  return s;
-}
-
 // Splits "ddp,zero2,zero3" into its names (empty items are an input error).
 std::vector<std::string> strategy_list(const std::string& s) {
   std::vector<std::string> out;
@@ -184,10 +105,15 @@ std::vector<std::string> strategy_list(const std::string& s) {
   return out;
 }
 
-// One plan-and-run's outcome, for the closing comparison of several strategies.
-struct Outcome {
+// One strategy of the job: its folder, plan file and prediction, the executor's command line
+// (without --out), and every round's measurement.
+struct Job {
   std::string strategy;
   fs::path dir;
+  planner::PlanFile pf;
+  planner::Plan plan;
+  std::vector<std::string> exec_args;
+  std::vector<nlohmann::json> rounds;
   planner::Validation v;
 };
 
@@ -197,42 +123,55 @@ const planner::Figure* figure_named(const std::vector<planner::Figure>& fs, cons
   return nullptr;
 }
 
-// The comparison of several runs: step time and peak predicted versus measured, collective
-// bytes, and the verdict, one row per strategy (text for the console, Markdown for summary.md).
-std::string summary_table(const std::vector<Outcome>& runs, bool markdown) {
+// The comparison of several runs: step time and peak predicted versus measured, the step's
+// spread, collective bytes, and the verdict, one row per strategy (text for the console,
+// Markdown for summary.md).
+std::string summary_table(const std::vector<Job>& runs, bool markdown) {
   std::string s;
   if (markdown)
-    s += "| strategy | step predicted | step measured | error | peak predicted | peak measured | error | collective bytes | verdict |\n"
-         "|---|--:|--:|--:|--:|--:|--:|---|---|\n";
+    s += "| strategy | step predicted | step measured | error | spread | peak predicted | peak measured | error | collective bytes | verdict |\n"
+         "|---|--:|--:|--:|--:|--:|--:|--:|---|---|\n";
   else
-    s += fmt::format("{:<10} {:>14} {:>11} {:>8} {:>15} {:>12} {:>8} {:>17}  {}\n", "strategy", "step predicted", "measured", "error",
-                     "peak predicted", "measured", "error", "collective bytes", "verdict");
-  for (const Outcome& r : runs) {
+    s += fmt::format("{:<10} {:>14} {:>11} {:>8} {:>7} {:>15} {:>12} {:>8} {:>17}  {}\n", "strategy", "step predicted", "measured", "error",
+                     "spread", "peak predicted", "measured", "error", "collective bytes", "verdict");
+  for (const Job& r : runs) {
     const planner::Figure* st = figure_named(r.v.time, "step_s");
     const planner::Figure* pk = figure_named(r.v.memory, "peak");
     bool exact = true;
     for (const auto& f : r.v.comm) exact = exact && f.predicted == f.measured;
     const std::string bytes = r.v.comm.empty() ? "none" : exact ? "exact" : "differ";
-    std::string verdict = r.v.within_tolerance ? "within tolerance" : "outside:";
-    for (const auto& k : r.v.outside) verdict += " " + k;
     const std::string cells[] = {
         r.strategy,
         fmt::format("{:.3f} ms", st ? st->predicted * 1e3 : 0.0),
         fmt::format("{:.3f} ms", st ? st->measured * 1e3 : 0.0),
         st ? pct(st->relative_error) : "n/a",
+        st && st->has_spread && st->measured > 0.0 ? fmt::format("{:.1f}%", 100.0 * st->spread / st->measured) : "-",
         mib(pk ? static_cast<std::uint64_t>(pk->predicted) : 0),
         mib(pk ? static_cast<std::uint64_t>(pk->measured) : 0),
         pk ? pct(pk->relative_error) : "n/a",
         bytes,
-        verdict};
+        verdict_summary(r.v)};
     if (markdown)
-      s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", cells[0], cells[1], cells[2], cells[3], cells[4], cells[5],
-                       cells[6], cells[7], cells[8]);
+      s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n", cells[0], cells[1], cells[2], cells[3], cells[4], cells[5],
+                       cells[6], cells[7], cells[8], cells[9]);
     else
-      s += fmt::format("{:<10} {:>14} {:>11} {:>8} {:>15} {:>12} {:>8} {:>17}  {}\n", cells[0], cells[1], cells[2], cells[3], cells[4],
-                       cells[5], cells[6], cells[7], cells[8]);
+      s += fmt::format("{:<10} {:>14} {:>11} {:>8} {:>7} {:>15} {:>12} {:>8} {:>17}  {}\n", cells[0], cells[1], cells[2], cells[3], cells[4],
+                       cells[5], cells[6], cells[7], cells[8], cells[9]);
   }
   return s;
+}
+
+// Round k's plan file: round 1 is the run as asked; later rounds repeat its steps for their
+// times only, so they neither save the adapter nor write checkpoints (they would overwrite the
+// first round's with identical files, or a checkpoint a later round resumes from).
+planner::PlanFile round_plan(const planner::PlanFile& pf, int round) {
+  planner::PlanFile r = pf;
+  if (round > 1) {
+    r.run.save_adapter.clear();
+    r.run.checkpoint_every = 0;
+    r.run.checkpoint_dir.clear();
+  }
+  return r;
 }
 
 }  // namespace
@@ -247,7 +186,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
     std::string out = "peftplan-run";
     std::string hostfile, hosts, mpi_args;
     std::string calibration;
-    double tolerance_memory = 0.02, tolerance_time = 0.15;
+    std::optional<double> tolerance_memory, tolerance_time;
+    int rounds = 5;
   };
   auto o = std::make_shared<Options>();
   // The embedded default job: tiny-llama-4l with LoRA, DDP, ZeRO-2 and ZeRO-3 on 2 ranks (unless
@@ -289,13 +229,18 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--mpi-args", o->mpi_args, "extra mpirun arguments, space-separated (e.g. \"--mca btl tcp,self\")");
   cmd->add_option("--calibration", o->calibration,
                   fmt::format("calibrated profile to plan with (default {}; made once when missing)", default_profile_path().string()));
-  cmd->add_option("--tolerance-memory", o->tolerance_memory, "relative tolerance of memory and collective bytes")
-      ->capture_default_str()
+  cmd->add_option("--tolerance-memory", o->tolerance_memory,
+                  "relative tolerance of memory and collective bytes (default: the profile's, 0.02 for executor)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--tolerance-time", o->tolerance_time,
-                  "relative tolerance of the step time (the step's parts: their error as a share of the step)")
-      ->capture_default_str()
+                  "relative tolerance of the step time (the step's parts: their error as a share of the step; default: the "
+                  "profile's, 0.15)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--rounds", o->rounds,
+                  "rounds of every strategy's run, interleaved; times are the median of the rounds, the spread their "
+                  "interquartile range")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   cmd->callback([o, &exit_code] {
     const std::vector<std::string> strategies = strategy_list(o->plan.strategy);
     const bool several = strategies.size() > 1;
@@ -324,15 +269,15 @@ void add_run_command(CLI::App& app, int& exit_code) {
     }
     std::optional<sim::Cluster> calibrated;
     std::string profile = "--cluster";
-    std::vector<Outcome> outcomes;
-    std::string job_model;
-    int job_ranks = 0;
+    std::vector<Job> jobs;
+    // Plans first, every strategy's: the prediction never sees a measurement.
     for (std::size_t si = 0; si < strategies.size(); ++si) {
-      const fs::path dir = several ? out / strategies[si] : out;
-      if (several) fmt::print("\n== {} ({} of {}): {}\n", strategies[si], si + 1, strategies.size(), shown(dir));
+      Job job;
+      job.strategy = strategies[si];
+      job.dir = several ? out / strategies[si] : out;
       ResolvedPlan& r = resolved[si];
       for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", w);
-      planner::PlanFile pf;
+      planner::PlanFile& pf = job.pf;
       pf.input = r.input;
       if (o->lr) pf.input.training.lr = *o->lr;
       if (o->weight_decay) pf.input.training.weight_decay = *o->weight_decay;
@@ -351,13 +296,11 @@ void add_run_command(CLI::App& app, int& exit_code) {
       pf.run.weights = absolute(pf.run.weights);
       if (pf.run.adapter_init != "peft") pf.run.adapter_init = absolute(pf.run.adapter_init);
       pf.run.save_adapter = absolute(pf.run.save_adapter);
-      if (pf.run.checkpoint_every > 0 && pf.run.checkpoint_dir.empty()) pf.run.checkpoint_dir = (dir / "checkpoints").string();
+      if (pf.run.checkpoint_every > 0 && pf.run.checkpoint_dir.empty()) pf.run.checkpoint_dir = (job.dir / "checkpoints").string();
       pf.run.checkpoint_dir = absolute(pf.run.checkpoint_dir);
       pf.run.resume = absolute(pf.run.resume);
       for (const auto& w : planner::validate(pf.input)) fmt::print(stderr, "warning: {}\n", w);
       const int N = pf.input.strategy.ranks;
-      job_model = pf.input.model.name;
-      job_ranks = N;
       if (flags.cluster.empty()) {
         if (!calibrated) calibrated = calibrated_cluster(o->calibration, N);
         r.cluster = *calibrated;
@@ -365,50 +308,79 @@ void add_run_command(CLI::App& app, int& exit_code) {
       } else if (si == 0) {
         fmt::print("cluster: {} (--cluster)\n", r.cluster.name);
       }
+      pf.cluster = r.cluster;
       planner::PlanOptions po;
       po.explain = false;
-      const planner::Plan plan = planner::make_plan(pf.input, r.cluster, po);
-      fs::create_directories(dir);
-      const fs::path plan_path = dir / "plan.json";
-      planner::write_plan_file(plan_path, pf);
-      fmt::print("wrote {}\n", shown(plan_path));
-      std::vector<std::string> args;
+      job.plan = planner::make_plan(pf.input, r.cluster, po);
       if (N > 1 || !o->hostfile.empty() || !o->hosts.empty()) {
         // mpirun ($PEFTPLAN_MPIRUN or Open MPI's mpirun on the PATH); on one machine more ranks
         // than cores are allowed (--oversubscribe), and root may run it.
         const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
-        args = {mpirun && *mpirun ? mpirun : "mpirun", "-np", std::to_string(N)};
+        job.exec_args = {mpirun && *mpirun ? mpirun : "mpirun", "-np", std::to_string(N)};
         // Ranks are not bound to cores: each rank runs cores/ranks OpenMP threads (peftplan-exec),
         // the way calibrate measured them.
-        if (o->hostfile.empty() && o->hosts.empty()) args.insert(args.end(), {"--oversubscribe", "--bind-to", "none"});
-        if (!o->hostfile.empty()) args.insert(args.end(), {"--hostfile", absolute(o->hostfile)});
-        if (!o->hosts.empty()) args.insert(args.end(), {"--host", o->hosts});
-        if (::geteuid() == 0) args.push_back("--allow-run-as-root");
+        if (o->hostfile.empty() && o->hosts.empty()) job.exec_args.insert(job.exec_args.end(), {"--oversubscribe", "--bind-to", "none"});
+        if (!o->hostfile.empty()) job.exec_args.insert(job.exec_args.end(), {"--hostfile", absolute(o->hostfile)});
+        if (!o->hosts.empty()) job.exec_args.insert(job.exec_args.end(), {"--host", o->hosts});
+        if (::geteuid() == 0) job.exec_args.push_back("--allow-run-as-root");
         std::istringstream extra(o->mpi_args);
-        for (std::string a; extra >> a;) args.push_back(a);
+        for (std::string a; extra >> a;) job.exec_args.push_back(a);
       }
-      args.insert(args.end(), {find_exec().string(), plan_path.string(), "--out", dir.string()});
-      const int code = run_child(args);
-      if (code != 0) {
-        fmt::print(stderr, "peftplan run: peftplan-exec exited with code {}\n", code);
-        exit_code = code == 2 ? 2 : 3;
-        return;
+      job.exec_args.push_back(find_exec().string());
+      jobs.push_back(std::move(job));
+    }
+    const std::string job_model = jobs.front().pf.input.model.name;
+    const int job_ranks = jobs.front().pf.input.strategy.ranks;
+    const planner::Tolerances defaults = planner::tolerances_for(jobs.front().pf.input.profile);
+    planner::Tolerances tol;
+    tol.memory = o->tolerance_memory.value_or(defaults.memory);
+    tol.time = o->tolerance_time.value_or(defaults.time);
+
+    // Rounds, the strategies interleaved: a slow spell of a shared machine lands on all of them.
+    // Round 1 runs in each strategy's folder and shows its steps; later rounds run quietly in
+    // <dir>/rounds/<k>/ and print one line per round.
+    const int R = o->rounds;
+    for (int round = 1; round <= R; ++round) {
+      std::string line;
+      for (Job& job : jobs) {
+        const fs::path dir = round == 1 ? job.dir : job.dir / "rounds" / std::to_string(round);
+        if (round == 1 && several)
+          fmt::print("\n== {} ({} of {}), round 1 of {}: {}\n", job.strategy, &job - jobs.data() + 1, jobs.size(), R, shown(job.dir));
+        fs::create_directories(dir);
+        const fs::path plan_path = dir / "plan.json";
+        planner::write_plan_file(plan_path, round_plan(job.pf, round));
+        if (round == 1) fmt::print("wrote {}\n", shown(plan_path));
+        std::fflush(stdout);
+        std::vector<std::string> args = job.exec_args;
+        args.insert(args.end(), {plan_path.string(), "--out", dir.string()});
+        if (round > 1) args.push_back("--quiet");
+        const int code = run_child(args);
+        if (code != 0) {
+          fmt::print(stderr, "peftplan run: peftplan-exec exited with code {} ({}, round {})\n", code, job.strategy, round);
+          exit_code = code == 2 ? 2 : 3;
+          return;
+        }
+        auto m = models::read_json_file((dir / "measurement.json").string());
+        if (round == 1 && fs::is_regular_file(dir / "trace.json")) m["trace"] = models::read_json_file((dir / "trace.json").string());
+        const double step = planner::steady_step_s(m.at("step_times_s").get<std::vector<double>>());
+        line += fmt::format("{}{} {:.3f} ms", line.empty() ? "" : ", ", job.strategy, step * 1e3);
+        job.rounds.push_back(std::move(m));
       }
-      auto m = models::read_json_file((dir / "measurement.json").string());
-      if (fs::is_regular_file(dir / "trace.json")) m["trace"] = models::read_json_file((dir / "trace.json").string());
-      planner::Tolerances tol;
-      tol.memory = o->tolerance_memory;
-      tol.time = o->tolerance_time;
-      const planner::Validation v = planner::validate(plan, m, tol);
-      fmt::print("{}", tables(v, false));
+      fmt::print("{}round {}/{}: {}\n", round == 1 ? "\n" : "", round, R, line);
+      std::fflush(stdout);
+    }
+
+    for (Job& job : jobs) {
+      const fs::path& dir = job.dir;
+      const int N = job.pf.input.strategy.ranks;
+      if (several) fmt::print("\n== {}: predicted versus measured ({})\n", job.strategy, shown(dir));
+      job.v = planner::validate_rounds(job.plan, job.rounds, tol);
+      const planner::Validation& v = job.v;
+      const nlohmann::json& m = job.rounds.at(static_cast<std::size_t>(v.op_round));
+      fmt::print("{}", validation_tables(v, false));
       fmt::print("peak at: {} (measured), {} (predicted)\n", m.at("memory").at("device").at("peak_op").get<std::string>(),
-                 planner::plan_to_json(plan).at("memory").at("device").at("peak_op").get<std::string>());
-      fmt::print("step time: median of the {} step(s) after the first (the first includes warm-up); op times from the {}\n",
-                 v.steps > 1 ? v.steps - 1 : 1, v.op_time_source);
-      if (v.most_different) fmt::print("op that differs most: {}\n", describe(*v.most_different));
-      if (v.sync_wait_s)
-        fmt::print("ranks waited {:.3f} ms per step inside collectives for the last rank to arrive (skew, not modelled; "
-                   "comm_s counts each collective's transfer)\n", *v.sync_wait_s * 1e3);
+                 planner::plan_to_json(job.plan).at("memory").at("device").at("peak_op").get<std::string>());
+      fmt::print("{}", validation_notes(v));
       bool exact = true;
       for (const auto& f : v.memory)
         if (f.name.rfind("host_", 0) != 0 && f.predicted != f.measured) exact = false;  // device categories and the peak
@@ -417,42 +389,39 @@ void add_run_command(CLI::App& app, int& exit_code) {
       if (N > 1)
         fmt::print("{}\n", same ? "measured collective bytes equal the prediction exactly" : "measured collective bytes differ from the prediction");
       const auto& t = m.at("time");
-      fmt::print("step {:.3f} s, {:.0f} tokens/s, {:.2f} GFLOP/s, {:.0f}% of the step in GEMMs\n", t.at("step_s").get<double>(),
+      fmt::print("step {:.3f} s, {:.0f} tokens/s, {:.2f} GFLOP/s, {:.0f}% of the step in GEMMs (round {})\n", t.at("step_s").get<double>(),
                  t.at("tokens_per_s").get<double>(), t.at("achieved_flops_per_s").get<double>() / 1e9,
-                 100.0 * t.at("gemm_fraction").get<double>());
+                 100.0 * t.at("gemm_fraction").get<double>(), v.op_round + 1);
       fmt::print("{}\n", exact ? "measured memory equals the prediction exactly" : "measured memory differs from the prediction");
       nlohmann::json vj = planner::validation_to_json(v);
       write_atomic(dir / "validation.json", vj.dump(1) + "\n");
       sim::TraceOptions to;
       to.ranks = N;
       to.pid_base = 1000;  // the measured trace.json uses pid 0
-      write_atomic(dir / "trace.predicted.json", sim::chrome_trace(plan.program, *plan.time, to).dump() + "\n");
-      write_atomic(dir / "report.md", report(plan, v, profile));
+      write_atomic(dir / "trace.predicted.json", sim::chrome_trace(job.plan.program, *job.plan.time, to).dump() + "\n");
+      write_atomic(dir / "report.md", validation_report(job.plan, v, profile));
       fmt::print("wrote validation.json, trace.predicted.json and report.md beside measurement.json and trace.json in {}\n", shown(dir));
       std::fflush(stdout);  // the table first, then the verdict lines on stderr
-      for (const auto* section : {&v.memory, &v.time, &v.comm})
-        for (const auto& f : *section)
-          if (!f.within) fmt::print(stderr, "{}\n", outside_line(f));
+      fmt::print(stderr, "{}", verdict_lines(v));
       if (!v.within_tolerance) {
         fmt::print(stderr, "peftplan run: {} figure(s) outside tolerance\n", v.outside.size());
         exit_code = 1;
       }
       std::fflush(stderr);
-      outcomes.push_back({strategies[si], dir, v});
     }
     if (several) {
-      const std::string what = fmt::format("{}, {} rank(s), {}", job_model, job_ranks, profile);
-      fmt::print("\n== predicted versus measured, {} strategies ({}); tolerances: memory {:.4g}%, time {:.4g}%\n", outcomes.size(),
-                 what, 100.0 * o->tolerance_memory, 100.0 * o->tolerance_time);
-      fmt::print("{}", summary_table(outcomes, false));
+      const std::string what = fmt::format("{}, {} rank(s), {}, {} round(s)", job_model, job_ranks, profile, R);
+      fmt::print("\n== predicted versus measured, {} strategies ({}); tolerances: memory {:.4g}%, time {:.4g}%\n", jobs.size(), what,
+                 100.0 * tol.memory, 100.0 * tol.time);
+      fmt::print("{}", summary_table(jobs, false));
       nlohmann::json sj = nlohmann::json::array();
-      for (const Outcome& r : outcomes) {
+      for (const Job& r : jobs) {
         nlohmann::json vj = planner::validation_to_json(r.v);
         sj.push_back({{"strategy", r.strategy}, {"dir", r.dir.string()}, {"within_tolerance", r.v.within_tolerance}, {"outside", r.v.outside},
-                      {"step_s", vj["time"]["step_s"]}, {"peak", vj["memory"]["peak"]}, {"comm", vj["comm"]}});
+                      {"inconclusive", r.v.inconclusive}, {"step_s", vj["time"]["step_s"]}, {"peak", vj["memory"]["peak"]}, {"comm", vj["comm"]}});
       }
-      write_atomic(out / "summary.json", nlohmann::json{{"schema", "peftplan.run-summary/1"}, {"runs", sj}}.dump(1) + "\n");
-      write_atomic(out / "summary.md", "# peftplan run: predicted versus measured, by strategy\n\n" + summary_table(outcomes, true));
+      write_atomic(out / "summary.json", nlohmann::json{{"schema", "peftplan.run-summary/2"}, {"rounds", R}, {"runs", sj}}.dump(1) + "\n");
+      write_atomic(out / "summary.md", "# peftplan run: predicted versus measured, by strategy\n\n" + summary_table(jobs, true));
       fmt::print("wrote {} and {}\n", shown(out / "summary.json"), shown(out / "summary.md"));
     }
   });

@@ -13,5 +13,6 @@ void add_estimate_command(CLI::App& app, int& exit_code);
 void add_clusters_command(CLI::App& app, int& exit_code);
 void add_calibrate_command(CLI::App& app, int& exit_code);
 void add_run_command(CLI::App& app, int& exit_code);
+void add_compare_command(CLI::App& app, int& exit_code);
 
 }  // namespace peftplan::cli

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   peftplan::cli::add_estimate_command(app, exit_code);
   peftplan::cli::add_calibrate_command(app, exit_code);
   peftplan::cli::add_run_command(app, exit_code);
+  peftplan::cli::add_compare_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {

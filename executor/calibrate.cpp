@@ -531,6 +531,7 @@ sim::Cluster make_profile(const Calibration& cal) {
   // The executor's kernels and MPI's collectives as measured (see sim::HostCalibration).
   fit_kernel_scales(cal.kernels, cal.copies, c);
   c.host_calibration.collectives = collective_tables(cal.collectives);
+  fit_collective_step_costs(cal.step_collectives, c);
   // Whole steps: the op timers miss the time a rank is descheduled between ops (ranks
   // outnumbering cores time-share them; an op that is not preempted runs at full speed while its
   // rank's share of the core is spent elsewhere) and the step loop's own cost. Scale every
@@ -550,6 +551,48 @@ sim::Cluster make_profile(const Calibration& cal) {
     c.host_calibration.copy_scale = (c.host_calibration.copy_scale > 0.0 ? c.host_calibration.copy_scale : 1.0) * g;
   }
   return c;
+}
+
+void fit_collective_step_costs(std::span<const CollectiveSample> samples, sim::Cluster& c) {
+  // Each slot's load is what its calls take inside a step beyond the table of the same calls
+  // measured back to back with nothing else running; its skew the wait for the last rank. Both
+  // are fitted as a + b × (the compute the call overlaps) over the calls of the six
+  // calibration programs: the programs issue each kind where the strategies do (DDP's and
+  // ZeRO-2's after backward, ZeRO-3's gathers while layers compute) at two sizes 8x apart, so
+  // the per-call constant and the growth with compute are told apart. Unweighted least squares:
+  // what matters is the seconds a call adds to the step.
+  constexpr std::size_t kSlots = sim::kCollectiveSlots * sim::kCollectivePlaces;
+  std::array<std::vector<double>, kSlots> load, skew, since;
+  sim::Cluster base = c;  // the table alone
+  base.host_calibration.collective_load_s.fill(0.0);
+  base.host_calibration.collective_skew_s.fill(0.0);
+  base.host_calibration.collective_load_per_compute.fill(0.0);
+  base.host_calibration.collective_skew_per_compute.fill(0.0);
+  for (const CollectiveSample& s : samples) {
+    if (s.group_size < 2 || s.group_size > sim::total_gpus(base)) continue;
+    const std::size_t k = sim::collective_slot(static_cast<std::size_t>(s.kind), s.place);
+    load[k].push_back(std::max(0.0, s.transfer_s - sim::collective_cost(s.kind, s.bytes, s.group_size, base).time_s));
+    skew[k].push_back(std::max(0.0, s.wait_s));
+    since[k].push_back(std::max(0.0, s.overlap_s));
+  }
+  auto& h = c.host_calibration;
+  for (std::size_t k = 0; k < kSlots; ++k) {
+    if (load[k].empty()) continue;
+    const std::vector<double> one(load[k].size(), 1.0);
+    // Calls that all overlap the same compute (often none) tell no slope: the mean per call.
+    const auto [lo, hi] = std::minmax_element(since[k].begin(), since[k].end());
+    const bool slope = *hi - *lo > 0.0;
+    auto fit = [&](const std::vector<double>& y) {
+      if (slope) return nonneg_least_squares(one, since[k], y, one);
+      return Fit2{std::accumulate(y.begin(), y.end(), 0.0) / static_cast<double>(y.size()), 0.0};
+    };
+    const Fit2 l = fit(load[k]);
+    const Fit2 w = fit(skew[k]);
+    h.collective_load_s[k] = l.a;
+    h.collective_load_per_compute[k] = l.b;
+    h.collective_skew_s[k] = w.a;
+    h.collective_skew_per_compute[k] = w.b;
+  }
 }
 
 double step_ratio(std::span<const ProgramSample> programs, const sim::Cluster& profile) {
@@ -746,11 +789,37 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
   if (!cal.programs.empty()) {
     o += fmt::format("\n# calibration steps, {} rank(s) at once: measured wall time per step (rank 0) and sim on the profile\n",
                      cal.ranks);
-    o += fmt::format("# {:<26} {:>10} {:>10} {:>7}\n", "program", "meas(ms)", "sim(ms)", "err");
+    o += fmt::format("# meas = the median of {} interleaved rounds, spread = their interquartile range\n", cal.rounds);
+    o += fmt::format("# {:<26} {:>10} {:>11} {:>10} {:>7}\n", "program", "meas(ms)", "spread(ms)", "sim(ms)", "err");
     for (const ProgramSample& p : cal.programs) {
       const double s = sim::simulate(p.step, profile).step_s;
-      o += fmt::format("  {:<26} {:>10.3f} {:>10.3f} {:>+6.0f}%\n", p.program, p.step_s * 1e3, s * 1e3, 100.0 * (s / p.step_s - 1.0));
+      o += fmt::format("  {:<26} {:>10.3f} {:>6.3f} {:>3.0f}% {:>10.3f} {:>+6.0f}%\n", p.program, p.step_s * 1e3, p.spread_s * 1e3,
+                       100.0 * p.spread_s / p.step_s, s * 1e3, 100.0 * (s / p.step_s - 1.0));
     }
+  }
+  if (!cal.step_collectives.empty()) {
+    o += "\n# collectives inside the calibration steps, per kind and place: the mean call's transfer beyond the table (load) and its\n"
+         "# wait for the last rank to arrive (skew), each fitted as a constant per call + a share of the compute the call overlaps\n"
+         "# (/comp.: seconds per compute second); the timeline adds both to every call of the kind in that place\n";
+    o += fmt::format("# {:>15} {:>10} {:>6} {:>12} {:>10} {:>12} {:>10} {:>12}\n", "collective", "place", "calls", "transfer(us)",
+                     "load(us)", "+load/comp.", "skew(us)", "+skew/comp.");
+    for (int k = 0; k < sim::kNumCollectives; ++k)
+      for (const sim::CollectivePlace place : {sim::CollectivePlace::compute, sim::CollectivePlace::optimizer}) {
+        int calls = 0;
+        double transfer = 0.0;
+        for (const CollectiveSample& s : cal.step_collectives)
+          if (static_cast<int>(s.kind) == k && s.place == place) {
+            ++calls;
+            transfer += s.transfer_s;
+          }
+        if (calls == 0) continue;
+        const std::size_t i = sim::collective_slot(static_cast<std::size_t>(k), place);
+        const auto& h = profile.host_calibration;
+        o += fmt::format("  {:>15} {:>10} {:>6} {:>12.1f} {:>10.1f} {:>12.4f} {:>10.1f} {:>12.4f}\n",
+                         sim::name_of(static_cast<sim::Collective>(k)), sim::name_of(place), calls, transfer / calls / kMicro,
+                         h.collective_load_s[i] / kMicro, h.collective_load_per_compute[i], h.collective_skew_s[i] / kMicro,
+                         h.collective_skew_per_compute[i]);
+      }
   }
   o += "\n# alpha-beta fits, t = alpha + bytes_sent / bw (bytes_sent = S x busbw factor)\n";
   o += fmt::format("# {:>15} {:>5} {:>11} {:>10} {:>9}\n", "collective", "ranks", "alpha(us)",
@@ -792,7 +861,19 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
                        {"gemm_count", k.work.gemm_count}, {"time_us", k.seconds / kMicro}});
   nlohmann::json programs = nlohmann::json::array();
   for (const auto& p : cal.programs)
-    programs.push_back({{"program", p.program}, {"ops", p.step.ops.size()}, {"step_ms", p.step_s * 1e3}});
+    programs.push_back({{"program", p.program}, {"ops", p.step.ops.size()}, {"step_ms", p.step_s * 1e3},
+                        {"round_step_ms", [&] {
+                           std::vector<double> ms;
+                           for (double x : p.round_step_s) ms.push_back(x * 1e3);
+                           return ms;
+                         }()},
+                        {"spread_ms", p.spread_s * 1e3}});
+  nlohmann::json step_coll = nlohmann::json::array();
+  for (const auto& c : cal.step_collectives)
+    step_coll.push_back({{"program", c.program}, {"collective", sim::name_of(c.kind)}, {"place", sim::name_of(c.place)},
+                         {"size_bytes", c.bytes}, {"ranks", c.group_size},
+                         {"transfer_us", c.transfer_s / kMicro}, {"wait_us", c.wait_s / kMicro},
+                         {"overlap_us", c.overlap_s / kMicro}});
   nlohmann::json fits = nlohmann::json::array();
   for (const auto& f : cal.fits)
     fits.push_back({{"collective", sim::name_of(f.kind)}, {"ranks", f.ranks},
@@ -817,6 +898,8 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
       {"alpha_beta", fits},
       {"kernels", kernels},
       {"programs", programs},
+      {"program_rounds", cal.rounds},
+      {"step_collectives", step_coll},
       {"link", {{"ranks", cal.link.ranks}, {"latency_us", cal.link.latency_s / kMicro},
                 {"GBps", cal.link.bytes_per_s / kGiga}, {"rms_rel_error", cal.link.rms_rel_error},
                 {"error_factor", cal.link.error_factor}}},
@@ -927,25 +1010,31 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   cal.link = fit_link(cal.collectives, N);
 
   // 4. The executor's own kernels: all N ranks run a calibration step program at once, the
-  // op times of the steps after the first are kept. Two programs cover every kernel class:
-  // DDP with an fp32 base (device AdamW) and ZeRO-2 with optimizer offload and a bf16 base
-  // (host AdamW, copies, casts). tiny-llama-4l, LoRA r 8 on every linear, each at two sizes,
-  // B 2 × S 128 and B 8 × S 256 (8x the tokens), so that fit_kernel_scales can tell a kernel's
-  // per-call overhead from its rate: steps of milliseconds to a few hundred milliseconds.
-  say(log, fmt::format("measuring the executor's kernels with {} rank(s) at once...\n", N));
+  // op times of the steps after the first are kept. Three programs cover every kernel class and
+  // every way a collective meets compute: DDP with an fp32 base (device AdamW; one all_reduce
+  // after backward), ZeRO-2 with optimizer offload and a bf16 base (host AdamW, copies, casts;
+  // reduce_scatter and all_gather around the optimizer) and ZeRO-3 (all_gathers issued while the
+  // layers compute, reduce_scatters during backward). tiny-llama-4l, LoRA r 8 on every linear,
+  // each at two sizes, B 2 × S 128 and B 8 × S 256 (8x the tokens), so that fit_kernel_scales can
+  // tell a kernel's per-call overhead from its rate: steps of milliseconds to a few hundred
+  // milliseconds.
+  say(log, fmt::format("measuring the executor's kernels with {} rank(s) at once, {} rounds...\n", N, options.rounds));
   constexpr std::pair<std::int64_t, std::int64_t> kSizes[] = {{2, 128}, {8, 256}};
-  // Two rounds of the four programs; each program keeps the round whose step was faster (noise
-  // on a shared machine only ever adds time, and a slow spell rarely covers both rounds).
+  constexpr int kPrograms = 3, kRuns = 2 * kPrograms;
+  // Rounds of the six programs, interleaved (a slow spell of the machine lands on every program
+  // alike, not on one); each program keeps its median round: op times, collectives and step.
   struct Kept {
     ProgramSample program;
     std::vector<KernelSample> kernels;
     std::vector<CopySample> copies;
+    std::vector<CollectiveSample> collectives;
   };
-  std::array<std::optional<Kept>, 4> kept;
-  for (int round_run = 0; round_run < 8; ++round_run) {
-    const int run = round_run % 4;
-    const int prog = run % 2;
-    const auto [micro_batch, seq_len] = kSizes[run / 2];
+  std::array<std::vector<Kept>, kRuns> rounds;
+  cal.rounds = std::max(1, options.rounds);
+  for (int round_run = 0; round_run < cal.rounds * kRuns; ++round_run) {
+    const int run = round_run % kRuns;
+    const int prog = run % kPrograms;
+    const auto [micro_batch, seq_len] = kSizes[run / kPrograms];
     planner::PlanFile pf;
     auto& in = pf.input;
     in.model = models::load_model("tiny-llama-4l");
@@ -966,9 +1055,11 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
       in.strategy.stage = planner::Stage::zero2;
       in.strategy.offload_optimizer = planner::OffloadDevice::cpu;
       in.training.base_storage = DType::bf16;
+    } else if (prog == 2) {
+      in.strategy.stage = planner::Stage::zero3;
     }
     // the first step is warm-up; small steps are cheap, so they get more (noise falls with steps)
-    pf.run.steps = run / 2 == 0 ? (quick ? 10 : 16) : (quick ? 4 : 6);
+    pf.run.steps = run / kPrograms == 0 ? (quick ? 10 : 16) : (quick ? 4 : 6);
     pf.run.seed = 1;
     std::vector<std::int32_t> tokens(static_cast<std::size_t>(in.training.seq_len * 64 + 1));
     for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7919u) % static_cast<std::size_t>(in.model.vocab));
@@ -976,12 +1067,13 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     Session session(pf, *backend, TokenData::from_tokens(std::move(tokens), in.model.vocab, in.training.seq_len, "calibration"),
                     N > 1 ? &world : nullptr);
     for (std::int64_t k = 0; k < pf.run.steps; ++k) session.step();
-    const Measurement m = session.measurement();
-    const std::string label = fmt::format("{} {} B{} S{}", prog == 0 ? "ddp" : "zero2+offload", prog == 0 ? "fp32" : "bf16",
-                                          micro_batch, seq_len);
+    Measurement m = session.measurement();
+    gather_ranks(m, world);  // every rank's collective times, for the transfer and the wait
+    static constexpr const char* kNames[] = {"ddp fp32", "zero2+offload bf16", "zero3 fp32"};
+    const std::string label = fmt::format("{} B{} S{}", kNames[prog], micro_batch, seq_len);
     const sim::Program& p = session.program();
     const double step = planner::steady_step_s(m.step_times_s);  // as validate measures a run's step
-    Kept k{{label, p, step}, {}, {}};
+    Kept k{{label, p, step, {}, 0.0}, {}, {}, {}};
     for (std::size_t i = 0; i < p.ops.size() && i < m.op_s.size(); ++i) {
       const sim::Op& op = p.ops[i];
       if (op.phase == sim::Phase::setup || m.op_s[i] <= 0.0) continue;
@@ -990,14 +1082,33 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
       else if (op.kind == sim::OpKind::copy)
         k.copies.push_back({op.bytes, m.op_s[i]});
     }
-    auto& slot = kept[static_cast<std::size_t>(run)];
-    if (!slot || step < slot->program.step_s) slot = std::move(k);
+    // The compute each collective overlaps, from the measured op times.
+    std::vector<double> measured(p.ops.size(), 0.0);
+    std::copy_n(m.op_s.begin(), std::min(m.op_s.size(), measured.size()), measured.begin());
+    const std::vector<double> overlap = sim::compute_overlapped_s(p, measured);
+    for (std::size_t c = 0; c < m.collective_transfer_s.size(); ++c) {
+      const auto i = static_cast<std::size_t>(m.collective_ops.at(c));
+      const sim::Op& op = p.ops.at(i);
+      k.collectives.push_back({op.collective, sim::collective_place(op.phase), op.bytes, op.group_size, m.collective_transfer_s[c],
+                               m.collective_wait_s.at(c), overlap[i], label});
+    }
+    rounds[static_cast<std::size_t>(run)].push_back(std::move(k));
     world.barrier();
   }
-  for (auto& k : kept) {
-    cal.programs.push_back(std::move(k->program));
-    cal.kernels.insert(cal.kernels.end(), k->kernels.begin(), k->kernels.end());
-    cal.copies.insert(cal.copies.end(), k->copies.begin(), k->copies.end());
+  for (auto& r : rounds) {
+    std::vector<double> steps;
+    for (const Kept& k : r) steps.push_back(k.program.step_s);
+    // the median round (the lower middle one of an even count)
+    std::vector<std::size_t> order(r.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return steps[a] < steps[b]; });
+    Kept& k = r[order[(order.size() - 1) / 2]];
+    k.program.round_step_s = steps;
+    k.program.spread_s = planner::spread_of(steps).iqr();
+    cal.programs.push_back(std::move(k.program));
+    cal.kernels.insert(cal.kernels.end(), k.kernels.begin(), k.kernels.end());
+    cal.copies.insert(cal.copies.end(), k.copies.begin(), k.copies.end());
+    cal.step_collectives.insert(cal.step_collectives.end(), k.collectives.begin(), k.collectives.end());
   }
   return cal;
 }

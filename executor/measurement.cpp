@@ -61,6 +61,7 @@ nlohmann::json measurement_to_json(const Measurement& m) {
               {"collective_op_s_by_step", m.collective_op_s_by_step}};
   if (!m.collective_transfer_s.empty()) {
     j["collective_transfer_s"] = m.collective_transfer_s;
+    j["collective_wait_s"] = m.collective_wait_s;
     j["sync_wait_s"] = m.sync_wait_s;
   }
   if (!m.per_rank.is_null()) j["per_rank"] = m.per_rank;

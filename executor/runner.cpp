@@ -4,6 +4,7 @@
 #include "peftplan/executor/runner.h"
 
 #include <algorithm>
+#include <numeric>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -1097,7 +1098,7 @@ nlohmann::json gather_measurements(Communicator& comm, const nlohmann::json& min
 
 // Rank 0: each collective's transfer (the shortest rank's execution, step by step: the rank
 // that arrived last waited for nobody) and the time ranks waited for the last one to arrive,
-// from every rank's collective_op_s_by_step (see Measurement).
+// per collective op and in total, from every rank's collective_op_s_by_step (see Measurement).
 void split_collective_time(Measurement& m) {
   const auto& ranks = m.per_rank;
   if (!ranks.is_array() || ranks.empty() || m.collective_ops.empty()) return;
@@ -1111,7 +1112,7 @@ void split_collective_time(Measurement& m) {
   if (steps == 0) return;
   const std::size_t C = m.collective_ops.size();
   m.collective_transfer_s.assign(C, 0.0);
-  double wait = 0.0;
+  m.collective_wait_s.assign(C, 0.0);
   for (std::size_t k = 0; k < steps; ++k)
     for (std::size_t c = 0; c < C; ++c) {
       double lo = std::numeric_limits<double>::max(), sum = 0.0;
@@ -1121,12 +1122,20 @@ void split_collective_time(Measurement& m) {
         sum += r[kk][c];
       }
       m.collective_transfer_s[c] += lo / static_cast<double>(steps);
-      wait += (sum / static_cast<double>(d.size()) - lo) / static_cast<double>(steps);
+      m.collective_wait_s[c] += (sum / static_cast<double>(d.size()) - lo) / static_cast<double>(steps);
     }
-  m.sync_wait_s = wait;
+  m.sync_wait_s = std::accumulate(m.collective_wait_s.begin(), m.collective_wait_s.end(), 0.0);
 }
 
 }  // namespace
+
+void gather_ranks(Measurement& m, Communicator& comm) {
+  if (comm.size() <= 1) return;
+  nlohmann::json mine = measurement_to_json(m);
+  mine.erase("per_rank");
+  m.per_rank = gather_measurements(comm, mine);
+  if (comm.rank() == 0) split_collective_time(m);
+}
 
 Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std::filesystem::path& out_dir,
                      std::FILE* progress, Communicator* comm) {
@@ -1164,12 +1173,7 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
   Measurement m = session.measurement();
   // ZeRO-3: the adapter is sharded; every rank takes part in gathering it.
   if (plan.input.strategy.stage == planner::Stage::zero3 && !plan.run.save_adapter.empty()) session.trainable_weights();
-  if (comm && comm->size() > 1) {
-    nlohmann::json mine = measurement_to_json(m);
-    mine.erase("per_rank");
-    m.per_rank = gather_measurements(*comm, mine);
-    if (root) split_collective_time(m);
-  }
+  if (comm) gather_ranks(m, *comm);
   if (!root) return m;
   std::filesystem::create_directories(out_dir);
   auto write = [](const std::filesystem::path& p, const nlohmann::json& j) {

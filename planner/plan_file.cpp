@@ -100,6 +100,7 @@ json plan_file_to_json(const PlanFile& pf) {
             {"profile", name_of(in.profile)},
             {"ds_config", ds},
             {"run", run}};
+  if (pf.cluster) j["cluster"] = sim::cluster_to_json(*pf.cluster);
   return j;
 }
 
@@ -211,6 +212,8 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   if (r.checkpoint_every > 0 && r.checkpoint_dir.empty())
     throw input_error(source, "run.checkpoint_dir", "must name a folder when run.checkpoint_every > 0", "\"\"");
   r.resume = get<std::string>(run, "resume", source, "run.", r.resume);
+  if (auto it = j.find("cluster"); it != j.end() && !it->is_null())
+    pf.cluster = sim::cluster_from_json(*it, fmt::format("{}: cluster", source));
   return pf;
 }
 

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
 #include "peftplan/sim/compute.h"
 
 namespace peftplan::planner {
@@ -30,7 +31,13 @@ const json& need(const json& j, const char* key, const std::string& where) {
 }
 
 Figure figure(std::string section, std::string name, double p, double m, double tolerance) {
-  Figure f{std::move(section), std::move(name), p, m, relative_error(p, m), tolerance, true, 0};
+  Figure f;
+  f.section = std::move(section);
+  f.name = std::move(name);
+  f.predicted = p;
+  f.measured = m;
+  f.relative_error = relative_error(p, m);
+  f.tolerance = tolerance;
   f.within = std::abs(f.relative_error) <= tolerance;
   return f;
 }
@@ -75,16 +82,29 @@ bool by_abs_diff(const OpDiff& a, const OpDiff& b) {
 
 }  // namespace
 
+Spread spread_of(std::vector<double> v) {
+  if (v.empty()) return {};
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) {  // type 7: h = (n - 1) q
+    const double h = static_cast<double>(v.size() - 1) * q;
+    const auto lo = static_cast<std::size_t>(std::floor(h));
+    const std::size_t hi = std::min(lo + 1, v.size() - 1);
+    return v[lo] + (h - static_cast<double>(lo)) * (v[hi] - v[lo]);
+  };
+  return {at(0.5), at(0.25), at(0.75)};
+}
+
 double steady_step_s(const std::vector<double>& step_times) {
   if (step_times.empty()) return 0.0;
   if (step_times.size() == 1) return step_times.front();
-  std::vector<double> after(step_times.begin() + 1, step_times.end());
-  std::sort(after.begin(), after.end());
-  const std::size_t h = after.size() / 2;
-  return after.size() % 2 == 1 ? after[h] : 0.5 * (after[h - 1] + after[h]);
+  return spread_of(std::vector<double>(step_times.begin() + 1, step_times.end())).median;
 }
 
-Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
+namespace {
+
+// One measurement against the plan: every figure, the parts' share of the step, the step's
+// spread over its own steps. Verdicts are settled by finish().
+Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) {
   if (!plan.time) throw InputError("validate: the plan has no simulated timeline (make_plan with simulate_time)");
   const sim::Timeline& tl = *plan.time;
   const sim::Program& prog = plan.program;
@@ -238,15 +258,18 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
             figure("time", "comm_s", tl.comm_s, comm_m, tol.time),
             figure("time", "exposed_comm_s", tl.exposed_comm_s, exposed_m, tol.time),
             figure("time", "optimizer_s", tl.optimizer_s, optimizer_m, tol.time)};
-  // The parts of the step are judged by what their error does to the step: a part is within
-  // tolerance when its own relative error is, or when its absolute error is within the
+  // Waiting for the last rank to arrive: predicted from the calibrated skew per call.
+  if (v.sync_wait_s) v.time.push_back(figure("time", "sync_wait_s", tl.sync_wait_s, *v.sync_wait_s, tol.time));
+  // One measurement's spread: its steps after the first (the parts have no per-step figures).
+  if (step_times.size() > 2) {
+    v.time.front().spread = spread_of(std::vector<double>(step_times.begin() + 1, step_times.end())).iqr();
+    v.time.front().has_spread = true;
+    v.time.front().rounds = {step_m};
+  }
+  // The parts of the step are judged by what their error does to the step (finish()): a part is
+  // within tolerance when its own relative error is, or when its absolute error is within the
   // tolerance times the predicted step (0.3 ms of a 30 ms step is 1% of the step, whatever it
   // is of a 0.05 ms all-reduce).
-  for (std::size_t i = 1; i < v.time.size(); ++i) {
-    Figure& f = v.time[i];
-    f.share_of_step = tl.step_s > 0.0 ? (f.measured - f.predicted) / tl.step_s : f.relative_error;
-    f.within = f.within || std::abs(f.share_of_step) <= tol.time;
-  }
 
   // Collective bytes per step, per kind either side has.
   for (int c = 0; c < sim::kNumCollectives; ++c) {
@@ -256,16 +279,233 @@ Validation validate(const Plan& plan, const json& m, const Tolerances& tol) {
     if (p != 0.0 || q != 0.0) v.comm.push_back(figure("comm", kind, p, q, tol.memory));
   }
 
-  for (const auto* section : {&v.memory, &v.time, &v.comm})
-    for (const Figure& f : *section)
-      if (!f.within) v.outside.push_back(f.key());
+  return v;
+}
+
+// Settles each figure's verdict: within tolerance (a part also when its error is a small share
+// of the step), conclusive when its spread is within the tolerance judged the same way, and the
+// lists of conclusive misses and inconclusive figures.
+void finish(Validation& v, double predicted_step_s) {
+  const Tolerances& tol = v.tolerances;
+  for (Figure& f : v.time) {
+    const bool step = f.name == "step_s";
+    f.relative_error = relative_error(f.predicted, f.measured);
+    f.share_of_step = step ? 0.0 : predicted_step_s > 0.0 ? (f.measured - f.predicted) / predicted_step_s : f.relative_error;
+    f.within = std::abs(f.relative_error) <= tol.time || (!step && std::abs(f.share_of_step) <= tol.time);
+    const double noise = !f.has_spread ? 0.0
+                         : step        ? (f.measured > 0.0 ? f.spread / f.measured : 0.0)
+                                       : (predicted_step_s > 0.0 ? f.spread / predicted_step_s : 0.0);
+    f.conclusive = noise <= tol.time;
+  }
+  for (Figure& f : v.throughput) {  // judged like the step, whose spread it shares
+    f.relative_error = relative_error(f.predicted, f.measured);
+    f.within = std::abs(f.relative_error) <= tol.time;
+    const double noise = f.has_spread && f.measured > 0.0 ? f.spread / f.measured : 0.0;
+    f.conclusive = noise <= tol.time;
+  }
+  v.outside.clear();
+  v.inconclusive.clear();
+  for (const auto* section : {&v.memory, &v.time, &v.comm, &v.throughput})
+    for (const Figure& f : *section) {
+      if (!f.conclusive) v.inconclusive.push_back(f.key());
+      else if (!f.within) v.outside.push_back(f.key());
+    }
   v.within_tolerance = v.outside.empty();
+}
+
+// The worst of several rounds' figures (largest |relative error|), figure by figure.
+void keep_worst(std::vector<Figure>& into, const std::vector<Figure>& other) {
+  for (std::size_t i = 0; i < into.size() && i < other.size(); ++i)
+    if (std::abs(other[i].relative_error) > std::abs(into[i].relative_error)) into[i] = other[i];
+}
+
+}  // namespace
+
+Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const Tolerances& tol) {
+  if (rounds.empty()) throw InputError("validate: no measurement to compare with the plan");
+  std::vector<Validation> vs;
+  vs.reserve(rounds.size());
+  for (const json& m : rounds) vs.push_back(validate_one(plan, m, tol));
+  const double predicted_step = plan.time->step_s;
+  if (vs.size() == 1) {
+    finish(vs.front(), predicted_step);
+    return std::move(vs.front());
+  }
+  // The round with the median step shows the op-by-op view; every figure is combined.
+  std::vector<std::size_t> order(vs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return vs[a].time.front().measured < vs[b].time.front().measured; });
+  const std::size_t mid = order[(order.size() - 1) / 2];
+  Validation v = vs[mid];
+  v.rounds = static_cast<std::int32_t>(vs.size());
+  v.op_round = static_cast<std::int32_t>(mid);
+  for (std::size_t r = 0; r < vs.size(); ++r) {
+    if (vs[r].time.size() != v.time.size() || vs[r].memory.size() != v.memory.size() || vs[r].comm.size() != v.comm.size())
+      throw InputError(fmt::format("measurement round {} does not measure what round {} does (were they runs of one plan?)", r + 1, mid + 1));
+    keep_worst(v.memory, vs[r].memory);
+    keep_worst(v.comm, vs[r].comm);
+  }
+  for (std::size_t i = 0; i < v.time.size(); ++i) {
+    Figure& f = v.time[i];
+    f.rounds.clear();
+    for (const Validation& x : vs) f.rounds.push_back(x.time[i].measured);
+    const Spread sp = spread_of(f.rounds);
+    f.measured = sp.median;
+    f.spread = sp.iqr();
+    f.has_spread = true;
+  }
+  if (v.sync_wait_s) {
+    std::vector<double> w;
+    for (const Validation& x : vs) w.push_back(x.sync_wait_s.value_or(0.0));
+    v.sync_wait_s = spread_of(w).median;
+  }
+  finish(v, predicted_step);
+  return v;
+}
+
+Validation validate(const Plan& plan, const json& m, const Tolerances& tol) { return validate_rounds(plan, std::span<const json>(&m, 1), tol); }
+
+Tolerances tolerances_for(RuntimeProfile profile) {
+  switch (profile) {
+    case RuntimeProfile::executor: return {0.02, 0.15};
+    default: return {0.05, 0.15};
+  }
+}
+
+std::string_view name_of(Verdict v) {
+  switch (v) {
+    case Verdict::within: return "within";
+    case Verdict::outside: return "outside";
+    case Verdict::inconclusive: return "inconclusive";
+  }
+  return "?";
+}
+
+namespace {
+
+// Reading a totals measurement: fields by name, errors naming the file and the field.
+struct TotalsReader {
+  std::string_view source;
+  [[noreturn]] void fail(const std::string& field, const std::string& problem, const json& value) const {
+    std::string shown = value.dump();
+    if (shown.size() > 80) shown = shown.substr(0, 77) + "...";
+    throw input_error(source, field, problem, shown);
+  }
+  const json& need(const json& obj, const char* key, const std::string& prefix) const {
+    if (!obj.is_object() || !obj.contains(key)) throw input_error(source, prefix + key, "is missing");
+    return obj.at(key);
+  }
+  const json& object(const json& obj, const char* key, const std::string& prefix) const {
+    const json& o = need(obj, key, prefix);
+    if (!o.is_object()) fail(prefix + key, "must be an object", o);
+    return o;
+  }
+  // A non-negative finite number or null (nullopt).
+  std::optional<double> number(const json& obj, const char* key, const std::string& prefix) const {
+    const json& x = need(obj, key, prefix);
+    if (x.is_null()) return std::nullopt;
+    if (!x.is_number() || !std::isfinite(x.get<double>()) || x.get<double>() < 0.0)
+      fail(prefix + key, "must be a non-negative number or null", x);
+    return x.get<double>();
+  }
+  std::optional<std::int64_t> integer(const json& obj, const char* key, const std::string& prefix) const {
+    auto it = obj.find(key);
+    if (it == obj.end() || it->is_null()) return std::nullopt;
+    if (!it->is_number_integer()) fail(prefix + key, "must be an integer or null", *it);
+    return it->get<std::int64_t>();
+  }
+};
+
+}  // namespace
+
+Validation validate_totals(const Plan& plan, const json& m, std::string_view source, const std::optional<std::string>& plan_sha,
+                           const Tolerances& tol) {
+  if (!plan.time) throw InputError("validate_totals: the plan has no simulated timeline (make_plan with simulate_time)");
+  const TotalsReader rd{source};
+  if (!m.is_object()) rd.fail("", "must be a JSON object (a measurement written by tools/peftplan_callback.py)", m);
+  const json& schema = rd.need(m, "schema", "");
+  if (schema != "peftplan.measurement-totals/1")
+    rd.fail("schema", "must be \"peftplan.measurement-totals/1\" (or \"peftplan.measurement/1\" from peftplan-exec)", schema);
+  const auto world = rd.integer(m, "world_size", "");
+  if (!world || *world < 1) rd.fail("world_size", "must be a positive integer", rd.need(m, "world_size", ""));
+  const std::int32_t ranks = plan.input.strategy.ranks;
+  if (*world != ranks)
+    throw input_error(source, "world_size", fmt::format("must be the plan's {} rank(s): a measurement of another job", ranks),
+                      std::to_string(*world));
+  // The model: every architecture field the measurement has must be the plan's.
+  const json& model = rd.object(m, "model", "");
+  const json& arch = rd.object(model, "architecture", "model.");
+  const models::ModelSpec& ms = plan.input.model;
+  const std::pair<const char*, std::int64_t> fields[] = {{"hidden_size", ms.hidden},           {"num_hidden_layers", ms.layers},
+                                                          {"num_attention_heads", ms.heads},    {"num_key_value_heads", ms.kv_heads},
+                                                          {"intermediate_size", ms.intermediate}, {"vocab_size", ms.vocab}};
+  Validation v;
+  v.tolerances = tol;
+  for (const auto& [key, expected] : fields) {
+    const auto got = rd.integer(arch, key, "model.architecture.");
+    if (!got) {
+      v.notes.push_back(fmt::format("the measurement has no model.architecture.{}; not checked against the plan's {}", key, expected));
+      continue;
+    }
+    if (*got != expected)
+      throw input_error(source, std::string("model.architecture.") + key,
+                        fmt::format("must be the plan's model's ({}: {}): a measurement of another model", ms.name, expected),
+                        std::to_string(*got));
+  }
+  if (auto it = model.find("config_sha256"); it != model.end() && it->is_string() && plan_sha) {
+    if (it->get<std::string>() == *plan_sha) v.notes.push_back("model: the config.json hash matches the plan's");
+    else
+      v.notes.push_back(fmt::format("model: the config.json hash differs from the plan's ({:.12} vs {:.12}); its architecture fields "
+                                    "agree (a config with other non-architecture fields)",
+                                    it->get<std::string>(), *plan_sha));
+  }
+  const json& per_rank = rd.need(m, "per_rank", "");
+  if (!per_rank.is_array() || per_rank.empty()) rd.fail("per_rank", "must be a non-empty array (one object per rank)", per_rank);
+  const json& worst = rd.object(m, "max", "");
+  v.steps = rd.integer(m, "steps", "").value_or(0);
+  v.op_time_source = "totals (the slowest rank's median step after warm-up, tools/peftplan_callback.py)";
+
+  // Memory: the allocated peak; reserved and in-use are measured, not predicted by this plan.
+  if (const auto alloc = rd.number(worst, "max_memory_allocated_bytes", "max.")) {
+    v.memory.push_back(figure("memory", "peak", static_cast<double>(plan.memory.device_peak_bytes), *alloc, tol.memory));
+  } else {
+    v.notes.push_back("max.max_memory_allocated_bytes is null (no CUDA device in the measured job?): memory not compared");
+  }
+  for (const char* key : {"max_memory_reserved_bytes", "device_memory_used_bytes"})
+    if (const auto x = rd.number(worst, key, "max."))
+      v.notes.push_back(fmt::format("max.{} measured {:.3f} GiB; this plan predicts the allocated peak only", key, *x / (1024.0 * 1024.0 * 1024.0)));
+
+  // Time: the slowest rank's step with its spread.
+  const auto step = rd.number(worst, "step_s", "max.");
+  if (!step || !(*step > 0.0)) rd.fail("max.step_s", "must be a positive number of seconds", rd.need(worst, "step_s", "max."));
+  Figure st = figure("time", "step_s", plan.time->step_s, *step, tol.time);
+  if (const auto iqr = rd.number(worst, "step_s_iqr", "max.")) {
+    st.spread = *iqr;
+    st.has_spread = true;
+  }
+  v.time.push_back(st);
+  const double predicted_tps = plan.time->tokens_per_s / static_cast<double>(ranks);
+  if (const auto tps = rd.number(worst, "tokens_per_s_per_gpu", "max.")) {
+    Figure f = figure("throughput", "tokens_per_s_per_gpu", predicted_tps, *tps, tol.time);
+    f.spread = st.has_spread && *step > 0.0 ? *tps * st.spread / *step : 0.0;  // the step's relative spread
+    f.has_spread = st.has_spread;
+    v.throughput.push_back(f);
+  } else {
+    v.notes.push_back("max.tokens_per_s_per_gpu is null (tokens per step unknown to the callback): throughput not compared");
+  }
+  const auto& t = plan.input.training;
+  const std::int64_t plan_tokens = t.micro_batch * t.seq_len * t.grad_accum * ranks;
+  if (const auto tokens = rd.integer(m, "tokens_per_step", ""); tokens && *tokens != plan_tokens)
+    v.notes.push_back(fmt::format("the job processed {} tokens per step, the plan's step has {} (micro-batch {} x sequence {} x "
+                                  "accumulation {} x {} rank(s)): compare the time figures with care",
+                                  *tokens, plan_tokens, t.micro_batch, t.seq_len, t.grad_accum, ranks));
+  finish(v, plan.time->step_s);
   return v;
 }
 
 json validation_to_json(const Validation& v) {
   json j;
-  j["schema"] = "peftplan.validation/1";
+  j["schema"] = "peftplan.validation/2";
   json mem = json::object(), ranks = json::object(), time = json::object(), comm = json::object();
   for (const Figure& f : v.memory) {
     mem[f.name] = {{"predicted_bytes", static_cast<std::uint64_t>(f.predicted)},
@@ -275,7 +515,8 @@ json validation_to_json(const Validation& v) {
   }
   for (const Figure& f : v.time) {
     time[f.name] = {{"predicted", f.predicted}, {"measured", f.measured}, {"relative_error", f.relative_error},
-                    {"within_tolerance", f.within}};
+                    {"within_tolerance", f.within}, {"verdict", name_of(f.verdict())},
+                    {"spread_s", f.has_spread ? json(f.spread) : json(nullptr)}, {"rounds", f.rounds}};
     if (f.name != "step_s") time[f.name]["error_share_of_step"] = f.share_of_step;
   }
   for (const Figure& f : v.comm)
@@ -297,11 +538,20 @@ json validation_to_json(const Validation& v) {
   json ops = json::array(), kinds = json::array();
   for (const OpDiff& d : v.ops) ops.push_back(op_json(d));
   for (const OpDiff& d : v.kinds) kinds.push_back(op_json(d));
+  json tput = json::object();
+  for (const Figure& f : v.throughput)
+    tput[f.name] = {{"predicted", f.predicted}, {"measured", f.measured}, {"relative_error", f.relative_error},
+                    {"within_tolerance", f.within}, {"verdict", name_of(f.verdict())}};
   j["memory"] = mem;
   j["time"] = time;
+  if (!v.throughput.empty()) j["throughput"] = tput;
   j["comm"] = comm;
   j["within_tolerance"] = v.within_tolerance;
   j["outside"] = v.outside;
+  j["inconclusive"] = v.inconclusive;
+  j["notes"] = v.notes;
+  j["rounds"] = v.rounds;
+  j["op_round"] = v.op_round + 1;
   j["tolerances"] = {{"memory", v.tolerances.memory}, {"time", v.tolerances.time}};
   j["memory_rank"] = ranks;
   j["steps"] = v.steps;

@@ -9,11 +9,14 @@ packages=(
   libeigen3-dev                                  # executor CPU kernels (GEMM)
   nlohmann-json3-dev                             # every JSON file in and out
   libfmt-dev                                     # formatting tables and messages
+  libssl-dev                                     # SHA-256 (OpenSSL libcrypto): config.json identity
   libcli11-dev                                   # command-line parsing
   libgtest-dev libgmock-dev googletest           # unit and end-to-end tests
   libbenchmark-dev                               # bench/ programs
   openmpi-bin libopenmpi-dev                     # executor ranks and CPU collectives
   qt6-base-dev qt6-charts-dev libgl-dev          # peftplan-gui (Widgets, Charts, Test)
+  python3 python3-torch libopenblas0-pthread     # tools/peftplan_callback.py and its CPU test
+                                                 #   (without OpenBLAS torch runs reference BLAS)
 )
 
 missing=()

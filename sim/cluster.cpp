@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cmath>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -22,6 +24,10 @@
 #endif
 
 namespace peftplan::sim {
+
+static_assert(kCollectiveSlots == static_cast<std::size_t>(kNumCollectives), "HostCalibration has one slot per collective kind");
+
+std::string_view name_of(CollectivePlace p) { return p == CollectivePlace::compute ? "compute" : "optimizer"; }
 namespace {
 
 constexpr double kTera = 1e12;
@@ -571,7 +577,9 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     //  "ranks": n, "bytes": [...], "seconds": [...]}]}, all optional (see HostCalibration).
     const auto& h = j["host_calibration"];
     if (!h.is_object()) throw input_error(where, "host_calibration", "must be an object", h.dump());
-    check_keys(h, where, "host_calibration.", {"kernel_scale", "kernel_overhead_us", "copy_scale", "collectives"});
+    check_keys(h, where, "host_calibration.",
+               {"kernel_scale", "kernel_overhead_us", "copy_scale", "collectives", "collective_load_us", "collective_skew_us",
+                "collective_load_per_compute", "collective_skew_per_compute"});
     // {"<kernel>": x, ...} into a per-kernel array; positive (scale) or non-negative (overhead).
     auto per_kernel = [&](const char* field, std::array<double, kKernelSlots>& out, double unit, bool zero_ok) {
       if (!h.contains(field)) return;
@@ -591,6 +599,29 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     per_kernel("kernel_scale", c.host_calibration.kernel_scale, 1.0, false);
     per_kernel("kernel_overhead_us", c.host_calibration.kernel_overhead_s, kMicro, true);
     if (h.contains("copy_scale")) c.host_calibration.copy_scale = number(h, "copy_scale", where, "host_calibration.");
+    // {"<collective>.<place>": microseconds, ...} into collective_slot order, non-negative.
+    auto per_collective = [&](const char* field, HostCalibration::CollectiveArray& out, double unit) {
+      if (!h.contains(field)) return;
+      const std::string f = std::string("host_calibration.") + field;
+      const auto& ks = h[field];
+      if (!ks.is_object()) throw input_error(where, f, "must be an object", ks.dump());
+      for (const auto& [key, val] : ks.items()) {
+        std::optional<std::size_t> slot;
+        for (std::size_t k = 0; k < kCollectiveSlots; ++k)
+          for (const CollectivePlace p : {CollectivePlace::compute, CollectivePlace::optimizer})
+            if (key == fmt::format("{}.{}", name_of(static_cast<Collective>(k)), name_of(p))) slot = collective_slot(k, p);
+        if (!slot)
+          throw input_error(where, f + "." + key, "is no <collective>.<place> (all_reduce, reduce_scatter, all_gather or broadcast; compute or optimizer)",
+                            val.dump());
+        const double x = number(ks, key, where, f + ".");
+        if (!(x >= 0.0) || !std::isfinite(x)) throw input_error(where, f + "." + key, "must be a non-negative number", val.dump());
+        out[*slot] = x * unit;
+      }
+    };
+    per_collective("collective_load_us", c.host_calibration.collective_load_s, kMicro);
+    per_collective("collective_skew_us", c.host_calibration.collective_skew_s, kMicro);
+    per_collective("collective_load_per_compute", c.host_calibration.collective_load_per_compute, 1.0);
+    per_collective("collective_skew_per_compute", c.host_calibration.collective_skew_per_compute, 1.0);
     if (h.contains("collectives")) {
       const auto& a = h["collectives"];
       if (!a.is_array()) throw input_error(where, "host_calibration.collectives", "must be an array", a.dump());
@@ -702,6 +733,19 @@ nlohmann::json cluster_to_json(const Cluster& c) {
     nlohmann::json hj = {{"kernel_scale", ks}, {"collectives", colls}};
     if (!ko.empty()) hj["kernel_overhead_us"] = ko;
     if (h.copy_scale > 0.0) hj["copy_scale"] = h.copy_scale;
+    auto per_collective = [&](const char* field, const HostCalibration::CollectiveArray& a, double unit) {
+      nlohmann::json o = nlohmann::json::object();
+      for (std::size_t k = 0; k < kCollectiveSlots; ++k)
+        for (const CollectivePlace p : {CollectivePlace::compute, CollectivePlace::optimizer}) {
+          const std::size_t i = collective_slot(k, p);
+          if (a[i] > 0.0) o[fmt::format("{}.{}", name_of(static_cast<Collective>(k)), name_of(p))] = a[i] / unit;
+        }
+      if (!o.empty()) hj[field] = o;
+    };
+    per_collective("collective_load_us", h.collective_load_s, kMicro);
+    per_collective("collective_skew_us", h.collective_skew_s, kMicro);
+    per_collective("collective_load_per_compute", h.collective_load_per_compute, 1.0);
+    per_collective("collective_skew_per_compute", h.collective_skew_per_compute, 1.0);
     j["host_calibration"] = hj;
   }
   return j;

@@ -43,22 +43,67 @@ double uncovered(std::vector<Interval>& a, const std::vector<Interval>& b) {
   return total;
 }
 
+// A collective inside the step: the cost model's figures, the arrival wait and the transfer. The
+// transfer is the cost model's time plus the calibrated load per call, the wait the calibrated
+// skew (both only with peers to wait for).
+struct InStep {
+  CollectiveCost cost;
+  double wait_s = 0.0;
+  double transfer_s = 0.0;
+};
+// `overlap_s`: compute-stream seconds the call overlaps (compute_overlapped_s).
+InStep collective_in_step(const Op& op, const Cluster& cluster, const SimOptions& options, double overlap_s) {
+  const std::size_t slot = collective_slot(static_cast<std::size_t>(op.collective), collective_place(op.phase));
+  const HostCalibration& h = cluster.host_calibration;
+  const bool peers = op.group_size > 1;
+  InStep r{collective_cost(op.collective, op.bytes, op.group_size, cluster, options.algorithm)};
+  if (peers) {
+    r.wait_s = h.collective_skew_s[slot] + h.collective_skew_per_compute[slot] * overlap_s;
+    r.transfer_s = r.cost.time_s + h.collective_load_s[slot] + h.collective_load_per_compute[slot] * overlap_s;
+  } else {
+    r.transfer_s = r.cost.time_s;
+  }
+  return r;
+}
+
+double compute_op_s(const Op& op, const Cluster& cluster, const SimOptions& options) {
+  return op.stream == Stream::host ? host_compute_cost(op.work, op.kernel, cluster).time_s
+                                   : device_compute_cost(op.work, op.kernel, cluster, options.compute_dtype, options.allow_tf32).time_s;
+}
+
 }  // namespace
+
+std::vector<double> compute_overlapped_s(const Program& program, std::span<const double> compute_s) {
+  const std::size_t n = program.ops.size();
+  // prefix[i] = compute-stream seconds of ops [0, i)
+  std::vector<double> prefix(n + 1, 0.0);
+  for (std::size_t i = 0; i < n; ++i) {
+    const Op& op = program.ops[i];
+    const bool counted = i < compute_s.size() && op.kind == OpKind::compute && op.stream == Stream::compute && op.phase != Phase::setup;
+    prefix[i + 1] = prefix[i] + (counted ? compute_s[i] : 0.0);
+  }
+  std::vector<std::size_t> first_dependent(n, n);
+  for (std::size_t j = 0; j < n; ++j)
+    for (std::int32_t d : program.deps_of(program.ops[j])) {
+      const auto di = static_cast<std::size_t>(d);
+      if (di < n && first_dependent[di] == n) first_dependent[di] = j;
+    }
+  std::vector<double> out(n, 0.0);
+  for (std::size_t i = 0; i < n; ++i)
+    if (program.ops[i].kind == OpKind::collective) out[i] = prefix[first_dependent[i]] - prefix[i + 1];
+  return out;
+}
 
 double op_duration_s(const Op& op, const Cluster& cluster, const SimOptions& options) {
   if (op.phase == Phase::setup) return 0.0;
   switch (op.kind) {
     case OpKind::alloc:
     case OpKind::free: return 0.0;
-    case OpKind::compute:
-      return op.stream == Stream::host
-                 ? host_compute_cost(op.work, op.kernel, cluster).time_s
-                 : device_compute_cost(op.work, op.kernel, cluster, options.compute_dtype,
-                                       options.allow_tf32)
-                       .time_s;
-    case OpKind::collective:
-      return collective_cost(op.collective, op.bytes, op.group_size, cluster, options.algorithm)
-          .time_s;
+    case OpKind::compute: return compute_op_s(op, cluster, options);
+    case OpKind::collective: {
+      const InStep c = collective_in_step(op, cluster, options, 0.0);
+      return c.wait_s + c.transfer_s;
+    }
     case OpKind::copy: return copy_time_s(op.bytes, cluster);
   }
   return 0.0;
@@ -76,6 +121,18 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
   std::vector<Interval> comm_iv, compute_iv;
   comm_iv.reserve(n_ops / 4 + 1);
   compute_iv.reserve(n_ops / 2 + 1);
+  // The compute each collective overlaps (HostCalibration's per-compute load and skew), costed
+  // up front, and only on clusters calibrated with them.
+  std::vector<double> overlap;
+  if (cluster.host_calibration.has_collective_step_costs()) {
+    std::vector<double> cost(n_ops, 0.0);
+    for (std::size_t i = 0; i < n_ops; ++i) {
+      const Op& op = program.ops[i];
+      if (op.kind == OpKind::compute && op.stream == Stream::compute && op.phase != Phase::setup)
+        cost[i] = compute_op_s(op, cluster, options);
+    }
+    overlap = compute_overlapped_s(program, cost);
+  }
 
   for (std::size_t i = 0; i < n_ops; ++i) {
     const Op& op = program.ops[i];
@@ -90,18 +147,12 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
                          "op {} depends on op {}, which is not earlier", i, d);
       ready = std::max(ready, t.ops[static_cast<std::size_t>(d)].end_s);
     }
-    double dur = 0.0;
+    double dur = 0.0, wait = 0.0;
     switch (op.kind) {
       case OpKind::alloc:
       case OpKind::free: break;
       case OpKind::compute:
-        if (op.stream == Stream::host) {
-          dur = host_compute_cost(op.work, op.kernel, cluster).time_s;
-        } else {
-          dur = device_compute_cost(op.work, op.kernel, cluster, options.compute_dtype,
-                                    options.allow_tf32)
-                    .time_s;
-        }
+        dur = compute_op_s(op, cluster, options);
         if (op.phase == Phase::optimizer) t.optimizer_s += dur;
         if (op.stream == Stream::compute) {
           t.compute_s += dur;
@@ -109,15 +160,16 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
         }
         break;
       case OpKind::collective: {
-        CollectiveCost c =
-            collective_cost(op.collective, op.bytes, op.group_size, cluster, options.algorithm);
-        dur = c.time_s;
+        const InStep c = collective_in_step(op, cluster, options, overlap.empty() ? 0.0 : overlap[i]);
         const auto k = static_cast<std::size_t>(op.collective);
+        wait = c.wait_s;
+        dur = c.wait_s + c.transfer_s;
         t.collective_bytes[k] += op.bytes;
         t.collective_count[k] += 1;
-        t.intra_node_bytes += c.intra_node_bytes;
-        t.inter_node_bytes += c.inter_node_bytes;
-        t.comm_s += dur;
+        t.intra_node_bytes += c.cost.intra_node_bytes;
+        t.inter_node_bytes += c.cost.inter_node_bytes;
+        t.comm_s += c.transfer_s;
+        t.sync_wait_s += c.wait_s;
         comm_iv.push_back({ready, ready + dur});
         break;
       }
@@ -127,7 +179,7 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
                                                 : t.host_to_device_bytes) += op.bytes;
         break;
     }
-    t.ops[i] = OpTime{ready, ready + dur};
+    t.ops[i] = OpTime{ready, ready + dur, wait};
     stream_free[s] = ready + dur;  // in order: later ops on the stream wait even for a
                                    // zero-time op that waited on a dependency
     t.busy_s[s] += dur;

@@ -154,13 +154,86 @@ TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
   const sim::Program prog = planner::build_program(in).program;
   const double base = sim::simulate(prog, make_profile(cal)).step_s;
   ASSERT_GT(base, 0.0);
-  cal.programs = {{"a", prog, 1.3 * base}, {"b", prog, 1.5 * base}};
+  cal.programs = {{"a", prog, 1.3 * base, {}, 0.0}, {"b", prog, 1.5 * base, {}, 0.0}};
   const sim::Cluster c = make_profile(cal);
   EXPECT_NEAR(sim::simulate(prog, c).step_s, std::sqrt(1.3 * 1.5) * base, 1e-3 * base);
   EXPECT_NEAR(step_ratio(cal.programs, c), 1.0, 1e-3);
   // The factor is folded into the kernel factors, which a profile file keeps.
   EXPECT_NEAR(sim::simulate(prog, sim::cluster_from_json(sim::cluster_to_json(c), "c.json")).step_s, sim::simulate(prog, c).step_s,
               1e-9 * base);
+}
+
+// The load and skew of collectives inside a step, per kind and place: least squares of
+// x = a + b × overlap over the calls, both terms non-negative, recovered exactly from samples
+// on such a line; kinds and places without samples keep 0.
+TEST(Calibrate, CollectiveLoadAndSkewFitRecoverSyntheticLines) {
+  const sim::Cluster base = sim::default_cluster(2);
+  std::vector<CollectiveSample> samples;
+  for (const double overlap : {0.0, 1e-3, 2e-3, 8e-3}) {
+    const std::uint64_t bytes = 1 << 16;
+    const double table = sim::collective_cost(Collective::all_gather, bytes, 2, base).time_s;
+    samples.push_back({Collective::all_gather, sim::CollectivePlace::compute, bytes, 2, table + 150e-6 + 0.12 * overlap,
+                       40e-6 + 0.03 * overlap, overlap, "zero3"});
+  }
+  samples.push_back({Collective::all_reduce, sim::CollectivePlace::optimizer, 16, 2, 1.0, 2e-6, 0.0, "ddp"});  // transfer far above the table
+  sim::Cluster c = base;
+  fit_collective_step_costs(samples, c);
+  const auto& h = c.host_calibration;
+  const std::size_t ag = sim::collective_slot(static_cast<std::size_t>(Collective::all_gather), sim::CollectivePlace::compute);
+  EXPECT_NEAR(h.collective_load_s[ag], 150e-6, 1e-12);
+  EXPECT_NEAR(h.collective_load_per_compute[ag], 0.12, 1e-9);
+  EXPECT_NEAR(h.collective_skew_s[ag], 40e-6, 1e-12);
+  EXPECT_NEAR(h.collective_skew_per_compute[ag], 0.03, 1e-9);
+  const std::size_t ar = sim::collective_slot(static_cast<std::size_t>(Collective::all_reduce), sim::CollectivePlace::optimizer);
+  EXPECT_NEAR(h.collective_skew_s[ar], 2e-6, 1e-15);  // one sample: the constant, no slope
+  EXPECT_DOUBLE_EQ(h.collective_skew_per_compute[ar], 0.0);
+  EXPECT_GT(h.collective_load_s[ar], 0.9);
+  const std::size_t ag_opt = sim::collective_slot(static_cast<std::size_t>(Collective::all_gather), sim::CollectivePlace::optimizer);
+  EXPECT_DOUBLE_EQ(h.collective_load_s[ag_opt], 0.0);
+  EXPECT_DOUBLE_EQ(h.collective_skew_s[ag_opt], 0.0);
+}
+
+// A skew measurement fed through the timeline: ZeRO-3's all-gathers among the layers' compute
+// measured waiting w each for the slower rank. The profile fitted from them predicts sync_wait_s
+// = calls × w, and ZeRO-3's step grows by the part of that wait its compute cannot hide (all of
+// it where a layer needs its gathered weights): step growth = exposed-communication growth > 0.
+TEST(Calibrate, MeasuredSkewGrowsZeroThreesPredictedStep) {
+  planner::PlanInput in;
+  in.model = models::load_model("tiny-llama-4l");
+  models::AdapterSpec a;
+  a.lora.r = 8;
+  a.lora.targets.kind = models::ModuleSelector::Kind::all_linear;
+  in.peft.adapters = {a};
+  in.training.micro_batch = 2;
+  in.training.seq_len = 64;
+  in.training.precision = planner::Precision::fp32;
+  in.training.attention = planner::Attention::eager;
+  in.profile = planner::RuntimeProfile::executor;
+  in.strategy.ranks = 2;
+  in.strategy.stage = planner::Stage::zero3;
+  const sim::Program prog = planner::build_program(in).program;
+  const sim::Cluster base = sim::default_cluster(2);
+  const sim::Timeline before = sim::simulate(prog, base);
+  const double w = 0.5 * before.step_s / 16.0;  // large enough to outlast a layer's compute
+  std::vector<CollectiveSample> samples;
+  int gathers = 0;
+  for (const sim::Op& op : prog.ops)
+    if (op.kind == sim::OpKind::collective && op.collective == Collective::all_gather && op.phase != sim::Phase::setup &&
+        sim::collective_place(op.phase) == sim::CollectivePlace::compute) {
+      samples.push_back({op.collective, sim::CollectivePlace::compute, op.bytes, op.group_size,
+                         sim::collective_cost(op.collective, op.bytes, op.group_size, base).time_s, w, 0.0, "zero3"});
+      ++gathers;
+    }
+  ASSERT_GT(gathers, 4);
+  sim::Cluster c = base;
+  fit_collective_step_costs(samples, c);
+  const sim::Timeline after = sim::simulate(prog, c);
+  EXPECT_NEAR(after.sync_wait_s, gathers * w, 1e-12);
+  EXPECT_NEAR(after.comm_s, before.comm_s, 1e-12);  // the transfers are unchanged
+  EXPECT_NEAR(after.compute_s, before.compute_s, 1e-12);
+  EXPECT_GT(after.step_s - before.step_s, w);
+  EXPECT_LE(after.step_s - before.step_s, gathers * w + 1e-12);
+  EXPECT_NEAR(after.step_s - before.step_s, after.exposed_comm_s - before.exposed_comm_s, 1e-9);
 }
 
 TEST(Calibrate, ProfileDescribesTheHostAndRoundTripsThroughSim) {

@@ -540,6 +540,71 @@ TEST(Timeline, BlockingCommIsFullyExposed) {
   EXPECT_NEAR(t.step_s, 2e-3 + t.comm_s, 1e-15);
 }
 
+// A calibrated arrival skew and load (HostCalibration::collective_skew_* / collective_load_*) in
+// the timeline: the wait sits at the start of the collective's interval, the transfer after it;
+// comm_s counts the transfers, sync_wait_s the waits, and an op that needs the collective starts
+// that much later. Hand program: compute 1 ms, an all_reduce after it that the next compute op
+// (1 ms) overlaps, then an op that needs it.
+TEST(Timeline, CalibratedSkewAndLoadDelayWhatWaitsForTheCollective) {
+  Cluster c = round_cluster();
+  Program p;
+  p.ranks = 2;
+  const int a = p.add_op(compute_op(1'000'000'000));   // 1 ms
+  Op ar;
+  ar.kind = OpKind::collective;
+  ar.stream = Stream::comm;
+  ar.phase = Phase::backward;
+  ar.collective = Collective::all_reduce;
+  ar.group_size = 2;
+  ar.bytes = 80'000'000;                               // 1 ms + 8.4 us on this cluster
+  const int comm = p.add_op(ar, {a});
+  p.add_op(compute_op(1'000'000'000));                 // overlaps the all_reduce: 1 ms
+  p.add_op(compute_op(1'000'000'000), {comm});         // needs it
+  const Timeline before = simulate(p, c);
+  const double transfer = 8.4e-6 + 1e-3;
+  EXPECT_EQ(compute_overlapped_s(p, {{1e-3, 0.0, 1e-3, 1e-3}}), (std::vector<double>{0.0, 1e-3, 0.0, 0.0}));
+  const std::size_t slot = collective_slot(static_cast<std::size_t>(Collective::all_reduce), CollectivePlace::compute);
+  // wait = 100 us + 0.2 × 1 ms overlapped; load = 50 us + 0.1 × 1 ms
+  c.host_calibration.collective_skew_s[slot] = 100e-6;
+  c.host_calibration.collective_skew_per_compute[slot] = 0.2;
+  c.host_calibration.collective_load_s[slot] = 50e-6;
+  c.host_calibration.collective_load_per_compute[slot] = 0.1;
+  const Timeline t = simulate(p, c);
+  const double wait = 100e-6 + 0.2e-3, load = 50e-6 + 0.1e-3;
+  EXPECT_NEAR(t.ops[1].wait_s, wait, 1e-15);
+  EXPECT_NEAR(t.ops[1].end_s - t.ops[1].start_s, wait + transfer + load, 1e-15);
+  EXPECT_NEAR(t.comm_s, transfer + load, 1e-15);
+  EXPECT_NEAR(t.sync_wait_s, wait, 1e-15);
+  EXPECT_NEAR(before.sync_wait_s, 0.0, 0.0);
+  EXPECT_NEAR(t.step_s - before.step_s, wait + load, 1e-15);  // the last op waited for all of it
+  EXPECT_NEAR(t.exposed_comm_s - before.exposed_comm_s, wait + load, 1e-15);
+  // The optimizer place has its own slot: the compute one does not apply there.
+  Program q = p;
+  q.ops[1].phase = Phase::optimizer;
+  EXPECT_NEAR(simulate(q, c).sync_wait_s, 0.0, 0.0);
+  // One rank waits for nobody.
+  Program one = p;
+  one.ops[1].group_size = 1;
+  EXPECT_NEAR(simulate(one, c).sync_wait_s, 0.0, 0.0);
+  // JSON round trip under <collective>.<place> keys; a wrong key names the field.
+  const Cluster back = cluster_from_json(cluster_to_json(c), "c.json");
+  EXPECT_DOUBLE_EQ(back.host_calibration.collective_skew_s[slot], 100e-6);
+  EXPECT_DOUBLE_EQ(back.host_calibration.collective_skew_per_compute[slot], 0.2);
+  EXPECT_DOUBLE_EQ(back.host_calibration.collective_load_s[slot], 50e-6);
+  EXPECT_DOUBLE_EQ(back.host_calibration.collective_load_per_compute[slot], 0.1);
+  nlohmann::json bad = cluster_to_json(c);
+  bad["host_calibration"]["collective_skew_us"]["all_reduce.sometimes"] = 1.0;
+  try {
+    cluster_from_json(bad, "c.json");
+    ADD_FAILURE() << "accepted a bad key";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("host_calibration.collective_skew_us.all_reduce.sometimes"), std::string::npos) << e.what();
+  }
+  bad = cluster_to_json(c);
+  bad["host_calibration"]["collective_load_per_compute"]["all_reduce.compute"] = -1.0;
+  EXPECT_THROW(cluster_from_json(bad, "c.json"), InputError);
+}
+
 TEST(Timeline, ZeroTimeOpsKeepStreamOrderAndTooFewGpusIsAnError) {
   const Cluster c = round_cluster();
   Program p;

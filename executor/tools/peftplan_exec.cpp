@@ -2,8 +2,8 @@
 // subcommand whose work lives in the executor library; main() only initialises MPI, parses, and
 // maps failures to exit codes (2 bad input, 3 internal or MPI error), ending the whole job with
 // MPI_Abort when one rank fails so that no peer waits in a collective forever.
-//   mpirun -np N peftplan-exec calibrate --out FILE [--quick]
-//   mpirun -np N peftplan-exec PLAN.json [--out DIR]   (N = the plan's ranks; see executor/runner.h)
+//   mpirun -np N peftplan-exec calibrate --out FILE [--quick] [--rounds R]
+//   mpirun -np N peftplan-exec PLAN.json [--out DIR] [--quiet]   (N = the plan's ranks; see executor/runner.h)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -27,11 +27,11 @@ namespace {
 
 using namespace peftplan;
 
-void calibrate(const std::string& out, bool quick) {
+void calibrate(const std::string& out, bool quick, int rounds) {
   auto world = executor::make_mpi_communicator();
   const bool root = world->rank() == 0;
   executor::Calibration cal =
-      executor::run_calibration(*world, {.quick = quick}, root ? stdout : nullptr);
+      executor::run_calibration(*world, {.quick = quick, .rounds = rounds}, root ? stdout : nullptr);
   if (!root) return;
   const sim::Cluster profile = executor::make_profile(cal);
   std::fputs(executor::format_report(cal, profile).c_str(), stdout);
@@ -55,7 +55,7 @@ int threads_per_rank() {
 
 // Runs a plan.json on every rank of the job: measurement.json and trace.json go to out_dir
 // (default: the plan's folder), written by rank 0 with every rank's measurement inside.
-void run_plan_file(const std::string& plan_path, std::string out_dir) {
+void run_plan_file(const std::string& plan_path, std::string out_dir, bool quiet) {
   auto world = executor::make_mpi_communicator();
   const planner::PlanFile plan = executor::load_plan(plan_path);
   if (world->size() != plan.input.strategy.ranks)
@@ -63,8 +63,8 @@ void run_plan_file(const std::string& plan_path, std::string out_dir) {
                                  plan.input.strategy.ranks, world->size(), plan.input.strategy.ranks));
   if (out_dir.empty()) out_dir = std::filesystem::absolute(plan_path).parent_path().string();
   auto backend = executor::make_cpu_backend(threads_per_rank());
-  executor::run_plan(plan, *backend, out_dir, world->rank() == 0 ? stdout : nullptr, world.get());
-  if (world->rank() == 0) {
+  executor::run_plan(plan, *backend, out_dir, world->rank() == 0 && !quiet ? stdout : nullptr, world.get());
+  if (world->rank() == 0 && !quiet) {
     const std::filesystem::path dir(out_dir);
     fmt::print("wrote {} and {}\n", shown_path(dir / "measurement.json"), shown_path(dir / "trace.json"));
     std::fflush(stdout);
@@ -74,6 +74,14 @@ void run_plan_file(const std::string& plan_path, std::string out_dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Each rank's communication thread sits inside blocking MPI calls while the rank computes
+  // (runner.h). Open MPI's progress loop spins there unless told to yield, and on a host whose
+  // ranks fill the cores the spinning thread takes the core from its own rank's compute thread:
+  // ZeRO-3's all-gathers, issued while the layers compute, then stretched the steps by -4% to
+  // +26% from run to run. With mpi_yield_when_idle the waiting thread gives the core back
+  // (opal_progress calls sched_yield when nothing progressed; Open MPI's mpi_yield_when_idle MCA
+  // parameter). Set before MPI_Init so every launcher's ranks get it; a user's own value wins.
+  ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
   std::unique_ptr<executor::MpiRuntime> mpi;
   try {
     mpi = std::make_unique<executor::MpiRuntime>(&argc, &argv);
@@ -86,18 +94,22 @@ int main(int argc, char** argv) {
   std::string plan_path, run_out;
   app.add_option("plan", plan_path, "plan.json written by `peftplan run` (runs its steps)");
   app.add_option("--out", run_out, "folder for measurement.json and trace.json (default: the plan's)");
+  bool quiet = false;
+  app.add_flag("--quiet", quiet, "no progress lines (errors still go to stderr)");
   std::string out;
   bool quick = false;
   auto* cal = app.add_subcommand("calibrate", "measure this host and write a cluster profile");
   cal->add_option("--out", out, "cluster profile to write (JSON)")->required();
   cal->add_flag("--quick", quick, "fewer shapes, sizes and repetitions");
-  cal->callback([&] { calibrate(out, quick); });
+  int rounds = 5;
+  cal->add_option("--rounds", rounds, "interleaved rounds of the calibration step programs")->check(CLI::Range(1, 100));
+  cal->callback([&] { calibrate(out, quick, rounds); });
   int code = 0;
   try {
     app.parse(argc, argv);
     if (app.get_subcommands().empty()) {
       if (plan_path.empty()) throw InputError("give a plan.json to run, or a mode (calibrate); see --help");
-      run_plan_file(plan_path, run_out);
+      run_plan_file(plan_path, run_out, quiet);
     }
   } catch (const CLI::ParseError& e) {
     code = mpi->world_rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints

@@ -29,6 +29,7 @@ namespace peftplan::executor {
 
 struct CalibrateOptions {
   bool quick = false;  // fewer shapes, sizes and repetitions: seconds instead of about a minute
+  int rounds = 5;      // rounds of the calibration step programs (at least 1; the median is kept)
 };
 
 // y[M,N] = x[M,K] · W[N,K]^T, the executor's linear layer (cpu::linear_forward).
@@ -112,13 +113,32 @@ struct CopySample {
   double seconds = 0.0;
 };
 
+// One collective op of a calibration step program as the ranks ran it (several ranks): its kind
+// and size as the program states them, its transfer (mean over steps of the shortest rank's
+// call) and the mean time ranks waited in it for the last rank to arrive.
+struct CollectiveSample {
+  sim::Collective kind = sim::Collective::all_reduce;
+  sim::CollectivePlace place = sim::CollectivePlace::compute;  // where the program issues it
+  std::uint64_t bytes = 0;       // nccl-tests size S
+  std::int32_t group_size = 2;
+  double transfer_s = 0.0;
+  double wait_s = 0.0;
+  double overlap_s = 0.0;        // rank 0's measured compute-stream seconds the call overlaps
+                                 //   (sim::compute_overlapped_s on the measured op times)
+  std::string program;
+};
+
 // One calibration step program as the ranks ran it: the program and the measured wall time of a
 // step (rank 0, median of the steps after the first), which includes what no op's timer sees:
 // time a rank spends descheduled while ranks outnumber cores, waits for slower peers, the loop.
+// The program runs in several rounds, interleaved with the other programs; the round with the
+// median step is kept (its op times become the kernel samples) and the rounds' spread reported.
 struct ProgramSample {
   std::string program;           // e.g. "ddp fp32 B2 S128"
   sim::Program step;
-  double step_s = 0.0;
+  double step_s = 0.0;           // the kept (median) round's step
+  std::vector<double> round_step_s;  // every round's step, in round order
+  double spread_s = 0.0;         // interquartile range of round_step_s
 };
 
 struct Calibration {
@@ -137,8 +157,16 @@ struct Calibration {
   LinkFit link;
   std::vector<KernelSample> kernels;             // calibration step programs' compute ops
   std::vector<CopySample> copies;                // and copies (offload)
+  std::vector<CollectiveSample> step_collectives;  // and collectives (several ranks)
   std::vector<ProgramSample> programs;           // the calibration step programs and their step times
+  int rounds = 0;                                // rounds each program ran
 };
+
+// Per collective kind and place, from the step programs' collectives: the load (transfer -
+// collective_cost on `profile`) and the skew (the wait) each fitted as x_s + x_per_compute ×
+// overlap_s (least squares, both terms non-negative) into profile.host_calibration's
+// collective_load_* / collective_skew_*. Slots without samples keep 0.
+void fit_collective_step_costs(std::span<const CollectiveSample> samples, sim::Cluster& profile);
 
 // The factor by which measured steps exceed what `profile` predicts for them (sim::simulate):
 // the geometric mean over the programs of measured / predicted step time (1 without programs).

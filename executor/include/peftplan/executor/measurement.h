@@ -71,6 +71,8 @@ struct Measurement {
   // its call is the transfer — and the mean over steps and ranks of the rest: waiting for the
   // last rank to arrive (skew; a cost no rank-symmetric model predicts).
   std::vector<double> collective_transfer_s;  // aligned with collective_ops; empty otherwise
+  std::vector<double> collective_wait_s;      // aligned with collective_ops: per step, the mean
+                                        //   over ranks of (its call - the shortest rank's call)
   double sync_wait_s = 0.0;             // per step, summed over collective ops, mean over ranks
   nlohmann::json trace;                 // Chrome trace of the last step ("traceEvents")
   std::vector<CollectiveStat> collectives;  // per kind, NCCL's order

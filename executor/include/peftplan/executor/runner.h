@@ -103,4 +103,9 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend,
                      const std::filesystem::path& out_dir, std::FILE* progress,
                      Communicator* comm = nullptr);
 
+// Several ranks (a collective: every rank calls it): rank 0's `m` gets every rank's
+// measurement in per_rank and, from their collective_op_s_by_step, each collective's transfer
+// and arrival wait (collective_transfer_s, collective_wait_s, sync_wait_s). One rank: nothing.
+void gather_ranks(Measurement& m, Communicator& comm);
+
 }  // namespace peftplan::executor

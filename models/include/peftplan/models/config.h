@@ -33,4 +33,9 @@ const char* zoo_config_text(std::string_view name);
 // `name_or_path`: a zoo name, a config.json path, or a directory holding config.json.
 ModelSpec load_model(const std::string& name_or_path);
 
+// The identity of a config.json: SHA-256 (hex) of its canonical JSON text — keys sorted, no
+// whitespace, UTF-8 unescaped — which is Python's json.dumps(obj, sort_keys=True,
+// separators=(",", ":"), ensure_ascii=False), so tools/peftplan_callback.py computes the same.
+std::string config_sha256(const nlohmann::json& config);
+
 }  // namespace peftplan::models

@@ -6,12 +6,14 @@
 // overrides, the scheduler, where to save the adapter).
 // Parsing happens here, at the edge: errors name the file and the field. Reading a file from
 // disk and writing it atomically are the only I/O.
-// Deliberately not here: the prediction (build_program/make_plan do that from PlanInput), the
-// cluster (the executor measures the machine it runs on).
+// Deliberately not here: the prediction (build_program/make_plan do that from PlanInput). The
+// cluster the plan was made for rides along ("cluster", optional) so that `peftplan compare`
+// can remake the prediction; the executor ignores it (it measures the machine it runs on).
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -19,6 +21,7 @@
 
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/program.h"
+#include "peftplan/sim/cluster.h"
 
 namespace peftplan::planner {
 
@@ -46,6 +49,7 @@ struct PlanFile {
   DsExtras extras;                    // the scheduler (and loss scaling, unused by fp32)
   nlohmann::json model_source;        // as written: a zoo name (string) or a config.json object
   RunOptions run;
+  std::optional<sim::Cluster> cluster;  // the cluster the plan was predicted on, when known
 };
 
 inline constexpr std::string_view kPlanSchema = "peftplan.plan/1";

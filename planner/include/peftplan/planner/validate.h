@@ -32,10 +32,20 @@
 // time); the parts of the step (compute_s, comm_s, exposed_comm_s, optimizer_s) also when their
 // absolute error is within the time tolerance times the predicted step_s (share_of_step): what
 // matters of a part is what its error does to the step.
+//
+// Rounds and spread. A measurement is noisy on a shared machine, so a run is measured in rounds
+// (`peftplan run --rounds`, strategies interleaved) and validate() takes them all: each time
+// figure's measured value is the median over the rounds and its spread the interquartile range
+// of the rounds (with one measurement: step_s's spread is the IQR of its steps after the first;
+// the parts have none). A time figure whose spread is wider than its tolerance — judged the way
+// its error is, relative to the figure for step_s, as a share of the predicted step for the
+// parts — is "inconclusive": neither a hit nor a miss, listed apart and never a failure by
+// itself. Memory and collective bytes are never inconclusive: each is the worst round's.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -50,6 +60,18 @@ struct Tolerances {
   double time = 0.15;    // relative, time figures
 };
 
+// The tolerances a runtime profile's predictions are held to (README, "Tolerances"):
+//   executor            memory 2%, time 15%: memory is exact by construction (the margin covers
+//                       nothing today; it is there for host-side bookkeeping), time is a shared
+//                       CPU's;
+//   deepspeed, pytorch  memory 5%, time 15%: the accuracy the fidelity work targets for
+//                       transformers + PEFT stacks against published measurements (allocated
+//                       within 5%, tokens/s within 15%).
+Tolerances tolerances_for(RuntimeProfile profile);
+
+enum class Verdict : std::uint8_t { within, outside, inconclusive };
+std::string_view name_of(Verdict v);
+
 // One compared figure: memory.<category>, memory.peak (bytes), time.<figure> (seconds),
 // comm.<collective> (bytes per step).
 struct Figure {
@@ -62,6 +84,13 @@ struct Figure {
   bool within = true;
   std::int32_t rank = 0;      // memory: the rank measured (the worst one of per_rank)
   double share_of_step = 0.0; // time figures but step_s: (measured - predicted) / predicted step_s
+  // Time figures: the spread of the measurement (seconds, interquartile range; see above),
+  // whether there is one, the rounds' values, and whether the spread is narrow enough to judge.
+  double spread = 0.0;
+  bool has_spread = false;
+  std::vector<double> rounds;
+  bool conclusive = true;
+  Verdict verdict() const { return !conclusive ? Verdict::inconclusive : within ? Verdict::within : Verdict::outside; }
   std::string key() const { return section + "." + name; }
 };
 
@@ -81,28 +110,57 @@ struct OpDiff {
 struct Validation {
   Tolerances tolerances;
   std::vector<Figure> memory;  // device categories, host categories, then "peak"
-  std::vector<Figure> time;    // step_s, compute_s, comm_s, exposed_comm_s, optimizer_s
+  std::vector<Figure> time;    // step_s, compute_s, comm_s, exposed_comm_s, optimizer_s, and
+                               //   sync_wait_s when the measurement has several ranks
   std::vector<Figure> comm;    // per collective kind the plan or the measurement has
+  std::vector<Figure> throughput;  // totals: tokens_per_s_per_gpu (tokens/s of the slowest rank)
   std::optional<double> sync_wait_s;  // several ranks: seconds per step ranks waited inside
                                      //   collectives for the last rank to arrive (not modelled)
   std::vector<OpDiff> ops;     // per op, largest |diff| first (top 10); empty without a trace
   std::vector<OpDiff> kinds;   // per (phase, kernel, label), largest |diff| first (top 10)
   std::optional<OpDiff> most_different;  // ops.front(), else kinds.front()
-  std::int64_t steps = 0;      // measured steps
+  std::int64_t steps = 0;      // measured steps (per round)
+  std::int32_t rounds = 1;     // measurements combined
+  std::int32_t op_round = 0;   // the round whose op times ops/kinds show (the median step's)
   std::string op_time_source;  // "op_s (...)", "trace (last step)" or "ops (mean over all steps)"
-  bool within_tolerance = true;
-  std::vector<std::string> outside;  // keys of the figures outside, e.g. "time.step_s"
+  bool within_tolerance = true;      // no conclusive figure is outside
+  std::vector<std::string> outside;  // keys of the conclusive figures outside, e.g. "time.step_s"
+  std::vector<std::string> inconclusive;  // keys of the time figures too noisy to judge
+  std::vector<std::string> notes;    // what a measurement lacks or the plan does not predict
 };
 
-// Throws InputError when the measurement lacks a key it needs or its program (op count, trace
-// op indices) does not match the plan's.
+// The median and quartiles of a sample, linear interpolation between order statistics (numpy's
+// default percentile, Hyndman & Fan type 7); all 0 for an empty sample.
+struct Spread {
+  double median = 0.0;
+  double q1 = 0.0, q3 = 0.0;
+  double iqr() const { return q3 - q1; }  // interquartile range
+};
+Spread spread_of(std::vector<double> values);
+
 // A run's steady step time: the median of step_times after the first (the first includes
 // warm-up; the median is robust to a step the OS stalled), the only step when there is one.
 double steady_step_s(const std::vector<double>& step_times);
 
+// Several rounds of one plan (see above); each must be a measurement of that plan.
+Validation validate_rounds(const Plan& predicted, std::span<const nlohmann::json> rounds, const Tolerances& tolerances = {});
 Validation validate(const Plan& predicted, const nlohmann::json& measurement, const Tolerances& tolerances = {});
 
-// validation.json ("schema": "peftplan.validation/1"): memory.<category> and memory.peak
+// A totals-only measurement of the user's own job ("schema": "peftplan.measurement-totals/1",
+// written by tools/peftplan_callback.py; README "Comparing your own training job"): per rank and
+// for the worst rank, the median step after warm-up with its interquartile range, tokens/s per
+// GPU, max_memory_allocated / max_memory_reserved and the device memory in use, with the model's
+// architecture and config.json hash. Compared: the allocated peak (memory.peak; the plan's
+// device peak), step_s (the slowest rank's, spread its IQR) and tokens_per_s_per_gpu. What the
+// measurement lacks or the plan does not predict (reserved, device memory in use) becomes a
+// note. `source` names the file in errors; `plan_config_sha256` is the hash of the config.json
+// the plan was made from (models::config_sha256), when known.
+// Throws InputError naming the file and field: a wrong schema, missing or mistyped fields, a
+// world size other than the plan's ranks, architecture fields that differ from the plan's model.
+Validation validate_totals(const Plan& predicted, const nlohmann::json& measurement, std::string_view source,
+                           const std::optional<std::string>& plan_config_sha256, const Tolerances& tolerances = {});
+
+// validation.json ("schema": "peftplan.validation/2"): memory.<category> and memory.peak
 // {predicted_bytes, measured_bytes, relative_error}; time.<figure> {predicted, measured,
 // relative_error}; comm.<collective> {predicted_bytes, measured_bytes, relative_error};
 // within_tolerance; and beside them tolerances, outside, memory_rank (the rank of each memory

@@ -113,16 +113,55 @@ struct CollectiveTable {
   std::vector<double> seconds;       // time per operation at each size
 };
 
+//
+// Collectives inside a step, per kind and where the step issues them — among the layers'
+// compute (forward, backward, recompute, loss: the communication thread competes with its rank's
+// compute for a core) or in the optimizer phase (after backward, with the compute thread mostly
+// waiting) — measured on the calibration step programs with every rank running at once
+// (`peftplan calibrate`):
+//   load: seconds each call takes beyond its table time inside the step (the communication
+//     thread waiting for a core its rank's compute holds, MPI's progress loop yielding);
+//   skew: seconds a rank waits inside each call for the last rank to arrive (ranks drift apart
+//     between synchronisations: one is descheduled, its kernels run slower), the mean over the
+//     ranks of (a rank's call - the shortest rank's call).
+// Both grow with the compute the call overlaps (the longer the rank computes while a call is
+// pending, the longer its communication thread, and its peer's, wait for a core), so each is
+//   x = x_s + x_per_compute × (compute-stream seconds the call overlaps, compute_overlapped_s),
+// both terms non-negative, fitted by least squares over the calls of the calibration programs
+// at two sizes.
+// The timeline puts both in the collective's interval (wait first, then the transfer), reports
+// the waits as sync_wait_s and keeps comm_s the transfers, as the executor measures them.
+inline constexpr std::size_t kCollectiveSlots = 4;  // == kNumCollectives (program.h; static_assert in cluster.cpp)
+enum class CollectivePlace : std::uint8_t { compute, optimizer };
+inline constexpr std::size_t kCollectivePlaces = 2;
+std::string_view name_of(CollectivePlace p);
+// Index into collective_load_s / collective_skew_s.
+constexpr std::size_t collective_slot(std::size_t kind, CollectivePlace place) {
+  return kind * kCollectivePlaces + static_cast<std::size_t>(place);
+}
 struct HostCalibration {
   std::array<double, kKernelSlots> kernel_scale{};  // see above; 0 = 1
   std::array<double, kKernelSlots> kernel_overhead_s{};  // see above; 0 = none
   double copy_scale = 0.0;           // measured / modelled seconds of copies (0 = 1)
   std::vector<CollectiveTable> collectives;
+  using CollectiveArray = std::array<double, kCollectiveSlots * kCollectivePlaces>;  // by collective_slot
+  CollectiveArray collective_load_s{};            // see above; 0 = none
+  CollectiveArray collective_load_per_compute{};  //   seconds per compute second
+  CollectiveArray collective_skew_s{};
+  CollectiveArray collective_skew_per_compute{};
+  bool has_collective_step_costs() const {
+    for (std::size_t k = 0; k < collective_load_s.size(); ++k)
+      if (collective_load_s[k] > 0.0 || collective_skew_s[k] > 0.0 || collective_load_per_compute[k] > 0.0 ||
+          collective_skew_per_compute[k] > 0.0)
+        return true;
+    return false;
+  }
   bool empty() const {
     for (double x : kernel_scale)
       if (x > 0.0) return false;
     for (double x : kernel_overhead_s)
       if (x > 0.0) return false;
+    if (has_collective_step_costs()) return false;
     return copy_scale <= 0.0 && collectives.empty();
   }
 };

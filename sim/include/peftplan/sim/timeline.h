@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "peftplan/common/dtype.h"
@@ -28,6 +29,9 @@ struct SimOptions {
 struct OpTime {
   double start_s = 0.0;  // from the start of the step
   double end_s = 0.0;
+  double wait_s = 0.0;   // collectives: the part of [start, end) spent waiting for the last rank
+                         //   to arrive (HostCalibration::collective_skew_s); the transfer is
+                         //   the rest. 0 for every other op
 };
 
 struct Timeline {
@@ -35,8 +39,12 @@ struct Timeline {
   double step_s = 0.0;                  // end of the last op
   std::array<double, kNumStreams> busy_s{};  // total op duration on each stream
   double compute_s = 0.0;       // busy time of the compute stream from compute ops
-  double comm_s = 0.0;          // total duration of collective ops (normally the comm stream)
-  double exposed_comm_s = 0.0;  // time during which a collective runs and no compute op does:
+  double comm_s = 0.0;          // total transfer time of collective ops (normally the comm
+                                //   stream), their arrival waits excluded
+  double sync_wait_s = 0.0;     // total time collectives wait for the last rank to arrive (the
+                                //   calibrated skew per call; 0 on uncalibrated clusters)
+  double exposed_comm_s = 0.0;  // time during which a collective runs (or waits for a peer)
+                                //   and no compute op does:
                                 //   |union(collective intervals) \ union(compute-op intervals
                                 //   on the compute stream)|; 0 when communication is fully
                                 //   hidden behind compute, comm_s when none of it is
@@ -57,7 +65,23 @@ struct Timeline {
 // Throws InputError when the program needs more ranks than the cluster has GPUs.
 Timeline simulate(const Program& program, const Cluster& cluster, const SimOptions& options = {});
 
-// Duration of one op on the cluster as simulate() costs it (0 for alloc/free and setup ops).
+// Where a collective runs for HostCalibration's load and skew: among the layers' compute
+// (forward, backward, recompute, loss) or in the optimizer phase.
+constexpr CollectivePlace collective_place(Phase phase) {
+  return phase == Phase::optimizer || phase == Phase::setup ? CollectivePlace::optimizer : CollectivePlace::compute;
+}
+
+// For each collective op of the program, the compute it overlaps: the sum of `compute_s` over
+// the compute-stream ops after it in program order up to (not including) the first op that
+// depends on it (to the end of the step when none does) — what the rank computes while the
+// collective is pending. `compute_s` holds seconds per op index (only compute-stream compute ops
+// are read); other ops get 0. The one rule for HostCalibration's per-compute load and skew,
+// used by simulate() on costed ops and by calibrate on measured ones.
+std::vector<double> compute_overlapped_s(const Program& program, std::span<const double> compute_s);
+
+// Duration of one op on the cluster as simulate() costs it (0 for alloc/free and setup ops; a
+// collective's arrival wait included, without the parts that grow with the compute since the
+// previous collective, which only simulate() knows).
 double op_duration_s(const Op& op, const Cluster& cluster, const SimOptions& options = {});
 
 }  // namespace peftplan::sim
