@@ -4,23 +4,27 @@
 # ZeRO-3 + optimizer offload × 1, 2, 4 ranks × checkpointing none/full × base fp32/bf16 ×
 # tiny-llama-2l/tiny-llama-4l), one calibration per rank count (`peftplan calibrate --ranks N`),
 # and prints one row per configuration — the worst memory category's error, the peak's error,
-# the step-time error and the op that differs most — then the median and worst |step-time error|.
-# Not a ctest: it is a benchmark (about 5-10 minutes; --quick: a subset in about a minute).
+# the step-time error with its spread (the interquartile range of the rounds, as a share of the
+# measured step) and verdict, and the op that differs most — then the median and worst
+# |step-time error|, over every configuration and over the conclusive ones.
+# Not a ctest: it is a benchmark (about 25 minutes with 5 rounds; --quick: a subset in about two).
 #
-# usage: bench/accuracy.sh [--quick] [--build DIR] [--steps K] [--out DIR]
+# usage: bench/accuracy.sh [--quick] [--build DIR] [--steps K] [--rounds R] [--out DIR]
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 build="$here/build/acc"
 quick=0
 steps=10  # 4 ranks on 2 cores settle over several steps; the median of the steps after the first is compared
+rounds=5  # peftplan run's default: the median of 5 interleaved rounds
 out="$(mktemp -d /tmp/peftplan-accuracy.XXXXXX)"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --quick) quick=1 ;;
     --build) build="$2"; shift ;;
     --steps) steps="$2"; shift ;;
+    --rounds) rounds="$2"; shift ;;
     --out) out="$2"; shift ;;
-    *) echo "usage: $0 [--quick] [--build DIR] [--steps K] [--out DIR]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--quick] [--build DIR] [--steps K] [--rounds R] [--out DIR]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -63,7 +67,7 @@ for n in "${ranks_list[@]}"; do
           # shellcheck disable=SC2046
           "$peftplan" run --model "$model" --lora-r 8 --lora-alpha 16 --lora-targets all-linear \
             --gpus "$n" $flags --checkpointing "$ck" --base-dtype "$base" $(size_flags "$model") \
-            --steps "$steps" --data "$data" --calibration "$cal" --out "$dir" > "$dir.log" 2>&1 || true
+            --steps "$steps" --rounds "$rounds" --data "$data" --calibration "$cal" --out "$dir" > "$dir.log" 2>&1 || true
           if [[ -f "$dir/validation.json" ]]; then
             python3 - "$dir/validation.json" "$name" >> "$rows" <<'PY'
 import json, sys
@@ -75,11 +79,13 @@ op = v.get("most_different_op") or {}
 what = f'{op.get("kernel","?")} {op.get("label","")}'.strip()
 if "op" in op: what = f'op {op["op"]} {what} ({op["phase"]}, L{op["layer"]})'
 what += f' {1e3*op.get("predicted_s",0):.2f}/{1e3*op.get("measured_s",0):.2f} ms'
+spread = st.get("spread_s")
+spread = f'{100*spread/st["measured"]:.1f}%' if spread is not None and st["measured"] > 0 else "-"
 print(f'{sys.argv[2]}\t{worst} {100*mem.get(worst,0):+.2f}%\t{100*v["memory"]["peak"]["relative_error"]:+.2f}%\t'
-      f'{1e3*st["predicted"]:.1f}\t{1e3*st["measured"]:.1f}\t{100*st["relative_error"]:+.1f}%\t{what}')
+      f'{1e3*st["predicted"]:.1f}\t{1e3*st["measured"]:.1f}\t{100*st["relative_error"]:+.1f}%\t{spread}\t{st.get("verdict","?")}\t{what}')
 PY
           else
-            echo -e "$name\tFAILED (see $dir.log)\t-\t-\t-\t-\t-" >> "$rows"
+            echo -e "$name\tFAILED (see $dir.log)\t-\t-\t-\t-\t-\t-\t-" >> "$rows"
           fi
         done
       done
@@ -90,14 +96,18 @@ done
 python3 - "$rows" <<'PY'
 import sys, statistics
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
-print(f'{"configuration":44} {"worst memory category":28} {"peak":>8} {"pred ms":>8} {"meas ms":>8} {"step err":>9}  op that differs most (pred/meas)')
-errs = []
+print(f'{"configuration":44} {"worst memory category":28} {"peak":>8} {"pred ms":>8} {"meas ms":>8} {"step err":>9} {"spread":>7} {"verdict":>12}  op that differs most (pred/meas)')
+errs, conclusive = [], []
 for r in rows:
-    print(f'{r[0]:44} {r[1]:28} {r[2]:>8} {r[3]:>8} {r[4]:>8} {r[5]:>9}  {r[6]}')
-    if r[5].endswith("%"): errs.append(abs(float(r[5][:-1])))
+    print(f'{r[0]:44} {r[1]:28} {r[2]:>8} {r[3]:>8} {r[4]:>8} {r[5]:>9} {r[6]:>7} {r[7]:>12}  {r[8]}')
+    if r[5].endswith("%"):
+        errs.append(abs(float(r[5][:-1])))
+        if r[7] != "inconclusive": conclusive.append(abs(float(r[5][:-1])))
 failed = sum(1 for r in rows if not r[5].endswith("%"))
 if errs:
     print(f"\n{len(errs)} configurations ({failed} failed): step-time |error| median {statistics.median(errs):.1f}%, worst {max(errs):.1f}%")
+    if conclusive:
+        print(f"{len(conclusive)} conclusive ({len(errs) - len(conclusive)} inconclusive): median {statistics.median(conclusive):.1f}%, worst {max(conclusive):.1f}%")
 else:
     print(f"\nno configuration ran ({failed} failed)")
 PY

@@ -556,13 +556,14 @@ sim::Cluster make_profile(const Calibration& cal) {
 void fit_collective_step_costs(std::span<const CollectiveSample> samples, sim::Cluster& c) {
   // Each slot's load is what its calls take inside a step beyond the table of the same calls
   // measured back to back with nothing else running; its skew the wait for the last rank. Both
-  // are fitted as a + b × (the compute the call overlaps) over the calls of the six
+  // are fitted as a + b × compute — the load against the compute the call overlaps, the skew
+  // against the compute since the previous collective — over the calls of the six
   // calibration programs: the programs issue each kind where the strategies do (DDP's and
   // ZeRO-2's after backward, ZeRO-3's gathers while layers compute) at two sizes 8x apart, so
   // the per-call constant and the growth with compute are told apart. Unweighted least squares:
   // what matters is the seconds a call adds to the step.
   constexpr std::size_t kSlots = sim::kCollectiveSlots * sim::kCollectivePlaces;
-  std::array<std::vector<double>, kSlots> load, skew, since;
+  std::array<std::vector<double>, kSlots> load, skew, overlapped, since;
   sim::Cluster base = c;  // the table alone
   base.host_calibration.collective_load_s.fill(0.0);
   base.host_calibration.collective_skew_s.fill(0.0);
@@ -573,21 +574,21 @@ void fit_collective_step_costs(std::span<const CollectiveSample> samples, sim::C
     const std::size_t k = sim::collective_slot(static_cast<std::size_t>(s.kind), s.place);
     load[k].push_back(std::max(0.0, s.transfer_s - sim::collective_cost(s.kind, s.bytes, s.group_size, base).time_s));
     skew[k].push_back(std::max(0.0, s.wait_s));
-    since[k].push_back(std::max(0.0, s.overlap_s));
+    overlapped[k].push_back(std::max(0.0, s.overlapped_s));
+    since[k].push_back(std::max(0.0, s.since_previous_s));
   }
+  // y = a + b x; calls that all have the same x (often none) tell no slope: the mean per call.
+  auto fit = [](const std::vector<double>& x, const std::vector<double>& y) {
+    const std::vector<double> one(y.size(), 1.0);
+    const auto [lo, hi] = std::minmax_element(x.begin(), x.end());
+    if (*hi - *lo > 0.0) return nonneg_least_squares(one, x, y, one);
+    return Fit2{std::accumulate(y.begin(), y.end(), 0.0) / static_cast<double>(y.size()), 0.0};
+  };
   auto& h = c.host_calibration;
   for (std::size_t k = 0; k < kSlots; ++k) {
     if (load[k].empty()) continue;
-    const std::vector<double> one(load[k].size(), 1.0);
-    // Calls that all overlap the same compute (often none) tell no slope: the mean per call.
-    const auto [lo, hi] = std::minmax_element(since[k].begin(), since[k].end());
-    const bool slope = *hi - *lo > 0.0;
-    auto fit = [&](const std::vector<double>& y) {
-      if (slope) return nonneg_least_squares(one, since[k], y, one);
-      return Fit2{std::accumulate(y.begin(), y.end(), 0.0) / static_cast<double>(y.size()), 0.0};
-    };
-    const Fit2 l = fit(load[k]);
-    const Fit2 w = fit(skew[k]);
+    const Fit2 l = fit(overlapped[k], load[k]);
+    const Fit2 w = fit(since[k], skew[k]);
     h.collective_load_s[k] = l.a;
     h.collective_load_per_compute[k] = l.b;
     h.collective_skew_s[k] = w.a;
@@ -799,8 +800,8 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
   }
   if (!cal.step_collectives.empty()) {
     o += "\n# collectives inside the calibration steps, per kind and place: the mean call's transfer beyond the table (load) and its\n"
-         "# wait for the last rank to arrive (skew), each fitted as a constant per call + a share of the compute the call overlaps\n"
-         "# (/comp.: seconds per compute second); the timeline adds both to every call of the kind in that place\n";
+         "# wait for the last rank to arrive (skew), each a constant per call + a share (/comp.) of compute: the compute the call\n"
+         "# overlaps for the load, the compute since the previous collective for the skew; the timeline adds both to every call\n";
     o += fmt::format("# {:>15} {:>10} {:>6} {:>12} {:>10} {:>12} {:>10} {:>12}\n", "collective", "place", "calls", "transfer(us)",
                      "load(us)", "+load/comp.", "skew(us)", "+skew/comp.");
     for (int k = 0; k < sim::kNumCollectives; ++k)
@@ -873,7 +874,7 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
     step_coll.push_back({{"program", c.program}, {"collective", sim::name_of(c.kind)}, {"place", sim::name_of(c.place)},
                          {"size_bytes", c.bytes}, {"ranks", c.group_size},
                          {"transfer_us", c.transfer_s / kMicro}, {"wait_us", c.wait_s / kMicro},
-                         {"overlap_us", c.overlap_s / kMicro}});
+                         {"overlapped_us", c.overlapped_s / kMicro}, {"since_previous_us", c.since_previous_s / kMicro}});
   nlohmann::json fits = nlohmann::json::array();
   for (const auto& f : cal.fits)
     fits.push_back({{"collective", sim::name_of(f.kind)}, {"ranks", f.ranks},
@@ -1085,12 +1086,12 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     // The compute each collective overlaps, from the measured op times.
     std::vector<double> measured(p.ops.size(), 0.0);
     std::copy_n(m.op_s.begin(), std::min(m.op_s.size(), measured.size()), measured.begin());
-    const std::vector<double> overlap = sim::compute_overlapped_s(p, measured);
+    const sim::CollectiveCompute around = sim::collective_compute_s(p, measured);
     for (std::size_t c = 0; c < m.collective_transfer_s.size(); ++c) {
       const auto i = static_cast<std::size_t>(m.collective_ops.at(c));
       const sim::Op& op = p.ops.at(i);
       k.collectives.push_back({op.collective, sim::collective_place(op.phase), op.bytes, op.group_size, m.collective_transfer_s[c],
-                               m.collective_wait_s.at(c), overlap[i], label});
+                               m.collective_wait_s.at(c), around.overlapped[i], around.since_previous[i], label});
     }
     rounds[static_cast<std::size_t>(run)].push_back(std::move(k));
     world.barrier();

@@ -26,6 +26,7 @@
 #include "peftplan/executor/plan_file.h"
 #include "peftplan/executor/safetensors.h"
 #include "peftplan/models/config.h"
+#include "peftplan/planner/validate.h"
 #include "peftplan/sim/compute.h"
 
 namespace peftplan::executor {
@@ -1099,6 +1100,8 @@ nlohmann::json gather_measurements(Communicator& comm, const nlohmann::json& min
 // Rank 0: each collective's transfer (the shortest rank's execution, step by step: the rank
 // that arrived last waited for nobody) and the time ranks waited for the last one to arrive,
 // per collective op and in total, from every rank's collective_op_s_by_step (see Measurement).
+// Each is the median over the steps, as the step time is: a typical step's, not one stalled
+// step's share.
 void split_collective_time(Measurement& m) {
   const auto& ranks = m.per_rank;
   if (!ranks.is_array() || ranks.empty() || m.collective_ops.empty()) return;
@@ -1113,17 +1116,21 @@ void split_collective_time(Measurement& m) {
   const std::size_t C = m.collective_ops.size();
   m.collective_transfer_s.assign(C, 0.0);
   m.collective_wait_s.assign(C, 0.0);
-  for (std::size_t k = 0; k < steps; ++k)
-    for (std::size_t c = 0; c < C; ++c) {
+  std::vector<double> transfer(steps), wait(steps);
+  for (std::size_t c = 0; c < C; ++c) {
+    for (std::size_t k = 0; k < steps; ++k) {
       double lo = std::numeric_limits<double>::max(), sum = 0.0;
       for (const auto& r : d) {
         const std::size_t kk = r.size() - steps + k;  // align the last `steps` steps
         lo = std::min(lo, r[kk][c]);
         sum += r[kk][c];
       }
-      m.collective_transfer_s[c] += lo / static_cast<double>(steps);
-      m.collective_wait_s[c] += (sum / static_cast<double>(d.size()) - lo) / static_cast<double>(steps);
+      transfer[k] = lo;
+      wait[k] = sum / static_cast<double>(d.size()) - lo;
     }
+    m.collective_transfer_s[c] = planner::spread_of(transfer).median;
+    m.collective_wait_s[c] = planner::spread_of(wait).median;
+  }
   m.sync_wait_s = std::accumulate(m.collective_wait_s.begin(), m.collective_wait_s.end(), 0.0);
 }
 

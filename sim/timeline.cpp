@@ -2,6 +2,7 @@
 #include "peftplan/sim/timeline.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "peftplan/common/error.h"
 #include "peftplan/sim/compute.h"
@@ -51,15 +52,15 @@ struct InStep {
   double wait_s = 0.0;
   double transfer_s = 0.0;
 };
-// `overlap_s`: compute-stream seconds the call overlaps (compute_overlapped_s).
-InStep collective_in_step(const Op& op, const Cluster& cluster, const SimOptions& options, double overlap_s) {
+// `overlapped_s`, `since_s`: the compute around the call (collective_compute_s).
+InStep collective_in_step(const Op& op, const Cluster& cluster, const SimOptions& options, double overlapped_s, double since_s) {
   const std::size_t slot = collective_slot(static_cast<std::size_t>(op.collective), collective_place(op.phase));
   const HostCalibration& h = cluster.host_calibration;
   const bool peers = op.group_size > 1;
   InStep r{collective_cost(op.collective, op.bytes, op.group_size, cluster, options.algorithm)};
   if (peers) {
-    r.wait_s = h.collective_skew_s[slot] + h.collective_skew_per_compute[slot] * overlap_s;
-    r.transfer_s = r.cost.time_s + h.collective_load_s[slot] + h.collective_load_per_compute[slot] * overlap_s;
+    r.wait_s = h.collective_skew_s[slot] + h.collective_skew_per_compute[slot] * since_s;
+    r.transfer_s = r.cost.time_s + h.collective_load_s[slot] + h.collective_load_per_compute[slot] * overlapped_s;
   } else {
     r.transfer_s = r.cost.time_s;
   }
@@ -73,7 +74,7 @@ double compute_op_s(const Op& op, const Cluster& cluster, const SimOptions& opti
 
 }  // namespace
 
-std::vector<double> compute_overlapped_s(const Program& program, std::span<const double> compute_s) {
+CollectiveCompute collective_compute_s(const Program& program, std::span<const double> compute_s) {
   const std::size_t n = program.ops.size();
   // prefix[i] = compute-stream seconds of ops [0, i)
   std::vector<double> prefix(n + 1, 0.0);
@@ -88,9 +89,18 @@ std::vector<double> compute_overlapped_s(const Program& program, std::span<const
       const auto di = static_cast<std::size_t>(d);
       if (di < n && first_dependent[di] == n) first_dependent[di] = j;
     }
-  std::vector<double> out(n, 0.0);
-  for (std::size_t i = 0; i < n; ++i)
-    if (program.ops[i].kind == OpKind::collective) out[i] = prefix[first_dependent[i]] - prefix[i + 1];
+  CollectiveCompute out{std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+  std::optional<std::size_t> first, previous;
+  for (std::size_t i = 0; i < n; ++i) {
+    const Op& op = program.ops[i];
+    if (op.kind != OpKind::collective || op.phase == Phase::setup) continue;
+    out.overlapped[i] = prefix[first_dependent[i]] - prefix[i + 1];
+    if (previous) out.since_previous[i] = prefix[i] - prefix[*previous + 1];
+    else first = i;
+    previous = i;
+  }
+  if (first)  // the step before ended with its last collective
+    out.since_previous[*first] = prefix[*first] + (prefix[n] - prefix[*previous + 1]);
   return out;
 }
 
@@ -101,7 +111,7 @@ double op_duration_s(const Op& op, const Cluster& cluster, const SimOptions& opt
     case OpKind::free: return 0.0;
     case OpKind::compute: return compute_op_s(op, cluster, options);
     case OpKind::collective: {
-      const InStep c = collective_in_step(op, cluster, options, 0.0);
+      const InStep c = collective_in_step(op, cluster, options, 0.0, 0.0);
       return c.wait_s + c.transfer_s;
     }
     case OpKind::copy: return copy_time_s(op.bytes, cluster);
@@ -123,7 +133,7 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
   compute_iv.reserve(n_ops / 2 + 1);
   // The compute each collective overlaps (HostCalibration's per-compute load and skew), costed
   // up front, and only on clusters calibrated with them.
-  std::vector<double> overlap;
+  CollectiveCompute around;
   if (cluster.host_calibration.has_collective_step_costs()) {
     std::vector<double> cost(n_ops, 0.0);
     for (std::size_t i = 0; i < n_ops; ++i) {
@@ -131,7 +141,7 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
       if (op.kind == OpKind::compute && op.stream == Stream::compute && op.phase != Phase::setup)
         cost[i] = compute_op_s(op, cluster, options);
     }
-    overlap = compute_overlapped_s(program, cost);
+    around = collective_compute_s(program, cost);
   }
 
   for (std::size_t i = 0; i < n_ops; ++i) {
@@ -160,7 +170,8 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
         }
         break;
       case OpKind::collective: {
-        const InStep c = collective_in_step(op, cluster, options, overlap.empty() ? 0.0 : overlap[i]);
+        const InStep c = around.overlapped.empty() ? collective_in_step(op, cluster, options, 0.0, 0.0)
+                                                   : collective_in_step(op, cluster, options, around.overlapped[i], around.since_previous[i]);
         const auto k = static_cast<std::size_t>(op.collective);
         wait = c.wait_s;
         dur = c.wait_s + c.transfer_s;

@@ -164,18 +164,20 @@ TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
 }
 
 // The load and skew of collectives inside a step, per kind and place: least squares of
-// x = a + b × overlap over the calls, both terms non-negative, recovered exactly from samples
-// on such a line; kinds and places without samples keep 0.
+// load = a + b × overlapped and skew = a + b × since_previous over the calls, all terms
+// non-negative, recovered exactly from samples on such lines; kinds and places without samples
+// keep 0.
 TEST(Calibrate, CollectiveLoadAndSkewFitRecoverSyntheticLines) {
   const sim::Cluster base = sim::default_cluster(2);
   std::vector<CollectiveSample> samples;
   for (const double overlap : {0.0, 1e-3, 2e-3, 8e-3}) {
     const std::uint64_t bytes = 1 << 16;
     const double table = sim::collective_cost(Collective::all_gather, bytes, 2, base).time_s;
+    const double since = 9e-3 - overlap;  // another regressor
     samples.push_back({Collective::all_gather, sim::CollectivePlace::compute, bytes, 2, table + 150e-6 + 0.12 * overlap,
-                       40e-6 + 0.03 * overlap, overlap, "zero3"});
+                       40e-6 + 0.03 * since, overlap, since, "zero3"});
   }
-  samples.push_back({Collective::all_reduce, sim::CollectivePlace::optimizer, 16, 2, 1.0, 2e-6, 0.0, "ddp"});  // transfer far above the table
+  samples.push_back({Collective::all_reduce, sim::CollectivePlace::optimizer, 16, 2, 1.0, 2e-6, 0.0, 0.0, "ddp"});  // transfer far above the table
   sim::Cluster c = base;
   fit_collective_step_costs(samples, c);
   const auto& h = c.host_calibration;
@@ -221,7 +223,7 @@ TEST(Calibrate, MeasuredSkewGrowsZeroThreesPredictedStep) {
     if (op.kind == sim::OpKind::collective && op.collective == Collective::all_gather && op.phase != sim::Phase::setup &&
         sim::collective_place(op.phase) == sim::CollectivePlace::compute) {
       samples.push_back({op.collective, sim::CollectivePlace::compute, op.bytes, op.group_size,
-                         sim::collective_cost(op.collective, op.bytes, op.group_size, base).time_s, w, 0.0, "zero3"});
+                         sim::collective_cost(op.collective, op.bytes, op.group_size, base).time_s, w, 0.0, 0.0, "zero3"});
       ++gathers;
     }
   ASSERT_GT(gathers, 4);

@@ -562,15 +562,17 @@ TEST(Timeline, CalibratedSkewAndLoadDelayWhatWaitsForTheCollective) {
   p.add_op(compute_op(1'000'000'000), {comm});         // needs it
   const Timeline before = simulate(p, c);
   const double transfer = 8.4e-6 + 1e-3;
-  EXPECT_EQ(compute_overlapped_s(p, {{1e-3, 0.0, 1e-3, 1e-3}}), (std::vector<double>{0.0, 1e-3, 0.0, 0.0}));
+  const CollectiveCompute around = collective_compute_s(p, {{1e-3, 0.0, 1e-3, 1e-3}});
+  EXPECT_EQ(around.overlapped, (std::vector<double>{0.0, 1e-3, 0.0, 0.0}));
+  EXPECT_EQ(around.since_previous, (std::vector<double>{0.0, 3e-3, 0.0, 0.0}));  // the only collective: the whole step
   const std::size_t slot = collective_slot(static_cast<std::size_t>(Collective::all_reduce), CollectivePlace::compute);
-  // wait = 100 us + 0.2 × 1 ms overlapped; load = 50 us + 0.1 × 1 ms
+  // wait = 100 us + 0.2 × 3 ms since the previous collective; load = 50 us + 0.1 × 1 ms overlapped
   c.host_calibration.collective_skew_s[slot] = 100e-6;
   c.host_calibration.collective_skew_per_compute[slot] = 0.2;
   c.host_calibration.collective_load_s[slot] = 50e-6;
   c.host_calibration.collective_load_per_compute[slot] = 0.1;
   const Timeline t = simulate(p, c);
-  const double wait = 100e-6 + 0.2e-3, load = 50e-6 + 0.1e-3;
+  const double wait = 100e-6 + 0.2 * 3e-3, load = 50e-6 + 0.1e-3;
   EXPECT_NEAR(t.ops[1].wait_s, wait, 1e-15);
   EXPECT_NEAR(t.ops[1].end_s - t.ops[1].start_s, wait + transfer + load, 1e-15);
   EXPECT_NEAR(t.comm_s, transfer + load, 1e-15);

@@ -7,16 +7,20 @@
 //     sync and async calls the caller makes (MPI requires the same order on every rank);
 //   - the caller's thread never enters MPI after construction, so backward compute on the
 //     caller's thread overlaps with a reduction in flight: the reduction progresses because the
-//     communication thread sits inside the blocking MPI call (Open MPI and MPICH progress
-//     blocking collectives by polling), not because the caller polls;
+//     communication thread tests it (MPI_Test drives MPI's progress engine), not because the
+//     caller polls;
 //   - MPI needs only MPI_THREAD_SERIALIZED while a single communicator is in use (calls come from
 //     one thread at a time, and not from the thread that initialised MPI, which rules out
 //     FUNNELED). MpiRuntime asks for MPI_THREAD_MULTIPLE, which several communicators active at
 //     once need (each has its own thread); with only SERIALIZED, use one at a time.
-// Barriers wait with MPI_Ibarrier + MPI_Test and a sleeping back-off, so that ranks idling at a
-// barrier leave the CPU to ranks that compute (the calibration relies on it on shared cores).
-// Blocking collectives are left to MPI's own busy-polling: it is the fastest path, and on a CPU
-// host it costs one core per rank while the collective runs.
+// Every collective and barrier is nonblocking (MPI_Iallreduce, MPI_Iallgather, ...) and waited
+// for with MPI_Test, back to back for 20 us and then with sleeps in between (wait_low_cpu), so
+// that a rank whose peer has not arrived yet leaves the core to the ranks' compute threads. MPI's
+// own blocking calls poll, and on a host whose ranks fill the cores that polling thread took the
+// core from its rank's compute: ZeRO-3's all-gathers, pending while the layers compute, made
+// tiny-llama-4l's steps 28% longer than DDP's; waiting this way, 3% (bench/accuracy.sh --quick,
+// 4 x 256 tokens, 2 ranks on 2 cores). The sleeps cost latency when a peer is late, which the
+// calibration measures like every other cost of the collectives.
 //
 // Every MPI call goes through PEFTPLAN_MPI_CHECK, which throws CommError with file:line, the call
 // and MPI_Error_string's text; communicators are created with MPI_ERRORS_RETURN so that the
@@ -189,24 +193,32 @@ class CommThread {
   std::thread thread_;  // last: starts after the queue exists
 };
 
-// Barrier that sleeps while it waits (see the file comment).
-void low_cpu_barrier(MPI_Comm comm) {
-  MPI_Request req = MPI_REQUEST_NULL;
-  PEFTPLAN_MPI_CHECK(MPI_Ibarrier(comm, &req));
-  auto pause = std::chrono::microseconds(0);
+// Waits for a nonblocking operation without holding a core: MPI_Test (which progresses it)
+// back to back for a few microseconds, the time a collective between ready peers takes, then
+// with sleeps in between that double from 10 us up to `longest` (see the file comment).
+void wait_low_cpu(MPI_Request& req, std::chrono::microseconds longest) {
+  using Clock = std::chrono::steady_clock;
+  const auto spin_until = Clock::now() + std::chrono::microseconds(20);
+  auto pause = std::chrono::microseconds(10);
   for (;;) {
     int flag = 0;
     PEFTPLAN_MPI_CHECK(MPI_Test(&req, &flag, MPI_STATUS_IGNORE));
     if (flag) return;
-    if (pause.count() == 0) {
-      std::this_thread::yield();
-      pause = std::chrono::microseconds(20);
-    } else {
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(1000));
-    }
+    if (Clock::now() < spin_until) continue;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, longest);
   }
 }
+
+// Barrier that sleeps while it waits (see the file comment).
+void low_cpu_barrier(MPI_Comm comm) {
+  MPI_Request req = MPI_REQUEST_NULL;
+  PEFTPLAN_MPI_CHECK(MPI_Ibarrier(comm, &req));
+  wait_low_cpu(req, std::chrono::microseconds(1000));
+}
+
+// Collectives wait with a shorter longest sleep: they sit on the step's critical path.
+constexpr std::chrono::microseconds kCollectiveLongestSleep{100};
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -223,7 +235,9 @@ class MpiCommunicator final : public Communicator {
     const int n = mpi_count(count);
     const void* sbuf = send == recv ? MPI_IN_PLACE : send;
     return submit(CommKind::all_reduce, count * bytes_of(dtype), [=](MPI_Comm c) {
-      PEFTPLAN_MPI_CHECK(MPI_Allreduce(sbuf, recv, n, mpi_type(dtype), mpi_op(op), c));
+      MPI_Request req = MPI_REQUEST_NULL;
+      PEFTPLAN_MPI_CHECK(MPI_Iallreduce(sbuf, recv, n, mpi_type(dtype), mpi_op(op), c, &req));
+      wait_low_cpu(req, kCollectiveLongestSleep);
     });
   }
 
@@ -238,15 +252,18 @@ class MpiCommunicator final : public Communicator {
     const bool in_place = recv == base + static_cast<std::size_t>(rank_) * block;
     return submit(CommKind::reduce_scatter, block * static_cast<std::size_t>(size_),
                   [=, rank = rank_](MPI_Comm c) {
+                    MPI_Request req = MPI_REQUEST_NULL;
                     if (in_place) {
                       // MPI's in-place form reads the whole array from the receive buffer and
                       // leaves this rank's block at its start; NCCL's leaves it at block `rank`.
-                      PEFTPLAN_MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, base, n,
-                                                                  mpi_type(dtype), mpi_op(op), c));
+                      PEFTPLAN_MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, base, n,
+                                                                   mpi_type(dtype), mpi_op(op), c, &req));
+                      wait_low_cpu(req, kCollectiveLongestSleep);
                       if (rank != 0) std::memmove(recv, base, block);
                     } else {
-                      PEFTPLAN_MPI_CHECK(MPI_Reduce_scatter_block(send, recv, n, mpi_type(dtype),
-                                                                  mpi_op(op), c));
+                      PEFTPLAN_MPI_CHECK(MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype),
+                                                                   mpi_op(op), c, &req));
+                      wait_low_cpu(req, kCollectiveLongestSleep);
                     }
                   });
   }
@@ -259,11 +276,13 @@ class MpiCommunicator final : public Communicator {
     const std::size_t block = send_count * bytes_of(dtype);
     const bool in_place = send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * block;
     return submit(CommKind::all_gather, block * static_cast<std::size_t>(size_), [=](MPI_Comm c) {
+      MPI_Request req = MPI_REQUEST_NULL;
       if (in_place)
-        PEFTPLAN_MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n,
-                                         mpi_type(dtype), c));
+        PEFTPLAN_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n,
+                                          mpi_type(dtype), c, &req));
       else
-        PEFTPLAN_MPI_CHECK(MPI_Allgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), c));
+        PEFTPLAN_MPI_CHECK(MPI_Iallgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), c, &req));
+      wait_low_cpu(req, kCollectiveLongestSleep);
     });
   }
 
@@ -274,7 +293,9 @@ class MpiCommunicator final : public Communicator {
     const bool copy_first = rank_ == root && send != recv;
     return submit(CommKind::broadcast, count * bytes_of(dtype), [=](MPI_Comm c) {
       if (copy_first) std::memcpy(recv, send, count * bytes_of(dtype));
-      PEFTPLAN_MPI_CHECK(MPI_Bcast(recv, n, mpi_type(dtype), root, c));
+      MPI_Request req = MPI_REQUEST_NULL;
+      PEFTPLAN_MPI_CHECK(MPI_Ibcast(recv, n, mpi_type(dtype), root, c, &req));
+      wait_low_cpu(req, kCollectiveLongestSleep);
     });
   }
 

@@ -123,8 +123,8 @@ struct CollectiveSample {
   std::int32_t group_size = 2;
   double transfer_s = 0.0;
   double wait_s = 0.0;
-  double overlap_s = 0.0;        // rank 0's measured compute-stream seconds the call overlaps
-                                 //   (sim::compute_overlapped_s on the measured op times)
+  double overlapped_s = 0.0;      // rank 0's measured compute around the call
+  double since_previous_s = 0.0;  //   (sim::collective_compute_s on the measured op times)
   std::string program;
 };
 
@@ -163,9 +163,10 @@ struct Calibration {
 };
 
 // Per collective kind and place, from the step programs' collectives: the load (transfer -
-// collective_cost on `profile`) and the skew (the wait) each fitted as x_s + x_per_compute ×
-// overlap_s (least squares, both terms non-negative) into profile.host_calibration's
-// collective_load_* / collective_skew_*. Slots without samples keep 0.
+// collective_cost on `profile`) as load_s + load_per_compute × overlapped_s and the skew (the
+// wait) as skew_s + skew_per_compute × since_previous_s (least squares, all terms non-negative)
+// into profile.host_calibration's collective_load_* / collective_skew_*. Slots without samples
+// keep 0.
 void fit_collective_step_costs(std::span<const CollectiveSample> samples, sim::Cluster& profile);
 
 // The factor by which measured steps exceed what `profile` predicts for them (sim::simulate):

@@ -66,14 +66,15 @@ struct Measurement {
   std::vector<std::vector<double>> collective_op_s_by_step;  // [step][collective]: execution
                                         //   seconds on the communication thread, the last (up to
                                         //   32) steps after the first
-  // Rank 0 of several, from every rank's collective_op_s_by_step: per collective op, the mean
+  // Rank 0 of several, from every rank's collective_op_s_by_step: per collective op, the median
   // over steps of the shortest rank's execution — the rank that arrived last waits for nobody, so
-  // its call is the transfer — and the mean over steps and ranks of the rest: waiting for the
-  // last rank to arrive (skew; a cost no rank-symmetric model predicts).
+  // its call is the transfer — and the median over steps of the mean over ranks of the rest:
+  // waiting for the last rank to arrive (skew; calibrate measures it, the timeline predicts it).
   std::vector<double> collective_transfer_s;  // aligned with collective_ops; empty otherwise
   std::vector<double> collective_wait_s;      // aligned with collective_ops: per step, the mean
-                                        //   over ranks of (its call - the shortest rank's call)
-  double sync_wait_s = 0.0;             // per step, summed over collective ops, mean over ranks
+                                        //   over ranks of (its call - the shortest rank's
+                                        //   call), the median over steps
+  double sync_wait_s = 0.0;             // per step: collective_wait_s summed over collective ops
   nlohmann::json trace;                 // Chrome trace of the last step ("traceEvents")
   std::vector<CollectiveStat> collectives;  // per kind, NCCL's order
   nlohmann::json per_rank;              // rank 0 of several: every rank's measurement (memory,

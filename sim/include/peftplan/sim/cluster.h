@@ -124,11 +124,13 @@ struct CollectiveTable {
 //   skew: seconds a rank waits inside each call for the last rank to arrive (ranks drift apart
 //     between synchronisations: one is descheduled, its kernels run slower), the mean over the
 //     ranks of (a rank's call - the shortest rank's call).
-// Both grow with the compute the call overlaps (the longer the rank computes while a call is
-// pending, the longer its communication thread, and its peer's, wait for a core), so each is
-//   x = x_s + x_per_compute × (compute-stream seconds the call overlaps, compute_overlapped_s),
-// both terms non-negative, fitted by least squares over the calls of the calibration programs
-// at two sizes.
+// Each grows with compute: the load with the compute the call overlaps (the longer the rank
+// computes while the call is pending, the longer the communication threads wait for a core), the
+// skew with the compute since the previous collective (the longer the ranks run apart, the
+// further they drift). So each is
+//   load = load_s + load_per_compute × overlapped, skew = skew_s + skew_per_compute × since_previous
+// (collective_compute_s in timeline.h), all terms non-negative, fitted by least squares over the
+// calls of the calibration programs at two sizes.
 // The timeline puts both in the collective's interval (wait first, then the transfer), reports
 // the waits as sync_wait_s and keeps comm_s the transfers, as the executor measures them.
 inline constexpr std::size_t kCollectiveSlots = 4;  // == kNumCollectives (program.h; static_assert in cluster.cpp)

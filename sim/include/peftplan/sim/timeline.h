@@ -71,13 +71,21 @@ constexpr CollectivePlace collective_place(Phase phase) {
   return phase == Phase::optimizer || phase == Phase::setup ? CollectivePlace::optimizer : CollectivePlace::compute;
 }
 
-// For each collective op of the program, the compute it overlaps: the sum of `compute_s` over
-// the compute-stream ops after it in program order up to (not including) the first op that
-// depends on it (to the end of the step when none does) — what the rank computes while the
-// collective is pending. `compute_s` holds seconds per op index (only compute-stream compute ops
-// are read); other ops get 0. The one rule for HostCalibration's per-compute load and skew,
+// For each collective op of the program, the compute around it, from `compute_s` (seconds per op
+// index; only compute-stream compute ops outside setup are read; other ops get 0):
+//   overlapped: the compute-stream ops after it in program order up to (not including) the
+//     first op that depends on it (to the end of the step when none does) — what the rank
+//     computes while the collective is pending;
+//   since_previous: the compute-stream ops since the previous collective in program order (the
+//     step repeats: the first collective counts from the step's last one) — how long the ranks
+//     ran apart before meeting in it.
+// The one rule for HostCalibration's per-compute load (overlapped) and skew (since_previous),
 // used by simulate() on costed ops and by calibrate on measured ones.
-std::vector<double> compute_overlapped_s(const Program& program, std::span<const double> compute_s);
+struct CollectiveCompute {
+  std::vector<double> overlapped;
+  std::vector<double> since_previous;
+};
+CollectiveCompute collective_compute_s(const Program& program, std::span<const double> compute_s);
 
 // Duration of one op on the cluster as simulate() costs it (0 for alloc/free and setup ops; a
 // collective's arrival wait included, without the parts that grow with the compute since the
