@@ -577,23 +577,36 @@ void fit_collective_step_costs(std::span<const CollectiveSample> samples, sim::C
     overlapped[k].push_back(std::max(0.0, s.overlapped_s));
     since[k].push_back(std::max(0.0, s.since_previous_s));
   }
-  // y = a + b x; calls that all have the same x (often none) tell no slope: the mean per call.
-  auto fit = [](const std::vector<double>& x, const std::vector<double>& y) {
-    const std::vector<double> one(y.size(), 1.0);
-    const auto [lo, hi] = std::minmax_element(x.begin(), x.end());
-    if (*hi - *lo > 0.0) return nonneg_least_squares(one, x, y, one);
-    return Fit2{std::accumulate(y.begin(), y.end(), 0.0) / static_cast<double>(y.size()), 0.0};
+  // y = a_slot + b x: a constant per slot and one slope for the machine (how fast ranks drift
+  // apart, how long a busy core keeps a communication thread waiting, per second of compute are
+  // properties of the host, not of a collective kind). The slope is the within-slot least
+  // squares estimate, sum (x - mean_slot x)(y - mean_slot y) / sum (x - mean_slot x)^2, so only
+  // slots whose calls differ in x inform it and a slot with few calls cannot extrapolate its own;
+  // then each slot's constant is its mean of y - b x. Both are clamped to >= 0.
+  auto fit = [&](const std::array<std::vector<double>, kSlots>& x, const std::array<std::vector<double>, kSlots>& y,
+                 sim::HostCalibration::CollectiveArray& constant, sim::HostCalibration::CollectiveArray& slope) {
+    double sxy = 0.0, sxx = 0.0;
+    std::array<double, kSlots> mx{}, my{};
+    for (std::size_t k = 0; k < kSlots; ++k) {
+      if (y[k].empty()) continue;
+      const auto n = static_cast<double>(y[k].size());
+      mx[k] = std::accumulate(x[k].begin(), x[k].end(), 0.0) / n;
+      my[k] = std::accumulate(y[k].begin(), y[k].end(), 0.0) / n;
+      for (std::size_t i = 0; i < y[k].size(); ++i) {
+        sxy += (x[k][i] - mx[k]) * (y[k][i] - my[k]);
+        sxx += (x[k][i] - mx[k]) * (x[k][i] - mx[k]);
+      }
+    }
+    const double b = sxx > 0.0 ? std::max(0.0, sxy / sxx) : 0.0;
+    for (std::size_t k = 0; k < kSlots; ++k) {
+      if (y[k].empty()) continue;
+      constant[k] = std::max(0.0, my[k] - b * mx[k]);
+      slope[k] = b;
+    }
   };
   auto& h = c.host_calibration;
-  for (std::size_t k = 0; k < kSlots; ++k) {
-    if (load[k].empty()) continue;
-    const Fit2 l = fit(overlapped[k], load[k]);
-    const Fit2 w = fit(since[k], skew[k]);
-    h.collective_load_s[k] = l.a;
-    h.collective_load_per_compute[k] = l.b;
-    h.collective_skew_s[k] = w.a;
-    h.collective_skew_per_compute[k] = w.b;
-  }
+  fit(overlapped, load, h.collective_load_s, h.collective_load_per_compute);
+  fit(since, skew, h.collective_skew_s, h.collective_skew_per_compute);
 }
 
 double step_ratio(std::span<const ProgramSample> programs, const sim::Cluster& profile) {

@@ -163,10 +163,11 @@ TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
               1e-9 * base);
 }
 
-// The load and skew of collectives inside a step, per kind and place: least squares of
-// load = a + b × overlapped and skew = a + b × since_previous over the calls, all terms
-// non-negative, recovered exactly from samples on such lines; kinds and places without samples
-// keep 0.
+// The load and skew of collectives inside a step: least squares of load = a_slot + b ×
+// overlapped and skew = a_slot + b × since_previous over the calls — a constant per kind and
+// place, one slope for the host — all terms non-negative, recovered exactly from samples on such
+// lines; a slot whose calls all have the same compute takes the host's slope and its own constant
+// (it cannot extrapolate a slope of its own); slots without samples keep 0.
 TEST(Calibrate, CollectiveLoadAndSkewFitRecoverSyntheticLines) {
   const sim::Cluster base = sim::default_cluster(2);
   std::vector<CollectiveSample> samples;
@@ -177,7 +178,8 @@ TEST(Calibrate, CollectiveLoadAndSkewFitRecoverSyntheticLines) {
     samples.push_back({Collective::all_gather, sim::CollectivePlace::compute, bytes, 2, table + 150e-6 + 0.12 * overlap,
                        40e-6 + 0.03 * since, overlap, since, "zero3"});
   }
-  samples.push_back({Collective::all_reduce, sim::CollectivePlace::optimizer, 16, 2, 1.0, 2e-6, 0.0, 0.0, "ddp"});  // transfer far above the table
+  // one call: its constant is what the host's slope leaves of it
+  samples.push_back({Collective::all_reduce, sim::CollectivePlace::optimizer, 16, 2, 1.0, 2e-6 + 0.03 * 1e-3, 0.0, 1e-3, "ddp"});
   sim::Cluster c = base;
   fit_collective_step_costs(samples, c);
   const auto& h = c.host_calibration;
@@ -187,9 +189,9 @@ TEST(Calibrate, CollectiveLoadAndSkewFitRecoverSyntheticLines) {
   EXPECT_NEAR(h.collective_skew_s[ag], 40e-6, 1e-12);
   EXPECT_NEAR(h.collective_skew_per_compute[ag], 0.03, 1e-9);
   const std::size_t ar = sim::collective_slot(static_cast<std::size_t>(Collective::all_reduce), sim::CollectivePlace::optimizer);
-  EXPECT_NEAR(h.collective_skew_s[ar], 2e-6, 1e-15);  // one sample: the constant, no slope
-  EXPECT_DOUBLE_EQ(h.collective_skew_per_compute[ar], 0.0);
-  EXPECT_GT(h.collective_load_s[ar], 0.9);
+  EXPECT_NEAR(h.collective_skew_s[ar], 2e-6, 1e-12);
+  EXPECT_NEAR(h.collective_skew_per_compute[ar], 0.03, 1e-9);  // the host's
+  EXPECT_GT(h.collective_load_s[ar], 0.9);  // a transfer far above the table
   const std::size_t ag_opt = sim::collective_slot(static_cast<std::size_t>(Collective::all_gather), sim::CollectivePlace::optimizer);
   EXPECT_DOUBLE_EQ(h.collective_load_s[ag_opt], 0.0);
   EXPECT_DOUBLE_EQ(h.collective_skew_s[ag_opt], 0.0);

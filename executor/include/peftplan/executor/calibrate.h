@@ -164,9 +164,9 @@ struct Calibration {
 
 // Per collective kind and place, from the step programs' collectives: the load (transfer -
 // collective_cost on `profile`) as load_s + load_per_compute × overlapped_s and the skew (the
-// wait) as skew_s + skew_per_compute × since_previous_s (least squares, all terms non-negative)
-// into profile.host_calibration's collective_load_* / collective_skew_*. Slots without samples
-// keep 0.
+// wait) as skew_s + skew_per_compute × since_previous_s — a constant per slot, one slope for
+// the host (within-slot least squares; all terms non-negative) — into profile.host_calibration's
+// collective_load_* / collective_skew_*. Slots without samples keep 0.
 void fit_collective_step_costs(std::span<const CollectiveSample> samples, sim::Cluster& profile);
 
 // The factor by which measured steps exceed what `profile` predicts for them (sim::simulate):

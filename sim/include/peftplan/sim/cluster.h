@@ -130,7 +130,8 @@ struct CollectiveTable {
 // further they drift). So each is
 //   load = load_s + load_per_compute × overlapped, skew = skew_s + skew_per_compute × since_previous
 // (collective_compute_s in timeline.h), all terms non-negative, fitted by least squares over the
-// calls of the calibration programs at two sizes.
+// calls of the calibration programs at two sizes: a constant per kind and place, one slope for the
+// host (calibrate.h).
 // The timeline puts both in the collective's interval (wait first, then the transfer), reports
 // the waits as sync_wait_s and keeps comm_s the transfers, as the executor measures them.
 inline constexpr std::size_t kCollectiveSlots = 4;  // == kNumCollectives (program.h; static_assert in cluster.cpp)
