@@ -3,7 +3,9 @@
 # with `peftplan run` (strategies DDP, ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-2 + optimizer offload,
 # ZeRO-3 + optimizer offload × 1, 2, 4 ranks × checkpointing none/full × base fp32/bf16 ×
 # tiny-llama-2l/tiny-llama-4l), one calibration per rank count (`peftplan calibrate --ranks N`),
-# and prints one row per configuration — the worst memory category's error, the peak's error,
+# with every configuration's rounds interleaved over the whole matrix (pass k runs each once; then
+# `peftplan compare` combines the rounds), and prints one row per configuration — the worst
+# memory category's error, the peak's error,
 # the step-time error with its spread (the interquartile range of the rounds, as a share of the
 # measured step) and verdict, and the op that differs most — then the median and worst
 # |step-time error|, over every configuration and over the conclusive ones.
@@ -51,25 +53,50 @@ size_flags() {
 mkdir -p "$out"
 rows="$out/rows.tsv"
 : > "$rows"
+# The configurations, one per line: name, rank count, then peftplan run's flags.
+configs="$out/configs.txt"
+: > "$configs"
 for n in "${ranks_list[@]}"; do
-  # one profile per rank count: a profile's rates are per rank with that many ranks sharing the cores
-  cn=$n
-  cal="$out/calibration.$cn.json"
-  [[ -f "$cal" ]] || "$peftplan" calibrate --ranks "$cn" --quick --out "$cal" > "$out/calibrate.$cn.log" 2>&1
   for model in "${models[@]}"; do
     for strat in "${strategies[@]}"; do
       flags="--strategy ${strat%+off}"
       [[ "$strat" == *+off ]] && flags="$flags --offload-optimizer cpu"
       for ck in "${ckpts[@]}"; do
         for base in "${bases[@]}"; do
-          name="$model.n$n.$strat.ckpt-$ck.$base"
-          dir="$out/$name"
-          # shellcheck disable=SC2046
-          "$peftplan" run --model "$model" --lora-r 8 --lora-alpha 16 --lora-targets all-linear \
-            --gpus "$n" $flags --checkpointing "$ck" --base-dtype "$base" $(size_flags "$model") \
-            --steps "$steps" --rounds "$rounds" --data "$data" --calibration "$cal" --out "$dir" > "$dir.log" 2>&1 || true
-          if [[ -f "$dir/validation.json" ]]; then
-            python3 - "$dir/validation.json" "$name" >> "$rows" <<'PY'
+          echo "$model.n$n.$strat.ckpt-$ck.$base $n --model $model --lora-r 8 --lora-alpha 16 --lora-targets all-linear --gpus $n $flags --checkpointing $ck --base-dtype $base $(size_flags "$model")" >> "$configs"
+        done
+      done
+    done
+  done
+done
+# one profile per rank count: a profile's rates are per rank with that many ranks sharing the cores
+for n in "${ranks_list[@]}"; do
+  cal="$out/calibration.$n.json"
+  [[ -f "$cal" ]] || "$peftplan" calibrate --ranks "$n" --quick --out "$cal" > "$out/calibrate.$n.log" 2>&1
+done
+# Rounds interleaved over the whole matrix: pass k runs every configuration once (one round), so a
+# slow spell of the machine lands on one round of many configurations, not on every round of one;
+# then `peftplan compare` combines each configuration's rounds (the median, the spread) as
+# `peftplan run --rounds` does.
+for k in $(seq 1 "$rounds"); do
+  while read -r name n args; do
+    dir="$out/$name"
+    # shellcheck disable=SC2086
+    "$peftplan" run $args --steps "$steps" --rounds 1 --data "$data" --calibration "$out/calibration.$n.json" \
+      --out "$dir/round-$k" < /dev/null > "$dir.round-$k.log" 2>&1 || true  # mpirun would read the list
+  done < "$configs"
+done
+while read -r name n args; do
+  dir="$out/$name"
+  measurements=()
+  for k in $(seq 1 "$rounds"); do
+    [[ -f "$dir/round-$k/measurement.json" ]] && measurements+=("$dir/round-$k/measurement.json")
+  done
+  if [[ ${#measurements[@]} -gt 0 ]]; then
+    "$peftplan" compare "$dir/round-1/plan.json" "${measurements[@]}" --out "$dir" < /dev/null > "$dir.log" 2>&1 || true
+  fi
+  if [[ -f "$dir/validation.json" ]]; then
+    python3 - "$dir/validation.json" "$name" >> "$rows" <<'PY'
 import json, sys
 v = json.load(open(sys.argv[1]))
 mem = {k: x["relative_error"] for k, x in v["memory"].items() if k != "peak"}
@@ -84,14 +111,10 @@ spread = f'{100*spread/st["measured"]:.1f}%' if spread is not None and st["measu
 print(f'{sys.argv[2]}\t{worst} {100*mem.get(worst,0):+.2f}%\t{100*v["memory"]["peak"]["relative_error"]:+.2f}%\t'
       f'{1e3*st["predicted"]:.1f}\t{1e3*st["measured"]:.1f}\t{100*st["relative_error"]:+.1f}%\t{spread}\t{st.get("verdict","?")}\t{what}')
 PY
-          else
-            echo -e "$name\tFAILED (see $dir.log)\t-\t-\t-\t-\t-\t-\t-" >> "$rows"
-          fi
-        done
-      done
-    done
-  done
-done
+  else
+    echo -e "$name\tFAILED (see $dir.log)\t-\t-\t-\t-\t-\t-\t-" >> "$rows"
+  fi
+done < "$configs"
 
 python3 - "$rows" <<'PY'
 import sys, statistics

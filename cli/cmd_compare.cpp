@@ -23,24 +23,13 @@
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/validate.h"
+#include "output_files.h"
 #include "validation_text.h"
 
 namespace peftplan::cli {
 namespace {
 
 namespace fs = std::filesystem;
-
-// Writes text to path through a temporary name and a rename, so a reader never sees half a file.
-void write_atomic(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    if (!f) throw InputError(fmt::format("{}: cannot write", path.string()));
-    f << text;
-    if (!f) throw InputError(fmt::format("{}: cannot write", path.string()));
-  }
-  fs::rename(tmp, path);
-}
 
 // The config.json object a plan file's model came from (a zoo name's bundled file).
 std::optional<std::string> plan_config_sha256(const planner::PlanFile& pf) {
@@ -137,8 +126,8 @@ void add_compare_command(CLI::App& app, int& exit_code) {
     if (!o->out.empty()) {
       const fs::path dir = fs::absolute(o->out);
       fs::create_directories(dir);
-      write_atomic(dir / "validation.json", planner::validation_to_json(v).dump(1) + "\n");
-      write_atomic(dir / "report.md", validation_report(plan, v, cluster_from));
+      write_text_atomic(dir / "validation.json", planner::validation_to_json(v).dump(1) + "\n");
+      write_text_atomic(dir / "report.md", validation_report(plan, v, cluster_from));
       fmt::print("wrote {} and {}\n", shown_path(dir / "validation.json"), shown_path(dir / "report.md"));
     }
     fmt::print("{}\n", v.within_tolerance ? (v.inconclusive.empty() ? "verdict: every figure within tolerance"

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "output_files.h"
 #include "plan_flags.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
@@ -19,17 +20,8 @@
 namespace peftplan::cli {
 namespace {
 
-// Writes through a temporary name and renames, so a failed run leaves nothing half-written.
-void write_json_atomically(const std::string& path, const nlohmann::json& j) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) throw input_error(path, "", "cannot be written (does the folder exist?)");
-    out << j.dump(1) << '\n';
-    if (!out) throw input_error(path, "", "could not be written completely");
-  }
-  std::filesystem::rename(tmp, path);
-}
+// JSON through the CLI's one atomic writer.
+void write_json_atomically(const std::string& path, const nlohmann::json& j) { write_text_atomic(path, j.dump(1) + "\n"); }
 
 std::string adapter_summary(const planner::Plan& p) {
   if (p.input.peft.adapters.empty()) return "full fine-tuning";
@@ -86,6 +78,7 @@ void print_text(const planner::Plan& p) {
                in.strategy.ranks, 100.0 * tm.mfu);
     fmt::print("  {:<26} {:>10.4f} s\n", "compute", tm.compute_s);
     fmt::print("  {:<26} {:>10.4f} s    exposed {:.4f} s\n", "communication", tm.comm_s, tm.exposed_comm_s);
+    if (tm.sync_wait_s > 0) fmt::print("  {:<26} {:>10.4f} s    (calibrated skew)\n", "waiting for the last rank", tm.sync_wait_s);
     fmt::print("  {:<26} {:>10.4f} s\n", "optimizer", tm.optimizer_s);
     if (tm.offload_s > 0) fmt::print("  {:<26} {:>10.4f} s\n", "offload (copies + host)", tm.offload_s);
     fmt::print("communication per step per rank\n");

@@ -38,6 +38,7 @@
 #include "peftplan/sim/memory.h"
 #include "peftplan/sim/trace.h"
 #include "plan_flags.h"
+#include "output_files.h"
 #include "validation_text.h"
 
 namespace peftplan::cli {
@@ -48,18 +49,6 @@ namespace fs = std::filesystem;
 std::string absolute(const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); }
 
 std::string shown(const fs::path& p) { return shown_path(p); }
-
-// Writes text to path through a temporary name and a rename, so a reader never sees half a file.
-void write_atomic(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    if (!f) throw InputError(fmt::format("{}: cannot write", path.string()));
-    f << text;
-    if (!f) throw InputError(fmt::format("{}: cannot write", path.string()));
-  }
-  fs::rename(tmp, path);
-}
 
 // This machine's profile for N ranks: the file given, else the cached one for N ranks
 // (calibration.<N>.json beside the default calibration.json: a profile describes ranks sharing
@@ -262,7 +251,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
     fs::create_directories(out);
     planner::RunOptions run = o->run;
     if (run.data.empty()) {  // the bundled text, as bytes
-      write_atomic(out / "corpus.txt", std::string(bundled_corpus()));
+      write_text_atomic(out / "corpus.txt", std::string(bundled_corpus()));
       run.data = (out / "corpus.txt").string();
       run.data_format = "bytes";
       fmt::print("data: the bundled text ({} bytes), written to {}\n", bundled_corpus().size(), shown(run.data));
@@ -394,12 +383,12 @@ void add_run_command(CLI::App& app, int& exit_code) {
                  100.0 * t.at("gemm_fraction").get<double>(), v.op_round + 1);
       fmt::print("{}\n", exact ? "measured memory equals the prediction exactly" : "measured memory differs from the prediction");
       nlohmann::json vj = planner::validation_to_json(v);
-      write_atomic(dir / "validation.json", vj.dump(1) + "\n");
+      write_text_atomic(dir / "validation.json", vj.dump(1) + "\n");
       sim::TraceOptions to;
       to.ranks = N;
       to.pid_base = 1000;  // the measured trace.json uses pid 0
-      write_atomic(dir / "trace.predicted.json", sim::chrome_trace(job.plan.program, *job.plan.time, to).dump() + "\n");
-      write_atomic(dir / "report.md", validation_report(job.plan, v, profile));
+      write_text_atomic(dir / "trace.predicted.json", sim::chrome_trace(job.plan.program, *job.plan.time, to).dump() + "\n");
+      write_text_atomic(dir / "report.md", validation_report(job.plan, v, profile));
       fmt::print("wrote validation.json, trace.predicted.json and report.md beside measurement.json and trace.json in {}\n", shown(dir));
       std::fflush(stdout);  // the table first, then the verdict lines on stderr
       fmt::print(stderr, "{}", verdict_lines(v));
@@ -420,8 +409,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
         sj.push_back({{"strategy", r.strategy}, {"dir", r.dir.string()}, {"within_tolerance", r.v.within_tolerance}, {"outside", r.v.outside},
                       {"inconclusive", r.v.inconclusive}, {"step_s", vj["time"]["step_s"]}, {"peak", vj["memory"]["peak"]}, {"comm", vj["comm"]}});
       }
-      write_atomic(out / "summary.json", nlohmann::json{{"schema", "peftplan.run-summary/2"}, {"rounds", R}, {"runs", sj}}.dump(1) + "\n");
-      write_atomic(out / "summary.md", "# peftplan run: predicted versus measured, by strategy\n\n" + summary_table(jobs, true));
+      write_text_atomic(out / "summary.json", nlohmann::json{{"schema", "peftplan.run-summary/2"}, {"rounds", R}, {"runs", sj}}.dump(1) + "\n");
+      write_text_atomic(out / "summary.md", "# peftplan run: predicted versus measured, by strategy\n\n" + summary_table(jobs, true));
       fmt::print("wrote {} and {}\n", shown(out / "summary.json"), shown(out / "summary.md"));
     }
   });

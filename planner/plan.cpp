@@ -159,7 +159,7 @@ nlohmann::json plan_to_json(const Plan& p) {
   if (p.time) {
     const auto& t = *p.time;
     j["time"] = {{"step_s", t.step_s},       {"compute_s", t.compute_s},       {"comm_s", t.comm_s},
-                 {"exposed_comm_s", t.exposed_comm_s}, {"optimizer_s", t.optimizer_s}, {"offload_s", t.offload_s},
+                 {"exposed_comm_s", t.exposed_comm_s}, {"sync_wait_s", t.sync_wait_s}, {"optimizer_s", t.optimizer_s}, {"offload_s", t.offload_s},
                  {"tokens_per_s", t.tokens_per_s},     {"mfu", t.mfu}};
     json comm;
     for (int c = 0; c < sim::kNumCollectives; ++c) {
