@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
 
 namespace peftplan::cli {
 
@@ -49,6 +50,29 @@ int run_child(const std::vector<std::string>& args) {
   while (::waitpid(pid, &status, 0) < 0)
     if (errno != EINTR) throw std::runtime_error("peftplan: waitpid failed");
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::vector<std::string> local_mpirun(const std::string& mpirun, int ranks) {
+  std::vector<std::string> args = {mpirun, "-np", std::to_string(ranks), "--oversubscribe", "--bind-to", "none"};
+  if (::geteuid() == 0) args.push_back("--allow-run-as-root");
+  return args;
+}
+
+double run_speed_probe(int ranks) {
+  char dir_template[] = "/tmp/peftplan-probe.XXXXXX";
+  const char* dir = ::mkdtemp(dir_template);
+  if (dir == nullptr) throw std::runtime_error("peftplan: cannot make a temporary folder for the speed probe");
+  const fs::path out = fs::path(dir) / "probe.json";
+  const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
+  std::vector<std::string> args = ranks > 1 ? local_mpirun(mpirun && *mpirun ? mpirun : "mpirun", ranks) : std::vector<std::string>{};
+  args.insert(args.end(), {find_exec().string(), "probe", "--out", out.string()});
+  const int code = run_child(args);
+  double rate = 0.0;
+  if (code == 0) rate = models::read_json_file(out.string()).at("flops_per_s").get<double>();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  if (code != 0) throw std::runtime_error(fmt::format("peftplan: peftplan-exec probe exited with code {}", code));
+  return rate;
 }
 
 fs::path default_profile_path() {

@@ -18,6 +18,16 @@ std::filesystem::path find_exec();
 // and stderr; returns its exit code (128 + signal when it was killed).
 int run_child(const std::vector<std::string>& args);
 
+// `mpirun -np N --oversubscribe --bind-to none [--allow-run-as-root]`: N ranks on this machine
+// as calibrate and run start them. Unbound, because each rank runs cores/N OpenMP threads
+// (peftplan-exec) and Open MPI would bind up to two ranks to one core each; more ranks than cores
+// allowed; root allowed (Open MPI refuses root without the flag).
+std::vector<std::string> local_mpirun(const std::string& mpirun, int ranks);
+
+// The machine-speed probe (executor/calibrate.h, speed_probe) with N ranks at once, through
+// `peftplan-exec probe`: GEMM FLOP/s per rank. Throws when the executor fails.
+double run_speed_probe(int ranks);
+
 // $XDG_CACHE_HOME/peftplan/calibration.json, else ~/.cache/peftplan/calibration.json.
 std::filesystem::path default_profile_path();
 

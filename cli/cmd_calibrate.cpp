@@ -57,13 +57,9 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
                         std::to_string(o->ranks));
     const fs::path out = o->out.empty() ? default_profile_path() : fs::path(o->out);
     if (out.has_parent_path()) fs::create_directories(out.parent_path());
-    std::vector<std::string> args = {o->mpirun, "-np", std::to_string(o->ranks)};
-    if (static_cast<unsigned>(o->ranks) > std::thread::hardware_concurrency())
-      args.push_back("--oversubscribe");
     // Unbound ranks, as `peftplan run` starts them: Open MPI binds up to two ranks to one core
     // each by default, which would calibrate one rank with one core while it trains with all.
-    args.insert(args.end(), {"--bind-to", "none"});
-    if (::geteuid() == 0) args.push_back("--allow-run-as-root");
+    std::vector<std::string> args = local_mpirun(o->mpirun, o->ranks);
     args.insert(args.end(), {find_exec().string(), "calibrate", "--out", out.string()});
     if (o->quick) args.push_back("--quick");
     args.insert(args.end(), {"--rounds", std::to_string(o->rounds)});

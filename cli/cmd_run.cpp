@@ -52,14 +52,21 @@ std::string shown(const fs::path& p) { return shown_path(p); }
 
 // This machine's profile for N ranks: the file given, else the cached one for N ranks
 // (calibration.<N>.json beside the default calibration.json: a profile describes ranks sharing
-// the cores, so each rank count has its own). Missing: `peftplan calibrate --ranks N --quick` with
-// this same binary, once, written where it was looked for.
-sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N) {
+// the cores, so each rank count has its own). The cached one is made with `peftplan calibrate
+// --ranks N --quick` by this same binary, written where it was looked for: when it is missing,
+// when it predates the speed probe, and when the machine's speed has moved away from it — a
+// shared machine has slow and fast spells, and a profile measured in one of them mispredicts
+// every run in the other. "Moved away" is the probe (executor/calibrate.h, speed_probe) taken now
+// differing from the profile's by more than `recalibrate_beyond` (a third of the profile's time
+// tolerance, whatever --tolerance-time says: drift that leaves two thirds of it to the model). A profile given with
+// --calibration is the user's: used as it is (validation reports the drift).
+sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double recalibrate_beyond) {
   const fs::path path = given.empty() ? default_profile_path().replace_filename(fmt::format("calibration.{}.json", N))
                                       : fs::absolute(given);
+  std::string why = fmt::format("no calibrated profile for {} rank(s) at {}", N, path.string());
   if (fs::is_regular_file(path)) {
     sim::Cluster c = sim::read_cluster_file(path);
-    if (sim::total_gpus(c) == N || !given.empty()) {
+    if (!given.empty()) {
       fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);
       if (sim::total_gpus(c) < N)
         throw input_error("--calibration", "", fmt::format("must profile at least {} ranks, has {} (rerun peftplan calibrate --ranks {})",
@@ -69,8 +76,25 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N) {
         fmt::print("warning: the profile was calibrated with {} ranks sharing the cores, this run has {}\n", sim::total_gpus(c), N);
       return c;
     }
+    const double then = c.host_calibration.speed_probe_flops_per_s;
+    if (sim::total_gpus(c) != N) {
+      why = fmt::format("the cached profile {} has {} rank(s), this run {}", path.string(), sim::total_gpus(c), N);
+    } else if (!(then > 0.0)) {
+      why = fmt::format("the cached profile {} predates the machine-speed probe", path.string());
+    } else {
+      const double now = run_speed_probe(N);
+      const double drift = now / then - 1.0;
+      if (std::abs(drift) <= recalibrate_beyond) {
+        fmt::print("cluster: calibrated profile {} ({}); speed probe {:.2f} GFLOP/s per rank, {:+.1f}% from the profile's\n",
+                   path.string(), c.name, now / 1e9, 100.0 * drift);
+        return c;
+      }
+      why = fmt::format("the machine runs {:+.1f}% from the speed of the cached profile {} (probe {:.2f} vs {:.2f} GFLOP/s per rank; "
+                        "more than {:.0f}%)",
+                        100.0 * drift, path.string(), now / 1e9, then / 1e9, 100.0 * recalibrate_beyond);
+    }
   }
-  fmt::print("cluster: no calibrated profile for {} rank(s) at {}: running peftplan calibrate --quick once\n", N, path.string());
+  fmt::print("cluster: {}: running peftplan calibrate --quick\n", why);
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (ec) throw std::runtime_error("peftplan run: cannot find its own binary to run calibrate");
@@ -291,7 +315,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
       for (const auto& w : planner::validate(pf.input)) fmt::print(stderr, "warning: {}\n", w);
       const int N = pf.input.strategy.ranks;
       if (flags.cluster.empty()) {
-        if (!calibrated) calibrated = calibrated_cluster(o->calibration, N);
+        if (!calibrated)
+          calibrated = calibrated_cluster(o->calibration, N, planner::tolerances_for(pf.input.profile).time / 3.0);
         r.cluster = *calibrated;
         profile = "calibrated profile";
       } else if (si == 0) {
@@ -305,13 +330,15 @@ void add_run_command(CLI::App& app, int& exit_code) {
         // mpirun ($PEFTPLAN_MPIRUN or Open MPI's mpirun on the PATH); on one machine more ranks
         // than cores are allowed (--oversubscribe), and root may run it.
         const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
-        job.exec_args = {mpirun && *mpirun ? mpirun : "mpirun", "-np", std::to_string(N)};
-        // Ranks are not bound to cores: each rank runs cores/ranks OpenMP threads (peftplan-exec),
-        // the way calibrate measured them.
-        if (o->hostfile.empty() && o->hosts.empty()) job.exec_args.insert(job.exec_args.end(), {"--oversubscribe", "--bind-to", "none"});
-        if (!o->hostfile.empty()) job.exec_args.insert(job.exec_args.end(), {"--hostfile", absolute(o->hostfile)});
-        if (!o->hosts.empty()) job.exec_args.insert(job.exec_args.end(), {"--host", o->hosts});
-        if (::geteuid() == 0) job.exec_args.push_back("--allow-run-as-root");
+        const std::string launcher = mpirun && *mpirun ? mpirun : "mpirun";
+        if (o->hostfile.empty() && o->hosts.empty()) {
+          job.exec_args = local_mpirun(launcher, N);  // as calibrate measured the ranks
+        } else {
+          job.exec_args = {launcher, "-np", std::to_string(N)};
+          if (!o->hostfile.empty()) job.exec_args.insert(job.exec_args.end(), {"--hostfile", absolute(o->hostfile)});
+          if (!o->hosts.empty()) job.exec_args.insert(job.exec_args.end(), {"--host", o->hosts});
+          if (::geteuid() == 0) job.exec_args.push_back("--allow-run-as-root");
+        }
         std::istringstream extra(o->mpi_args);
         for (std::string a; extra >> a;) job.exec_args.push_back(a);
       }

@@ -110,13 +110,22 @@ std::string validation_tables(const planner::Validation& v, bool markdown) {
   return s;
 }
 
+std::string speed_line(const planner::Validation& v) {
+  if (!v.speed_drift) return {};
+  return fmt::format("machine speed: the probe ran {:.2f} GFLOP/s per rank, {} than the {:.2f} of calibration ({}); a time figure is "
+                     "conclusive when its spread plus this drift is within the tolerance\n",
+                     v.probe_flops_per_s / 1e9, *v.speed_drift >= 0.0 ? "faster" : "slower", v.calibration_probe_flops_per_s / 1e9,
+                     pct(*v.speed_drift));
+}
+
 std::string verdict_lines(const planner::Validation& v) {
   std::string s;
   for (const auto* section : {&v.memory, &v.time, &v.comm, &v.throughput})
     for (const auto& f : *section) {
       if (f.verdict() == planner::Verdict::outside) s += "outside tolerance: " + figure_line(f) + "\n";
       else if (f.verdict() == planner::Verdict::inconclusive)
-        s += "inconclusive (spread wider than the tolerance): " + figure_line(f) + "\n";
+        s += fmt::format("inconclusive (spread{} wider than the tolerance): {}\n", v.speed_drift ? " + machine-speed drift" : "",
+                         figure_line(f));
     }
   return s;
 }
@@ -140,6 +149,7 @@ std::string validation_notes(const planner::Validation& v) {
     s += fmt::format("ranks waited {:.3f} ms per step inside collectives for the last rank to arrive (sync_wait_s; predicted from the "
                      "calibrated skew per call; comm_s counts each collective's transfer)\n",
                      *v.sync_wait_s * 1e3);
+  s += speed_line(v);
   for (const auto& n : v.notes) s += "note: " + n + "\n";
   return s;
 }
@@ -168,7 +178,9 @@ std::string validation_report(const planner::Plan& plan, const planner::Validati
                    plan.cluster.name, profile, v.rounds, v.steps, v.rounds > 1 ? "; then the median of the rounds" : "");
   s += "## Figures\n\n" + validation_tables(v, true);
   s += "\nSpread: the interquartile range of the rounds (of the steps with one round). A time figure whose spread is wider than "
-       "the tolerance is inconclusive: the machine was too noisy to tell a hit from a miss.\n";
+       "the tolerance is inconclusive: the machine was too noisy to tell a hit from a miss. How far the machine's speed moved "
+       "since calibration (the speed probe) counts with the spread.\n";
+  if (v.speed_drift) s += fmt::format("\n{}", speed_line(v));
   s += fmt::format("\n## Op by op\n\nMeasured op times from round {}'s {}.\n\n", v.op_round + 1, v.op_time_source);
   if (v.most_different) s += "Differs most: " + describe(*v.most_different) + "\n\n";
   if (v.sync_wait_s)

@@ -25,6 +25,9 @@ std::string verdict_lines(const planner::Validation& v);
 // spread was measured, the arrival wait.
 std::string validation_notes(const planner::Validation& v);
 
+// "machine speed: ..." — the run's speed probe against calibration's — or nothing without one.
+std::string speed_line(const planner::Validation& v);
+
 // "within tolerance", "outside: time.step_s" or "inconclusive: time.step_s" (summary tables).
 std::string verdict_summary(const planner::Validation& v);
 

@@ -236,6 +236,20 @@ double gemm_mix_rate(std::span<const GemmShape> mix, double duration_s) {
   return flops / elapsed;
 }
 
+}  // namespace
+
+double speed_probe(Communicator* world, double window_s) {
+  if (world) world->barrier();  // every rank starts the window together
+  double rate = gemm_mix_rate(gemm_mix(true), window_s);
+  if (world && world->size() > 1) {
+    world->all_reduce(&rate, &rate, 1, CommDType::fp64, ReduceOp::sum);
+    rate /= world->size();
+  }
+  return rate;
+}
+
+namespace {
+
 // STREAM triad bandwidth: the best pass within `duration_s` (at least 3 passes).
 double triad_bandwidth(std::size_t n, double duration_s) {
   std::vector<double> a(n), b(n, 1.0), c(n, 2.0);
@@ -532,6 +546,9 @@ sim::Cluster make_profile(const Calibration& cal) {
   fit_kernel_scales(cal.kernels, cal.copies, c);
   c.host_calibration.collectives = collective_tables(cal.collectives);
   fit_collective_step_costs(cal.step_collectives, c);
+  // The machine's speed while it was calibrated, for runs to compare theirs with.
+  if (cal.probe_before_flops_per_s > 0.0 && cal.probe_after_flops_per_s > 0.0)
+    c.host_calibration.speed_probe_flops_per_s = 0.5 * (cal.probe_before_flops_per_s + cal.probe_after_flops_per_s);
   // Whole steps: the op timers miss the time a rank is descheduled between ops (ranks
   // outnumbering cores time-share them; an op that is not preempted runs at full speed while its
   // rank's share of the core is spent elsewhere) and the step loop's own cost. Scale every
@@ -734,6 +751,12 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
                    cal.gemm_representative_flops_per_s / kGiga,
                    cal.gemm_curve.plateau_flops_per_s / kGiga, cal.gemm_curve.half_dim,
                    100.0 * cal.gemm_curve.rms_rel_error);
+  if (cal.probe_before_flops_per_s > 0.0 && cal.probe_after_flops_per_s > 0.0)
+    o += fmt::format("# machine-speed probe (GEMM mix at M 256, every rank at once, {:.1f} s each): {:.2f} GFLOP/s per rank as "
+                     "calibration began, {:.2f} as it ended ({:+.1f}%); the profile keeps their mean, and runs compare theirs "
+                     "with it\n",
+                     kLongProbeWindowS, cal.probe_before_flops_per_s / kGiga, cal.probe_after_flops_per_s / kGiga,
+                     100.0 * (cal.probe_after_flops_per_s / cal.probe_before_flops_per_s - 1.0));
   o += "\n# ranks computing at once: per-rank GEMM rate (layer mix) and triad bandwidth\n";
   o += fmt::format("# {:>5} {:>14} {:>14} {:>14}\n", "ranks", "GFLOP/s/rank", "slowest", "GB/s/rank");
   for (const auto& s : cal.shared)
@@ -914,6 +937,8 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
       {"programs", programs},
       {"program_rounds", cal.rounds},
       {"step_collectives", step_coll},
+      {"speed_probe", {{"window_s", kLongProbeWindowS}, {"before_GFLOPs_per_rank", cal.probe_before_flops_per_s / kGiga},
+                       {"after_GFLOPs_per_rank", cal.probe_after_flops_per_s / kGiga}}},
       {"link", {{"ranks", cal.link.ranks}, {"latency_us", cal.link.latency_s / kMicro},
                 {"GBps", cal.link.bytes_per_s / kGiga}, {"rms_rel_error", cal.link.rms_rel_error},
                 {"error_factor", cal.link.error_factor}}},
@@ -974,6 +999,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
                        cal.cpu_model, cal.cores,
                        static_cast<double>(cal.ram_bytes) / static_cast<double>(1ULL << 30), N,
                        cal.omp_threads, quick ? ", quick" : ""));
+
+  cal.probe_before_flops_per_s = speed_probe(&world, kLongProbeWindowS);
 
   // 1. GEMM shapes, rank 0 alone (the others wait in a sleeping barrier).
   say(log, "measuring GEMM shapes on one rank...\n");
@@ -1036,7 +1063,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   constexpr std::pair<std::int64_t, std::int64_t> kSizes[] = {{2, 128}, {8, 256}};
   constexpr int kPrograms = 3, kRuns = 2 * kPrograms;
   // Rounds of the six programs, interleaved (a slow spell of the machine lands on every program
-  // alike, not on one); each program keeps its median round: op times, collectives and step.
+  // alike, not on one); each program keeps its median round's op times and step, and every
+  // round's collectives.
   struct Kept {
     ProgramSample program;
     std::vector<KernelSample> kernels;
@@ -1122,8 +1150,12 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     cal.programs.push_back(std::move(k.program));
     cal.kernels.insert(cal.kernels.end(), k.kernels.begin(), k.kernels.end());
     cal.copies.insert(cal.copies.end(), k.copies.begin(), k.copies.end());
-    cal.step_collectives.insert(cal.step_collectives.end(), k.collectives.begin(), k.collectives.end());
+    // Collectives from every round, not only the median one: how long a call waits for a core
+    // is bimodal and settles per launch (one run of a program gets mostly quick calls, the next
+    // mostly slow ones), so one round's calls would fit a load another round does not show.
+    for (const Kept& x : r) cal.step_collectives.insert(cal.step_collectives.end(), x.collectives.begin(), x.collectives.end());
   }
+  cal.probe_after_flops_per_s = speed_probe(&world, kLongProbeWindowS);
   return cal;
 }
 

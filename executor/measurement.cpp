@@ -64,6 +64,7 @@ nlohmann::json measurement_to_json(const Measurement& m) {
     j["collective_wait_s"] = m.collective_wait_s;
     j["sync_wait_s"] = m.sync_wait_s;
   }
+  if (m.speed_probe_flops_per_s > 0.0) j["speed_probe_flops_per_s"] = m.speed_probe_flops_per_s;
   if (!m.per_rank.is_null()) j["per_rank"] = m.per_rank;
   return j;
 }

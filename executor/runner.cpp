@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/executor/calibrate.h"
 #include "peftplan/executor/communicator.h"
 #include "peftplan/executor/model.h"
 #include "peftplan/executor/optim.h"
@@ -872,7 +873,6 @@ std::int64_t Session::steps_done() const { return impl_->steps_done; }
 // The data position is the step (step k reads global sequences k·G …); dropout masks are a
 // counter-based hash of (seed, step, micro-batch, adapter), so the seed and the step are all the
 // random state there is.
-namespace {
 void write_atomically(const std::filesystem::path& p, const std::string& text) {
   const std::filesystem::path tmp = p.string() + ".tmp";
   {
@@ -883,7 +883,6 @@ void write_atomically(const std::filesystem::path& p, const std::string& text) {
   }
   std::filesystem::rename(tmp, p);
 }
-}  // namespace
 
 void Session::save_checkpoint(const std::filesystem::path& dir) const {
   namespace fs = std::filesystem;
@@ -1147,6 +1146,9 @@ void gather_ranks(Measurement& m, Communicator& comm) {
 Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std::filesystem::path& out_dir,
                      std::FILE* progress, Communicator* comm) {
   check_executable(plan);
+  // The machine's speed as calibration measures it (calibrate.h), before the session: its
+  // all_reduce is not the program's and must not reach the session's collective counters.
+  const double probe = speed_probe(comm, kProbeWindowS);
   Session session(plan, backend, load_data(plan), comm);
   const bool root = !comm || comm->rank() == 0;
   if (!root) progress = nullptr;
@@ -1178,20 +1180,13 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
     }
   }
   Measurement m = session.measurement();
+  m.speed_probe_flops_per_s = probe;
   // ZeRO-3: the adapter is sharded; every rank takes part in gathering it.
   if (plan.input.strategy.stage == planner::Stage::zero3 && !plan.run.save_adapter.empty()) session.trainable_weights();
   if (comm) gather_ranks(m, *comm);
   if (!root) return m;
   std::filesystem::create_directories(out_dir);
-  auto write = [](const std::filesystem::path& p, const nlohmann::json& j) {
-    const std::filesystem::path tmp = p.string() + ".tmp";
-    {
-      std::ofstream f(tmp, std::ios::trunc);
-      if (!f) throw InputError(fmt::format("{}: cannot write", p.string()));
-      f << j.dump(1) << "\n";
-    }
-    std::filesystem::rename(tmp, p);
-  };
+  auto write = [](const std::filesystem::path& p, const nlohmann::json& j) { write_atomically(p, j.dump(1) + "\n"); };
   write(out_dir / "measurement.json", measurement_to_json(m));
   write(out_dir / "trace.json", m.trace);
   if (!plan.run.save_adapter.empty()) session.save_adapter(plan.run.save_adapter);

@@ -130,6 +130,14 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
     for (Figure& x : v.memory) x.rank = rank;
   }
 
+  // The machine's speed during the run against calibration's (calibrate.h, speed_probe).
+  const double calibration_probe = plan.cluster.host_calibration.speed_probe_flops_per_s;
+  if (m.contains("speed_probe_flops_per_s") && m.at("speed_probe_flops_per_s").is_number()) {
+    v.probe_flops_per_s = m.at("speed_probe_flops_per_s").get<double>();
+    v.calibration_probe_flops_per_s = calibration_probe;
+    if (calibration_probe > 0.0 && v.probe_flops_per_s > 0.0) v.speed_drift = v.probe_flops_per_s / calibration_probe - 1.0;
+  }
+
   // Per-op measured seconds of one step: the last step's trace when given, else the totals.
   const auto step_times = need(m, "step_times_s", "").get<std::vector<double>>();
   v.steps = static_cast<std::int64_t>(step_times.size());
@@ -287,6 +295,7 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
 // lists of conclusive misses and inconclusive figures.
 void finish(Validation& v, double predicted_step_s) {
   const Tolerances& tol = v.tolerances;
+  const double drift = v.speed_drift ? std::abs(*v.speed_drift) : 0.0;  // see Validation::speed_drift
   for (Figure& f : v.time) {
     const bool step = f.name == "step_s";
     f.relative_error = relative_error(f.predicted, f.measured);
@@ -295,13 +304,13 @@ void finish(Validation& v, double predicted_step_s) {
     const double noise = !f.has_spread ? 0.0
                          : step        ? (f.measured > 0.0 ? f.spread / f.measured : 0.0)
                                        : (predicted_step_s > 0.0 ? f.spread / predicted_step_s : 0.0);
-    f.conclusive = noise <= tol.time;
+    f.conclusive = noise + drift <= tol.time;
   }
   for (Figure& f : v.throughput) {  // judged like the step, whose spread it shares
     f.relative_error = relative_error(f.predicted, f.measured);
     f.within = std::abs(f.relative_error) <= tol.time;
     const double noise = f.has_spread && f.measured > 0.0 ? f.spread / f.measured : 0.0;
-    f.conclusive = noise <= tol.time;
+    f.conclusive = noise + drift <= tol.time;
   }
   v.outside.clear();
   v.inconclusive.clear();
@@ -353,6 +362,15 @@ Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const
     f.measured = sp.median;
     f.spread = sp.iqr();
     f.has_spread = true;
+  }
+  {
+    std::vector<double> probes;
+    for (const Validation& x : vs)
+      if (x.probe_flops_per_s > 0.0) probes.push_back(x.probe_flops_per_s);
+    if (!probes.empty()) {
+      v.probe_flops_per_s = spread_of(probes).median;
+      if (v.calibration_probe_flops_per_s > 0.0) v.speed_drift = v.probe_flops_per_s / v.calibration_probe_flops_per_s - 1.0;
+    }
   }
   if (v.sync_wait_s) {
     std::vector<double> w;
@@ -556,6 +574,9 @@ json validation_to_json(const Validation& v) {
   j["memory_rank"] = ranks;
   j["steps"] = v.steps;
   if (v.sync_wait_s) j["sync_wait_s"] = *v.sync_wait_s;
+  j["speed_probe"] = {{"run_flops_per_s", v.probe_flops_per_s > 0.0 ? json(v.probe_flops_per_s) : json(nullptr)},
+                      {"calibration_flops_per_s", v.calibration_probe_flops_per_s > 0.0 ? json(v.calibration_probe_flops_per_s) : json(nullptr)},
+                      {"drift", v.speed_drift ? json(*v.speed_drift) : json(nullptr)}};
   j["op_time_source"] = v.op_time_source;
   j["most_different_op"] = v.most_different ? op_json(*v.most_different) : json(nullptr);
   j["ops"] = ops;

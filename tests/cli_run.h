@@ -14,8 +14,9 @@ struct CliResult {
   std::string out;  // stdout and stderr together
 };
 
-inline CliResult run_cli(const std::string& args) {
-  const std::string cmd = std::string(PEFTPLAN_CLI) + " " + args + " 2>&1";
+// `env`: "NAME=value ..." put before the command (the shell's environment prefix).
+inline CliResult run_cli(const std::string& args, const std::string& env = "") {
+  const std::string cmd = (env.empty() ? "" : env + " ") + std::string(PEFTPLAN_CLI) + " " + args + " 2>&1";
   CliResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return {-1, "popen failed: " + cmd};

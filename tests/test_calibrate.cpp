@@ -433,6 +433,43 @@ TEST(CalibrateCli, QuickTwoRanksWritesAProfileSimAgreesWith) {
   const double ratio = std::exp(log_ratio / points);
   EXPECT_GT(ratio, 0.5) << r.out;
   EXPECT_LT(ratio, 2.0) << r.out;
+  // The machine-speed probe, taken as calibration began and as it ended: the profile keeps the
+  // mean, the report prints both.
+  const double before = j.at("speed_probe").at("before_GFLOPs_per_rank").get<double>() * 1e9;
+  const double after = j.at("speed_probe").at("after_GFLOPs_per_rank").get<double>() * 1e9;
+  EXPECT_GT(before, 1e8);
+  EXPECT_GT(after, 1e8);
+  EXPECT_NEAR(c.host_calibration.speed_probe_flops_per_s, 0.5 * (before + after), 1e-6 * before);
+  EXPECT_THAT(r.out, ::testing::HasSubstr("machine-speed probe"));
+  std::filesystem::remove_all(dir);
+}
+
+// `peftplan run` on a cached profile the machine has drifted away from recalibrates it: a
+// cache whose probe says 1 GFLOP/s per rank (the machine runs tens) is replaced by a fresh
+// `calibrate --quick`, and the run's validation reports the probe against the new profile's.
+TEST(CalibrateCli, QuickRunRecalibratesACacheTheMachineDriftedFrom) {
+#ifndef PEFTPLAN_HAVE_EXEC
+  GTEST_SKIP() << "built without MPI: no peftplan-exec";
+#endif
+  const auto dir = std::filesystem::temp_directory_path() / "peftplan_test_recalibrate";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "cache" / "peftplan");
+  sim::Cluster stale = sim::make_cluster(sim::find_gpu("A100-80GB").value(), 1, 1);
+  stale.host_calibration.speed_probe_flops_per_s = 1e9;
+  sim::write_cluster_file(stale, dir / "cache" / "peftplan" / "calibration.1.json");
+  CliResult r = run_cli("run --gpus 1 --strategy ddp --model tiny-llama-2l --seq-len 16 --micro-batch 1 --lora-targets q_proj,v_proj --steps 3 "
+                        "--rounds 1 --tolerance-time 1e9 --out " + (dir / "run").string(),
+                        "XDG_CACHE_HOME=" + (dir / "cache").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_THAT(r.out, ::testing::HasSubstr("from the speed of the cached profile"));
+  EXPECT_THAT(r.out, ::testing::HasSubstr("running peftplan calibrate --quick"));
+  const sim::Cluster fresh = sim::read_cluster_file(dir / "cache" / "peftplan" / "calibration.1.json");
+  EXPECT_GT(fresh.host_calibration.speed_probe_flops_per_s, 1e9 * 1.05);
+  const auto v = models::read_json_file((dir / "run" / "validation.json").string());
+  EXPECT_NEAR(v.at("speed_probe").at("calibration_flops_per_s").get<double>(), fresh.host_calibration.speed_probe_flops_per_s,
+              1e-6 * fresh.host_calibration.speed_probe_flops_per_s);
+  EXPECT_GT(v.at("speed_probe").at("run_flops_per_s").get<double>(), 1e8);
+  EXPECT_THAT(r.out, ::testing::HasSubstr("machine speed: the probe ran"));
   std::filesystem::remove_all(dir);
 }
 

@@ -605,6 +605,21 @@ TEST(Timeline, CalibratedSkewAndLoadDelayWhatWaitsForTheCollective) {
   bad = cluster_to_json(c);
   bad["host_calibration"]["collective_load_per_compute"]["all_reduce.compute"] = -1.0;
   EXPECT_THROW(cluster_from_json(bad, "c.json"), InputError);
+  // The machine-speed probe rides along (GFLOP/s), predicts nothing, and must be positive.
+  Cluster probed = c;
+  probed.host_calibration.speed_probe_flops_per_s = 91.5e9;
+  const nlohmann::json pj = cluster_to_json(probed);
+  EXPECT_DOUBLE_EQ(pj.at("host_calibration").at("speed_probe_GFLOPs").get<double>(), 91.5);
+  EXPECT_DOUBLE_EQ(cluster_from_json(pj, "c.json").host_calibration.speed_probe_flops_per_s, 91.5e9);
+  EXPECT_NEAR(simulate(p, probed).step_s, t.step_s, 0.0);
+  bad = pj;
+  bad["host_calibration"]["speed_probe_GFLOPs"] = 0.0;
+  try {
+    cluster_from_json(bad, "c.json");
+    ADD_FAILURE() << "accepted a zero probe";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("host_calibration.speed_probe_GFLOPs"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Timeline, ZeroTimeOpsKeepStreamOrderAndTooFewGpusIsAnError) {

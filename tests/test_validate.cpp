@@ -381,6 +381,41 @@ TEST(Validate, NoisyRoundsAreInconclusiveNotAMiss) {
   EXPECT_EQ(quiet.outside, std::vector<std::string>{"time.step_s"});
 }
 
+// A machine that ran faster than when it was calibrated: the run's speed probe (executor
+// speed_probe, measurement.json "speed_probe_flops_per_s") against the profile's. The drift,
+// the median of the rounds' probes over the calibration's, counts with the spread: quiet rounds
+// 10% slow on a machine 4% slower than at calibration are a conclusive hit (spread ~0.5% + 4%
+// within 15%), and a miss 20% slow stays a miss; the same rounds on a machine 12% faster and a
+// spread of 5% are inconclusive (5% + 12% > 15%), not a hit or a miss.
+TEST(Validate, MachineSpeedDriftCountsWithTheSpread) {
+  Plan p = tiny_plan(Stage::zero2, 2);
+  p.cluster.host_calibration.speed_probe_flops_per_s = 50e9;
+  auto with_probe = [](std::vector<json> rounds, std::vector<double> probes) {
+    for (std::size_t r = 0; r < rounds.size(); ++r) rounds[r]["speed_probe_flops_per_s"] = probes[r];
+    return rounds;
+  };
+  const Validation slow = validate_rounds(p, with_probe(rounds_at(p, {1.09, 1.1, 1.1, 1.1, 1.105}), {47e9, 48e9, 48e9, 49e9, 60e9}));
+  ASSERT_TRUE(slow.speed_drift.has_value());
+  EXPECT_NEAR(*slow.speed_drift, -0.04, 1e-12);  // median probe 48 over 50
+  EXPECT_NEAR(slow.probe_flops_per_s, 48e9, 1e-3);
+  EXPECT_EQ(find(slow.time, "step_s").verdict(), Verdict::within);
+  EXPECT_EQ(find(validate_rounds(p, with_probe(rounds_at(p, {1.2, 1.2, 1.2, 1.2, 1.2}), {48e9, 48e9, 48e9, 48e9, 48e9})).time, "step_s")
+                .verdict(),
+            Verdict::outside);
+  const Validation fast = validate_rounds(p, with_probe(rounds_at(p, {1.05, 1.075, 1.1, 1.13, 1.15}), {56e9, 56e9, 56e9, 56e9, 56e9}));
+  EXPECT_NEAR(*fast.speed_drift, 0.12, 1e-12);
+  EXPECT_EQ(find(fast.time, "step_s").verdict(), Verdict::inconclusive);
+  EXPECT_TRUE(fast.within_tolerance);
+  const json j = validation_to_json(fast);
+  EXPECT_NEAR(j.at("speed_probe").at("drift").get<double>(), 0.12, 1e-12);
+  EXPECT_NEAR(j.at("speed_probe").at("calibration_flops_per_s").get<double>(), 50e9, 1e-3);
+  // The same rounds without a probe on either side: no drift, and a 5% spread is conclusive.
+  const Validation none = validate_rounds(tiny_plan(Stage::zero2, 2), rounds_at(p, {1.05, 1.075, 1.1, 1.13, 1.15}));
+  EXPECT_FALSE(none.speed_drift.has_value());
+  EXPECT_EQ(find(none.time, "step_s").verdict(), Verdict::within);
+  EXPECT_TRUE(validation_to_json(none).at("speed_probe").at("drift").is_null());
+}
+
 // With one measurement the step's spread is the interquartile range of its steps after the
 // first; the parts have none, and so stay conclusive.
 TEST(Validate, OneMeasurementsSpreadIsItsSteps) {

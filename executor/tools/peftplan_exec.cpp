@@ -3,6 +3,7 @@
 // maps failures to exit codes (2 bad input, 3 internal or MPI error), ending the whole job with
 // MPI_Abort when one rank fails so that no peer waits in a collective forever.
 //   mpirun -np N peftplan-exec calibrate --out FILE [--quick] [--rounds R]
+//   mpirun -np N peftplan-exec probe --out FILE [--window S]   (the machine-speed probe; calibrate.h)
 //   mpirun -np N peftplan-exec PLAN.json [--out DIR] [--quiet]   (N = the plan's ranks; see executor/runner.h)
 #include <algorithm>
 #include <cstdio>
@@ -15,6 +16,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "peftplan/common/error.h"
 #include "peftplan/common/paths.h"
@@ -39,6 +41,20 @@ void calibrate(const std::string& out, bool quick, int rounds) {
   fmt::print("\nwrote {} (cluster profile \"{}\") and {}\n", out, profile.name,
              executor::measurements_path(out).string());
   std::fflush(stdout);
+}
+
+int threads_per_rank();
+
+// The machine-speed probe with every rank of the job at once, as calibrate and runs take it;
+// rank 0 writes {"schema": "peftplan.speed-probe/1", "flops_per_s": x, "ranks": N, "window_s": w}.
+void probe(const std::string& out, double window_s) {
+  auto world = executor::make_mpi_communicator();
+  auto backend = executor::make_cpu_backend(threads_per_rank());  // the OpenMP threads a run's rank has
+  const double rate = executor::speed_probe(world->size() > 1 ? world.get() : nullptr, window_s);
+  if (world->rank() != 0) return;
+  const nlohmann::json j = {{"schema", "peftplan.speed-probe/1"}, {"flops_per_s", rate}, {"ranks", world->size()},
+                            {"window_s", window_s}};
+  executor::write_atomically(out, j.dump(1) + "\n");
 }
 
 // OpenMP threads for this rank: OMP_NUM_THREADS when set; otherwise the machine's cores shared
@@ -104,6 +120,12 @@ int main(int argc, char** argv) {
   int rounds = 5;
   cal->add_option("--rounds", rounds, "interleaved rounds of the calibration step programs")->check(CLI::Range(1, 100));
   cal->callback([&] { calibrate(out, quick, rounds); });
+  std::string probe_out;
+  auto* prb = app.add_subcommand("probe", "measure the machine's speed as calibrate does (GEMM FLOP/s per rank, every rank at once)");
+  prb->add_option("--out", probe_out, "JSON file to write")->required();
+  double probe_window = executor::kLongProbeWindowS;
+  prb->add_option("--window", probe_window, "seconds to run the GEMM mix")->capture_default_str()->check(CLI::Range(0.01, 60.0));
+  prb->callback([&] { probe(probe_out, probe_window); });
   int code = 0;
   try {
     app.parse(argc, argv);

@@ -160,7 +160,23 @@ struct Calibration {
   std::vector<CollectiveSample> step_collectives;  // and collectives (several ranks)
   std::vector<ProgramSample> programs;           // the calibration step programs and their step times
   int rounds = 0;                                // rounds each program ran
+  double probe_before_flops_per_s = 0.0;         // speed_probe as calibration began
+  double probe_after_flops_per_s = 0.0;          //   and as it ended
 };
+
+// The machine-speed probe: a fixed GEMM mix (gemm_mix(true)) run by every rank of `world` at once
+// (this process alone when world is null) for window_s; the rate per rank, the mean over the
+// ranks, on every rank. Calibration takes it as it begins and as it ends and the profile keeps the
+// mean (host_calibration.speed_probe_flops_per_s); peftplan-exec takes it before a run's steps
+// (measurement.json "speed_probe_flops_per_s"), so validation can tell how much faster or slower
+// the machine ran than when it was calibrated — a shared machine's speed drifts — and `peftplan
+// run` takes it before it plans, to recalibrate a cached profile the machine has drifted away
+// from. The mix and the threads per rank are the same everywhere, so the rates compare; a longer
+// window only averages more of the machine's second-to-second jitter (back-to-back 0.2 s probes
+// on the 2-core development VM ranged ±7%).
+inline constexpr double kProbeWindowS = 0.2;       // before each run's steps (cheap: every round)
+inline constexpr double kLongProbeWindowS = 1.0;   // calibration's two and run's check before planning
+double speed_probe(Communicator* world, double window_s);
 
 // Per collective kind and place, from the step programs' collectives: the load (transfer -
 // collective_cost on `profile`) as load_s + load_per_compute × overlapped_s and the skew (the

@@ -75,6 +75,8 @@ struct Measurement {
                                         //   over ranks of (its call - the shortest rank's
                                         //   call), the median over steps
   double sync_wait_s = 0.0;             // per step: collective_wait_s summed over collective ops
+  double speed_probe_flops_per_s = 0.0; // run_plan: speed_probe (calibrate.h) just before the
+                                        //   steps, every rank at once; 0 = not taken
   nlohmann::json trace;                 // Chrome trace of the last step ("traceEvents")
   std::vector<CollectiveStat> collectives;  // per kind, NCCL's order
   nlohmann::json per_rank;              // rank 0 of several: every rank's measurement (memory,

@@ -127,6 +127,15 @@ struct Validation {
   std::vector<std::string> outside;  // keys of the conclusive figures outside, e.g. "time.step_s"
   std::vector<std::string> inconclusive;  // keys of the time figures too noisy to judge
   std::vector<std::string> notes;    // what a measurement lacks or the plan does not predict
+  // The machine's speed during the run relative to calibration: the measurement's
+  // speed_probe_flops_per_s over the plan's cluster host_calibration.speed_probe_flops_per_s,
+  // minus 1 (the median over rounds); absent when either side lacks the probe. A prediction for a
+  // machine that ran 10% slower cannot be judged to better than 10%, so |speed_drift| widens every
+  // time figure's uncertainty as its spread does: a time figure is conclusive when spread (as a
+  // share, see finish in validate.cpp) + |speed_drift| is within the time tolerance.
+  std::optional<double> speed_drift;
+  double probe_flops_per_s = 0.0;        // the run's probe (median over rounds), 0 = none
+  double calibration_probe_flops_per_s = 0.0;  // the plan's cluster's
 };
 
 // The median and quartiles of a sample, linear interpolation between order statistics (numpy's

@@ -152,6 +152,10 @@ struct HostCalibration {
   CollectiveArray collective_load_per_compute{};  //   seconds per compute second
   CollectiveArray collective_skew_s{};
   CollectiveArray collective_skew_per_compute{};
+  // The machine-speed probe's rate while calibrating (executor::speed_probe: GEMM FLOP/s per rank,
+  // every rank at once); 0 = not measured. Not used to predict: validation compares a run's probe
+  // with it to tell how far the machine's speed moved since calibration.
+  double speed_probe_flops_per_s = 0.0;
   bool has_collective_step_costs() const {
     for (std::size_t k = 0; k < collective_load_s.size(); ++k)
       if (collective_load_s[k] > 0.0 || collective_skew_s[k] > 0.0 || collective_load_per_compute[k] > 0.0 ||
@@ -165,7 +169,7 @@ struct HostCalibration {
     for (double x : kernel_overhead_s)
       if (x > 0.0) return false;
     if (has_collective_step_costs()) return false;
-    return copy_scale <= 0.0 && collectives.empty();
+    return copy_scale <= 0.0 && collectives.empty() && speed_probe_flops_per_s <= 0.0;
   }
 };
 
