@@ -7,8 +7,9 @@
 # `peftplan compare` combines the rounds), and prints one row per configuration — the worst
 # memory category's error, the peak's error,
 # the step-time error with its spread (the interquartile range of the rounds, as a share of the
-# measured step) and verdict, and the op that differs most — then the median and worst
-# |step-time error|, over every configuration and over the conclusive ones.
+# measured step), the machine's speed against calibration (the speed probe's drift, median of the
+# rounds) and verdict, and the op that differs most — then the median and worst |step-time
+# error|, over every configuration and over the conclusive ones.
 # Not a ctest: it is a benchmark (about 25 minutes with 5 rounds; --quick: a subset in about two).
 #
 # usage: bench/accuracy.sh [--quick] [--build DIR] [--steps K] [--rounds R] [--out DIR]
@@ -108,29 +109,34 @@ if "op" in op: what = f'op {op["op"]} {what} ({op["phase"]}, L{op["layer"]})'
 what += f' {1e3*op.get("predicted_s",0):.2f}/{1e3*op.get("measured_s",0):.2f} ms'
 spread = st.get("spread_s")
 spread = f'{100*spread/st["measured"]:.1f}%' if spread is not None and st["measured"] > 0 else "-"
+drift = (v.get("speed_probe") or {}).get("drift")
+drift = f'{100*drift:+.1f}%' if drift is not None else "-"
 print(f'{sys.argv[2]}\t{worst} {100*mem.get(worst,0):+.2f}%\t{100*v["memory"]["peak"]["relative_error"]:+.2f}%\t'
-      f'{1e3*st["predicted"]:.1f}\t{1e3*st["measured"]:.1f}\t{100*st["relative_error"]:+.1f}%\t{spread}\t{st.get("verdict","?")}\t{what}')
+      f'{1e3*st["predicted"]:.1f}\t{1e3*st["measured"]:.1f}\t{100*st["relative_error"]:+.1f}%\t{spread}\t{drift}\t{st.get("verdict","?")}\t{what}')
 PY
   else
-    echo -e "$name\tFAILED (see $dir.log)\t-\t-\t-\t-\t-\t-\t-" >> "$rows"
+    echo -e "$name\tFAILED (see $dir.log)\t-\t-\t-\t-\t-\t-\t-\t-" >> "$rows"
   fi
 done < "$configs"
 
 python3 - "$rows" <<'PY'
 import sys, statistics
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
-print(f'{"configuration":44} {"worst memory category":28} {"peak":>8} {"pred ms":>8} {"meas ms":>8} {"step err":>9} {"spread":>7} {"verdict":>12}  op that differs most (pred/meas)')
-errs, conclusive = [], []
+print(f'{"configuration":44} {"worst memory category":28} {"peak":>8} {"pred ms":>8} {"meas ms":>8} {"step err":>9} {"spread":>7} {"drift":>7} {"verdict":>12}  op that differs most (pred/meas)')
+errs, conclusive, drifts = [], [], []
 for r in rows:
-    print(f'{r[0]:44} {r[1]:28} {r[2]:>8} {r[3]:>8} {r[4]:>8} {r[5]:>9} {r[6]:>7} {r[7]:>12}  {r[8]}')
+    print(f'{r[0]:44} {r[1]:28} {r[2]:>8} {r[3]:>8} {r[4]:>8} {r[5]:>9} {r[6]:>7} {r[7]:>7} {r[8]:>12}  {r[9]}')
+    if r[7].endswith("%"): drifts.append(abs(float(r[7][:-1])))
     if r[5].endswith("%"):
         errs.append(abs(float(r[5][:-1])))
-        if r[7] != "inconclusive": conclusive.append(abs(float(r[5][:-1])))
+        if r[8] != "inconclusive": conclusive.append(abs(float(r[5][:-1])))
 failed = sum(1 for r in rows if not r[5].endswith("%"))
 if errs:
     print(f"\n{len(errs)} configurations ({failed} failed): step-time |error| median {statistics.median(errs):.1f}%, worst {max(errs):.1f}%")
     if conclusive:
         print(f"{len(conclusive)} conclusive ({len(errs) - len(conclusive)} inconclusive): median {statistics.median(conclusive):.1f}%, worst {max(conclusive):.1f}%")
+    if drifts:
+        print(f"machine speed against calibration (the speed probe, |drift|): median {statistics.median(drifts):.1f}%, worst {max(drifts):.1f}%")
 else:
     print(f"\nno configuration ran ({failed} failed)")
 PY

@@ -3,9 +3,11 @@
 # --ranks N --quick`, each a fresh measurement) and predicts the main job's step (`peftplan run`'s
 # default: tiny-llama-4l, PEFT's default LoRA, B 4 x S 128, the executor profile) for DDP, ZeRO-2
 # and ZeRO-3 on every profile, then prints each profile's predictions, the calibration programs'
-# own spread (the interquartile range of their rounds, from each profile's measurements file) and,
-# per strategy, how far the predictions of the K profiles lie apart (max/min - 1). On an idle
-# machine the predictions should land within a few percent of each other. Not a ctest: a
+# own spread (the interquartile range of their rounds, from each profile's measurements file), its
+# machine-speed probe as calibration began and ended and, per strategy, how far the predictions
+# of the K profiles lie apart (max/min - 1), beside how far the probes do: on an idle machine the
+# predictions should land within a few percent of each other, and when they do not the probes
+# tell whether the machine's speed moved. Not a ctest: a
 # benchmark (about 20 s per calibration on 2 cores).
 #
 # usage: bench/calibration_repeat.sh [--times K] [--ranks N] [--build DIR] [--out DIR]
@@ -41,7 +43,8 @@ import json, sys
 out, times = sys.argv[1], int(sys.argv[2])
 strategies = ["ddp", "zero2", "zero3"]
 pred = {s: [] for s in strategies}
-print(f'{"calibration":12} ' + " ".join(f"{s + ' step (ms)':>16}" for s in strategies) + "   calibration programs' spread (IQR of 5 rounds / median)")
+probes = []
+print(f'{"calibration":12} ' + " ".join(f"{s + ' step (ms)':>16}" for s in strategies) + "   probe GFLOP/s (begin/end)   programs' spread (IQR of 5 rounds / median)")
 for k in range(1, times + 1):
     row = []
     for s in strategies:
@@ -50,7 +53,10 @@ for k in range(1, times + 1):
         row.append(f"{1e3 * t:16.3f}")
     m = json.load(open(f"{out}/cal.{k}.measurements.json"))
     spreads = [p["spread_ms"] / p["step_ms"] for p in m["programs"] if p["step_ms"] > 0]
-    print(f"{k:<12} " + " ".join(row) + f"   median {100 * sorted(spreads)[len(spreads) // 2]:.1f}%, worst {100 * max(spreads):.1f}%")
-print("apart (max/min - 1): " + ", ".join(f"{s} {100 * (max(v) / min(v) - 1):.1f}%" for s, v in pred.items()))
+    b, e = m["speed_probe"]["before_GFLOPs_per_rank"], m["speed_probe"]["after_GFLOPs_per_rank"]
+    probes.append((b + e) / 2)
+    print(f"{k:<12} " + " ".join(row) + f"   {b:12.2f} / {e:6.2f}        median {100 * sorted(spreads)[len(spreads) // 2]:.1f}%, worst {100 * max(spreads):.1f}%")
+print("apart (max/min - 1): " + ", ".join(f"{s} {100 * (max(v) / min(v) - 1):.1f}%" for s, v in pred.items())
+      + f"; the probes (mean of begin and end) {100 * (max(probes) / min(probes) - 1):.1f}%")
 PY
 echo "profiles and logs in $out"
