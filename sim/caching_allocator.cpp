@@ -1,0 +1,608 @@
+// The caching-allocator model (see caching_allocator.h).
+// Every rule cites the function or constant of PyTorch's c10/cuda/CUDACachingAllocator.cpp
+// (DeviceCachingAllocator unless said otherwise) it follows, or c10/cuda/CUDAAllocatorConfig.cpp
+// for the option parsing. The behaviour was read from two stored versions of that file that
+// bracket torch 2.4.1: pytorch/pytorch@001074d2 (a little after 2.4) and a 2.3/2.4-era copy;
+// every function modelled here reads the same in both. Names follow PyTorch's so that each
+// piece can be checked against its original; the code is our own.
+#include "peftplan/sim/caching_allocator.h"
+
+#include <algorithm>
+#include <charconv>
+#include <initializer_list>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+
+namespace peftplan::sim {
+namespace caching_allocator {
+
+std::uint64_t round_size(std::uint64_t bytes) {
+  // round_size: below kMinBlockSize -> kMinBlockSize, otherwise the next multiple of it.
+  // (Its roundup_power2_divisions branch is off by default and not modelled.)
+  if (bytes < kMinBlockSize) return kMinBlockSize;
+  return kMinBlockSize * (bytes / kMinBlockSize + (bytes % kMinBlockSize != 0 ? 1 : 0));
+}
+
+std::uint64_t allocation_size(std::uint64_t rounded_bytes) {
+  // get_allocation_size: small requests share a 2 MiB segment; requests below kMinLargeAlloc
+  // (strictly: 10 MiB itself is rounded, not given 20 MiB) share a 20 MiB one; larger requests
+  // get their own segment rounded up to 2 MiB.
+  if (rounded_bytes <= kSmallSize) return kSmallBuffer;
+  if (rounded_bytes < kMinLargeAlloc) return kLargeBuffer;
+  return kRoundLarge * (rounded_bytes / kRoundLarge + (rounded_bytes % kRoundLarge != 0 ? 1 : 0));
+}
+
+}  // namespace caching_allocator
+
+using namespace caching_allocator;
+
+namespace {
+
+constexpr std::uint64_t kMiB = 1ULL << 20;
+
+// NativeCachingAllocator::allocate refuses 1 EB (2^60 bytes) and more up front with
+// OutOfMemoryError, before the device allocator sees the request.
+constexpr std::uint64_t kMaxRequestBytes = 1ULL << 60;
+
+// Modelled addresses start here, so that 0 stays the null pointer of a 0-byte request.
+constexpr std::uint64_t kFirstAddress = 1ULL << 32;
+
+// Address space of one expandable segment, in pages. ExpandableSegment reserves 1 1/8 of the
+// GPU's total memory; we reserve 2^22 pages (8 TiB in the small pool, 80 TiB in the large),
+// more than any GPU holds, so that, as in practice with PyTorch, one expandable segment per
+// pool and stream always has room to grow.
+constexpr std::uint64_t kExpandablePages = 1ULL << 22;
+
+void increase(AllocatorStat& s, std::uint64_t amount) {  // increase_stat
+  s.current += amount;
+  s.peak = std::max(s.peak, s.current);
+}
+
+void decrease(AllocatorStat& s, std::uint64_t amount) {  // decrease_stat
+  PEFTPLAN_CHECK_MSG(s.current >= amount, "allocator stat would go negative ({} - {})", s.current,
+                     amount);
+  s.current -= amount;
+}
+
+void apply(AllocatorStat& s, std::int64_t change) {
+  if (change > 0) increase(s, static_cast<std::uint64_t>(change));
+  if (change < 0) decrease(s, static_cast<std::uint64_t>(-change));
+}
+
+std::uint64_t round_up(std::uint64_t x, std::uint64_t to) { return (x + to - 1) / to * to; }
+
+}  // namespace
+
+// --- PYTORCH_CUDA_ALLOC_CONF ----------------------------------------------------------------
+
+AllocatorConfig AllocatorConfig::parse(std::string_view alloc_conf, std::uint64_t capacity) {
+  constexpr std::string_view kWhere = "PYTORCH_CUDA_ALLOC_CONF";
+  constexpr std::string_view kModelled = "(this model reads expandable_segments and max_split_size_mb)";
+  AllocatorConfig config;
+  config.capacity_bytes = capacity;
+
+  // CUDAAllocatorConfig::lexArgs drops every space; options are separated by commas and a
+  // single trailing comma is accepted by parseArgs.
+  std::string text;
+  for (char ch : alloc_conf)
+    if (ch != ' ') text.push_back(ch);
+  std::vector<std::string_view> items;
+  std::string_view rest = text;
+  while (true) {
+    const auto comma = rest.find(',');
+    items.push_back(rest.substr(0, comma));
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+  }
+  if (items.back().empty()) items.pop_back();
+
+  for (std::string_view item : items) {
+    if (item.empty())
+      throw input_error(kWhere, "", "has an empty option (a leading or doubled comma)",
+                        fmt::format("\"{}\"", alloc_conf));
+    const auto colon = item.find(':');
+    if (colon == std::string_view::npos)
+      throw input_error(kWhere, item, "needs a value, written key:value");
+    const std::string_view key = item.substr(0, colon);
+    const std::string_view value = item.substr(colon + 1);
+
+    if (key == "expandable_segments") {
+      // CUDAAllocatorConfig::parseArgs: exactly "True" or "False".
+      if (value != "True" && value != "False")
+        throw input_error(kWhere, key, "must be True or False", fmt::format("\"{}\"", value));
+      config.expandable_segments = value == "True";
+    } else if (key == "max_split_size_mb") {
+      // CUDAAllocatorConfig::parseMaxSplitSize: an int (stoi) greater than kLargeBuffer / 1 MiB
+      // = 20, in MiB. We take digits only, up to stoi's INT_MAX.
+      std::uint64_t mb = 0;
+      const char* first = value.data();
+      const char* last = value.data() + value.size();
+      const auto [end, ec] = std::from_chars(first, last, mb);
+      if (value.empty() || ec != std::errc() || end != last || mb <= kLargeBuffer / kMiB ||
+          mb > 2147483647ULL)
+        throw input_error(kWhere, key, "must be a whole number of MiB greater than 20",
+                          fmt::format("\"{}\"", value));
+      config.max_split_size_bytes = mb * kMiB;
+    } else if (key == "backend" || key == "garbage_collection_threshold" ||
+               key == "roundup_power2_divisions" || key == "release_lock_on_cudamalloc" ||
+               key == "release_lock_on_hipmalloc" || key == "pinned_use_cuda_host_register" ||
+               key == "pinned_use_hip_host_register" || key == "pinned_num_register_threads") {
+      // The other options CUDAAllocatorConfig::parseArgs knows in 2.4.
+      throw input_error(kWhere, key,
+                        fmt::format("is a PyTorch allocator option this model does not simulate {}",
+                                    kModelled));
+    } else {
+      // parseArgs: "Unrecognized CachingAllocator option".
+      throw input_error(kWhere, key,
+                        fmt::format("is not a PyTorch caching-allocator option {}", kModelled));
+    }
+  }
+  return config;
+}
+
+// --- the allocator -------------------------------------------------------------------------
+
+CachingAllocatorModel::CachingAllocatorModel(AllocatorConfig cfg)
+    : config_(cfg), next_address_(kFirstAddress) {
+  // parseMaxSplitSize never yields kLargeBuffer or less; release_available_cached_blocks relies
+  // on it (every cached block of at least max_split_size is then a whole segment).
+  PEFTPLAN_CHECK_MSG(!config_.max_split_size_bytes || *config_.max_split_size_bytes > kLargeBuffer,
+                     "max_split_size_bytes must exceed 20 MiB, got {}", *config_.max_split_size_bytes);
+}
+
+std::uint64_t CachingAllocatorModel::max_split() const {
+  // CUDAAllocatorConfig::max_split_size(): SIZE_MAX unless max_split_size_mb is set.
+  return config_.max_split_size_bytes.value_or(std::numeric_limits<std::uint64_t>::max());
+}
+
+CachingAllocatorModel::BlockMap::iterator CachingAllocatorModel::prev_in_segment(BlockMap::iterator it) {
+  if (it == blocks_.begin()) return blocks_.end();
+  auto p = std::prev(it);
+  return p->second.segment == it->second.segment ? p : blocks_.end();
+}
+
+CachingAllocatorModel::BlockMap::iterator CachingAllocatorModel::next_in_segment(BlockMap::iterator it) {
+  auto n = std::next(it);
+  return n != blocks_.end() && n->second.segment == it->second.segment ? n : blocks_.end();
+}
+
+bool CachingAllocatorModel::is_split(BlockMap::iterator it) {  // Block::is_split
+  return prev_in_segment(it) != blocks_.end() || next_in_segment(it) != blocks_.end();
+}
+
+void CachingAllocatorModel::insert_free(std::uint64_t address) {  // BlockPool::insert_into_blocks
+  const Block& b = blocks_.at(address);
+  const bool inserted = pool_for(b.small).free_blocks.insert(FreeKey{b.stream, b.size, address}).second;
+  PEFTPLAN_CHECK(inserted);
+}
+
+void CachingAllocatorModel::erase_free(std::uint64_t address) {
+  const Block& b = blocks_.at(address);
+  const auto erased = pool_for(b.small).free_blocks.erase(FreeKey{b.stream, b.size, address});
+  PEFTPLAN_CHECK(erased == 1);
+}
+
+std::uint64_t CachingAllocatorModel::try_merge(std::uint64_t dst, bool with_prev,
+                                               std::uint64_t& subsumed) {
+  // try_merge_blocks: a neighbour in the same segment (never across segments) that is free and
+  // mapped alike is absorbed. dst itself is in no set while this runs.
+  subsumed = 0;
+  auto d = blocks_.find(dst);
+  auto s = with_prev ? prev_in_segment(d) : next_in_segment(d);
+  if (s == blocks_.end() || s->second.allocated || s->second.mapped != d->second.mapped) return dst;
+  Pool& p = pool_for(s->second.small);
+  if (s->second.mapped) {
+    erase_free(s->first);
+  } else {
+    const auto erased = p.unmapped.erase(UnmappedKey{s->second.stream, s->first});
+    PEFTPLAN_CHECK(erased == 1);
+  }
+  subsumed = s->second.size;
+  if (with_prev) {  // [src dst]: the merged block starts at src
+    s->second.size += d->second.size;
+    blocks_.erase(d);
+    return s->first;
+  }
+  d->second.size += s->second.size;  // [dst src]
+  blocks_.erase(s);
+  return dst;
+}
+
+std::uint32_t CachingAllocatorModel::new_segment(std::uint64_t size, std::uint64_t page_bytes,
+                                                 std::uint64_t align) {
+  const std::uint64_t base = round_up(next_address_, align);
+  next_address_ = base + size;
+  const std::uint32_t id = next_segment_++;
+  segments_.emplace(id, Segment{base, size, page_bytes});
+  return id;
+}
+
+std::optional<std::uint64_t> CachingAllocatorModel::get_free_block(std::uint64_t size, int stream,
+                                                                   bool small) {
+  // get_free_block: best fit, the smallest cached block of at least `size` in the request's
+  // pool and on its stream (BlockComparatorSize orders by stream, size, address).
+  Pool& p = pool_for(small);
+  auto it = p.free_blocks.lower_bound(FreeKey{stream, size, 0});
+  if (it == p.free_blocks.end() || it->stream != stream) return std::nullopt;
+
+  if (config_.expandable_segments) {
+    // With expandable segments a block followed by unmapped address space counts as the size
+    // it could grow to, so a larger hole in the middle of a segment is preferred to the
+    // growing end. (The branch for blocks left over from expandable_segments being switched
+    // off mid-run does not arise: the option is fixed for a model's life.)
+    auto expandable_size = [&](const FreeKey& k) {
+      auto n = next_in_segment(blocks_.find(k.address));
+      return k.size + (n != blocks_.end() && !n->second.mapped ? n->second.size : 0);
+    };
+    for (auto next = std::next(it);
+         next != p.free_blocks.end() && next->stream == stream &&
+         expandable_size(*next) < expandable_size(*it);
+         ++next)
+      it = next;
+  }
+
+  // max_split_size: an oversize block (>= max_split_size) is never given to a request below
+  // max_split_size, and serves an oversize request only if it is less than kLargeBuffer
+  // (20 MiB) larger. (PyTorch's header comment says "within 1MB"; the code uses kLargeBuffer.)
+  const std::uint64_t ms = max_split();
+  if (size < ms && it->size >= ms) return std::nullopt;
+  if (size >= ms && it->size >= size + kLargeBuffer) return std::nullopt;
+  const std::uint64_t address = it->address;
+  p.free_blocks.erase(it);
+  return address;
+}
+
+std::optional<std::uint64_t> CachingAllocatorModel::alloc_block(std::uint64_t size,
+                                                                std::uint64_t alloc_size,
+                                                                int stream, bool small,
+                                                                bool is_retry) {
+  // alloc_block: the retry after release_cached_blocks counts in num_alloc_retries.
+  if (is_retry) ++stats_.num_alloc_retries;
+  // With expandable segments the request's own (rounded) size is mapped, not alloc_size.
+  if (config_.expandable_segments) return try_allocate_expandable_block(size, stream, small);
+  // cudaMalloc(alloc_size) fails when it would take reserved memory past the capacity (the
+  // same test alloc_block makes against set_per_process_memory_fraction's maximum).
+  if (alloc_size > config_.capacity_bytes - stats_.reserved_bytes.current) return std::nullopt;
+  const std::uint32_t id = new_segment(alloc_size, 0, kRoundLarge);
+  const std::uint64_t base = segments_.at(id).base;
+  blocks_.emplace(base, Block{alloc_size, 0, id, stream, small, false, true});
+  increase(stats_.segments, 1);
+  increase(stats_.reserved_bytes, alloc_size);
+  ++stats_.num_device_alloc;
+  return base;  // like PyTorch's new block, not in the free set
+}
+
+bool CachingAllocatorModel::release_available_cached_blocks(std::uint64_t size, int stream,
+                                                            bool small) {
+  // release_available_cached_blocks, tried only when max_split_size_mb is set: free the
+  // smallest cached oversize block on this stream of at least max(size, max_split_size); if
+  // there is none, free oversize blocks from the largest down until that many bytes are freed
+  // (they stay freed even when that falls short). With expandable segments nothing is freed
+  // here: torch 2.4.1 would reach release_block's assert that the block is not expandable, and
+  // PyTorch #134338 (after 2.4) made this path skip expandable blocks, which leaves none.
+  if (!config_.max_split_size_bytes || config_.expandable_segments) return false;
+  Pool& p = pool_for(small);
+  const std::uint64_t ms = max_split();
+  const std::uint64_t key = std::max(size, ms);
+  auto it = p.free_blocks.lower_bound(FreeKey{stream, key, 0});
+  if (it != p.free_blocks.end() && it->stream == stream) {
+    release_block(it->address);
+    return true;
+  }
+  if (it == p.free_blocks.begin()) return false;
+  std::uint64_t released = 0;
+  --it;
+  while (released < key && it->size >= ms && it->stream == stream) {
+    const std::uint64_t address = it->address;
+    released += it->size;
+    const bool first = it == p.free_blocks.begin();
+    if (!first) --it;
+    release_block(address);
+    if (first) break;
+  }
+  return released >= key;
+}
+
+void CachingAllocatorModel::release_block(std::uint64_t address) {
+  // release_block: cudaFree of a whole cached segment.
+  auto it = blocks_.find(address);
+  PEFTPLAN_CHECK(it != blocks_.end() && !it->second.allocated && !is_split(it) &&
+                 !is_expandable(it->second));
+  erase_free(address);
+  decrease(stats_.segments, 1);
+  decrease(stats_.reserved_bytes, it->second.size);
+  ++stats_.num_device_free;
+  segments_.erase(it->second.segment);
+  blocks_.erase(it);
+}
+
+void CachingAllocatorModel::release_cached_blocks() {
+  // release_cached_blocks: every pool, large first, every stream.
+  release_blocks(false);
+  release_blocks(true);
+}
+
+void CachingAllocatorModel::release_blocks(bool small) {
+  // release_blocks: cudaFree every cached block that is a whole segment; in expandable
+  // segments unmap the whole pages of every free block, and drop a segment left with no pages.
+  std::vector<std::uint64_t> whole;
+  std::vector<std::uint64_t> to_unmap;
+  for (const FreeKey& k : pool_for(small).free_blocks) {
+    auto it = blocks_.find(k.address);
+    if (is_expandable(it->second))
+      to_unmap.push_back(k.address);
+    else if (!is_split(it))
+      whole.push_back(k.address);
+  }
+  for (std::uint64_t a : whole) release_block(a);
+  for (std::uint64_t a : to_unmap) {
+    const auto unmapped = unmap_block(a);
+    if (unmapped && !is_split(blocks_.find(*unmapped))) release_expandable_segment(*unmapped);
+  }
+}
+
+std::optional<std::uint64_t> CachingAllocatorModel::unmap_block(std::uint64_t address) {
+  // unmap_block with ExpandableSegment::unmap: only pages lying wholly inside the free block
+  // are unmapped; the partial pages before and after stay mapped as free blocks.
+  auto it = blocks_.find(address);
+  const Block b = it->second;
+  const Segment& seg = segments_.at(b.segment);
+  const std::uint64_t page = seg.page_bytes;
+  const std::uint64_t begin = seg.base + round_up(address - seg.base, page);
+  const std::uint64_t end = seg.base + (address + b.size - seg.base) / page * page;
+  if (begin >= end) return std::nullopt;
+  erase_free(address);
+
+  Block hole = b;
+  hole.size = end - begin;
+  hole.mapped = false;
+  if (begin > address) {
+    it->second.size = begin - address;
+    insert_free(address);
+    blocks_.emplace(begin, hole);
+  } else {
+    it->second = hole;
+  }
+  if (address + b.size > end) {
+    Block after = b;
+    after.size = address + b.size - end;
+    blocks_.emplace(end, after);
+    insert_free(end);
+  }
+  std::uint64_t subsumed = 0;
+  std::uint64_t merged = try_merge(begin, true, subsumed);
+  merged = try_merge(merged, false, subsumed);
+  pool_for(b.small).unmapped.insert(UnmappedKey{b.stream, merged});
+  decrease(stats_.reserved_bytes, end - begin);
+  ++stats_.num_device_free;
+  return merged;
+}
+
+void CachingAllocatorModel::release_expandable_segment(std::uint64_t address) {
+  // release_expandable_segment: the segment is one unmapped range again; drop it.
+  auto it = blocks_.find(address);
+  PEFTPLAN_CHECK(it != blocks_.end() && !it->second.mapped && !is_split(it));
+  const auto erased = pool_for(it->second.small).unmapped.erase(UnmappedKey{it->second.stream, address});
+  PEFTPLAN_CHECK(erased == 1);
+  decrease(stats_.expandable_segments, 1);
+  segments_.erase(it->second.segment);
+  blocks_.erase(it);
+}
+
+std::optional<std::uint64_t> CachingAllocatorModel::try_allocate_expandable_block(std::uint64_t size,
+                                                                                  int stream,
+                                                                                  bool small) {
+  // try_allocate_expandable_block: map pages onto the candidate (or after it) until one free
+  // block of at least `size` exists. If a mapping fails, the pages mapped so far stay mapped.
+  std::uint64_t candidate = find_expandable_block(size, stream, small);
+  if (!blocks_.at(candidate).mapped) {
+    const auto mapped = map_block(candidate, std::min(blocks_.at(candidate).size, size));
+    if (!mapped) return std::nullopt;
+    candidate = *mapped;
+  }
+  while (blocks_.at(candidate).size < size) {
+    auto next = next_in_segment(blocks_.find(candidate));
+    PEFTPLAN_CHECK(next != blocks_.end() && !next->second.mapped);
+    const std::uint64_t remaining = size - blocks_.at(candidate).size;
+    const auto mapped = map_block(next->first, std::min(remaining, next->second.size));
+    if (!mapped) return std::nullopt;
+    candidate = *mapped;
+  }
+  erase_free(candidate);
+  return candidate;
+}
+
+std::uint64_t CachingAllocatorModel::find_expandable_block(std::uint64_t size, int stream,
+                                                           bool small) {
+  // find_expandable_block: the lowest-addressed unmapped range on this stream that, together
+  // with a free block just before it and the free or unmapped blocks after, has room for
+  // `size`; failing that, a new expandable segment (pages of kSmallBuffer in the small pool,
+  // kLargeBuffer in the large: 2 MiB and 20 MiB, as the Note [Expandable Segments] says).
+  Pool& p = pool_for(small);
+  for (auto u = p.unmapped.lower_bound(UnmappedKey{stream, 0});
+       u != p.unmapped.end() && u->stream == stream; ++u) {
+    auto c = blocks_.find(u->address);
+    auto before = prev_in_segment(c);
+    if (before != blocks_.end() && !before->second.allocated) c = before;
+    std::uint64_t room = 0;  // has_available_address_space
+    for (auto b = c; room < size && b != blocks_.end() && !b->second.allocated; b = next_in_segment(b))
+      room += b->second.size;
+    if (room >= size) return c->first;
+  }
+  const std::uint64_t page = small ? kSmallBuffer : kLargeBuffer;
+  const std::uint32_t id = new_segment(page * kExpandablePages, page, page);
+  const std::uint64_t base = segments_.at(id).base;
+  blocks_.emplace(base, Block{page * kExpandablePages, 0, id, stream, small, false, false});
+  p.unmapped.insert(UnmappedKey{stream, base});
+  increase(stats_.expandable_segments, 1);
+  return base;
+}
+
+std::optional<std::uint64_t> CachingAllocatorModel::map_block(std::uint64_t address,
+                                                              std::uint64_t bytes) {
+  // map_block with ExpandableSegment::map: whole pages from the start of the unmapped range,
+  // all or nothing; the new pages join the free block before them, if any.
+  auto it = blocks_.find(address);
+  Block& b = it->second;
+  const std::uint64_t page = segments_.at(b.segment).page_bytes;
+  PEFTPLAN_CHECK(!b.mapped && bytes > 0 && bytes <= b.size);
+  const std::uint64_t mapped = round_up(bytes, page);
+  if (mapped > config_.capacity_bytes - stats_.reserved_bytes.current) return std::nullopt;
+  Pool& p = pool_for(b.small);
+  p.unmapped.erase(UnmappedKey{b.stream, address});
+  if (mapped < b.size) {
+    Block tail = b;
+    tail.size = b.size - mapped;
+    blocks_.emplace(address + mapped, tail);
+    p.unmapped.insert(UnmappedKey{b.stream, address + mapped});
+    b.size = mapped;
+  }
+  b.mapped = true;
+  std::uint64_t subsumed = 0;
+  std::uint64_t merged = try_merge(address, true, subsumed);
+  merged = try_merge(merged, false, subsumed);
+  insert_free(merged);
+  increase(stats_.reserved_bytes, mapped);
+  ++stats_.num_device_alloc;
+  return merged;
+}
+
+bool CachingAllocatorModel::should_split(const Block& b, std::uint64_t size) const {
+  // should_split: in the small pool (and everywhere with expandable segments) any remainder of
+  // at least kMinBlockSize is split off; in the large pool only a remainder of more than
+  // kSmallSize, and only for a request below max_split_size.
+  const std::uint64_t remaining = b.size - size;
+  if (b.small || config_.expandable_segments) return remaining >= kMinBlockSize;
+  return size < max_split() && remaining > kSmallSize;
+}
+
+void CachingAllocatorModel::alloc_found_block(std::uint64_t address, std::uint64_t size,
+                                              std::uint64_t bytes, bool split) {
+  // alloc_found_block: the request takes the front of the block; a split-off remainder goes
+  // back to the free set. inactive_split counts free pieces of partly used cudaMalloc
+  // segments (expandable segments are left out of it, as in PyTorch).
+  auto it = blocks_.find(address);
+  Block& b = it->second;
+  const bool counted = !is_expandable(b);
+  const bool already_split = is_split(it);
+  if (split) {
+    Block remainder = b;
+    remainder.size = b.size - size;
+    b.size = size;
+    blocks_.emplace(address + size, remainder);
+    insert_free(address + size);
+    if (counted && already_split) {
+      decrease(stats_.inactive_split_bytes, size);
+    } else if (counted) {
+      increase(stats_.inactive_split_bytes, remainder.size);
+      increase(stats_.inactive_split, 1);
+    }
+  } else if (counted && already_split) {
+    decrease(stats_.inactive_split_bytes, b.size);
+    decrease(stats_.inactive_split, 1);
+  }
+  b.allocated = true;
+  b.requested_bytes = bytes;
+  // allocated_bytes counts block->size: the rounded size, or the whole block when the
+  // remainder was too small to split off.
+  increase(stats_.allocations, 1);
+  increase(stats_.allocated_bytes, b.size);
+  increase(stats_.requested_bytes, bytes);
+}
+
+void CachingAllocatorModel::free_block(std::uint64_t address) {
+  // free_block: merge with free neighbours of the same segment, back into the free set.
+  auto it = blocks_.find(address);
+  const bool counted = !is_expandable(it->second);
+  const std::uint64_t requested = it->second.requested_bytes;
+  it->second.allocated = false;
+  it->second.requested_bytes = 0;
+  std::int64_t net_blocks = 0;
+  std::int64_t net_bytes = 0;
+  std::uint64_t subsumed = 0;
+  std::uint64_t merged = try_merge(address, true, subsumed);
+  if (subsumed > 0) {
+    net_blocks -= 1;
+    net_bytes -= static_cast<std::int64_t>(subsumed);
+  }
+  merged = try_merge(merged, false, subsumed);
+  if (subsumed > 0) {
+    net_blocks -= 1;
+    net_bytes -= static_cast<std::int64_t>(subsumed);
+  }
+  insert_free(merged);
+  auto m = blocks_.find(merged);
+  if (is_split(m)) {
+    net_blocks += 1;
+    net_bytes += static_cast<std::int64_t>(m->second.size);
+  }
+  if (counted) {
+    apply(stats_.inactive_split, net_blocks);
+    apply(stats_.inactive_split_bytes, net_bytes);
+  }
+  decrease(stats_.requested_bytes, requested);
+}
+
+std::optional<BlockId> CachingAllocatorModel::malloc(std::uint64_t bytes, int stream) {
+  const std::uint64_t request = stats_.num_malloc_calls++;
+  // NativeCachingAllocator::allocate: a 0-byte request gets a null pointer, no block.
+  if (bytes == 0) return BlockId{};
+  auto out_of_memory = [&]() -> std::optional<BlockId> {
+    ++stats_.num_ooms;
+    if (!stats_.first_oom) stats_.first_oom = OomEvent{request, bytes, stream};
+    return std::nullopt;
+  };
+  if (bytes >= kMaxRequestBytes) return out_of_memory();
+
+  // malloc: round, choose the pool (get_pool: <= kSmallSize is small) and the segment size.
+  const std::uint64_t size = round_size(bytes);
+  const bool small = size <= kSmallSize;
+  const std::uint64_t alloc_size = allocation_size(size);
+  // A cached block first; else a new segment; else free enough oversize cached blocks and try
+  // again; else free every cached segment (release_cached_blocks) and retry once. (The
+  // free-memory callbacks and garbage collection in between do nothing in a default process.)
+  std::optional<std::uint64_t> found = get_free_block(size, stream, small);
+  if (!found) {
+    found = alloc_block(size, alloc_size, stream, small, false);
+    if (!found && release_available_cached_blocks(size, stream, small))
+      found = alloc_block(size, alloc_size, stream, small, false);
+    if (!found) {
+      release_cached_blocks();
+      found = alloc_block(size, alloc_size, stream, small, true);
+    }
+  }
+  if (!found) return out_of_memory();
+  alloc_found_block(*found, size, bytes, should_split(blocks_.at(*found), size));
+  return BlockId{*found};
+}
+
+void CachingAllocatorModel::free(BlockId id) {
+  // NativeCachingAllocator::free: a null pointer is ignored.
+  if (id.address == 0) return;
+  auto it = blocks_.find(id.address);
+  PEFTPLAN_CHECK_MSG(it != blocks_.end() && it->second.allocated,
+                     "free of block {:#x}, which is not a live allocation", id.address);
+  // DeviceCachingAllocator::free: allocated bytes drop by the block's size.
+  decrease(stats_.allocations, 1);
+  decrease(stats_.allocated_bytes, it->second.size);
+  free_block(id.address);
+}
+
+void CachingAllocatorModel::empty_cache() {
+  release_cached_blocks();  // emptyCache
+}
+
+void CachingAllocatorModel::reset_peak_stats() {
+  // resetPeakStats: peak = current for every stat.
+  for (AllocatorStat* s : {&stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.requested_bytes,
+                           &stats_.inactive_split_bytes, &stats_.inactive_split, &stats_.allocations,
+                           &stats_.segments, &stats_.expandable_segments})
+    s->peak = s->current;
+}
+
+}  // namespace peftplan::sim

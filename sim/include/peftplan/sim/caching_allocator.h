@@ -1,0 +1,187 @@
+// A model of PyTorch's CUDA caching allocator (torch 2.4.x, c10/cuda/CUDACachingAllocator.cpp,
+// DeviceCachingAllocator), to be replayed over a step program's alloc/free sequence so that
+// `reserved` (torch.cuda.max_memory_reserved) is computed from the same rules PyTorch applies:
+// 512-byte rounding, small (<= 1 MiB) and large pools, 2 MiB / 20 MiB / rounded segments,
+// best-fit reuse per stream, splitting and merging inside a segment, max_split_size_mb, the
+// free-cached-segments-and-retry path on a failed cudaMalloc, and expandable segments.
+// Each rule is cited beside its code in caching_allocator.cpp.
+//
+// Deliberately not modelled: CUDA graph private pools, recordStream / cross-stream events (a
+// block is reusable as soon as it is freed), roundup_power2_divisions, garbage_collection_threshold
+// and set_per_process_memory_fraction (configurations naming them are rejected), free-memory
+// callbacks, IPC, and memory outside the allocator (CUDA context, NCCL): `capacity_bytes` is what
+// the allocator may reserve, not the GPU's size. Not wired into the planner here.
+#pragma once
+
+#include <compare>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <string_view>
+#include <unordered_map>
+
+namespace peftplan::sim {
+
+// The allocator's size constants and its two size functions, as in CUDACachingAllocator.cpp.
+namespace caching_allocator {
+inline constexpr std::uint64_t kMinBlockSize = 512;           // every size rounds to 512 B
+inline constexpr std::uint64_t kSmallSize = 1ULL << 20;       // largest small-pool request, 1 MiB
+inline constexpr std::uint64_t kSmallBuffer = 2ULL << 20;     // small-pool segment, 2 MiB
+inline constexpr std::uint64_t kLargeBuffer = 20ULL << 20;    // segment for 1-10 MiB, 20 MiB
+inline constexpr std::uint64_t kMinLargeAlloc = 10ULL << 20;  // below this: a kLargeBuffer segment
+inline constexpr std::uint64_t kRoundLarge = 2ULL << 20;      // larger segments: 2 MiB multiples
+
+// Bytes the allocator hands out for a request of `bytes` (round_size): 0 -> 512, 513 -> 1024.
+std::uint64_t round_size(std::uint64_t bytes);
+// Bytes of the segment cudaMalloc'd for a rounded request (get_allocation_size).
+std::uint64_t allocation_size(std::uint64_t rounded_bytes);
+}  // namespace caching_allocator
+
+struct AllocatorConfig {
+  bool expandable_segments = false;  // expandable_segments:True
+  // max_split_size_mb, in bytes; nullopt = unlimited (PyTorch's default, SIZE_MAX).
+  std::optional<std::uint64_t> max_split_size_bytes;
+  // Bytes the allocator may reserve in all (segments plus mapped pages); a cudaMalloc or page
+  // mapping that would go beyond fails as cudaErrorMemoryAllocation would.
+  std::uint64_t capacity_bytes = std::numeric_limits<std::uint64_t>::max();
+
+  // A PYTORCH_CUDA_ALLOC_CONF string ("expandable_segments:True,max_split_size_mb:256"; "" =
+  // defaults) and the capacity. Throws InputError naming the key for anything else.
+  static AllocatorConfig parse(std::string_view alloc_conf, std::uint64_t capacity);
+};
+
+// A live allocation: its modelled device address. address 0 is the null pointer PyTorch returns
+// for a 0-byte request (no block, no memory); freeing it does nothing.
+struct BlockId {
+  std::uint64_t address = 0;
+  friend bool operator==(const BlockId&, const BlockId&) = default;
+};
+
+// One of PyTorch's memory_stats() counters: its value now and its peak since construction or
+// reset_peak_stats().
+struct AllocatorStat {
+  std::uint64_t current = 0;
+  std::uint64_t peak = 0;
+};
+
+// The first request that could not be served even after freeing the cache.
+struct OomEvent {
+  std::uint64_t request = 0;  // index of the malloc() call, counting from 0 (0-byte calls too)
+  std::uint64_t bytes = 0;    // bytes asked for
+  int stream = 0;
+};
+
+// Aggregate statistics (PyTorch's "*.all.*" entries of torch.cuda.memory_stats()).
+struct AllocatorStats {
+  AllocatorStat allocated_bytes;       // sum of live blocks' sizes (rounded, after any no-split
+                                       // rounding up): memory_allocated / max_memory_allocated
+  AllocatorStat reserved_bytes;        // segments plus mapped pages: memory_reserved /
+                                       // max_memory_reserved
+  AllocatorStat requested_bytes;       // sum of live requests as asked (requested_bytes)
+  AllocatorStat inactive_split_bytes;  // free blocks inside partly used cudaMalloc segments
+  AllocatorStat inactive_split;        // their number
+  AllocatorStat allocations;           // live allocations
+  AllocatorStat segments;              // live cudaMalloc segments (PyTorch's `segment`;
+                                       // expandable segments are not counted there)
+  AllocatorStat expandable_segments;   // live expandable segments (not a PyTorch counter)
+  std::uint64_t num_malloc_calls = 0;  // malloc() calls, 0-byte ones included
+  std::uint64_t num_device_alloc = 0;  // cudaMalloc calls plus page-mapping calls
+  std::uint64_t num_device_free = 0;   // cudaFree calls plus page-unmapping calls
+  std::uint64_t num_alloc_retries = 0;  // full cache flushes followed by a retry
+  std::uint64_t num_ooms = 0;           // requests that failed after the retry
+  std::optional<OomEvent> first_oom;
+};
+
+// The allocator of one device. malloc/free in program order; stats() at any point.
+class CachingAllocatorModel {
+ public:
+  explicit CachingAllocatorModel(AllocatorConfig cfg);
+
+  // A block for `bytes` on `stream`, or nullopt when even freeing every cached segment leaves
+  // no room (PyTorch would raise torch.cuda.OutOfMemoryError; here it is a result).
+  std::optional<BlockId> malloc(std::uint64_t bytes, int stream = 0);
+  // Returns a live block to the cache. Throws InternalError for an id that is not live.
+  void free(BlockId id);
+  // torch.cuda.empty_cache(): frees every cached segment that is entirely unused.
+  void empty_cache();
+  // torch.cuda.reset_peak_memory_stats(): every peak becomes its current value.
+  void reset_peak_stats();
+
+  const AllocatorStats& stats() const { return stats_; }
+  const AllocatorConfig& config() const { return config_; }
+
+ private:
+  struct Block {
+    std::uint64_t size = 0;             // bytes, a multiple of 512
+    std::uint64_t requested_bytes = 0;  // what malloc() asked for, while allocated
+    std::uint32_t segment = 0;          // owning segment
+    int stream = 0;
+    bool small = false;      // small pool (blocks of requests <= 1 MiB)
+    bool allocated = false;  // handed out by malloc()
+    bool mapped = true;      // backed by physical pages (false: unmapped expandable range)
+  };
+  struct Segment {
+    std::uint64_t base = 0;
+    std::uint64_t size = 0;        // cudaMalloc size, or the expandable address range
+    std::uint64_t page_bytes = 0;  // expandable: the mapping granularity; 0 otherwise
+  };
+  struct FreeKey {  // cached free blocks in best-fit order: stream, then size, then address
+    int stream = 0;
+    std::uint64_t size = 0;
+    std::uint64_t address = 0;
+    auto operator<=>(const FreeKey&) const = default;
+  };
+  struct UnmappedKey {  // unmapped ranges in address order per stream
+    int stream = 0;
+    std::uint64_t address = 0;
+    auto operator<=>(const UnmappedKey&) const = default;
+  };
+  struct Pool {
+    std::set<FreeKey> free_blocks;   // BlockPool::blocks: cached free, mapped blocks
+    std::set<UnmappedKey> unmapped;  // BlockPool::unmapped: expandable ranges without pages
+  };
+  // Every block by address. Blocks tile their segment, so a block's neighbours inside its
+  // segment (Block::prev/next in PyTorch) are the adjacent entries with the same segment id.
+  using BlockMap = std::map<std::uint64_t, Block>;
+
+  Pool& pool_for(bool small) { return small ? small_ : large_; }
+  std::uint64_t max_split() const;
+  bool is_expandable(const Block& b) const { return segments_.at(b.segment).page_bytes != 0; }
+  BlockMap::iterator prev_in_segment(BlockMap::iterator it);
+  BlockMap::iterator next_in_segment(BlockMap::iterator it);
+  bool is_split(BlockMap::iterator it);
+  void insert_free(std::uint64_t address);
+  void erase_free(std::uint64_t address);
+  std::uint64_t try_merge(std::uint64_t dst, bool with_prev, std::uint64_t& subsumed);
+
+  std::optional<std::uint64_t> get_free_block(std::uint64_t size, int stream, bool small);
+  std::optional<std::uint64_t> alloc_block(std::uint64_t size, std::uint64_t alloc_size, int stream,
+                                           bool small, bool is_retry);
+  bool release_available_cached_blocks(std::uint64_t size, int stream, bool small);
+  void release_cached_blocks();
+  void release_blocks(bool small);
+  void release_block(std::uint64_t address);
+  std::optional<std::uint64_t> unmap_block(std::uint64_t address);
+  void release_expandable_segment(std::uint64_t address);
+  std::optional<std::uint64_t> try_allocate_expandable_block(std::uint64_t size, int stream,
+                                                             bool small);
+  std::uint64_t find_expandable_block(std::uint64_t size, int stream, bool small);
+  std::optional<std::uint64_t> map_block(std::uint64_t address, std::uint64_t bytes);
+  bool should_split(const Block& b, std::uint64_t size) const;
+  void alloc_found_block(std::uint64_t address, std::uint64_t size, std::uint64_t bytes, bool split);
+  void free_block(std::uint64_t address);
+  std::uint32_t new_segment(std::uint64_t size, std::uint64_t page_bytes, std::uint64_t align);
+
+  AllocatorConfig config_;
+  AllocatorStats stats_;
+  BlockMap blocks_;
+  Pool small_;
+  Pool large_;
+  std::unordered_map<std::uint32_t, Segment> segments_;
+  std::uint32_t next_segment_ = 0;
+  std::uint64_t next_address_;  // where the next segment's address range starts
+};
+
+}  // namespace peftplan::sim
