@@ -241,7 +241,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--hosts", o->hosts, "mpirun --host list (a,b or a:4,b:4)");
   cmd->add_option("--mpi-args", o->mpi_args, "extra mpirun arguments, space-separated (e.g. \"--mca btl tcp,self\")");
   cmd->add_option("--calibration", o->calibration,
-                  fmt::format("calibrated profile to plan with (default {}; made once when missing)", default_profile_path().string()));
+                  fmt::format("calibrated profile to plan with (default: the cached one beside {}, made when missing or when the machine's speed moved from it)", default_profile_path().string()));
   cmd->add_option("--tolerance-memory", o->tolerance_memory,
                   "relative tolerance of memory and collective bytes (default: the profile's, 0.02 for executor)")
       ->check(CLI::NonNegativeNumber);
