@@ -11,6 +11,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "input_error_of.h"
 #include "peftplan/common/error.h"
 #include "peftplan/sim/caching_allocator.h"
 
@@ -22,17 +23,7 @@ using ::testing::HasSubstr;
 constexpr std::uint64_t kKiB = 1024;
 constexpr std::uint64_t kMiB = 1024 * 1024;
 
-// Runs f, expects InputError, returns its message.
-template <typename F>
-std::string input_error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected InputError";
-  return {};
-}
+using peftplan::testing::input_error_of;
 
 AllocatorConfig with_capacity(std::uint64_t capacity_bytes) {
   AllocatorConfig c;

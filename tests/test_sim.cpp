@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "input_error_of.h"
 #include "peftplan/common/error.h"
 #include "peftplan/sim/cluster.h"
 #include "peftplan/sim/collectives.h"
@@ -26,17 +27,7 @@ using ::testing::HasSubstr;
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-// Runs f, expects InputError, returns its message.
-template <typename F>
-std::string input_error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected InputError";
-  return {};
-}
+using peftplan::testing::input_error_of;
 
 // --- catalogs --------------------------------------------------------------------------------
 

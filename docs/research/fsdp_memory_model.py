@@ -79,7 +79,7 @@ def decoder_unit(c, mode):
         numels = [o * i // 4 for o, i in attn_shapes(c).values()] + \
                  [o * i // 4 if (o, i) != (c["experts"], H) else o * i for o, i in mlp_shapes(c)] + [H, H]
         if c["experts"]:
-            raise NotImplementedError("QLoRA MoE router is not quantized; not needed for these rows")
+            raise ValueError("this model covers QLoRA for dense decoders only (no published QLoRA MoE row under FSDP)")
     else:
         numels = [o * i for o, i in layer_linears(c)] + [H, H]
     return flat_numel(numels, 2)
