@@ -238,6 +238,13 @@ double gemm_mix_rate(std::span<const GemmShape> mix, double duration_s) {
 
 }  // namespace
 
+double calibration_noise(const Calibration& cal) {
+  std::vector<double> shares;
+  for (const ProgramSample& p : cal.programs)
+    if (p.step_s > 0.0) shares.push_back(p.spread_s / p.step_s);
+  return planner::spread_of(shares).median;
+}
+
 double speed_probe(Communicator* world, double window_s) {
   if (world) world->barrier();  // every rank starts the window together
   double rate = gemm_mix_rate(gemm_mix(true), window_s);

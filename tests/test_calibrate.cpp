@@ -163,6 +163,19 @@ TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
               1e-9 * base);
 }
 
+// How noisy a calibration was: the median over the programs of spread / step. Three programs
+// whose rounds spread by 2%, 12% and 4% of their steps: 4%, within the executor's 15% / 3 = 5%
+// that makes peftplan-exec calibrate measure again; 2%, 12% and 15%: 12%, beyond it.
+TEST(Calibrate, NoiseIsTheMedianSpreadOfTheStepPrograms) {
+  Calibration cal;
+  EXPECT_DOUBLE_EQ(calibration_noise(cal), 0.0);
+  cal.programs = {{"a", {}, 0.010, {}, 0.0002}, {"b", {}, 0.100, {}, 0.012}, {"c", {}, 0.050, {}, 0.002}};
+  EXPECT_NEAR(calibration_noise(cal), 0.04, 1e-12);
+  cal.programs[2].spread_s = 0.0075;
+  EXPECT_NEAR(calibration_noise(cal), 0.12, 1e-12);
+  EXPECT_EQ(kCalibrationAttempts, 3);
+}
+
 // The load and skew of collectives inside a step: least squares of load = a_slot + b ×
 // overlapped and skew = a_slot + b × since_previous over the calls — a constant per kind and
 // place, one slope for the host — all terms non-negative, recovered exactly from samples on such

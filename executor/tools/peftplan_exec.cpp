@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "peftplan/executor/communicator.h"
 #include "peftplan/executor/plan_file.h"
 #include "peftplan/executor/runner.h"
+#include "peftplan/planner/validate.h"
 
 namespace {
 
@@ -32,8 +34,27 @@ using namespace peftplan;
 void calibrate(const std::string& out, bool quick, int rounds) {
   auto world = executor::make_mpi_communicator();
   const bool root = world->rank() == 0;
-  executor::Calibration cal =
-      executor::run_calibration(*world, {.quick = quick, .rounds = rounds}, root ? stdout : nullptr);
+  // Retaken while the machine is noisy (calibrate.h, kCalibrationAttempts); rank 0 judges, every
+  // rank follows its decision.
+  const double noisy = planner::tolerances_for(planner::RuntimeProfile::executor).time / 3.0;
+  executor::Calibration cal;
+  double quietest = std::numeric_limits<double>::infinity();
+  for (int attempt = 1; attempt <= executor::kCalibrationAttempts; ++attempt) {
+    executor::Calibration c =
+        executor::run_calibration(*world, {.quick = quick, .rounds = rounds}, root ? stdout : nullptr);
+    double noise = root ? executor::calibration_noise(c) : 0.0;
+    world->all_reduce(&noise, &noise, 1, executor::CommDType::fp64, executor::ReduceOp::max);
+    if (noise < quietest) {
+      quietest = noise;
+      cal = std::move(c);
+    }
+    if (noise <= noisy) break;
+    if (root)
+      fmt::print("calibration attempt {} of {}: the step programs' rounds spread by a median {:.1f}% (more than {:.0f}%): the "
+                 "machine is noisy{}\n",
+                 attempt, executor::kCalibrationAttempts, 100.0 * noise, 100.0 * noisy,
+                 attempt < executor::kCalibrationAttempts ? "; measuring again" : "; keeping the quietest attempt");
+  }
   if (!root) return;
   const sim::Cluster profile = executor::make_profile(cal);
   std::fputs(executor::format_report(cal, profile).c_str(), stdout);

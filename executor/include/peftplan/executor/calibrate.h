@@ -174,6 +174,16 @@ struct Calibration {
 // from. The mix and the threads per rank are the same everywhere, so the rates compare; a longer
 // window only averages more of the machine's second-to-second jitter (back-to-back 0.2 s probes
 // on the 2-core development VM ranged ±7%).
+// How noisy a calibration was: the median over its step programs of their rounds' spread
+// (interquartile range) over their step. 0 without programs.
+double calibration_noise(const Calibration& cal);
+// A calibration taken in a noisy spell of a shared machine mispredicts every run after it (one
+// taken while other jobs ran measured its programs 30% slow with a median spread of 11%, against
+// 2-4% on a quiet machine): peftplan-exec calibrate measures again when calibration_noise exceeds
+// a third of the executor profile's time tolerance (the margin `run` also allows the machine's
+// drift), up to kCalibrationAttempts in all, and keeps the quietest attempt.
+inline constexpr int kCalibrationAttempts = 3;
+
 inline constexpr double kProbeWindowS = 0.2;       // before each run's steps (cheap: every round)
 inline constexpr double kLongProbeWindowS = 1.0;   // calibration's two and run's check before planning
 double speed_probe(Communicator* world, double window_s);
