@@ -39,6 +39,7 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
     std::string out;
     bool quick = false;
     int rounds = 5;
+    int attempts = 3;  // executor::kCalibrationAttempts (the CLI does not link the executor)
     std::string mpirun = PEFTPLAN_MPIEXEC;
   };
   auto o = std::make_shared<Options>();
@@ -50,6 +51,11 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--rounds", o->rounds, "interleaved rounds of the calibration step programs (the median round is kept)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
+  cmd->add_option("--attempts", o->attempts,
+                  "calibrations at most while the machine is noisy: measured again while the step programs' rounds spread by a "
+                  "median of more than 5%; the quietest is kept")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 10));
   cmd->add_option("--mpirun", o->mpirun, "the MPI launcher")->capture_default_str();
   cmd->callback([o, &exit_code] {
     if (o->ranks < 1)
@@ -62,7 +68,7 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
     std::vector<std::string> args = local_mpirun(o->mpirun, o->ranks);
     args.insert(args.end(), {find_exec().string(), "calibrate", "--out", out.string()});
     if (o->quick) args.push_back("--quick");
-    args.insert(args.end(), {"--rounds", std::to_string(o->rounds)});
+    args.insert(args.end(), {"--rounds", std::to_string(o->rounds), "--attempts", std::to_string(o->attempts)});
     std::string line;
     for (const auto& a : args) line += (line.empty() ? "" : " ") + a;
     fmt::print("$ {}\n", line);

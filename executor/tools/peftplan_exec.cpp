@@ -2,7 +2,7 @@
 // subcommand whose work lives in the executor library; main() only initialises MPI, parses, and
 // maps failures to exit codes (2 bad input, 3 internal or MPI error), ending the whole job with
 // MPI_Abort when one rank fails so that no peer waits in a collective forever.
-//   mpirun -np N peftplan-exec calibrate --out FILE [--quick] [--rounds R]
+//   mpirun -np N peftplan-exec calibrate --out FILE [--quick] [--rounds R] [--attempts A]
 //   mpirun -np N peftplan-exec probe --out FILE [--window S]   (the machine-speed probe; calibrate.h)
 //   mpirun -np N peftplan-exec PLAN.json [--out DIR] [--quiet]   (N = the plan's ranks; see executor/runner.h)
 #include <algorithm>
@@ -31,7 +31,7 @@ namespace {
 
 using namespace peftplan;
 
-void calibrate(const std::string& out, bool quick, int rounds) {
+void calibrate(const std::string& out, bool quick, int rounds, int attempts) {
   auto world = executor::make_mpi_communicator();
   const bool root = world->rank() == 0;
   // Retaken while the machine is noisy (calibrate.h, kCalibrationAttempts); rank 0 judges, every
@@ -39,7 +39,7 @@ void calibrate(const std::string& out, bool quick, int rounds) {
   const double noisy = planner::tolerances_for(planner::RuntimeProfile::executor).time / 3.0;
   executor::Calibration cal;
   double quietest = std::numeric_limits<double>::infinity();
-  for (int attempt = 1; attempt <= executor::kCalibrationAttempts; ++attempt) {
+  for (int attempt = 1; attempt <= attempts; ++attempt) {
     executor::Calibration c =
         executor::run_calibration(*world, {.quick = quick, .rounds = rounds}, root ? stdout : nullptr);
     double noise = root ? executor::calibration_noise(c) : 0.0;
@@ -52,8 +52,8 @@ void calibrate(const std::string& out, bool quick, int rounds) {
     if (root)
       fmt::print("calibration attempt {} of {}: the step programs' rounds spread by a median {:.1f}% (more than {:.0f}%): the "
                  "machine is noisy{}\n",
-                 attempt, executor::kCalibrationAttempts, 100.0 * noise, 100.0 * noisy,
-                 attempt < executor::kCalibrationAttempts ? "; measuring again" : "; keeping the quietest attempt");
+                 attempt, attempts, 100.0 * noise, 100.0 * noisy,
+                 attempt < attempts ? "; measuring again" : "; keeping the quietest attempt");
   }
   if (!root) return;
   const sim::Cluster profile = executor::make_profile(cal);
@@ -140,7 +140,9 @@ int main(int argc, char** argv) {
   cal->add_flag("--quick", quick, "fewer shapes, sizes and repetitions");
   int rounds = 5;
   cal->add_option("--rounds", rounds, "interleaved rounds of the calibration step programs")->check(CLI::Range(1, 100));
-  cal->callback([&] { calibrate(out, quick, rounds); });
+  int attempts = executor::kCalibrationAttempts;
+  cal->add_option("--attempts", attempts, "calibrations at most while the machine is noisy (the quietest is kept)")->check(CLI::Range(1, 10));
+  cal->callback([&] { calibrate(out, quick, rounds, attempts); });
   std::string probe_out;
   auto* prb = app.add_subcommand("probe", "measure the machine's speed as calibrate does (GEMM FLOP/s per rank, every rank at once)");
   prb->add_option("--out", probe_out, "JSON file to write")->required();
