@@ -39,7 +39,7 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
   cmd->add_option("--attention", f.attention, "eager or flash")->capture_default_str();
   cmd->add_option("--optimizer", f.optimizer, "adamw, adamw-8bit or sgd")->capture_default_str();
   cmd->add_option("--base-dtype", f.base_dtype, "frozen weight storage: fp32, bf16, fp16, int8, nf4");
-  cmd->add_option("--profile", f.profile, "executor, deepspeed or pytorch")->capture_default_str();
+  cmd->add_option("--profile", f.profile, "executor, deepspeed or hf (transformers + PEFT; pytorch is its old name)")->capture_default_str();
 }
 
 ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
@@ -76,10 +76,15 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     if (!d) throw input_error("--base-dtype", "", "must be fp32, bf16, fp16, int8 or nf4", "\"" + f.base_dtype + "\"");
     t.base_storage = *d;
   }
-  in.profile = pick<planner::RuntimeProfile>("--profile", f.profile,
+  std::string profile = f.profile;
+  if (profile == "pytorch") {  // the `hf` profile's old name
+    r.warnings.push_back("--profile pytorch is now --profile hf (transformers + PEFT in eager PyTorch)");
+    profile = "hf";
+  }
+  in.profile = pick<planner::RuntimeProfile>("--profile", profile,
                                              {{"executor", planner::RuntimeProfile::executor},
                                               {"deepspeed", planner::RuntimeProfile::deepspeed},
-                                              {"pytorch", planner::RuntimeProfile::pytorch}});
+                                              {"hf", planner::RuntimeProfile::hf}});
   // Cluster: --cluster, else --gpus N of the default kind, else the embedded default.
   if (!f.cluster.empty()) r.cluster = sim::resolve_cluster(f.cluster);
   else r.cluster = f.gpus ? sim::default_cluster(*f.gpus) : sim::resolve_cluster("8xA100-80GB");
@@ -103,7 +108,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     planner::DsConfig ds = planner::read_ds_config(models::read_json_file(f.ds_config), f.ds_config, di);
     in.strategy = ds.strategy;
     in.training = ds.training;
-    r.warnings = ds.warnings;
+    r.warnings.insert(r.warnings.end(), ds.warnings.begin(), ds.warnings.end());
   }
   return r;
 }

@@ -109,9 +109,10 @@ void explain(Plan& p) {
 Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOptions& options) {
   Plan p;
   p.input = input;
+  if (p.input.device_sm == 0) p.input.device_sm = cluster.gpu.compute_capability;
   p.cluster = cluster;
   p.warnings = validate(input);
-  BuiltProgram built = build_program(input, BuildOptions{options.names});
+  BuiltProgram built = build_program(p.input, BuildOptions{options.names});
   p.facts = built.facts;
   p.program = std::move(built.program);
   p.memory = sim::walk_memory(p.program);

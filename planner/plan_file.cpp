@@ -158,9 +158,11 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
     t.base_storage = *d;
   }
   const auto ranks = static_cast<std::int32_t>(positive(j, "ranks", source, "", 1));
+  // "pytorch": the `hf` profile's name in plan files written before it was renamed.
   if (j.contains("profile"))
-    in.profile = parse_enum(j["profile"], source, "profile",
-                            {RuntimeProfile::executor, RuntimeProfile::deepspeed, RuntimeProfile::pytorch});
+    in.profile = j["profile"] == "pytorch" ? RuntimeProfile::hf
+                                           : parse_enum(j["profile"], source, "profile",
+                                                        {RuntimeProfile::executor, RuntimeProfile::deepspeed, RuntimeProfile::hf});
   // The run object; its scheduler replaces ds_config's.
   const json run = j.value("run", json::object());
   if (!run.is_object()) throw input_error(source, "run", "must be an object", run.dump());

@@ -14,6 +14,7 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/models/parameters.h"
+#include "peftplan/planner/runtime.h"
 
 namespace peftplan::planner {
 namespace {
@@ -94,7 +95,8 @@ struct LinearPlan {
   double token_share = 1.0;       // MoE expert: fraction of the tokens it sees (k / E)
   std::int32_t xin_buf = -1;      // the latest forward's dropped adapter input (-1: no dropout)
   std::int32_t u_buf = -1;        // the latest forward's adapter intermediate u [M, r]
-  bool needs_input() const { return trainable_weight || adapter.has_value(); }
+  bool adapter_owns_input = false;  // the adapter saves its own copy of the input (runtime rule)
+  bool needs_input() const { return trainable_weight || (adapter.has_value() && !adapter_owns_input); }
 };
 
 // A unit of ZeRO-3 partitioning and gathering: one decoder layer, or the embedding / the head.
@@ -137,7 +139,7 @@ struct GradBucket {
 class Builder {
  public:
   Builder(const PlanInput& in, const BuildOptions& options)
-      : in_(in), m_(in.model), t_(in.training), s_(in.strategy), names_(options.names) {}
+      : in_(in), rules_(runtime_rules(in)), m_(in.model), t_(in.training), s_(in.strategy), names_(options.names) {}
 
   BuiltProgram build();
 
@@ -155,6 +157,15 @@ class Builder {
     op.micro_batch = mb_;
     p_.add_op(op);
     return b;
+  }
+  // The alloc op of a buffer added earlier (its views exist before it does).
+  void alloc_buffer(std::int32_t b, Phase phase) {
+    Op op;
+    op.kind = OpKind::alloc;
+    op.phase = phase;
+    op.buffer = b;
+    op.micro_batch = mb_;
+    p_.add_op(op);
   }
   void free(std::int32_t b, Phase phase) {
     if (b < 0) return;
@@ -287,8 +298,9 @@ class Builder {
   void begin_unit_gradients(std::size_t unit);
   void unit_gradients_done(std::size_t unit, std::int32_t after_op);
   void optimizer_step();
+  std::int32_t hf_loss(std::int32_t logits, std::int32_t tokens);
   std::int32_t linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
-                              Cat saved_cat, std::vector<std::int32_t>& saved);
+                              Cat saved_cat, std::vector<std::int32_t>& saved, std::optional<DType> out_dtype = std::nullopt);
   std::int32_t linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer,
                                bool dx_first);
   std::int32_t compute_acc(std::int32_t op) {  // marks a compute op as adding into its output
@@ -301,7 +313,22 @@ class Builder {
   std::int64_t flat_position(std::int64_t x) const;  // trainable.flat element of flat element x
   void bind_base(const models::TensorInfo& t, std::int32_t b);
 
+  // --- dtypes the runtime rules give tensors ---
+  // A frozen tensor's bytes: its storage dtype, or fp32 for norms the runtime keeps in fp32.
+  std::uint64_t frozen(const models::TensorInfo& t) const {
+    if (fp32_norms_ && (t.role == models::ParamRole::norm_weight || t.role == models::ParamRole::norm_bias)) return f32(t.numel());
+    return frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization);
+  }
+  static std::uint64_t bytes(DType d, std::int64_t elems) { return storage_bytes(d, elems); }
+  // Norm outputs, the MLP and the residual stream after the first layer are fp32 when the norms
+  // are (fp32_norms_on_kbit); the embedding output and attention stay in the compute dtype.
+  DType stream_dtype() const { return fp32_norms_ ? DType::fp32 : f_.compute_dtype; }
+  DType resid_dtype(std::int64_t l) const { return l == 0 ? f_.compute_dtype : stream_dtype(); }
+
   const PlanInput& in_;
+  RuntimeRules rules_;
+  bool fp32_norms_ = false;                   // see RuntimeRules::fp32_norms_on_kbit
+  DType adapter_act_dtype_ = DType::bf16;     // the adapter branch's activations
   const models::ModelSpec& m_;
   const TrainingSpec& t_;
   const Strategy& s_;
@@ -379,8 +406,14 @@ void Builder::facts() {
     case Precision::bf16_pure: f_.compute_dtype = DType::bf16; break;
   }
   if (exec) f_.compute_dtype = DType::fp32;  // the executor computes in fp32
-  f_.master_weights = !exec && (t_.precision == Precision::fp16_mixed || t_.precision == Precision::bf16_mixed);
-  f_.trainable_dtype = f_.compute_dtype;
+  const bool mixed = t_.precision == Precision::fp16_mixed || t_.precision == Precision::bf16_mixed;
+  const bool peft = !in_.peft.adapters.empty();
+  f_.trainable_dtype = peft && rules_.adapter_dtype ? *rules_.adapter_dtype : f_.compute_dtype;
+  f_.master_weights = rules_.fp32_master_for_mixed && mixed && f_.trainable_dtype != DType::fp32;
+  const auto& q = in_.peft.quantization;
+  fp32_norms_ = rules_.fp32_norms_on_kbit && q && bits_of(q->dtype) <= 8;
+  // Under autocast the adapter's GEMMs run in the compute dtype; without it, in its own dtype.
+  adapter_act_dtype_ = mixed ? f_.compute_dtype : f_.trainable_dtype;
   f_.base_dtype = t_.base_storage.value_or(in_.peft.quantization ? in_.peft.quantization->dtype : f_.compute_dtype);
   M_ = t_.micro_batch * t_.seq_len;
   kv_len_ = t_.seq_len;
@@ -427,7 +460,13 @@ void Builder::plan_linears() {
     lp.mod = &lm;
     lp.role = role_of(lm);
     lp.trainable_weight = full || trained_modules.count(lm.path) > 0;
-    if (auto it = adapters.find(lm.path); it != adapters.end()) lp.adapter = it->second;
+    if (auto it = adapters.find(lm.path); it != adapters.end()) {
+      lp.adapter = it->second;
+      // PEFT's branch saves a tensor of its own when it casts the input to the adapter's dtype
+      // or drops it out; otherwise its GEMM saves the module's input itself.
+      const DType x_dtype = lp.role == Role::attn_out ? f_.compute_dtype : stream_dtype();
+      lp.adapter_owns_input = rules_.adapter_owns_input && (lp.adapter->dropout > 0.0 || x_dtype != adapter_act_dtype_);
+    }
     if (lm.expert >= 0) lp.token_share = static_cast<double>(m_.experts_per_token) / static_cast<double>(m_.experts);
     if (lm.layer >= 0) layer_linears_[static_cast<std::size_t>(lm.layer)].push_back(lp);
     else head_linears_.push_back(lp);
@@ -440,7 +479,6 @@ void Builder::plan_linears() {
   units_[0].name = "embedding";
   for (std::int64_t l = 0; l < m_.layers; ++l) units_[static_cast<std::size_t>(l) + 1].name = fmt::format("layers.{}", l);
   units_.back().name = "head";
-  const auto& q = in_.peft.quantization;
   for (const auto& t : tensors) {
     std::size_t u = t.layer >= 0 ? static_cast<std::size_t>(t.layer) + 1
                     : (t.role == models::ParamRole::embedding || t.role == models::ParamRole::position_embedding)
@@ -452,7 +490,7 @@ void Builder::plan_linears() {
       units_[u].trainable_numel += t.numel();
       continue;
     }
-    const std::uint64_t bytes = frozen_bytes(t, f_.base_dtype, f_.compute_dtype, q);
+    const std::uint64_t bytes = frozen(t);
     f_.base_bytes += bytes;
     const bool persistent = zero3() && t.numel() < s_.ds.stage3_param_persistence_threshold;
     if (exec_z3())
@@ -479,14 +517,14 @@ void Builder::plan_linears() {
   for (const auto& u : units_) f_.largest_layer_params = std::max(f_.largest_layer_params, u.frozen_numel + u.trainable_numel);
 }
 
-// What a CUDA process holds outside the caching allocator (visible in nvidia-smi, not in
-// torch.cuda.memory_allocated): the CUDA context, about 300 MiB with lazy module loading since
-// CUDA 11.7 (pytorch/pytorch#107667, #20532 report 300-400 MiB), and cuBLAS's workspace,
-// CUBLAS_WORKSPACE_CONFIG ":4096:8" = 8 x 4 MiB by default on Hopper (PyTorch docs, CUDA
-// semantics / reproducibility notes).
+// Library buffers inside the caching allocator (they count in torch.cuda.memory_allocated):
+// cuBLAS's workspaces, one per (handle, stream) (runtime.cpp). The CUDA context lies outside the
+// allocator and outside the program (RuntimeRules::context_bytes).
 void Builder::add_cuda_runtime() {
-  alloc([&] { return "cuda.context"; }, Cat::runtime_overhead, 300ull << 20, Phase::setup);
-  alloc([&] { return "cublas.workspace"; }, Cat::runtime_overhead, 32ull << 20, Phase::setup);
+  const std::uint64_t ws = cublas_workspace_bytes(in_.device_sm);
+  for (int i = 0; i < rules_.cublas_workspaces; ++i)
+    alloc([&] { return i == 0 ? std::string("cublas.workspace.forward") : fmt::format("cublas.workspace.{}", i == 1 ? "backward" : std::to_string(i)); },
+          Cat::runtime_overhead, ws, Phase::setup);
 }
 
 void Builder::setup() {
@@ -523,7 +561,7 @@ void Builder::setup() {
     const bool full = in_.peft.adapters.empty();
     for (const auto& t : *tensors_) {
       if (full) continue;
-      bind_base(t, alloc([&] { return t.name; }, Cat::base_weights, frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization), S));
+      bind_base(t, alloc([&] { return t.name; }, Cat::base_weights, frozen(t), S));
     }
     // Trainable weights, flat; padded to a multiple of N when an all_gather refills them.
     const std::int64_t padded = exec_z2() ? part_numel_ * N : sharded_optimizer() ? shard(trainable_numel_) * N : trainable_numel_;
@@ -545,6 +583,8 @@ void Builder::setup() {
       }
     } else if (sharded_grads())
       grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+    else if (rules_.grads_only_in_backward)  // allocated when backward first reaches a gradient
+      grad_flat_ = p_.add_buffer(names_ ? "grad.flat" : std::string(), Cat::gradients, tw * static_cast<std::uint64_t>(padded));
     else
       grad_flat_ = alloc([&] { return "grad.flat"; }, Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
   }
@@ -573,12 +613,15 @@ void Builder::setup() {
   const Cat opt_cat = host_opt ? Cat::host_optimizer_states : Cat::optimizer_states;
   double state_bytes = 0.0;
   const bool pure = t_.precision == Precision::bf16_pure && in_.profile != RuntimeProfile::executor;
+  // A state's bytes per element: the parameters' dtype (torch.optim), else bf16 in pure-bf16
+  // runs and fp32 otherwise.
+  const double state = rules_.states_follow_params ? static_cast<double>(tw) : pure ? 2.0 : 4.0;
   switch (t_.optimizer) {
-    case Optimizer::adamw: state_bytes = pure ? 4.0 : 8.0; break;   // m, v
+    case Optimizer::adamw: state_bytes = 2.0 * state; break;   // m, v
     // bitsandbytes 8-bit Adam: two uint8 states plus one fp32 absmax per 256-element block each
     // (Dettmers et al., 8-bit Optimizers via Block-wise Quantization, arXiv 2110.02861, §2).
     case Optimizer::adamw_8bit: state_bytes = 2.0 + 8.0 / 256.0; break;
-    case Optimizer::sgd_momentum: state_bytes = pure ? 2.0 : 4.0; break;
+    case Optimizer::sgd_momentum: state_bytes = state; break;
   }
   opt_states_ = alloc([&] { return "optimizer.states"; }, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
   if (exec_z2() && !host_opt)  // per bucket: its m then its v (the step runs bucket by bucket)
@@ -598,7 +641,7 @@ void Builder::setup() {
     add_cuda_runtime();
     if (host_opt && s_.ds.offload_pin_memory)
       alloc([&] { return "deepspeed.pinned_grads"; }, Cat::host_pinned_buffers, f32(opt_numel), S);
-  } else if (in_.profile == RuntimeProfile::pytorch) {
+  } else if (in_.profile == RuntimeProfile::hf) {
     // torch.nn.parallel.DistributedDataParallel: gradient buckets of bucket_cap_mb = 25 MiB each,
     // together as large as the gradients (gradient_as_bucket_view=False copies into them).
     if (s_.ranks > 1) alloc([&] { return "ddp.buckets"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
@@ -758,13 +801,15 @@ void Builder::release_unit(std::size_t u, Phase phase) {
 //                 the step, so the recompute and the backward regenerate the same mask
 //   lora_fwd      {x_in [M,in], A [r,in], B [out,r], u [M,r], y [M,out]}: u = x_in·Aᵀ,
 //                 y += scale·u·Bᵀ (x_in is the dropped input when dropout > 0)
+// out_dtype: the output's dtype when it is not the compute dtype (bitsandbytes' Linear4bit returns
+// its input's dtype).
 std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
-                                     Cat saved_cat, std::vector<std::int32_t>& saved) {
+                                     Cat saved_cat, std::vector<std::int32_t>& saved, std::optional<DType> out_dtype) {
   const auto& mod = *lp.mod;
   const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
   const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
   const std::string base = names_ ? fmt::format("{}.mb{}", mod.path, mb_) : std::string();
-  const std::int32_t y = alloc([&] { return base + ".out"; }, out_cat, act(rows * mod.out), phase);
+  const std::int32_t y = alloc([&] { return base + ".out"; }, out_cat, bytes(out_dtype.value_or(f_.compute_dtype), rows * mod.out), phase);
   std::int32_t w = lp.weight_buf;
   std::int32_t cast = -1;
   // A weight stored in another dtype than the compute dtype is converted per GEMM into a
@@ -782,14 +827,22 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
     Adapter& a = *lp.adapter;
     std::int32_t xin = x;
     lp.xin_buf = -1;
-    if (a.dropout > 0.0) {  // PEFT applies dropout to the adapter input: keep the dropped copy
-      xin = alloc([&] { return base + ".lora_x"; }, saved_cat, act(rows * mod.in), phase);
-      compute(Kernel::dropout, "lora_dropout", layer, phase, elementwise(act(rows * mod.in) * 2), {x, xin, a.a_buf});
+    // The branch's activations: the compute dtype, or (runtime rule) the adapter's.
+    const DType ad = lp.adapter_owns_input ? adapter_act_dtype_ : f_.compute_dtype;
+    if (a.dropout > 0.0 || lp.adapter_owns_input) {  // PEFT applies dropout to the adapter input: keep the dropped copy
+      xin = alloc([&] { return base + ".lora_x"; }, saved_cat, bytes(ad, rows * mod.in), phase);
+      if (a.dropout > 0.0)
+        compute(Kernel::dropout, "lora_dropout", layer, phase, elementwise(act(rows * mod.in) + bytes(ad, rows * mod.in)), {x, xin, a.a_buf});
+      else
+        compute(Kernel::cast, "lora_cast", layer, phase, elementwise(act(rows * mod.in) + bytes(ad, rows * mod.in)), {x, xin});
       saved.push_back(xin);
       lp.xin_buf = xin;
+      // torch's native_dropout saves its keep mask (bool, a byte per element) for backward.
+      if (lp.adapter_owns_input && a.dropout > 0.0)
+        saved.push_back(alloc([&] { return base + ".lora_mask"; }, saved_cat, static_cast<std::uint64_t>(rows * mod.in), phase));
     }
     if (a.r > 0) {
-      const std::int32_t u = alloc([&] { return base + ".lora_u"; }, saved_cat, act(rows * a.r), phase);
+      const std::int32_t u = alloc([&] { return base + ".lora_u"; }, saved_cat, bytes(ad, rows * a.r), phase);
       sim::ComputeWork w1 = gemm(rows, a.r, mod.in, act(rows * (mod.in + a.r)));
       sim::ComputeWork w2 = gemm(rows, mod.out, a.r, act(rows * (a.r + 2 * mod.out)));
       w1.flops += w2.flops;
@@ -898,21 +951,41 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   //   mlp_act_fwd  {gate [M,I], up [M,I], act [M,I]}: act = silu(gate) ⊙ up (GELU: {fc1, -1, act})
   LayerBufs& lb = lb_[static_cast<std::size_t>(l)];
   lb = LayerBufs{};
+  // Runtime rules: an RMSNorm that computes in fp32 saves its input in fp32 (a copy unless the
+  // input is fp32 already, and then the input itself), and with a trainable weight the
+  // normalised input too; the norm's output dtype is the stream's.
+  const bool norm_copies = rules_.norm_saves_fp32_input && m_.rms_norm();
+  const bool full = in_.peft.adapters.empty();
+  const DType nd = stream_dtype();
+  auto norm_saves = [&](std::string_view what, DType x_dtype) {
+    if (!norm_copies) return;
+    if (x_dtype != DType::fp32) save(alloc([&] { return fmt::format("{}.{}.x_fp32", pre, what); }, keep, f32(M_ * H), P));
+    if (full) save(alloc([&] { return fmt::format("{}.{}.normed", pre, what); }, keep, bytes(x_dtype, M_ * H), P));
+  };
   // --- attention block ---
   const std::int32_t rstd1 = alloc([&] { return pre + ".norm1.stats"; }, keep, stat_bytes, P);
-  const std::int32_t h1 = alloc([&] { return pre + ".norm1.out"; }, cat_for(h1_needed), act(M_ * H), P);
+  const std::int32_t h1 = alloc([&] { return pre + ".norm1.out"; }, cat_for(h1_needed), bytes(nd, M_ * H), P);
   compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)),
           {x, norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], h1, rstd1});
   save(rstd1);
+  norm_saves("norm1", resid_dtype(l));
   lb.rstd1 = rstd1;
   lb.h1 = h1;
   std::vector<std::int32_t> qkv;
   for (auto& lp : lin)
-    if (lp.role == Role::attn_in) qkv.push_back(linear_forward(lp, h1, l, P, keep, keep, kept));
+    if (lp.role == Role::attn_in) qkv.push_back(linear_forward(lp, h1, l, P, keep, keep, kept, nd));
   keep_or_drop(h1, h1_needed);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
     compute(Kernel::rope_fwd, "rope", l, P, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2),
             {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, rope_});
+  if (nd != f_.compute_dtype)  // the attention kernel takes (and saves) compute-dtype copies
+    for (std::int32_t& b : qkv) {
+      const std::int64_t n = static_cast<std::int64_t>(p_.buffers[static_cast<std::size_t>(b)].bytes / bytes_of(nd));
+      const std::int32_t c = alloc([&] { return p_.buffers[static_cast<std::size_t>(b)].name + "_compute"; }, keep, act(n), P);
+      compute(Kernel::cast, "to_compute_dtype", l, P, elementwise(bytes(nd, n) + act(n)), {b, c});
+      free(b, P);
+      b = c;
+    }
   for (std::int32_t b : qkv) save(b);
   for (std::size_t i = 0; i < qkv.size() && i < lb.qkv.size(); ++i) lb.qkv[i] = qkv[i];
   // Attention: eager materialises scores and keeps the probabilities [B, nh, S, S_kv];
@@ -926,12 +999,15 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
     probs = alloc([&] { return pre + ".attn.probs"; }, keep, act(B * nh * S * kv), P);
     aw.bytes_moved = act(B * nh * S * kv) * 3 + act(M_ * (m_.q_width() + 2 * m_.kv_width()));
     aw.flops *= eager_gemm_fraction();
+    if (rules_.eager_softmax_fp32 && f_.compute_dtype != DType::fp32)
+      save(alloc([&] { return pre + ".attn.probs_fp32"; }, keep, f32(B * nh * S * kv), P));
   } else {
     probs = alloc([&] { return pre + ".attn.lse"; }, keep, f32(B * nh * S), P);
     aw.flops /= 2.0;  // causal blocks above the diagonal are skipped
     aw.bytes_moved = act(M_ * (2 * m_.q_width() + 2 * m_.kv_width()));
   }
-  const std::int32_t attn_out = alloc([&] { return pre + ".attn.out"; }, cat_for(attn_out_needed), act(M_ * m_.q_width()), P);
+  const bool out_saved = attn_out_needed || rules_.attention_saves_output;
+  const std::int32_t attn_out = alloc([&] { return pre + ".attn.out"; }, cat_for(out_saved), act(M_ * m_.q_width()), P);
   compute(Kernel::attention_fwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
           {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, qkv.size() > 2 ? qkv[2] : -1, probs, attn_out});
   save(probs);
@@ -940,19 +1016,23 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   std::int32_t y_attn = -1;
   for (auto& lp : lin)
     if (lp.role == Role::attn_out) y_attn = linear_forward(lp, attn_out, l, P, Cat::workspace, keep, kept);
-  keep_or_drop(attn_out, attn_out_needed);
-  const std::int32_t x_mid = alloc([&] { return pre + ".resid_mid"; }, keep, act(M_ * H), P);
+  keep_or_drop(attn_out, out_saved);
+  // The residual after attention: the post-attention norm's input, saved by it (or by our
+  // executor's norm backward), unless the norm saves an fp32 copy instead.
+  const bool x_mid_saved = !norm_copies || resid_dtype(l) == DType::fp32;
+  const std::int32_t x_mid = alloc([&] { return pre + ".resid_mid"; }, x_mid_saved ? keep : Cat::workspace, bytes(resid_dtype(l), M_ * H), P);
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), {x, y_attn, x_mid});
   free(y_attn, P);
-  save(x_mid);
+  keep_or_drop(x_mid, x_mid_saved);
   lb.x_mid = x_mid;
 
   // --- MLP block ---
   const std::int32_t rstd2 = alloc([&] { return pre + ".norm2.stats"; }, keep, stat_bytes, P);
-  const std::int32_t h2 = alloc([&] { return pre + ".norm2.out"; }, cat_for(h2_needed), act(M_ * H), P);
+  const std::int32_t h2 = alloc([&] { return pre + ".norm2.out"; }, cat_for(h2_needed), bytes(nd, M_ * H), P);
   compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)),
           {x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], h2, rstd2});
   save(rstd2);
+  norm_saves("norm2", resid_dtype(l));
   lb.rstd2 = rstd2;
   lb.h2 = h2;
   for (auto& lp : lin)
@@ -962,19 +1042,21 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
     }
   std::vector<std::int32_t> mlp_in;
   for (auto& lp : lin)
-    if (lp.role == Role::mlp_in) mlp_in.push_back(linear_forward(lp, h2, l, P, keep, keep, kept));
+    if (lp.role == Role::mlp_in) mlp_in.push_back(linear_forward(lp, h2, l, P, keep, keep, kept, nd));
   keep_or_drop(h2, h2_needed);
   for (std::int32_t b : mlp_in) save(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
   for (std::size_t i = 0; i < mlp_in.size() && i < lb.gate_up.size(); ++i) lb.gate_up[i] = mlp_in[i];
   const std::int64_t I = m_.intermediate;
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
-  const std::int32_t a = alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), act(rows * I), P);
+  if (rules_.unfused_swiglu && m_.gated_mlp())  // silu(gate), kept by the mul with up
+    save(alloc([&] { return pre + ".mlp.silu"; }, keep, bytes(nd, rows * I), P));
+  const std::int32_t a = alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), bytes(nd, rows * I), P);
   compute(Kernel::mlp_act_fwd, m_.gated_mlp() ? "swiglu" : "gelu", l, P, elementwise(act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
           {mlp_in.empty() ? -1 : mlp_in[0], mlp_in.size() > 1 ? mlp_in[1] : -1, a});
   std::int32_t y_mlp = -1;
   for (auto& lp : lin)
     if (lp.role == Role::mlp_out) {
-      std::int32_t y = linear_forward(lp, a, l, P, Cat::workspace, keep, kept);
+      std::int32_t y = linear_forward(lp, a, l, P, Cat::workspace, keep, kept, nd);
       if (y_mlp < 0) y_mlp = y;
       else free(y, P);  // MoE experts write into one combined output
     }
@@ -983,11 +1065,17 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // The layer output is the next layer's input: kept as an activation in every mode (a
   // checkpointed layer's input is exactly this tensor).
   std::int32_t& x_out = resid_[static_cast<std::size_t>(l) + 1];
-  if (!recompute) x_out = alloc([&] { return fmt::format("layers.{}.mb{}.resid_out", l, mb_); }, Cat::activations, act(M_ * H), P);
+  if (!recompute) x_out = alloc([&] { return fmt::format("layers.{}.mb{}.resid_out", l, mb_); }, Cat::activations, bytes(resid_dtype(l + 1), M_ * H), P);
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
           {x_mid, y_mlp, recompute ? -1 : x_out});
   free(y_mlp, P);
   for (std::int32_t b : transient) free(b, P);
+  // Runtime rule: the layer's input lives only while something saves it. Without a checkpoint
+  // only an fp32 input is (the norm saves it); otherwise the norm's fp32 copy replaced it.
+  if (!recompute && !ckpt && rules_.layer_input_only_if_saved && norm_copies && resid_dtype(l) != DType::fp32) {
+    free(resid_[static_cast<std::size_t>(l)], P);
+    resid_[static_cast<std::size_t>(l)] = -1;
+  }
   if (!recompute) release_unit(unit, P);
 }
 
@@ -1156,7 +1244,7 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
       bucket_units_.push_back(u);
       bucket_numel_ += un.trainable_numel;
     }
-    const std::int64_t cap = in_.profile == RuntimeProfile::pytorch
+    const std::int64_t cap = in_.profile == RuntimeProfile::hf
                                  ? static_cast<std::int64_t>((25ull << 20) / tw)  // bucket_cap_mb = 25
                                  : s_.ds.reduce_bucket_size;
     const bool flush = bucket_numel_ >= cap || u == 0;
@@ -1173,6 +1261,41 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     bucket_units_.clear();
     bucket_numel_ = 0;
   }
+}
+
+// LossChain::hf_shift_copy: transformers 4.48.1 loss/loss_utils.py ForCausalLMLoss
+// (`logits = logits.float()`, `shift_logits = logits[..., :-1, :].contiguous()`,
+// `nn.functional.cross_entropy(..., reduction="sum")`; the .contiguous() copy is the one
+// huggingface/transformers#35646 removed after 4.48). The model's bf16 logits live until forward
+// returns; log_softmax saves its result. Backward (derivatives.yaml): nll_loss_backward and
+// _log_softmax_backward_data allocate dense gradients, the slice's backward a zero-filled
+// full-length one, and the .float() backward casts it back. Returns the logits' gradient.
+std::int32_t Builder::hf_loss(std::int32_t logits, std::int32_t tokens) {
+  const Phase L = Phase::loss, B = Phase::backward;
+  const std::int64_t V = m_.vocab, T = M_, Tv = M_ - t_.micro_batch;  // Tv: positions with a next token
+  const std::string pre = names_ ? fmt::format("loss.mb{}", mb_) : std::string();
+  const std::int32_t up = alloc([&] { return pre + ".logits_fp32"; }, Cat::workspace, f32(T * V), L);
+  compute(Kernel::cast, "upcast_logits", -1, L, elementwise(act(T * V) + f32(T * V)), {logits, up});
+  const std::int32_t shifted = alloc([&] { return pre + ".shift_logits"; }, Cat::workspace, f32(Tv * V), L);
+  compute(Kernel::accumulate, "shift_logits", -1, L, elementwise(2 * f32(Tv * V)), {up, shifted});
+  const std::int32_t lsm = alloc([&] { return pre + ".log_softmax"; }, Cat::workspace, f32(Tv * V), L);
+  compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, L, elementwise(2 * f32(Tv * V), 3.0 * static_cast<double>(Tv * V)), {shifted, tokens});
+  free(shifted, L);
+  free(up, L);
+  free(logits, L);
+  const std::int32_t g_nll = alloc([&] { return pre + ".d_nll"; }, Cat::workspace, f32(Tv * V), B);
+  compute(Kernel::cross_entropy_bwd, "nll_loss_backward", -1, B, elementwise(f32(Tv * V)), {lsm, tokens, g_nll});
+  const std::int32_t g_lsm = alloc([&] { return pre + ".d_log_softmax"; }, Cat::workspace, f32(Tv * V), B);
+  compute(Kernel::cross_entropy_bwd, "log_softmax_backward", -1, B, elementwise(3 * f32(Tv * V), 2.0 * static_cast<double>(Tv * V)), {lsm, tokens, g_lsm});
+  free(g_nll, B);
+  free(lsm, B);
+  const std::int32_t g_up = alloc([&] { return pre + ".d_logits_fp32"; }, Cat::workspace, f32(T * V), B);
+  compute(Kernel::accumulate, "slice_backward", -1, B, elementwise(f32(T * V) + f32(Tv * V)), {g_lsm, g_up});
+  free(g_lsm, B);
+  const std::int32_t d = alloc([&] { return pre + ".d_logits"; }, Cat::workspace, act(T * V), B);
+  compute(Kernel::cast, "downcast_grad", -1, B, elementwise(f32(T * V) + act(T * V)), {g_up, d});
+  free(g_up, B);
+  return d;
 }
 
 void Builder::micro_batch(std::int32_t mb) {
@@ -1192,13 +1315,18 @@ void Builder::micro_batch(std::int32_t mb) {
   //                       whole step on all ranks); d_logits may be logits itself (in place)
   //   embedding_bwd       {tokens, d_out [M,H], d_table}: full fine-tuning only
   // Tokens and targets (int32) for the micro-batch.
-  const std::int32_t tokens = alloc([&] { return fmt::format("tokens.mb{}", mb); }, Cat::workspace, 8ull * static_cast<std::uint64_t>(M_), F);
+  const std::int32_t tokens = alloc([&] { return fmt::format("tokens.mb{}", mb); }, Cat::workspace, rules_.batch_bytes_per_token * static_cast<std::uint64_t>(M_), F);
   gather_unit(0, F, true);
   gather_unit(1, F, false);
   resid_[0] = alloc([&] { return fmt::format("embed.mb{}.out", mb); }, Cat::activations, act(M_ * H), F);
   compute(Kernel::embedding_fwd, "embedding", -1, F, elementwise(act(M_ * H) * 2), {tokens, embed_buf_, resid_[0]});
   const bool embed_trains = units_[0].trainable_numel > 0 && in_.peft.adapters.empty();
   release_unit(0, F);
+  // Runtime rule: autocast keeps a compute-dtype copy of every fp32 adapter weight it casts
+  // until the forward's autocast region closes (the end of the loss).
+  std::int32_t autocast_cache = -1;
+  if (rules_.autocast_weight_cache && !in_.peft.adapters.empty() && f_.trainable_dtype != f_.compute_dtype)
+    autocast_cache = alloc([&] { return fmt::format("autocast.weight_cache.mb{}", mb); }, Cat::workspace, act(trainable_numel_ - extra_trainable_numel_), F);
   for (std::int32_t l = 0; l < static_cast<std::int32_t>(m_.layers); ++l) layer_forward(l, false);
   // Head: final norm, LM head, cross-entropy (logits upcast to fp32 as transformers' loss does).
   // ZeRO-3 gathers the head for its forward and again for its backward (a tied head is the
@@ -1207,11 +1335,26 @@ void Builder::micro_batch(std::int32_t mb) {
   const bool tied = m_.tie_embeddings;
   gather_unit(head, F, true);
   if (tied) gather_unit(0, F, true);
-  const std::int32_t xl = resid_.back();
+  std::int32_t xl = resid_.back();
   const std::int32_t rstd = alloc([&] { return fmt::format("final_norm.mb{}.stats", mb); }, Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
-  const std::int32_t hf = alloc([&] { return fmt::format("final_norm.mb{}.out", mb); }, Cat::workspace, act(M_ * H), F);
+  const std::int32_t hf = alloc([&] { return fmt::format("final_norm.mb{}.out", mb); }, Cat::workspace, bytes(stream_dtype(), M_ * H), F);
   compute(Kernel::norm_fwd, "final_norm", -1, F, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {xl, final_norm_, hf, rstd});
   std::vector<std::int32_t> head_saved;
+  bool hf_freed = false;
+  // The final norm under the runtime rule of the layers' norms: an fp32 copy of a
+  // compute-dtype input replaces the input (and the normalised input when the weight trains).
+  if (rules_.norm_saves_fp32_input && m_.rms_norm()) {
+    const DType xd = resid_dtype(m_.layers);
+    if (xd != DType::fp32) {
+      head_saved.push_back(alloc([&] { return fmt::format("final_norm.mb{}.x_fp32", mb); }, Cat::activations, f32(M_ * H), F));
+      if (rules_.layer_input_only_if_saved) {
+        free(xl, F);
+        resid_.back() = xl = -1;
+      }
+    }
+    if (in_.peft.adapters.empty())
+      head_saved.push_back(alloc([&] { return fmt::format("final_norm.mb{}.normed", mb); }, Cat::activations, bytes(xd, M_ * H), F));
+  }
   LinearPlan* lm = nullptr;
   for (auto& lp : head_linears_)
     if (lp.mod->is_output) lm = &lp;
@@ -1220,21 +1363,36 @@ void Builder::micro_batch(std::int32_t mb) {
   std::int32_t logits = linear_forward(*lm, hf, -1, Phase::loss, Cat::workspace, Cat::activations, head_saved);
   release_unit(head, Phase::loss);
   if (tied) release_unit(0, Phase::loss);
-  std::int32_t logits32 = logits;
-  if (f_.compute_dtype != DType::fp32) {
-    logits32 = alloc([&] { return fmt::format("logits_fp32.mb{}", mb); }, Cat::workspace, f32(M_ * V), Phase::loss);
-    compute(Kernel::cast, "upcast_logits", -1, Phase::loss, elementwise(act(M_ * V) + f32(M_ * V)), {logits, logits32});
-    free(logits, Phase::loss);
+  std::int32_t dlogits = -1;
+  if (rules_.loss == LossChain::hf_shift_copy) {
+    dlogits = hf_loss(logits, tokens);
+    free(autocast_cache, Phase::loss);
+    // The model's outputs are gone once forward returns: the final norm's output stays only
+    // when the LM head saves it (a trainable head).
+    if (!lm->needs_input()) {
+      free(hf, Phase::loss);
+      hf_freed = true;
+    }
+  } else {
+    std::int32_t logits32 = logits;
+    if (f_.compute_dtype != DType::fp32) {
+      logits32 = alloc([&] { return fmt::format("logits_fp32.mb{}", mb); }, Cat::workspace, f32(M_ * V), Phase::loss);
+      compute(Kernel::cast, "upcast_logits", -1, Phase::loss, elementwise(act(M_ * V) + f32(M_ * V)), {logits, logits32});
+      free(logits, Phase::loss);
+    }
+    free(autocast_cache, Phase::loss);
+    compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V), 3.0 * static_cast<double>(M_ * V)), {logits32, tokens});
+    compute(Kernel::cross_entropy_bwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V) * 2, 2.0 * static_cast<double>(M_ * V)),
+            {logits32, tokens, logits32});
+    dlogits = logits32;
+    if (f_.compute_dtype != DType::fp32) {
+      dlogits = alloc([&] { return fmt::format("d_logits.mb{}", mb); }, Cat::workspace, act(M_ * V), B);
+      compute(Kernel::cast, "downcast_grad", -1, B, elementwise(act(M_ * V) + f32(M_ * V)), {logits32, dlogits});
+      free(logits32, B);
+    }
   }
-  compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V), 3.0 * static_cast<double>(M_ * V)), {logits32, tokens});
-  compute(Kernel::cross_entropy_bwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V) * 2, 2.0 * static_cast<double>(M_ * V)),
-          {logits32, tokens, logits32});
-  std::int32_t dlogits = logits32;
-  if (f_.compute_dtype != DType::fp32) {
-    dlogits = alloc([&] { return fmt::format("d_logits.mb{}", mb); }, Cat::workspace, act(M_ * V), B);
-    compute(Kernel::cast, "downcast_grad", -1, B, elementwise(act(M_ * V) + f32(M_ * V)), {logits32, dlogits});
-    free(logits32, B);
-  }
+  // Runtime rule: the gradients come to exist when backward first reaches one.
+  if (rules_.grads_only_in_backward && grad_flat_ >= 0 && mb == 0) alloc_buffer(grad_flat_, B);
   gather_unit(head, B, true);
   if (tied) gather_unit(0, B, true);
   begin_unit_gradients(head);
@@ -1242,7 +1400,7 @@ void Builder::micro_batch(std::int32_t mb) {
   const std::int32_t d_hf = alloc([&] { return fmt::format("final_norm.mb{}.d_out", mb); }, Cat::workspace, act(M_ * H), B);
   std::int32_t last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1, true);
   free(dlogits, B);
-  free(hf, B);
+  if (!hf_freed) free(hf, B);
   for (std::int32_t b : head_saved) free(b, B);
   dres_ = alloc([&] { return fmt::format("d_resid.mb{}", mb); }, Cat::workspace, act(M_ * H), B);
   last = compute(Kernel::norm_bwd, "final_norm", -1, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)),
@@ -1339,10 +1497,19 @@ void Builder::optimizer_step() {
         dep = compute(Kernel::optimizer_step, "adamw", -1, O, wb, {bk.param_view, bk.grad_view, bk.state_view}, {before});
       }
     } else {
+      // Runtime rule: torch's foreach AdamW holds sqrt(v) for the whole partition while it
+      // steps (one state-sized temporary).
+      std::int32_t sqrt_v = -1;
+      if (rules_.foreach_step_temp && t_.optimizer == Optimizer::adamw)
+        sqrt_v = alloc([&] { return "adamw.exp_avg_sq_sqrt"; }, Cat::workspace,
+                       (rules_.states_follow_params ? tw : 4) * static_cast<std::uint64_t>(part), O);
       dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {params, grad_shard_ >= 0 ? grad_shard_ : grad_flat_, opt_states_}, {dep});
+      free(sqrt_v, O);
     }
   }
   free(g32, O);
+  // zero_grad(set_to_none=True) after the step.
+  if (rules_.grads_only_in_backward && grad_flat_ >= 0) free(grad_flat_, O);
   // ZeRO-1/2: every rank needs the whole updated adapter again (in place: rank r's block of
   // trainable.flat is its contribution).
   if (exec_z2()) {  // each bucket's region, in place
@@ -1514,7 +1681,9 @@ BuiltProgram Builder::build() {
   // {tables}: cos then sin).
   const bool rope = m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon;
   if (rope) {
-    rope_ = alloc([&] { return "rope.tables"; }, Cat::workspace, act(kv_len_ * (m_.head_dim / 2) * 2), Phase::forward);
+    const std::int64_t per_pos = rules_.rope_table_elems_per_pos > 0 ? static_cast<std::int64_t>(rules_.rope_table_elems_per_pos) * m_.head_dim
+                                                                      : (m_.head_dim / 2) * 2;
+    rope_ = alloc([&] { return "rope.tables"; }, Cat::workspace, act(kv_len_ * per_pos), Phase::forward);
     compute(Kernel::rope_tables, "rope_tables", -1, Phase::forward, elementwise(act(kv_len_ * (m_.head_dim / 2) * 2)), {rope_});
   }
   for (std::int32_t mb = 0; mb < p_.micro_batches; ++mb) micro_batch(mb);
@@ -1542,7 +1711,7 @@ std::string_view name_of(RuntimeProfile p) {
   switch (p) {
     case RuntimeProfile::executor: return "executor";
     case RuntimeProfile::deepspeed: return "deepspeed";
-    case RuntimeProfile::pytorch: return "pytorch";
+    case RuntimeProfile::hf: return "hf";
   }
   return "?";
 }

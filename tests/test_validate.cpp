@@ -445,7 +445,7 @@ TEST(Validate, TolerancesPerProfile) {
   EXPECT_DOUBLE_EQ(tolerances_for(RuntimeProfile::executor).memory, 0.02);
   EXPECT_DOUBLE_EQ(tolerances_for(RuntimeProfile::executor).time, 0.15);
   EXPECT_DOUBLE_EQ(tolerances_for(RuntimeProfile::deepspeed).memory, 0.05);
-  EXPECT_DOUBLE_EQ(tolerances_for(RuntimeProfile::pytorch).time, 0.15);
+  EXPECT_DOUBLE_EQ(tolerances_for(RuntimeProfile::hf).time, 0.15);
 }
 
 namespace {

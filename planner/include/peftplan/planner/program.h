@@ -32,8 +32,9 @@ namespace peftplan::planner {
 // What sits outside the model and how precise the prediction is.
 enum class RuntimeProfile {
   executor,   // our own engine (exact): fp32 compute, no framework buffers, no CUDA context
-  deepspeed,  // DeepSpeed ZeRO: bucket buffers, persistence threshold, CUDA context, allocator reserve
-  pytorch,    // PyTorch DDP: 25 MiB gradient buckets, CUDA context
+  deepspeed,  // DeepSpeed ZeRO: bucket buffers, persistence threshold, CUDA context
+  hf,         // transformers + PEFT in eager PyTorch (Trainer / TRL / accelerate, DDP's 25 MiB
+              // buckets): runtime.cpp lists its rules and the versions they were read from
 };
 std::string_view name_of(RuntimeProfile p);
 
@@ -60,6 +61,8 @@ struct PlanInput {
   Strategy strategy;
   RuntimeProfile profile = RuntimeProfile::deepspeed;
   std::shared_ptr<const ModelInventory> inventory;  // optional: make_inventory(model, peft)
+  int device_sm = 0;  // the GPU's compute capability (major x 10 + minor; make_plan sets it from
+                      // the cluster), for library defaults that depend on it; 0: unknown
 };
 
 // Byte sizes the builder derived (also shown to users as the "why" of a plan).

@@ -48,6 +48,8 @@ struct GpuSpec {
   std::string host_link;               // GPU-host link (LinkSpec name, a PCIe generation)
   std::optional<double> matmul_efficiency;  // measured max achievable matmul FLOPs / peak
   std::optional<double> cost_per_hour_usd;  // rental price per GPU-hour, when the user knows it
+  int compute_capability = 0;          // CUDA compute capability, major x 10 + minor (80 for
+                                       //   A100); 0 when unknown or not CUDA
 };
 
 // Fractions of datasheet rates that real kernels reach, and the shape of the GEMM curve.

@@ -1,0 +1,90 @@
+// The runtime profiles' rules (runtime.h). Each rule of the `hf` profile was read in the source
+// of the versions it names; docs/research/hf-memory-model.md walks through them with line
+// numbers and checks them, byte for byte, against the published fms-acceleration runs.
+#include "peftplan/planner/runtime.h"
+
+#include "peftplan/planner/program.h"
+
+namespace peftplan::planner {
+
+// aten/src/ATen/cuda/CublasHandlePool.cpp (torch 2.4), parseChosenWorkspaceSize: without
+// CUBLAS_WORKSPACE_CONFIG the default is ":4096:8" (32 MiB) on sm90 and ":4096:2:16:8"
+// (4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B) elsewhere; getNewWorkspace takes it from the caching
+// allocator, so it counts in torch.cuda.memory_allocated.
+std::uint64_t cublas_workspace_bytes(int sm) {
+  if (sm == 90) return 4096ull * 1024 * 8;
+  return 4096ull * 1024 * 2 + 16ull * 1024 * 8;
+}
+
+RuntimeRules runtime_rules(const PlanInput& in) {
+  RuntimeRules r;
+  switch (in.profile) {
+    case RuntimeProfile::executor:
+      // Our executor (executor/): every buffer is in the program; tokens are int32 ids and
+      // targets; no library outside it.
+      r.fp32_master_for_mixed = false;
+      return r;
+    case RuntimeProfile::deepspeed:
+      // DeepSpeed keeps fp32 master weights and partitions (stage_1_and_2.py,
+      // single_partition_of_fp32_groups); its model side is planned with the builder's own
+      // saved-tensor rules. cuBLAS: the forward thread's and the autograd engine's handles
+      // (setWorkspaceForHandle keys on the handle and the stream), as under `hf`.
+      r.versions = "DeepSpeed ZeRO (runtime/zero/config.py defaults)";
+      r.cublas_workspaces = 2;
+      // The CUDA context with lazy module loading (CUDA >= 11.7): pytorch/pytorch#107667 and
+      // #20532 report 300-400 MiB; outside the caching allocator (nvidia-smi sees it,
+      // torch.cuda.memory_allocated does not).
+      r.context_bytes = 300ull << 20;
+      return r;
+    case RuntimeProfile::hf:
+      break;
+  }
+  // transformers 4.48.1 + PEFT 0.13.2 (+ TRL 0.13.0, accelerate 1.0.1, bitsandbytes 0.43.3) on
+  // torch 2.4.1: the Trainer's training_step in eager PyTorch.
+  r.versions = "torch 2.4.1, transformers 4.48.1, peft 0.13.2, trl 0.13.0, accelerate 1.0.1, bitsandbytes 0.43.3";
+  const bool mixed = in.training.precision == Precision::bf16_mixed || in.training.precision == Precision::fp16_mixed;
+  // PEFT get_peft_model(autocast_adapter_dtype=True) (mapping.py, the default) upcasts bf16 and
+  // fp16 adapters to fp32 (tuners_utils.py _cast_adapter_dtype); on a 4-bit base they are created
+  // in fp32 and never cast (the base weight is uint8).
+  r.adapter_dtype = DType::fp32;
+  // peft utils/other.py prepare_model_for_kbit_training casts every non-quantised parameter to
+  // fp32; TRL's peft_module_casting_to_bf16 (trainer/utils.py) casts embed_tokens and lm_head
+  // back to bf16 and leaves modules named "norm" in fp32. Linear4bit returns out.to(x.dtype), so
+  // an fp32 norm's output keeps the residual stream and the MLP in fp32.
+  r.fp32_norms_on_kbit = true;
+  // torch/optim/adamw.py: exp_avg and exp_avg_sq are zeros_like(param); _multi_tensor_adamw (the
+  // foreach default on CUDA) computes exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs), a copy of v.
+  r.states_follow_params = true;
+  r.foreach_step_temp = true;
+  r.fp32_master_for_mixed = false;  // torch.optim steps the parameters in their own dtype
+  // Trainer: optimizer.step() then model.zero_grad() (set_to_none=True since torch 2.0):
+  // AccumulateGrad allocates .grad in backward, and the step frees it.
+  r.grads_only_in_backward = true;
+  // Saved tensors (tools/autograd/derivatives.yaml, gen_variable_type.py guard_for): a frozen
+  // mm saves no activation; PEFT lora.Linear.forward casts x to lora_A's dtype and drops it out
+  // per target module (native_dropout saves the bool mask, the mm saves the dropped input);
+  // MistralRMSNorm / LlamaRMSNorm compute in fp32 (pow and mul save hidden_states.to(fp32));
+  // flash-attn's FlashAttnFunc saves q, k, v, out and the log-sum-exp; MistralMLP computes
+  // down(act(gate(x)) * up(x)), so the mul keeps act(gate(x)) and up(x), SiLU keeps gate(x).
+  r.adapter_owns_input = true;
+  r.norm_saves_fp32_input = true;
+  r.attention_saves_output = true;
+  r.unfused_swiglu = true;
+  // eager_attention_forward: softmax(..., dtype=torch.float32).to(query.dtype).
+  r.eager_softmax_fp32 = true;
+  r.layer_input_only_if_saved = true;
+  // torch autocast caches the casts of leaf tensors that require grad (the fp32 adapters)
+  // until the autocast region that accelerate opens around forward closes.
+  r.autocast_weight_cache = mixed;
+  r.loss = LossChain::hf_shift_copy;
+  r.cublas_workspaces = 2;  // the main thread's and the autograd device thread's handles
+  // The Trainer's default DataCollatorWithPadding: input_ids, attention_mask and labels, int64.
+  r.batch_bytes_per_token = 24;
+  // LlamaRotaryEmbedding / MistralRotaryEmbedding: cos and sin of shape [1, S, head_dim] in the
+  // compute dtype (emb = cat(freqs, freqs)).
+  r.rope_table_elems_per_pos = 2;  // x head_dim
+  r.context_bytes = 300ull << 20;  // as for deepspeed
+  return r;
+}
+
+}  // namespace peftplan::planner
