@@ -50,11 +50,13 @@ void print_text(const planner::Plan& p) {
   const auto& t = in.training;
   fmt::print("peftplan plan: {} · {} · {} trainable of {} parameters\n", in.model.name, adapter_summary(p),
              with_commas(p.facts.trainable_params), with_commas(p.facts.base_params + (in.peft.adapters.empty() ? 0 : p.facts.trainable_params)));
-  fmt::print("strategy {}{}{} on {} ({} ranks) · micro-batch {} × seq {} × accum {} · {} · attention {} · checkpointing {}{} · profile {}\n\n",
+  fmt::print("strategy {}{}{} on {} ({} ranks) · micro-batch {} × seq {} × accum {} · {} · attention {} · checkpointing {}{} · profile {}\n",
              name_of(in.strategy.stage), in.strategy.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "",
              in.strategy.offload_param == planner::OffloadDevice::cpu ? " + offload param" : "", p.cluster.name, in.strategy.ranks,
              t.micro_batch, t.seq_len, t.grad_accum, name_of(t.precision), name_of(t.attention), name_of(t.checkpointing),
              t.checkpointing == planner::Checkpointing::every_k ? fmt::format("-{}", t.checkpoint_every) : "", name_of(in.profile));
+  if (!p.runtime_versions.empty()) fmt::print("profile {} models {}\n", name_of(in.profile), p.runtime_versions);
+  fmt::print("\n");
   fmt::print("{:<28} {:>14} {:>14}\n", "memory per GPU (device)", "category peak", "at the peak");
   for (int c = 0; c < sim::kNumDeviceCategories; ++c)
     fmt::print("  {:<26} {:>14} {:>14}\n", sim::name_of(static_cast<sim::MemCategory>(c)),
@@ -63,8 +65,13 @@ void print_text(const planner::Plan& p) {
   const auto& peak_op = p.program.ops[static_cast<std::size_t>(std::max(0, p.memory.device_peak_op))];
   fmt::print("  {:<26} {:>14}   at {} ({})\n", "simultaneous peak", human_bytes(p.memory.device_peak_bytes),
              peak_op.buffer >= 0 ? p.program.buffers[static_cast<std::size_t>(peak_op.buffer)].name : "-", sim::name_of(peak_op.phase));
-  fmt::print("  {:<26} {:>14}   ({:.0f}% used)\n", "GPU capacity", human_bytes(p.device_capacity_bytes),
-             100.0 * static_cast<double>(p.memory.device_peak_bytes) / static_cast<double>(std::max<std::uint64_t>(1, p.device_capacity_bytes)));
+  fmt::print("  {:<26} {:>14}   the categories' sum: torch.cuda.max_memory_allocated\n", "allocated peak", human_bytes(p.memory.device_peak_bytes));
+  fmt::print("  {:<26} {:>14}   + the caching allocator's cached segments: max_memory_reserved\n", "reserved peak", human_bytes(p.reserved_peak_bytes));
+  fmt::print("  {:<26} {:>14}   + {} outside the allocator (CUDA context): nvidia-smi\n", "used peak", human_bytes(p.used_peak_bytes),
+             human_bytes(p.outside_allocator_bytes));
+  fmt::print("  {:<26} {:>14}   ({:.0f}% used, {:.0f}% headroom wanted)\n", "GPU capacity", human_bytes(p.device_capacity_bytes),
+             100.0 * static_cast<double>(p.used_peak_bytes) / static_cast<double>(std::max<std::uint64_t>(1, p.device_capacity_bytes)),
+             100.0 * p.headroom_fraction);
   if (p.memory.host_peak_bytes > 0) {
     fmt::print("{:<28}\n", "memory per rank (host)");
     for (int c = sim::kNumDeviceCategories; c < sim::kNumCategories; ++c)
@@ -94,7 +101,8 @@ void print_text(const planner::Plan& p) {
   }
   for (const auto& w : p.warnings) fmt::print("warning: {}\n", w);
   if (p.fits) {
-    fmt::print("\nverdict: fits ({} of {} per GPU)\n", human_bytes(p.memory.device_peak_bytes), human_bytes(p.device_capacity_bytes));
+    fmt::print("\nverdict: fits ({} in use of {} per GPU, {:.0f}% headroom kept)\n", human_bytes(p.used_peak_bytes), human_bytes(p.device_capacity_bytes),
+               100.0 * p.headroom_fraction);
   } else {
     fmt::print("\nverdict: does not fit\n");
     for (const auto& r : p.reasons) fmt::print("  - {}\n", r);
@@ -120,7 +128,9 @@ void add_plan_command(CLI::App& app, int& exit_code) {
                   "write plan.json (the configuration and the cluster) for `peftplan compare` against your own job's measurement");
   cmd->callback([&exit_code, o] {
     ResolvedPlan r = resolve_plan_flags(o->plan);
-    planner::Plan p = planner::make_plan(r.input, r.cluster);
+    planner::PlanOptions po;
+    po.headroom_fraction = r.headroom_fraction;
+    planner::Plan p = planner::make_plan(r.input, r.cluster, po);
     p.warnings.insert(p.warnings.begin(), r.warnings.begin(), r.warnings.end());
     if (!o->memory_trace.empty()) write_json_atomically(o->memory_trace, planner::memory_trace(p));
     if (!o->write_ds_config.empty())

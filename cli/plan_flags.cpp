@@ -2,6 +2,8 @@
 // and the valid spellings.
 #include "plan_flags.h"
 
+#include "peftplan/sim/caching_allocator.h"
+
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/ds_config.h"
@@ -39,6 +41,10 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
   cmd->add_option("--attention", f.attention, "eager or flash")->capture_default_str();
   cmd->add_option("--optimizer", f.optimizer, "adamw, adamw-8bit or sgd")->capture_default_str();
   cmd->add_option("--base-dtype", f.base_dtype, "frozen weight storage: fp32, bf16, fp16, int8, nf4");
+  cmd->add_option("--headroom", f.headroom_pct, "percent of the GPU's memory the verdict keeps free beyond the predicted peak in use")
+      ->capture_default_str();
+  cmd->add_option("--alloc-conf", f.alloc_conf,
+                  "PYTORCH_CUDA_ALLOC_CONF for the caching allocator model (expandable_segments:True, max_split_size_mb:N)");
   cmd->add_option("--profile", f.profile, "executor, deepspeed or hf (transformers + PEFT; pytorch is its old name)")->capture_default_str();
 }
 
@@ -76,6 +82,11 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     if (!d) throw input_error("--base-dtype", "", "must be fp32, bf16, fp16, int8 or nf4", "\"" + f.base_dtype + "\"");
     t.base_storage = *d;
   }
+  if (!(f.headroom_pct >= 0.0 && f.headroom_pct < 100.0))
+    throw input_error("--headroom", "", "must be a percentage in [0, 100)", fmt::format("{}", f.headroom_pct));
+  r.headroom_fraction = f.headroom_pct / 100.0;
+  in.alloc_conf = f.alloc_conf;
+  (void)sim::AllocatorConfig::parse(in.alloc_conf, 0);  // refuse a bad --alloc-conf here
   std::string profile = f.profile;
   if (profile == "pytorch") {  // the `hf` profile's old name
     r.warnings.push_back("--profile pytorch is now --profile hf (transformers + PEFT in eager PyTorch)");

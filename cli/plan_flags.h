@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "peft_flags.h"
+#include "peftplan/planner/plan.h"
 #include "peftplan/planner/program.h"
 #include "peftplan/sim/cluster.h"
 
@@ -31,6 +32,8 @@ struct PlanFlags {
   std::string optimizer = "adamw";
   std::string base_dtype;
   std::string profile = "deepspeed";
+  double headroom_pct = 100.0 * planner::kDefaultHeadroomFraction;
+  std::string alloc_conf;
 };
 
 void add_plan_flags(CLI::App* cmd, PlanFlags& flags);
@@ -39,6 +42,7 @@ struct ResolvedPlan {
   planner::PlanInput input;
   sim::Cluster cluster;
   std::vector<std::string> warnings;  // from ds_config.json
+  double headroom_fraction = planner::kDefaultHeadroomFraction;
 };
 ResolvedPlan resolve_plan_flags(const PlanFlags& flags);
 

@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/units.h"
+#include "peftplan/planner/runtime.h"
+#include "peftplan/sim/caching_allocator.h"
 #include "peftplan/sim/trace.h"
 
 namespace peftplan::planner {
@@ -41,7 +43,8 @@ std::string suggestion(MemCategory c, const PlanInput& in) {
 void judge(Plan& p) {
   const auto& m = p.memory;
   p.fits = true;
-  if (m.device_peak_bytes > p.device_capacity_bytes) {
+  const auto headroom = static_cast<std::uint64_t>(p.headroom_fraction * static_cast<double>(p.device_capacity_bytes));
+  if (p.used_peak_bytes + headroom > p.device_capacity_bytes || p.allocator_oom) {
     p.fits = false;
     // The two largest categories at the peak.
     std::vector<MemCategory> order;
@@ -52,8 +55,11 @@ void judge(Plan& p) {
       if (cat(m, order[static_cast<std::size_t>(i)]) > 0)
         top += fmt::format("{}{} {:.1f} GiB", i ? ", " : "", sim::name_of(order[static_cast<std::size_t>(i)]),
                            to_gib(cat(m, order[static_cast<std::size_t>(i)])));
-    p.reasons.push_back(fmt::format("needs {:.1f} GiB per GPU, has {:.1f} GiB: {} at micro-batch {}; {}",
-                                    to_gib(m.device_peak_bytes), to_gib(p.device_capacity_bytes), top,
+    p.reasons.push_back(fmt::format("needs {:.1f} GiB per GPU in use ({:.1f} GiB allocated, {:.1f} GiB reserved) plus {:.0f}% "
+                                    "headroom, has {:.1f} GiB{}: {} at micro-batch {}; {}",
+                                    to_gib(p.used_peak_bytes), to_gib(m.device_peak_bytes), to_gib(p.reserved_peak_bytes),
+                                    100.0 * p.headroom_fraction, to_gib(p.device_capacity_bytes),
+                                    p.allocator_oom ? " (the caching allocator runs out)" : "", top,
                                     p.input.training.micro_batch, suggestion(order[0], p.input)));
   }
   if (p.host_capacity_bytes > 0 && m.host_peak_bytes > p.host_capacity_bytes) {
@@ -117,6 +123,21 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   p.program = std::move(built.program);
   p.memory = sim::walk_memory(p.program);
   p.device_capacity_bytes = cluster.gpu.memory_bytes;
+  const RuntimeRules rules = runtime_rules(p.input);
+  p.runtime_versions = rules.versions;
+  p.outside_allocator_bytes = rules.context_bytes;
+  p.headroom_fraction = options.headroom_fraction;
+  if (p.input.profile == RuntimeProfile::executor) {
+    p.reserved_peak_bytes = p.used_peak_bytes = p.memory.device_peak_bytes;  // our allocator holds what it uses
+  } else {
+    const std::uint64_t room = p.device_capacity_bytes > p.outside_allocator_bytes ? p.device_capacity_bytes - p.outside_allocator_bytes : 0;
+    const sim::AllocatorReplay a = sim::replay_caching_allocator(p.program, sim::AllocatorConfig::parse(p.input.alloc_conf, room));
+    // An allocator that ran out stopped short of the program's peak: reserved is then at least
+    // what the program allocates.
+    p.reserved_peak_bytes = std::max(a.reserved_peak_bytes, p.memory.device_peak_bytes);
+    p.allocator_oom = a.oom.has_value();
+    p.used_peak_bytes = p.reserved_peak_bytes + p.outside_allocator_bytes;
+  }
   p.host_capacity_bytes = cluster.gpus_per_node > 0 ? cluster.host_ram_bytes_per_node / static_cast<std::uint64_t>(cluster.gpus_per_node) : 0;
   if (options.simulate_time) {
     sim::SimOptions so;
@@ -131,11 +152,12 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
 nlohmann::json plan_to_json(const Plan& p) {
   using nlohmann::json;
   json j;
-  j["schema"] = "peftplan.plan/1";
+  j["schema"] = "peftplan.plan-result/2";
   j["model"] = p.input.model.name;
   j["strategy"] = name_of(p.input.strategy.stage);
   j["ranks"] = p.input.strategy.ranks;
   j["profile"] = name_of(p.input.profile);
+  j["runtime_versions"] = p.runtime_versions;
   j["cluster"] = p.cluster.name;
   j["params"] = {{"base_params", p.facts.base_params}, {"trainable_params", p.facts.trainable_params}};
   json dev, host;
@@ -150,6 +172,11 @@ nlohmann::json plan_to_json(const Plan& p) {
     return op.buffer >= 0 ? "alloc " + p.program.buffers[static_cast<std::size_t>(op.buffer)].name : std::string(op.label);
   };
   dev["peak_bytes"] = p.memory.device_peak_bytes;
+  dev["allocated_peak_bytes"] = p.memory.device_peak_bytes;
+  dev["reserved_peak_bytes"] = p.reserved_peak_bytes;
+  dev["used_peak_bytes"] = p.used_peak_bytes;
+  dev["outside_allocator_bytes"] = p.outside_allocator_bytes;
+  dev["headroom_fraction"] = p.headroom_fraction;
   dev["peak_op"] = op_name(p.memory.device_peak_op);
   dev["peak_op_index"] = p.memory.device_peak_op;
   dev["capacity_bytes"] = p.device_capacity_bytes;
@@ -161,7 +188,8 @@ nlohmann::json plan_to_json(const Plan& p) {
     const auto& t = *p.time;
     j["time"] = {{"step_s", t.step_s},       {"compute_s", t.compute_s},       {"comm_s", t.comm_s},
                  {"exposed_comm_s", t.exposed_comm_s}, {"sync_wait_s", t.sync_wait_s}, {"optimizer_s", t.optimizer_s}, {"offload_s", t.offload_s},
-                 {"tokens_per_s", t.tokens_per_s},     {"mfu", t.mfu}};
+                 {"tokens_per_s", t.tokens_per_s},     {"tokens_per_s_per_gpu", t.tokens_per_s / std::max(1, p.input.strategy.ranks)},
+                 {"mfu", t.mfu}};
     json comm;
     for (int c = 0; c < sim::kNumCollectives; ++c) {
       comm[std::string(sim::name_of(static_cast<sim::Collective>(c))) + "_bytes"] = t.collective_bytes[static_cast<std::size_t>(c)];

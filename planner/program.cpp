@@ -929,12 +929,20 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const bool h1_needed = needs(Role::attn_in), attn_out_needed = needs(Role::attn_out);
   const bool h2_needed = needs(Role::mlp_in) || needs(Role::router), a_needed = needs(Role::mlp_out);
   auto cat_for = [&](bool needed) { return needed && store ? keep : Cat::workspace; };
+  // Called at a tensor's last use in the forward: saved for backward, or freed now (runtime
+  // rule free_at_last_use) or at the end of the layer.
   auto keep_or_drop = [&](std::int32_t b, bool needed) {
     if (needed && store) saved.push_back(b);
+    else if (rules_.free_at_last_use) free(b, P);
     else transient.push_back(b);
   };
   auto save = [&](std::int32_t b) { keep_or_drop(b, true); };
-  auto& kept = store ? saved : transient;  // where linear_forward puts what backward needs
+  std::vector<std::int32_t> scratch;  // a linear's saved tensors when nothing keeps them
+  auto& kept = store ? saved : rules_.free_at_last_use ? scratch : transient;  // where linear_forward puts what backward needs
+  auto flush = [&] {
+    for (std::int32_t b : scratch) free(b, P);
+    scratch.clear();
+  };
   const std::size_t unit = static_cast<std::size_t>(l) + 1;
   gather_unit(unit, P, true);
   if (!recompute) gather_unit(unit + 1, P, false);  // prefetch the next layer (or the head)
@@ -973,7 +981,10 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   lb.h1 = h1;
   std::vector<std::int32_t> qkv;
   for (auto& lp : lin)
-    if (lp.role == Role::attn_in) qkv.push_back(linear_forward(lp, h1, l, P, keep, keep, kept, nd));
+    if (lp.role == Role::attn_in) {
+      qkv.push_back(linear_forward(lp, h1, l, P, keep, keep, kept, nd));
+      flush();
+    }
   keep_or_drop(h1, h1_needed);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
     compute(Kernel::rope_fwd, "rope", l, P, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2),
@@ -986,12 +997,11 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
       free(b, P);
       b = c;
     }
-  for (std::int32_t b : qkv) save(b);
   for (std::size_t i = 0; i < qkv.size() && i < lb.qkv.size(); ++i) lb.qkv[i] = qkv[i];
   // Attention: eager materialises scores and keeps the probabilities [B, nh, S, S_kv];
   // flash keeps the log-sum-exp [B, nh, S] in fp32 (Dao et al., FlashAttention-2).
   const std::int64_t nh = m_.heads, d = m_.head_dim, kv = kv_len_;
-  std::int32_t probs = -1;
+  std::int32_t probs = -1, probs32 = -1;
   sim::ComputeWork aw = gemm(S, kv, d, 0);
   aw.gemm_count = static_cast<std::int32_t>(B * nh);
   aw.flops = 4.0 * static_cast<double>(B * nh) * static_cast<double>(S) * static_cast<double>(kv) * static_cast<double>(d);
@@ -1000,7 +1010,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
     aw.bytes_moved = act(B * nh * S * kv) * 3 + act(M_ * (m_.q_width() + 2 * m_.kv_width()));
     aw.flops *= eager_gemm_fraction();
     if (rules_.eager_softmax_fp32 && f_.compute_dtype != DType::fp32)
-      save(alloc([&] { return pre + ".attn.probs_fp32"; }, keep, f32(B * nh * S * kv), P));
+      probs32 = alloc([&] { return pre + ".attn.probs_fp32"; }, keep, f32(B * nh * S * kv), P);
   } else {
     probs = alloc([&] { return pre + ".attn.lse"; }, keep, f32(B * nh * S), P);
     aw.flops /= 2.0;  // causal blocks above the diagonal are skipped
@@ -1010,12 +1020,17 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const std::int32_t attn_out = alloc([&] { return pre + ".attn.out"; }, cat_for(out_saved), act(M_ * m_.q_width()), P);
   compute(Kernel::attention_fwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
           {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, qkv.size() > 2 ? qkv[2] : -1, probs, attn_out});
+  for (std::int32_t b : qkv) save(b);
   save(probs);
+  if (probs32 >= 0) save(probs32);
   lb.probs = probs;
   lb.attn_out = attn_out;
   std::int32_t y_attn = -1;
   for (auto& lp : lin)
-    if (lp.role == Role::attn_out) y_attn = linear_forward(lp, attn_out, l, P, Cat::workspace, keep, kept);
+    if (lp.role == Role::attn_out) {
+      y_attn = linear_forward(lp, attn_out, l, P, Cat::workspace, keep, kept);
+      flush();
+    }
   keep_or_drop(attn_out, out_saved);
   // The residual after attention: the post-attention norm's input, saved by it (or by our
   // executor's norm backward), unless the norm saves an fp32 copy instead.
@@ -1023,7 +1038,6 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const std::int32_t x_mid = alloc([&] { return pre + ".resid_mid"; }, x_mid_saved ? keep : Cat::workspace, bytes(resid_dtype(l), M_ * H), P);
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), {x, y_attn, x_mid});
   free(y_attn, P);
-  keep_or_drop(x_mid, x_mid_saved);
   lb.x_mid = x_mid;
 
   // --- MLP block ---
@@ -1038,25 +1052,32 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   for (auto& lp : lin)
     if (lp.role == Role::router) {
       std::int32_t r = linear_forward(lp, h2, l, P, keep, keep, kept);
+      flush();
       save(r);
     }
   std::vector<std::int32_t> mlp_in;
   for (auto& lp : lin)
-    if (lp.role == Role::mlp_in) mlp_in.push_back(linear_forward(lp, h2, l, P, keep, keep, kept, nd));
+    if (lp.role == Role::mlp_in) {
+      mlp_in.push_back(linear_forward(lp, h2, l, P, keep, keep, kept, nd));
+      flush();
+    }
   keep_or_drop(h2, h2_needed);
-  for (std::int32_t b : mlp_in) save(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
   for (std::size_t i = 0; i < mlp_in.size() && i < lb.gate_up.size(); ++i) lb.gate_up[i] = mlp_in[i];
   const std::int64_t I = m_.intermediate;
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
+  std::int32_t silu = -1;
   if (rules_.unfused_swiglu && m_.gated_mlp())  // silu(gate), kept by the mul with up
-    save(alloc([&] { return pre + ".mlp.silu"; }, keep, bytes(nd, rows * I), P));
+    silu = alloc([&] { return pre + ".mlp.silu"; }, keep, bytes(nd, rows * I), P);
   const std::int32_t a = alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), bytes(nd, rows * I), P);
   compute(Kernel::mlp_act_fwd, m_.gated_mlp() ? "swiglu" : "gelu", l, P, elementwise(act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
           {mlp_in.empty() ? -1 : mlp_in[0], mlp_in.size() > 1 ? mlp_in[1] : -1, a});
+  for (std::int32_t b : mlp_in) save(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
+  if (silu >= 0) save(silu);
   std::int32_t y_mlp = -1;
   for (auto& lp : lin)
     if (lp.role == Role::mlp_out) {
       std::int32_t y = linear_forward(lp, a, l, P, Cat::workspace, keep, kept, nd);
+      flush();
       if (y_mlp < 0) y_mlp = y;
       else free(y, P);  // MoE experts write into one combined output
     }
@@ -1069,6 +1090,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
           {x_mid, y_mlp, recompute ? -1 : x_out});
   free(y_mlp, P);
+  keep_or_drop(x_mid, x_mid_saved);
   for (std::int32_t b : transient) free(b, P);
   // Runtime rule: the layer's input lives only while something saves it. Without a checkpoint
   // only an fp32 input is (the norm saves it); otherwise the norm's fp32 copy replaced it.

@@ -73,6 +73,7 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   // eager_attention_forward: softmax(..., dtype=torch.float32).to(query.dtype).
   r.eager_softmax_fp32 = true;
   r.layer_input_only_if_saved = true;
+  r.free_at_last_use = true;  // eager PyTorch frees a tensor with its last reference
   // torch autocast caches the casts of leaf tensors that require grad (the fp32 adapters)
   // until the autocast region that accelerate opens around forward closes.
   r.autocast_weight_cache = mixed;

@@ -605,4 +605,36 @@ void CachingAllocatorModel::reset_peak_stats() {
     s->peak = s->current;
 }
 
+AllocatorReplay replay_caching_allocator(const Program& program, const AllocatorConfig& config, int steps) {
+  CachingAllocatorModel model(config);
+  AllocatorReplay r;
+  std::vector<std::optional<BlockId>> live(program.buffers.size());
+  auto run = [&](bool setup) {
+    for (std::size_t i = 0; i < program.ops.size(); ++i) {
+      const Op& op = program.ops[i];
+      if ((op.kind != OpKind::alloc && op.kind != OpKind::free) || (op.phase == Phase::setup) != setup) continue;
+      const auto b = static_cast<std::size_t>(op.buffer);
+      const Buffer& buf = program.buffers[b];
+      if (on_host(buf.category) || buf.view_of >= 0) continue;
+      if (op.kind == OpKind::alloc) {
+        if (live[b]) model.free(*live[b]);  // left live by the previous step
+        live[b] = model.malloc(buf.bytes, 0);
+        if (!live[b] && !r.oom) {
+          r.oom = model.stats().first_oom;
+          r.oom_op = static_cast<std::int32_t>(i);
+        }
+      } else if (live[b]) {
+        model.free(*live[b]);
+        live[b].reset();
+      }
+    }
+  };
+  run(true);
+  for (int s = 0; s < steps; ++s) run(false);
+  r.allocated_peak_bytes = model.stats().allocated_bytes.peak;
+  r.reserved_peak_bytes = model.stats().reserved_bytes.peak;
+  r.num_alloc_retries = model.stats().num_alloc_retries;
+  return r;
+}
+
 }  // namespace peftplan::sim

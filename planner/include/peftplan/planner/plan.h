@@ -21,7 +21,16 @@ struct Plan {
   sim::Cluster cluster;
   ProgramFacts facts;
   sim::Program program;
-  sim::MemoryProfile memory;
+  sim::MemoryProfile memory;               // memory.device_peak_bytes: the allocated peak
+  // Device memory in the three kinds users measure (README, "Memory kinds"): allocated (the
+  // categories, torch.cuda.max_memory_allocated), reserved (the caching allocator's segments,
+  // max_memory_reserved) and used (reserved plus what lives outside the allocator: nvidia-smi).
+  std::uint64_t reserved_peak_bytes = 0;
+  std::uint64_t outside_allocator_bytes = 0;  // CUDA context and libraries (runtime rule)
+  std::uint64_t used_peak_bytes = 0;
+  bool allocator_oom = false;              // the allocator model ran out of the GPU's memory
+  std::string_view runtime_versions;       // what the runtime profile models
+  double headroom_fraction = 0.0;          // the verdict's margin, a share of the GPU's memory
   std::optional<sim::Timeline> time;       // absent when simulate_time is false
   std::uint64_t device_capacity_bytes = 0; // one GPU's memory
   std::uint64_t host_capacity_bytes = 0;   // host RAM per rank (node RAM / GPUs per node)
@@ -31,8 +40,14 @@ struct Plan {
   std::vector<std::string> warnings;       // input oddities (not errors)
 };
 
+// The verdict's default margin: 5% of the GPU's memory kept free beyond the predicted `used`
+// peak, for what a plan does not see (other processes, allocator behaviour outside the steady
+// step). One default for every command that gives a verdict (--headroom).
+inline constexpr double kDefaultHeadroomFraction = 0.05;
+
 struct PlanOptions {
   bool simulate_time = true;
+  double headroom_fraction = kDefaultHeadroomFraction;
   bool explain = true;   // builds a DDP reference plan to explain the strategy's effect
   bool names = true;     // buffer names (peak_op, traces); off for searches
 };

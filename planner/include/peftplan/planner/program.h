@@ -61,6 +61,7 @@ struct PlanInput {
   Strategy strategy;
   RuntimeProfile profile = RuntimeProfile::deepspeed;
   std::shared_ptr<const ModelInventory> inventory;  // optional: make_inventory(model, peft)
+  std::string alloc_conf;  // PYTORCH_CUDA_ALLOC_CONF for the caching allocator model ("": defaults)
   int device_sm = 0;  // the GPU's compute capability (major x 10 + minor; make_plan sets it from
                       // the cluster), for library defaults that depend on it; 0: unknown
 };

@@ -49,6 +49,8 @@ struct RuntimeRules {
   bool layer_input_only_if_saved = false;  // a layer's input lives only while something saves it
   bool autocast_weight_cache = false;  // autocast caches compute-dtype copies of fp32 leaf
                                        // weights (adapters) for the forward
+  bool free_at_last_use = false;       // a tensor nothing saves is freed when its last consumer
+                                       // has run (reference counting), not at the layer's end
   LossChain loss = LossChain::upcast_in_place;
   // --- outside the model ---
   int cublas_workspaces = 0;           // cuBLAS workspaces in the caching allocator

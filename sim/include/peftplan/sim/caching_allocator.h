@@ -10,7 +10,8 @@
 // block is reusable as soon as it is freed), roundup_power2_divisions, garbage_collection_threshold
 // and set_per_process_memory_fraction (configurations naming them are rejected), free-memory
 // callbacks, IPC, and memory outside the allocator (CUDA context, NCCL): `capacity_bytes` is what
-// the allocator may reserve, not the GPU's size. Not wired into the planner here.
+// the allocator may reserve, not the GPU's size. replay_caching_allocator runs it over a step
+// program (the planner's `reserved`).
 #pragma once
 
 #include <compare>
@@ -21,6 +22,8 @@
 #include <set>
 #include <string_view>
 #include <unordered_map>
+
+#include "peftplan/sim/program.h"
 
 namespace peftplan::sim {
 
@@ -183,5 +186,18 @@ class CachingAllocatorModel {
   std::uint32_t next_segment_ = 0;
   std::uint64_t next_address_;  // where the next segment's address range starts
 };
+
+// A step program's device buffers replayed through the allocator: the setup buffers once, then
+// the rest of the program `steps` times, so that the second step meets the cache the first left
+// (the steady state a training loop runs in). Every request is on one stream (the eager
+// PyTorch runtimes allocate on the current stream). Host buffers and views are skipped.
+struct AllocatorReplay {
+  std::uint64_t allocated_peak_bytes = 0;  // the allocator's allocated_bytes peak (512-rounded)
+  std::uint64_t reserved_peak_bytes = 0;   // max_memory_reserved
+  std::uint64_t num_alloc_retries = 0;     // cache flushes that a failed segment forced
+  std::optional<OomEvent> oom;             // the first request that failed after the flush
+  std::int32_t oom_op = -1;                // its alloc op
+};
+AllocatorReplay replay_caching_allocator(const Program& program, const AllocatorConfig& config, int steps = 2);
 
 }  // namespace peftplan::sim
