@@ -67,7 +67,7 @@ void print_text(const planner::Plan& p) {
              peak_op.buffer >= 0 ? p.program.buffers[static_cast<std::size_t>(peak_op.buffer)].name : "-", sim::name_of(peak_op.phase));
   fmt::print("  {:<26} {:>14}   the categories' sum: torch.cuda.max_memory_allocated\n", "allocated peak", human_bytes(p.memory.device_peak_bytes));
   fmt::print("  {:<26} {:>14}   + the caching allocator's cached segments: max_memory_reserved\n", "reserved peak", human_bytes(p.reserved_peak_bytes));
-  fmt::print("  {:<26} {:>14}   + {} outside the allocator (CUDA context): nvidia-smi\n", "used peak", human_bytes(p.used_peak_bytes),
+  fmt::print("  {:<26} {:>14}   + {} outside the allocator (CUDA context, NCCL): nvidia-smi\n", "used peak", human_bytes(p.used_peak_bytes),
              human_bytes(p.outside_allocator_bytes));
   fmt::print("  {:<26} {:>14}   ({:.0f}% used, {:.0f}% headroom wanted)\n", "GPU capacity", human_bytes(p.device_capacity_bytes),
              100.0 * static_cast<double>(p.used_peak_bytes) / static_cast<double>(std::max<std::uint64_t>(1, p.device_capacity_bytes)),

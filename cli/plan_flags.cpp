@@ -29,9 +29,9 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
   cmd->add_flag("--full-finetune", f.peft.full_finetune, "train every weight (no adapter)");
   cmd->add_option("--gpus", f.gpus, "data-parallel ranks (alone: N GPUs of the default kind on one node)");
   cmd->add_option("--cluster", f.cluster, "preset, spelling like 2x8xH100-SXM-NDR, or a cluster JSON file");
-  cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2 or zero3")->capture_default_str();
+  cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard or fsdp-hybrid-shard")->capture_default_str();
   cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
-  cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3 only)")->capture_default_str();
+  cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
   cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)");
   cmd->add_option("--micro-batch", f.micro_batch, "sequences per GPU per micro-step")->capture_default_str();
   cmd->add_option("--seq-len", f.seq_len, "tokens per sequence")->capture_default_str();
@@ -106,7 +106,11 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     throw input_error("--gpus", "", fmt::format("must not exceed the cluster's {} GPUs ({})", total, r.cluster.name),
                       std::to_string(in.strategy.ranks));
   in.strategy.stage = pick<Stage>("--strategy", f.strategy,
-                                  {{"ddp", Stage::ddp}, {"zero1", Stage::zero1}, {"zero2", Stage::zero2}, {"zero3", Stage::zero3}});
+                                  {{"ddp", Stage::ddp}, {"zero1", Stage::zero1}, {"zero2", Stage::zero2}, {"zero3", Stage::zero3},
+                                   {"fsdp-full-shard", Stage::fsdp_full_shard}, {"fsdp-shard-grad-op", Stage::fsdp_shard_grad_op},
+                                   {"fsdp-no-shard", Stage::fsdp_no_shard}, {"fsdp-hybrid-shard", Stage::fsdp_hybrid_shard}});
+  // HYBRID_SHARD shards within a node and replicates across nodes.
+  if (in.strategy.stage == Stage::fsdp_hybrid_shard) in.strategy.shard_group = std::min(r.cluster.gpus_per_node, in.strategy.ranks);
   in.strategy.offload_optimizer = pick<planner::OffloadDevice>("--offload-optimizer", f.offload_optimizer,
                                                                {{"none", planner::OffloadDevice::none}, {"cpu", planner::OffloadDevice::cpu}});
   in.strategy.offload_param = pick<planner::OffloadDevice>("--offload-param", f.offload_param,

@@ -599,6 +599,9 @@ DsConfig read_ds_config(const json& config, std::string_view source, const DsCon
 nlohmann::json write_ds_config(const Strategy& s, const TrainingSpec& t, const DsExtras& x) {
   const std::string where = "ds_config.json";
   if (s.ranks < 1) throw input_error(where, "world size", "must be at least 1", fmt::format("{}", s.ranks));
+  if (is_fsdp(s.stage))
+    throw input_error(where, "zero_optimization.stage", "has no FSDP sharding strategy: DeepSpeed runs ZeRO (ddp, zero1-3)",
+                      fmt::format("--strategy {}", name_of(s.stage)));
   if (t.micro_batch < 1) throw input_error(where, "train_micro_batch_size_per_gpu", "must be a positive integer", fmt::format("{}", t.micro_batch));
   if (t.grad_accum < 1) throw input_error(where, "gradient_accumulation_steps", "must be a positive integer", fmt::format("{}", t.grad_accum));
   if (s.offload_param != OffloadDevice::none && s.stage != Stage::zero3)

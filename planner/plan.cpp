@@ -94,16 +94,32 @@ void explain(Plan& p) {
     const auto b = static_cast<std::int64_t>(ddp.category_peak_bytes[static_cast<std::size_t>(c)]);
     if (a != b) deltas += fmt::format("{}{} {}", deltas.empty() ? "" : ", ", sim::name_of(static_cast<MemCategory>(c)), signed_gib(a - b));
   }
+  if (is_fsdp(s.stage)) {
+    const std::string_view what =
+        s.stage == Stage::fsdp_no_shard        ? "FSDP NO_SHARD keeps every weight, gradient and optimizer state on every GPU, as DDP does"
+        : s.stage == Stage::fsdp_shard_grad_op ? "FSDP SHARD_GRAD_OP shards gradients and optimizer states and the parameters at rest, but keeps "
+                                                 "each unit gathered from its forward to its backward"
+        : s.stage == Stage::fsdp_hybrid_shard  ? "FSDP HYBRID_SHARD shards like FULL_SHARD inside a node and replicates across nodes (an all-reduce "
+                                                 "of the gradient shards between them)"
+                                               : "FSDP FULL_SHARD shards every parameter, gradient and optimizer state; one decoder unit is "
+                                                 "gathered at a time, the root unit (embedding, final norm, head) from forward to the end of backward";
+    p.explanation.push_back(std::string(what));
+    if (peft && p.input.training.checkpointing != Checkpointing::none)
+      p.explanation.push_back("with reentrant checkpointing, FSDP's hook on each frozen unit's input keeps that input and its gradient "
+                              "until backward ends (torch 2.4): the peak is in the first layer's backward");
+  }
   const std::string what = s.stage == Stage::zero1   ? "ZeRO-1 shards the optimizer states"
                            : s.stage == Stage::zero2 ? "ZeRO-2 shards the optimizer states and gradients"
                                                      : "ZeRO-3 shards the frozen base, the trainable weights, gradients and optimizer states";
-  if (peft && s.stage != Stage::zero3)
-    p.explanation.push_back(what + " of the adapter only: with PEFT they are small, so the saving is small");
-  else if (peft)
-    p.explanation.push_back(what + ": base_weights is divided by N and gathered_weights holds the layers gathered "
-                                   "for compute; every step all-gathers the frozen base in forward and again in backward");
-  else
-    p.explanation.push_back(what);
+  if (!is_fsdp(s.stage)) {
+    if (peft && s.stage != Stage::zero3)
+      p.explanation.push_back(what + " of the adapter only: with PEFT they are small, so the saving is small");
+    else if (peft)
+      p.explanation.push_back(what + ": base_weights is divided by N and gathered_weights holds the layers gathered "
+                                     "for compute; every step all-gathers the frozen base in forward and again in backward");
+    else
+      p.explanation.push_back(what);
+  }
   if (s.offload_optimizer == OffloadDevice::cpu)
     p.explanation.push_back(peft ? "optimizer offload moves the adapter's optimizer states to host RAM: little GPU memory with PEFT"
                                  : "optimizer offload moves optimizer states and fp32 gradients to host RAM and runs Adam on the CPU");
@@ -125,7 +141,7 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   p.device_capacity_bytes = cluster.gpu.memory_bytes;
   const RuntimeRules rules = runtime_rules(p.input);
   p.runtime_versions = rules.versions;
-  p.outside_allocator_bytes = rules.context_bytes;
+  p.outside_allocator_bytes = rules.context_bytes + (p.input.strategy.ranks > 1 ? rules.nccl_bytes : 0);
   p.headroom_fraction = options.headroom_fraction;
   if (p.input.profile == RuntimeProfile::executor) {
     p.reserved_peak_bytes = p.used_peak_bytes = p.memory.device_peak_bytes;  // our allocator holds what it uses

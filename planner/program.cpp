@@ -158,6 +158,14 @@ class Builder {
     p_.add_op(op);
     return b;
   }
+  // A persistent gradient buffer: allocated in setup, or (runtime rule grads_only_in_backward)
+  // when backward first reaches a gradient (micro_batch) and freed after the step.
+  std::int32_t grad_buffer(const char* name, std::uint64_t bytes) {
+    if (!rules_.grads_only_in_backward) return alloc([&] { return name; }, Cat::gradients, bytes, Phase::setup);
+    const std::int32_t b = p_.add_buffer(names_ ? name : std::string(), Cat::gradients, bytes);
+    lazy_grads_.push_back(b);
+    return b;
+  }
   // The alloc op of a buffer added earlier (its views exist before it does).
   void alloc_buffer(std::int32_t b, Phase phase) {
     Op op;
@@ -254,7 +262,17 @@ class Builder {
     w.flops = flops;
     return w;
   }
-  bool zero3() const { return s_.stage == Stage::zero3; }
+  // Parameters sharded at rest and gathered for compute: ZeRO-3 and FSDP's sharding strategies.
+  bool zero3() const { return shards_params(s_.stage); }
+  bool fsdp() const { return is_fsdp(s_.stage); }
+  // The optimizer steps on the host: ZeRO-Offload, or FSDP's CPUOffload(offload_params=True),
+  // which moves the sharded gradients there and steps the parameters on the CPU
+  // (torch/distributed/fsdp/api.py CPUOffload).
+  bool host_optimizer() const {
+    return s_.offload_optimizer == OffloadDevice::cpu || (fsdp() && s_.offload_param == OffloadDevice::cpu);
+  }
+  // Ranks a shard is split over: all of them, or a node's under HYBRID_SHARD.
+  std::int32_t group() const { return s_.stage == Stage::fsdp_hybrid_shard && s_.shard_group > 0 ? s_.shard_group : s_.ranks; }
   // ZeRO-3 as the executor runs it: the program names every tensor's place in the unit's
   // gathered buffer and the shards the all_gathers read (see setup and gather_unit).
   // The fraction of eager attention's S x S_kv score GEMM work that is done. PyTorch's eager
@@ -277,9 +295,15 @@ class Builder {
   // block of this rank's partition.
   bool exec_z2() const { return s_.stage == Stage::zero2 && s_.ranks > 1 && in_.profile == RuntimeProfile::executor; }
   // ZeRO-2 on one rank has nothing to shard: its gradients live whole, as DDP's do.
-  bool sharded_grads() const { return (s_.stage == Stage::zero2 && s_.ranks > 1) || s_.stage == Stage::zero3; }
-  bool sharded_optimizer() const { return s_.stage != Stage::ddp; }
-  std::int64_t shard(std::int64_t n) const { return static_cast<std::int64_t>(ceil_div(static_cast<std::uint64_t>(n), static_cast<std::uint64_t>(s_.ranks))); }
+  bool sharded_grads() const { return (s_.stage == Stage::zero2 && s_.ranks > 1) || zero3(); }
+  bool sharded_optimizer() const { return shards_optimizer(s_.stage); }
+  std::int64_t shard(std::int64_t n) const { return static_cast<std::int64_t>(ceil_div(static_cast<std::uint64_t>(n), static_cast<std::uint64_t>(group()))); }
+  // FSDP keeps its root unit (the embedding, the final norm and the head) gathered from the start
+  // of forward to the end of backward: torch/distributed/fsdp/_runtime_utils.py
+  // _post_forward_reshard ("Do not free the root's parameters in the post-forward for
+  // FULL_SHARD"), and a frozen root is resharded only by _catch_all_reshard in the final
+  // callback.
+  bool root_unit(std::size_t u) const { return fsdp() && (u == 0 || u == units_.size() - 1); }
   bool checkpointed(std::int64_t layer) const {
     if (t_.checkpointing == Checkpointing::full) return true;
     if (t_.checkpointing == Checkpointing::every_k) return layer % t_.checkpoint_every == 0;
@@ -294,7 +318,7 @@ class Builder {
   void layer_forward(std::int32_t l, bool recompute);
   void layer_backward(std::int32_t l);
   void gather_unit(std::size_t unit, Phase phase, bool prefetch_next);
-  void release_unit(std::size_t unit, Phase phase);
+  void release_unit(std::size_t unit, Phase phase, bool end_of_backward = false);
   void begin_unit_gradients(std::size_t unit);
   void unit_gradients_done(std::size_t unit, std::int32_t after_op);
   void optimizer_step();
@@ -363,6 +387,12 @@ class Builder {
   // Persistent state buffers.
   std::int32_t grad_flat_ = -1;      // full gradients (DDP, ZeRO-1)
   std::int32_t grad_shard_ = -1;     // gradient partition (ZeRO-2/3)
+  std::vector<std::int32_t> lazy_grads_;  // gradient buffers that live from backward to the step
+  std::vector<std::int32_t> retained_;    // FSDP: checkpoint inputs and gradients its hooks hold
+  // FSDP with reentrant checkpointing on a frozen decoder unit (see layer_backward).
+  bool fsdp_retains(std::int64_t l) const {
+    return fsdp() && rules_.fsdp_hook_retains_checkpoint_grads && !in_.peft.adapters.empty() && checkpointed(l);
+  }
   std::int32_t trainable_shard_ = -1;  // ZeRO-3, executor profile: this rank's adapter partition
   std::int64_t part_numel_ = 0;      // executor profile, ZeRO-3: the partition's elements (Σ unit
                                      //   shards); ZeRO-2 with N > 1: Σ bucket shards
@@ -411,7 +441,9 @@ void Builder::facts() {
   f_.trainable_dtype = peft && rules_.adapter_dtype ? *rules_.adapter_dtype : f_.compute_dtype;
   f_.master_weights = rules_.fp32_master_for_mixed && mixed && f_.trainable_dtype != DType::fp32;
   const auto& q = in_.peft.quantization;
-  fp32_norms_ = rules_.fp32_norms_on_kbit && q && bits_of(q->dtype) <= 8;
+  // Under FSDP, TRL sees a sharded QLoRA model and skips prepare_model_for_kbit_training
+  // (trl 0.13.0 sft_trainer.py is_sharded_qlora): the norms stay in the compute dtype.
+  fp32_norms_ = rules_.fp32_norms_on_kbit && q && bits_of(q->dtype) <= 8 && !fsdp();
   // Under autocast the adapter's GEMMs run in the compute dtype; without it, in its own dtype.
   adapter_act_dtype_ = mixed ? f_.compute_dtype : f_.trainable_dtype;
   f_.base_dtype = t_.base_storage.value_or(in_.peft.quantization ? in_.peft.quantization->dtype : f_.compute_dtype);
@@ -479,6 +511,7 @@ void Builder::plan_linears() {
   units_[0].name = "embedding";
   for (std::int64_t l = 0; l < m_.layers; ++l) units_[static_cast<std::size_t>(l) + 1].name = fmt::format("layers.{}", l);
   units_.back().name = "head";
+  const auto& q = in_.peft.quantization;
   for (const auto& t : tensors) {
     std::size_t u = t.layer >= 0 ? static_cast<std::size_t>(t.layer) + 1
                     : (t.role == models::ParamRole::embedding || t.role == models::ParamRole::position_embedding)
@@ -490,9 +523,18 @@ void Builder::plan_linears() {
       units_[u].trainable_numel += t.numel();
       continue;
     }
-    const std::uint64_t bytes = frozen(t);
+    std::uint64_t bytes = frozen(t);
     f_.base_bytes += bytes;
-    const bool persistent = zero3() && t.numel() < s_.ds.stage3_param_persistence_threshold;
+    const bool persistent = zero3() && !fsdp() && t.numel() < s_.ds.stage3_param_persistence_threshold;
+    // FSDP flattens the packed 4-bit weight (bnb_4bit_quant_storage relabels its n/2 bytes) but
+    // not its QuantState, which every rank keeps whole (bitsandbytes 0.43.3 nn/modules.py
+    // Linear4bit.forward re-attaches it: "the quant state got lost when the parameter got
+    // converted. This happens for example for fsdp").
+    if (fsdp() && q && t.role == models::ParamRole::linear_weight && bits_of(q->dtype) < 8) {
+      const std::uint64_t packed = storage_bytes(q->dtype, t.numel());
+      units_[u].persistent_bytes += bytes - packed;
+      bytes = packed;
+    }
     if (exec_z3())
       (persistent ? units_[u].persistent_tensors : units_[u].gathered_tensors)
           .push_back({&t, persistent ? units_[u].persistent_bytes : units_[u].frozen_bytes, bytes});
@@ -532,7 +574,7 @@ void Builder::setup() {
   norm1_.assign(static_cast<std::size_t>(m_.layers), -1);
   norm2_.assign(static_cast<std::size_t>(m_.layers), -1);
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
-  const std::int64_t N = s_.ranks;
+  const std::int64_t N = group();
   // Frozen base weights: whole on every rank, or a ZeRO-3 shard (flattened per unit, padded to a
   // multiple of N) plus the persistent small tensors.
   if (zero3()) {
@@ -582,9 +624,9 @@ void Builder::setup() {
         bk.param_view = p_.add_view(names_ ? fmt::format("trainable.flat[bucket{}]", b) : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(bk.region), tw * sb * static_cast<std::uint64_t>(N));
       }
     } else if (sharded_grads())
-      grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+      grad_shard_ = grad_buffer("grad.shard", tw * static_cast<std::uint64_t>(shard(trainable_numel_)));
     else if (rules_.grads_only_in_backward)  // allocated when backward first reaches a gradient
-      grad_flat_ = p_.add_buffer(names_ ? "grad.flat" : std::string(), Cat::gradients, tw * static_cast<std::uint64_t>(padded));
+      grad_flat_ = grad_buffer("grad.flat", tw * static_cast<std::uint64_t>(padded));
     else
       grad_flat_ = alloc([&] { return "grad.flat"; }, Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
   }
@@ -605,11 +647,11 @@ void Builder::setup() {
       un.grad_shard_view = p_.add_view(names_ ? un.name + ".grad.shard" : std::string(), grad_shard_, off, bytes);
     }
   } else if (zero3()) {
-    grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(shard(trainable_numel_)), S);
+    grad_shard_ = grad_buffer("grad.shard", tw * static_cast<std::uint64_t>(shard(trainable_numel_)));
   }
   // Optimizer states for this rank's partition (all of it for DDP), on the device or the host.
   const std::int64_t opt_numel = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
-  const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
+  const bool host_opt = host_optimizer();
   const Cat opt_cat = host_opt ? Cat::host_optimizer_states : Cat::optimizer_states;
   double state_bytes = 0.0;
   const bool pure = t_.precision == Precision::bf16_pure && in_.profile != RuntimeProfile::executor;
@@ -644,7 +686,8 @@ void Builder::setup() {
   } else if (in_.profile == RuntimeProfile::hf) {
     // torch.nn.parallel.DistributedDataParallel: gradient buckets of bucket_cap_mb = 25 MiB each,
     // together as large as the gradients (gradient_as_bucket_view=False copies into them).
-    if (s_.ranks > 1) alloc([&] { return "ddp.buckets"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
+    if (s_.ranks > 1 && s_.stage == Stage::ddp)
+      alloc([&] { return "ddp.buckets"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
     add_cuda_runtime();
   }
   if (host_opt) staging_ = alloc([&] { return "host.staging"; }, Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
@@ -694,8 +737,10 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     return;
   }
   Unit& un = units_[u];
-  const std::int64_t N = s_.ranks;
-  const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+  const std::int64_t N = group();
+  // FSDP's MixedPrecision gathers the trainable units in the compute dtype (param_dtype).
+  const bool mp = fsdp() && (t_.precision == Precision::bf16_mixed || t_.precision == Precision::fp16_mixed);
+  const std::uint64_t tw = mp ? bytes_of(f_.compute_dtype) : bytes_of(f_.trainable_dtype);
   const std::uint64_t frozen_full = ceil_div(un.frozen_bytes, static_cast<std::uint64_t>(N)) * static_cast<std::uint64_t>(N);
   const std::uint64_t train_full = tw * static_cast<std::uint64_t>(shard(un.trainable_numel) * N);
   if (frozen_full + train_full == 0) return;
@@ -766,6 +811,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     gather_op_[u] = after >= 0 ? collective(Collective::all_gather, label, bytes, layer, phase, payload, {after})
                                : collective(Collective::all_gather, label, bytes, layer, phase, payload, {});
     p_.ops[static_cast<std::size_t>(gather_op_[u])].buffer_in = from;
+    p_.ops[static_cast<std::size_t>(gather_op_[u])].group_size = static_cast<std::int32_t>(N);
   };
   if (train_full > 0) issue("gather_trainable", train_full, payload_train, shard_train, dep_train >= 0 ? dep_train : dep);
   if (frozen_full > 0) {
@@ -784,8 +830,12 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   if (use) wait_ = gather_op_[u];
 }
 
-void Builder::release_unit(std::size_t u, Phase phase) {
+void Builder::release_unit(std::size_t u, Phase phase, bool end_of_backward) {
   if (!zero3() || gathered_[u] < 0) return;
+  if (root_unit(u) && !end_of_backward) return;  // FSDP's root stays gathered (root_unit)
+  // SHARD_GRAD_OP (reshard_after_forward=False) keeps every unit gathered from its forward to
+  // its backward.
+  if (s_.stage == Stage::fsdp_shard_grad_op && phase != Phase::backward) return;
   free(gathered_[u], phase);
   gathered_[u] = -1;
   gather_op_[u] = -1;
@@ -945,7 +995,8 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   };
   const std::size_t unit = static_cast<std::size_t>(l) + 1;
   gather_unit(unit, P, true);
-  if (!recompute) gather_unit(unit + 1, P, false);  // prefetch the next layer (or the head)
+  // Prefetch the next layer (or the head); FSDP's forward_prefetch is off by default.
+  if (!recompute && !fsdp()) gather_unit(unit + 1, P, false);
   const std::int64_t H = m_.hidden, B = t_.micro_batch, S = M_ / t_.micro_batch;
   const std::string pre = fmt::format("layers.{}.mb{}", l, mb_);
   const std::int32_t x = resid_[static_cast<std::size_t>(l)];
@@ -1087,6 +1138,11 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // checkpointed layer's input is exactly this tensor).
   std::int32_t& x_out = resid_[static_cast<std::size_t>(l) + 1];
   if (!recompute) x_out = alloc([&] { return fmt::format("layers.{}.mb{}.resid_out", l, mb_); }, Cat::activations, bytes(resid_dtype(l + 1), M_ * H), P);
+  // The recomputed output is what the checkpoint's backward differentiates
+  // (CheckpointFunction.backward: torch.autograd.backward(outputs, args)): live through the
+  // layer's backward under a runtime that materialises it.
+  if (recompute && rules_.free_at_last_use)
+    saved.push_back(alloc([&] { return fmt::format("layers.{}.mb{}.resid_out.recomputed", l, mb_); }, Cat::workspace, bytes(resid_dtype(l + 1), M_ * H), P));
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
           {x_mid, y_mlp, recompute ? -1 : x_out});
   free(y_mlp, P);
@@ -1105,8 +1161,18 @@ void Builder::layer_backward(std::int32_t l) {
   const Phase B = Phase::backward;
   const std::size_t unit = static_cast<std::size_t>(l) + 1;
   gather_unit(unit, B, true);
-  if (checkpointed(l)) layer_forward(l, true);  // rebuilds saved_[l] as workspace
-  gather_unit(unit - 1, B, false);  // prefetch the previous layer (or the embedding)
+  if (checkpointed(l)) {
+    layer_forward(l, true);  // rebuilds saved_[l] as workspace
+    // FSDP: the recompute's post-forward reshards the unit and its pre-backward hook gathers it
+    // again (_runtime_utils.py _post_forward_reshard, _pre_backward_hook).
+    if (fsdp() && s_.stage != Stage::fsdp_shard_grad_op) {
+      release_unit(unit, Phase::recompute);
+      gather_unit(unit, B, true);
+    }
+  }
+  // Prefetch the previous layer (or the embedding). FSDP's BACKWARD_PRE prefetches only a unit
+  // whose forward ran with grad enabled (_register_pre_backward_hooks): not a checkpointed one.
+  if (!fsdp() || (l > 0 && !checkpointed(l - 1))) gather_unit(unit - 1, B, false);
   begin_unit_gradients(unit);
   auto& lin = layer_linears_[static_cast<std::size_t>(l)];
   auto& saved = saved_[static_cast<std::size_t>(l)];
@@ -1204,7 +1270,19 @@ void Builder::layer_backward(std::int32_t l) {
   // Everything the layer saved is released, and so is its input (the previous layer's output).
   for (std::int32_t b : saved) free(b, B);
   saved.clear();
-  free(resid_[static_cast<std::size_t>(l)], B);
+  if (fsdp_retains(l)) {
+    // FSDP (torch 2.4) registers a multi-grad hook on a frozen unit's input in the recomputed
+    // forward (_register_post_backward_reshard_only_hook -> autograd/graph.py
+    // register_multi_grad_hook): its closure holds the input's AccumulateGrad node, a reference
+    // cycle the cyclic GC cannot see (pytorch/pytorch#183211, #139214), broken only when the final
+    // callback removes the hook. The checkpoint input and its gradient live until backward ends:
+    // this layer's input, and the gradient of the layer above's input, which this layer consumed.
+    retained_.push_back(resid_[static_cast<std::size_t>(l)]);
+  } else {
+    free(resid_[static_cast<std::size_t>(l)], B);
+  }
+  if (l + 1 < m_.layers && fsdp_retains(l + 1))
+    retained_.push_back(alloc([&] { return fmt::format("layers.{}.mb{}.input_grad.retained", l + 1, mb_); }, Cat::activations, act(M_ * H), B));
   resid_[static_cast<std::size_t>(l)] = -1;
   release_unit(unit, B);
   unit_gradients_done(unit, last);
@@ -1220,7 +1298,7 @@ void Builder::begin_unit_gradients(std::size_t u) {
   if (bk.units.front() != u || bucket_buf_[b] >= 0) return;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
   bucket_buf_[b] = alloc([&] { return fmt::format("grad.bucket{}.mb{}", b, mb_); }, Cat::gradients,
-                         tw * static_cast<std::uint64_t>(shard(bk.numel) * s_.ranks), Phase::backward);
+                         tw * static_cast<std::uint64_t>(shard(bk.numel) * group()), Phase::backward);
   if (bk.flat_lo < 0) return;
   auto views = [&](LinearPlan& lp) {
     if (!lp.adapter || lp.adapter->a_off < 0) return;
@@ -1250,9 +1328,14 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     const std::int32_t b = flush_of_[u];
     if (b < 0) return;
     const GradBucket& bk = buckets_[static_cast<std::size_t>(b)];
-    const std::int64_t padded = shard(bk.numel) * s_.ranks;
-    const std::int32_t rs = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(padded), -1,
-                                       Phase::backward, bucket_buf_[static_cast<std::size_t>(b)], {after_op});
+    const std::int64_t padded = shard(bk.numel) * group();
+    std::int32_t rs = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(padded), -1,
+                                 Phase::backward, bucket_buf_[static_cast<std::size_t>(b)], {after_op});
+    p_.ops[static_cast<std::size_t>(rs)].group_size = group();
+    if (group() < s_.ranks) {  // HYBRID_SHARD: the shard is then all-reduced across the groups
+      rs = collective(Collective::all_reduce, "all_reduce_grads", tw * static_cast<std::uint64_t>(shard(bk.numel)), -1, Phase::backward, -1, {rs});
+      p_.ops[static_cast<std::size_t>(rs)].group_size = s_.ranks / group();
+    }
     p_.ops[static_cast<std::size_t>(rs)].buffer_out = exec_z3() ? un.grad_shard_view : exec_z2() ? bk.grad_view : grad_shard_;
     p_.ops[static_cast<std::size_t>(rs)].accumulate = mb_ > 0;
     reduce_ops_.push_back(rs);
@@ -1260,7 +1343,7 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     bucket_buf_[static_cast<std::size_t>(b)] = -1;
     return;
   }
-  if (s_.stage == Stage::ddp && last_mb) {
+  if ((s_.stage == Stage::ddp || s_.stage == Stage::fsdp_no_shard) && last_mb) {
     // DDP (no_sync on all but the last micro-batch): bucketed all_reduce in place.
     if (un.trainable_numel > 0) {
       bucket_units_.push_back(u);
@@ -1269,7 +1352,8 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     const std::int64_t cap = in_.profile == RuntimeProfile::hf
                                  ? static_cast<std::int64_t>((25ull << 20) / tw)  // bucket_cap_mb = 25
                                  : s_.ds.reduce_bucket_size;
-    const bool flush = bucket_numel_ >= cap || u == 0;
+    // FSDP NO_SHARD all-reduces each unit in its post-backward hook.
+    const bool flush = bucket_numel_ >= cap || u == 0 || s_.stage == Stage::fsdp_no_shard;
     if (!flush || bucket_numel_ == 0) return;
     // The bucket is a contiguous range of grad.flat (units in backward order are consecutive
     // ranges of the flat layout): its view is the payload.
@@ -1339,7 +1423,8 @@ void Builder::micro_batch(std::int32_t mb) {
   // Tokens and targets (int32) for the micro-batch.
   const std::int32_t tokens = alloc([&] { return fmt::format("tokens.mb{}", mb); }, Cat::workspace, rules_.batch_bytes_per_token * static_cast<std::uint64_t>(M_), F);
   gather_unit(0, F, true);
-  gather_unit(1, F, false);
+  if (fsdp()) gather_unit(units_.size() - 1, F, true);  // the root unit: embedding and head
+  else gather_unit(1, F, false);
   resid_[0] = alloc([&] { return fmt::format("embed.mb{}.out", mb); }, Cat::activations, act(M_ * H), F);
   compute(Kernel::embedding_fwd, "embedding", -1, F, elementwise(act(M_ * H) * 2), {tokens, embed_buf_, resid_[0]});
   const bool embed_trains = units_[0].trainable_numel > 0 && in_.peft.adapters.empty();
@@ -1347,7 +1432,8 @@ void Builder::micro_batch(std::int32_t mb) {
   // Runtime rule: autocast keeps a compute-dtype copy of every fp32 adapter weight it casts
   // until the forward's autocast region closes (the end of the loss).
   std::int32_t autocast_cache = -1;
-  if (rules_.autocast_weight_cache && !in_.peft.adapters.empty() && f_.trainable_dtype != f_.compute_dtype)
+  // (Under FSDP's MixedPrecision the adapters compute from gathered compute-dtype copies: no cache.)
+  if (rules_.autocast_weight_cache && !fsdp() && !in_.peft.adapters.empty() && f_.trainable_dtype != f_.compute_dtype)
     autocast_cache = alloc([&] { return fmt::format("autocast.weight_cache.mb{}", mb); }, Cat::workspace, act(trainable_numel_ - extra_trainable_numel_), F);
   for (std::int32_t l = 0; l < static_cast<std::int32_t>(m_.layers); ++l) layer_forward(l, false);
   // Head: final norm, LM head, cross-entropy (logits upcast to fp32 as transformers' loss does).
@@ -1414,7 +1500,8 @@ void Builder::micro_batch(std::int32_t mb) {
     }
   }
   // Runtime rule: the gradients come to exist when backward first reaches one.
-  if (rules_.grads_only_in_backward && grad_flat_ >= 0 && mb == 0) alloc_buffer(grad_flat_, B);
+  if (mb == 0)
+    for (std::int32_t g : lazy_grads_) alloc_buffer(g, B);
   gather_unit(head, B, true);
   if (tied) gather_unit(0, B, true);
   begin_unit_gradients(head);
@@ -1441,8 +1528,11 @@ void Builder::micro_batch(std::int32_t mb) {
   if (embed_trains)
     last = compute(Kernel::embedding_bwd, "embedding", -1, B, elementwise(act(M_ * H) * 2), {tokens, dres_, grad_flat_});
   wait_ = -1;
-  release_unit(0, B);
+  release_unit(0, B, true);
+  release_unit(head, B, true);
   unit_gradients_done(0, last_compute_);
+  for (std::int32_t b : retained_) free(b, B);  // FSDP's final callback removes its hooks
+  retained_.clear();
   free(dres_, B);
   dres_ = -1;
   free(resid_[0], B);
@@ -1472,7 +1562,7 @@ void Builder::optimizer_step() {
   }
   // Mixed precision: the optimizer works on an fp32 copy of this rank's gradient partition.
   std::int32_t g32 = -1;
-  const bool host_opt = s_.offload_optimizer == OffloadDevice::cpu;
+  const bool host_opt = host_optimizer();
   if (f_.master_weights) g32 = alloc([&] { return "grad.fp32"; }, host_opt ? Cat::host_optimizer_states : Cat::gradients, f32(part), O);
   if (t_.grad_clip > 0.0 || exec) {  // the executor reports the norm even without clipping
     // grad_norm {grads}: sum of squares of this rank's gradient partition (all of it for DDP);
@@ -1531,7 +1621,7 @@ void Builder::optimizer_step() {
   }
   free(g32, O);
   // zero_grad(set_to_none=True) after the step.
-  if (rules_.grads_only_in_backward && grad_flat_ >= 0) free(grad_flat_, O);
+  for (std::int32_t g : lazy_grads_) free(g, O);
   // ZeRO-1/2: every rank needs the whole updated adapter again (in place: rank r's block of
   // trainable.flat is its contribution).
   if (exec_z2()) {  // each bucket's region, in place
@@ -1600,6 +1690,29 @@ void Builder::plan_buckets() {
   std::vector<std::size_t> order = {units_.size() - 1};
   for (std::size_t u = units_.size() - 2; u >= 1; --u) order.push_back(u);
   order.push_back(0);
+  if (fsdp()) {
+    // FSDP reduce-scatters each unit in its post-backward hook; the root unit (the head and the
+    // embedding) after the embedding's backward (_runtime_utils.py _post_backward_hook).
+    GradBucket root;
+    for (std::size_t u : order) {
+      if (units_[u].trainable_numel == 0) continue;
+      if (root_unit(u)) {
+        root.units.push_back(u);
+        root.numel += units_[u].trainable_numel;
+        continue;
+      }
+      GradBucket b;
+      b.units = {u};
+      b.numel = units_[u].trainable_numel;
+      b.flush_unit = u;
+      buckets_.push_back(std::move(b));
+    }
+    if (root.numel > 0) {
+      root.flush_unit = 0;
+      buckets_.push_back(std::move(root));
+    }
+    order.clear();
+  }
   GradBucket cur;
   for (std::size_t u : order) {
     if (units_[u].trainable_numel > 0) {
@@ -1750,9 +1863,19 @@ std::vector<std::string> validate(const PlanInput& in) {
   positive(t.grad_accum, "--grad-accum");
   positive(s.ranks, "--gpus");
   positive(t.checkpoint_every, "--checkpoint-every");
-  if (s.offload_param == OffloadDevice::cpu && s.stage != Stage::zero3)
-    throw InputError("--offload-param cpu: parameter offload needs ZeRO-3 (--strategy zero3), got --strategy " +
-                     std::string(name_of(s.stage)));
+  if (is_fsdp(s.stage) && in.profile != RuntimeProfile::hf)
+    throw InputError(fmt::format("--strategy {}: FSDP is planned with --profile hf (transformers + PEFT under torch FSDP "
+                                 "through accelerate), got --profile {}", name_of(s.stage), name_of(in.profile)));
+  if (is_fsdp(s.stage) && s.offload_optimizer == OffloadDevice::cpu)
+    throw InputError(fmt::format("--offload-optimizer cpu: FSDP has no optimizer-only offload; --offload-param cpu is FSDP's "
+                                 "CPUOffload (fsdp_offload_params: parameters, gradients and the optimizer step on the host), got "
+                                 "--strategy {}", name_of(s.stage)));
+  if (s.offload_param == OffloadDevice::cpu && !shards_params(s.stage))
+    throw InputError("--offload-param cpu: parameter offload needs sharded parameters (--strategy zero3, fsdp-full-shard, "
+                     "fsdp-shard-grad-op or fsdp-hybrid-shard), got --strategy " + std::string(name_of(s.stage)));
+  if (s.stage == Stage::fsdp_hybrid_shard && s.shard_group > 0 && s.ranks % s.shard_group != 0)
+    throw InputError(fmt::format("--strategy fsdp-hybrid-shard: {} ranks do not divide into shard groups of {} (the GPUs per node)",
+                                 s.ranks, s.shard_group));
   if (s.offload_optimizer == OffloadDevice::cpu && s.stage == Stage::ddp)
     throw InputError("--offload-optimizer cpu: optimizer offload needs a ZeRO stage (zero1, zero2 or zero3), got ddp");
   if (in.model.sliding_window && *in.model.sliding_window < t.seq_len)

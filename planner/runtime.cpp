@@ -35,6 +35,7 @@ RuntimeRules runtime_rules(const PlanInput& in) {
       // #20532 report 300-400 MiB; outside the caching allocator (nvidia-smi sees it,
       // torch.cuda.memory_allocated does not).
       r.context_bytes = 300ull << 20;
+      r.nccl_bytes = 544'000'000;  // as under hf (NVIDIA/nccl#964)
       return r;
     case RuntimeProfile::hf:
       break;
@@ -85,6 +86,11 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   // compute dtype (emb = cat(freqs, freqs)).
   r.rope_table_elems_per_pos = 2;  // x head_dim
   r.context_bytes = 300ull << 20;  // as for deepspeed
+  // torch 2.4 FSDP1 (see Builder::layer_backward); docs/research/fsdp-memory-model.md §2.5.
+  r.fsdp_hook_retains_checkpoint_grads = true;
+  // NCCL allocates its channels, proxy and scratch buffers itself: NVIDIA/nccl#964 measures
+  // about 544 MB per 2-GPU communicator outside PyTorch's allocator.
+  r.nccl_bytes = 544'000'000;
   return r;
 }
 

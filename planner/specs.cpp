@@ -39,6 +39,10 @@ std::string_view name_of(Stage s) {
     case Stage::zero1: return "zero1";
     case Stage::zero2: return "zero2";
     case Stage::zero3: return "zero3";
+    case Stage::fsdp_full_shard: return "fsdp-full-shard";
+    case Stage::fsdp_shard_grad_op: return "fsdp-shard-grad-op";
+    case Stage::fsdp_no_shard: return "fsdp-no-shard";
+    case Stage::fsdp_hybrid_shard: return "fsdp-hybrid-shard";
   }
   return "?";
 }

@@ -104,12 +104,19 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
     std::string args, expect;
   };
   const Case cases[] = {
-      {"plan --strategy zero2 --offload-param cpu", "--offload-param cpu: parameter offload needs ZeRO-3"},
+      {"plan --strategy zero2 --offload-param cpu", "--offload-param cpu: parameter offload needs sharded parameters"},
       {"plan --micro-batch -2", "--micro-batch: must be a positive integer, got -2"},
-      {"plan --strategy zero4", "--strategy: must be one of ddp, zero1, zero2, zero3, got \"zero4\""},
+      {"plan --strategy zero4", "--strategy: must be one of ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard, fsdp-hybrid-shard, got \"zero4\""},
       {"plan --gpus 8 --ds-config " + kData + "/ds/bad_batch.json", "train_batch_size"},
       {"plan --gpus 8 --ds-config " + kData + "/ds/offload_param_stage2.json", "offload_param"},
       {"plan --cluster 8xB300", "8xB300"},
+      {"plan --gpus 2 --strategy fsdp-full-shard", "--strategy fsdp-full-shard: FSDP is planned with --profile hf"},
+      {"plan --gpus 2 --strategy fsdp-full-shard --profile hf --offload-optimizer cpu",
+       "--offload-optimizer cpu: FSDP has no optimizer-only offload"},
+      {"plan --gpus 2 --strategy fsdp-full-shard --profile hf --write-ds-config /tmp/peftplan-test-fsdp-ds.json",
+       "has no FSDP sharding strategy"},
+      {"plan --headroom 120", "--headroom: must be a percentage in [0, 100), got 120"},
+      {"plan --alloc-conf garbage_collection_threshold:0.6", "garbage_collection_threshold"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.args);

@@ -6,8 +6,12 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
+#include "peftplan/models/parameters.h"
+#include "peftplan/models/peft.h"
 #include "peftplan/planner/closed_forms.h"
+#include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/plan.h"
 #include "peftplan/sim/cluster.h"
 
@@ -229,4 +233,143 @@ TEST(Activations, GptLayerMatchesKorthikantiWithoutDropout) {
   const double korthikanti = s * bsz * h * (34 + 5 * a * s / h);
   const double without_dropout = korthikanti - 2 * s * bsz * h - 3 * a * s * s * bsz;
   EXPECT_EQ(static_cast<double>(layer0), without_dropout + 2 * 2 * 4 * s * bsz);
+}
+
+// --- FSDP (torch FSDP1 through accelerate, --profile hf) ---------------------------------------
+// Model states per GPU against hand sizes: every unit (the embedding, each decoder layer, the
+// head) flattened and split over N ranks, ceil(numel / N) elements each (torch
+// distributed/fsdp/_flat_param.py _get_shard pads the flat parameter to a multiple of N).
+namespace fsdp_hand {
+
+struct Units {
+  std::vector<std::int64_t> frozen, trainable;  // per unit: embedding, layers, head
+};
+
+Units units_of(const PlanInput& in) {
+  const auto tensors = models::parameter_tensors(in.model);
+  Units u;
+  u.frozen.assign(static_cast<std::size_t>(in.model.layers) + 2, 0);
+  u.trainable = u.frozen;
+  const bool full = in.peft.adapters.empty();
+  for (const auto& t : tensors) {
+    const std::size_t i = t.layer >= 0 ? static_cast<std::size_t>(t.layer) + 1
+                          : t.role == models::ParamRole::embedding ? 0 : u.frozen.size() - 1;
+    (full ? u.trainable : u.frozen)[i] += t.numel();
+  }
+  if (!full) {
+    const auto linears = models::linear_modules(in.model, tensors);
+    for (const auto& t : models::trainable_tensors(in.model, in.peft, tensors, linears)) {
+      const std::size_t i = t.name.find("layers.") != std::string::npos
+                                ? static_cast<std::size_t>(std::stoll(t.name.substr(t.name.find("layers.") + 7))) + 1
+                                : u.frozen.size() - 1;
+      u.trainable[i] += t.numel();
+    }
+  }
+  return u;
+}
+
+std::uint64_t bytes_named(const sim::Program& p, const std::string& name) {
+  for (const auto& b : p.buffers)
+    if (b.name == name) return b.bytes;
+  ADD_FAILURE() << "no buffer " << name;
+  return 0;
+}
+
+PlanInput mistral(std::int32_t ranks, bool lora_adapter) {
+  PlanInput in;
+  in.model = models::load_model("mistral-7b");
+  if (lora_adapter) in.peft = lora(16, 16, {"q_proj", "k_proj", "v_proj", "o_proj"});
+  in.training.micro_batch = 1;
+  in.training.seq_len = 512;
+  in.training.precision = Precision::bf16_pure;
+  in.training.checkpointing = Checkpointing::full;
+  in.strategy.stage = Stage::fsdp_full_shard;
+  in.strategy.ranks = ranks;
+  in.profile = RuntimeProfile::hf;
+  return in;
+}
+
+}  // namespace fsdp_hand
+
+TEST(Fsdp, FullShardModelStatesAreAShardOfEveryUnit) {
+  using namespace fsdp_hand;
+  for (std::int32_t n : {2, 8}) {
+    for (bool adapter : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} ranks, {}", n, adapter ? "LoRA" : "full fine-tuning"));
+      const PlanInput in = mistral(n, adapter);
+      const sim::Program p = build_program(in).program;
+      const Units u = units_of(in);
+      auto sh = [&](std::int64_t x) { return static_cast<std::uint64_t>((x + n - 1) / n); };
+      // Trainable weights: bf16 in full fine-tuning, fp32 adapters (PEFT autocast_adapter_dtype).
+      const std::uint64_t tw = adapter ? 4 : 2;
+      std::int64_t trainable = 0;
+      for (std::size_t i = 0; i < u.frozen.size(); ++i) {
+        const std::string name = i == 0 ? "embedding" : i + 1 == u.frozen.size() ? "head" : fmt::format("layers.{}", i - 1);
+        if (u.frozen[i] > 0) {
+          EXPECT_EQ(bytes_named(p, name + ".frozen.shard"), sh(2 * u.frozen[i])) << name;
+        }
+        if (u.trainable[i] > 0) {
+          EXPECT_EQ(bytes_named(p, name + ".trainable.shard"), tw * sh(u.trainable[i])) << name;
+        }
+        trainable += u.trainable[i];
+      }
+      // Gradients: a shard in the parameters' dtype; AdamW's m and v in it too (torch.optim).
+      EXPECT_EQ(bytes_named(p, "grad.shard"), tw * sh(trainable));
+      EXPECT_EQ(bytes_named(p, "optimizer.states"), 2 * tw * sh(trainable));
+    }
+  }
+}
+
+TEST(Fsdp, ShardedQloraKeepsTheQuantStateWholeOnEveryRank) {
+  using namespace fsdp_hand;
+  PlanInput in = mistral(2, true);
+  in.peft.quantization = models::Quantization{DType::nf4, true, 64};
+  in.training.precision = Precision::bf16_mixed;
+  const sim::Program p = build_program(in).program;
+  // One decoder layer's linear weights: q, k, v, o, gate, up, down of Mistral-7B.
+  const std::int64_t H = 4096, I = 14336, kv = 1024;
+  const std::int64_t w[] = {H * H, kv * H, kv * H, H * H, I * H, I * H, H * I};
+  std::uint64_t packed = 0, state = 0;
+  for (std::int64_t n : w) {
+    packed += static_cast<std::uint64_t>(n / 2);  // nf4: two per byte
+    const std::uint64_t blocks = static_cast<std::uint64_t>(n / 64);  // QLoRA §3: one int8 absmax per block,
+    state += blocks + 4 * ((blocks + 255) / 256);                     // one fp32 constant per 256 blocks
+  }
+  const std::uint64_t norms = 2 * 2 * static_cast<std::uint64_t>(H);  // bf16: TRL leaves sharded QLoRA's norms alone
+  EXPECT_EQ(bytes_named(p, "layers.0.frozen.shard"), (packed + norms) / 2);
+  EXPECT_EQ(bytes_named(p, "layers.0.frozen.persistent"), state);
+}
+
+TEST(Fsdp, RetainedCheckpointGradientsPutTheLoraPeakInTheFirstLayersBackward) {
+  using namespace fsdp_hand;
+  PlanInput in = mistral(2, true);  // fms-acceleration's A5: 2 x 4096 tokens per GPU
+  in.training.micro_batch = 2;
+  in.training.seq_len = 4096;
+  const Plan p = make_plan(in, sim::resolve_cluster("1x2xA100-80GB"));
+  const auto& op = p.program.ops[static_cast<std::size_t>(p.memory.device_peak_op)];
+  EXPECT_EQ(op.phase, sim::Phase::backward);
+  EXPECT_EQ(p.program.buffers[static_cast<std::size_t>(op.buffer)].name.rfind("layers.0.", 0), 0u)
+      << p.program.buffers[static_cast<std::size_t>(op.buffer)].name;
+  std::uint64_t retained = 0;
+  for (const auto& b : p.program.buffers)
+    if (b.name.find("input_grad.retained") != std::string::npos) retained += b.bytes;
+  // The input gradients of layers 1..L-1 (bf16, 2 H T bytes each, T = 8192 tokens).
+  EXPECT_EQ(retained, static_cast<std::uint64_t>(in.model.layers - 1) * 2 * 4096 * 8192);
+  // Without checkpointing FSDP registers no such hook: nothing is retained.
+  PlanInput none = in;
+  none.training.checkpointing = Checkpointing::none;
+  for (const auto& b : build_program(none).program.buffers) EXPECT_EQ(b.name.find("retained"), std::string::npos) << b.name;
+}
+
+TEST(Fsdp, RefusesWhatFsdpDoesNotHave) {
+  PlanInput in = fsdp_hand::mistral(2, true);
+  in.profile = RuntimeProfile::deepspeed;
+  EXPECT_THROW(validate(in), peftplan::InputError);
+  in.profile = RuntimeProfile::hf;
+  in.strategy.offload_optimizer = OffloadDevice::cpu;
+  EXPECT_THROW(validate(in), peftplan::InputError);
+  in.strategy.offload_optimizer = OffloadDevice::none;
+  in.strategy.offload_param = OffloadDevice::cpu;
+  EXPECT_NO_THROW(validate(in));
+  EXPECT_THROW(write_ds_config(in.strategy, in.training), peftplan::InputError);
 }

@@ -51,6 +51,9 @@ struct RuntimeRules {
                                        // weights (adapters) for the forward
   bool free_at_last_use = false;       // a tensor nothing saves is freed when its last consumer
                                        // has run (reference counting), not at the layer's end
+  bool fsdp_hook_retains_checkpoint_grads = false;  // FSDP1's multi-grad hook on a frozen unit's
+                                       // checkpointed input keeps it and its gradient to the end
+                                       // of backward
   LossChain loss = LossChain::upcast_in_place;
   // --- outside the model ---
   int cublas_workspaces = 0;           // cuBLAS workspaces in the caching allocator
@@ -58,6 +61,7 @@ struct RuntimeRules {
   std::uint64_t rope_table_elems_per_pos = 0;  // cos/sin elements per position (0: the
                                                // builder's [S, d/2] x 2 tables)
   std::uint64_t context_bytes = 0;     // CUDA context and libraries outside the allocator
+  std::uint64_t nccl_bytes = 0;        // NCCL's own buffers per communicator, outside the allocator
 };
 
 // The rules of input.profile for this input (dtypes depend on precision and quantisation).

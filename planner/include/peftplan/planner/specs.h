@@ -54,7 +54,21 @@ struct TrainingSpec {
   double grad_clip = 0.0;              // global-norm clipping; 0 = off (DeepSpeed code default)
 };
 
-enum class Stage { ddp, zero1, zero2, zero3 };
+// How data parallelism places model states: DDP; DeepSpeed's ZeRO stages; torch FSDP's sharding
+// strategies as accelerate names them (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD).
+enum class Stage { ddp, zero1, zero2, zero3, fsdp_full_shard, fsdp_shard_grad_op, fsdp_no_shard, fsdp_hybrid_shard };
+
+constexpr bool is_fsdp(Stage s) {
+  return s == Stage::fsdp_full_shard || s == Stage::fsdp_shard_grad_op || s == Stage::fsdp_no_shard || s == Stage::fsdp_hybrid_shard;
+}
+// Parameters sharded at rest (gathered for compute).
+constexpr bool shards_params(Stage s) {
+  return s == Stage::zero3 || s == Stage::fsdp_full_shard || s == Stage::fsdp_shard_grad_op || s == Stage::fsdp_hybrid_shard;
+}
+// Gradients reduce-scattered into shards (with more than one rank).
+constexpr bool shards_grads(Stage s) { return s == Stage::zero2 || shards_params(s); }
+// Optimizer states sharded.
+constexpr bool shards_optimizer(Stage s) { return s != Stage::ddp && s != Stage::fsdp_no_shard; }
 enum class OffloadDevice { none, cpu };
 
 // DeepSpeed's zero_optimization knobs with DeepSpeed's *code* defaults
@@ -79,6 +93,8 @@ struct Strategy {
   std::int32_t ranks = 1;                        // N: data-parallel size (all GPUs)
   OffloadDevice offload_optimizer = OffloadDevice::none;  // ZeRO-Offload (stages 1-3)
   OffloadDevice offload_param = OffloadDevice::none;      // ZeRO-3 only
+  std::int32_t shard_group = 0;  // FSDP HYBRID_SHARD: ranks that shard among themselves (a node);
+                                 // 0: all of them
   DeepSpeedKnobs ds;
 };
 
