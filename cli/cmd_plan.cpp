@@ -12,6 +12,7 @@
 #include "plan_flags.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
+#include "peftplan/planner/accelerate_config.h"
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/plan_file.h"
@@ -116,7 +117,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   struct Options {
     PlanFlags plan;
     bool json = false;
-    std::string memory_trace, trace, write_ds_config, write_plan;
+    std::string memory_trace, trace, write_ds_config, write_accelerate_config, write_plan;
   };
   auto o = std::make_shared<Options>();
   add_plan_flags(cmd, o->plan);
@@ -124,6 +125,8 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--memory-trace", o->memory_trace, "write the memory timeline as Chrome trace counters");
   cmd->add_option("--trace", o->trace, "write the simulated step as a Chrome trace (Perfetto)");
   cmd->add_option("--write-ds-config", o->write_ds_config, "write the strategy as a DeepSpeed ds_config.json");
+  cmd->add_option("--write-accelerate-config", o->write_accelerate_config,
+                  "write a DDP or FSDP strategy as accelerate's launch config YAML (accelerate launch --config_file)");
   cmd->add_option("--write-plan", o->write_plan,
                   "write plan.json (the configuration and the cluster) for `peftplan compare` against your own job's measurement");
   cmd->callback([&exit_code, o] {
@@ -133,6 +136,11 @@ void add_plan_command(CLI::App& app, int& exit_code) {
     planner::Plan p = planner::make_plan(r.input, r.cluster, po);
     p.warnings.insert(p.warnings.begin(), r.warnings.begin(), r.warnings.end());
     if (!o->memory_trace.empty()) write_json_atomically(o->memory_trace, planner::memory_trace(p));
+    if (!o->write_accelerate_config.empty()) {
+      const std::int32_t per_node = std::max(1, r.cluster.gpus_per_node);
+      write_text_atomic(o->write_accelerate_config,
+                        planner::write_accelerate_config(r.input.strategy, r.input.training, (r.input.strategy.ranks + per_node - 1) / per_node));
+    }
     if (!o->write_ds_config.empty())
       write_json_atomically(o->write_ds_config, planner::write_ds_config(r.input.strategy, r.input.training));
     if (!o->write_plan.empty()) {

@@ -6,6 +6,7 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
+#include "peftplan/planner/accelerate_config.h"
 #include "peftplan/planner/ds_config.h"
 
 namespace peftplan::cli {
@@ -33,6 +34,8 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
   cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
   cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
   cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)");
+  cmd->add_option("--accelerate-config", f.accelerate_config,
+                  "accelerate launch config YAML with FSDP or MULTI_GPU (overrides strategy flags; implies --profile hf)");
   cmd->add_option("--micro-batch", f.micro_batch, "sequences per GPU per micro-step")->capture_default_str();
   cmd->add_option("--seq-len", f.seq_len, "tokens per sequence")->capture_default_str();
   cmd->add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step")->capture_default_str();
@@ -124,6 +127,31 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     in.strategy = ds.strategy;
     in.training = ds.training;
     r.warnings.insert(r.warnings.end(), ds.warnings.begin(), ds.warnings.end());
+  }
+  if (!f.accelerate_config.empty()) {
+    if (!f.ds_config.empty())
+      throw InputError("--accelerate-config and --ds-config: give one launcher's config, not both");
+    planner::AccelerateConfig ac = planner::read_accelerate_config_file(f.accelerate_config);
+    // --gpus overrides num_processes, as `accelerate launch --num_processes` does.
+    const std::int32_t ranks = f.gpus ? *f.gpus : ac.strategy.ranks > 0 ? ac.strategy.ranks : in.strategy.ranks;
+    if (ranks > total)
+      throw input_error(f.accelerate_config, "num_processes", fmt::format("must not exceed the cluster's {} GPUs ({})", total, r.cluster.name),
+                        std::to_string(ranks));
+    if (f.gpus && ac.strategy.ranks > 0 && ac.strategy.ranks != *f.gpus)
+      r.warnings.push_back(fmt::format("{}: --gpus {} overrides num_processes {} (as accelerate launch --num_processes does)",
+                                       f.accelerate_config, *f.gpus, ac.strategy.ranks));
+    in.strategy = ac.strategy;
+    in.strategy.ranks = ranks;
+    if (in.strategy.stage == Stage::fsdp_hybrid_shard && in.strategy.shard_group == 0)
+      in.strategy.shard_group = std::min(r.cluster.gpus_per_node, ranks);
+    if (ac.precision) in.training.precision = *ac.precision;
+    if (in.strategy.fsdp.activation_checkpointing) {  // FSDP's checkpoint_wrapper on every decoder layer
+      in.training.checkpointing = Checkpointing::full;
+      in.training.checkpoint_reentrant = false;
+    }
+    // An accelerate job runs transformers + PEFT: the hf profile, unless another was asked for.
+    if (f.profile == "deepspeed") in.profile = planner::RuntimeProfile::hf;
+    r.warnings.insert(r.warnings.end(), ac.warnings.begin(), ac.warnings.end());
   }
   return r;
 }

@@ -23,6 +23,7 @@ struct PlanFlags {
   std::string offload_optimizer = "none";
   std::string offload_param = "none";
   std::string ds_config;
+  std::string accelerate_config;
   std::int64_t micro_batch = 1;
   std::int64_t seq_len = 2048;
   std::int64_t grad_accum = 1;
@@ -41,7 +42,7 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& flags);
 struct ResolvedPlan {
   planner::PlanInput input;
   sim::Cluster cluster;
-  std::vector<std::string> warnings;  // from ds_config.json
+  std::vector<std::string> warnings;  // from ds_config.json or the accelerate config
   double headroom_fraction = planner::kDefaultHeadroomFraction;
 };
 ResolvedPlan resolve_plan_flags(const PlanFlags& flags);

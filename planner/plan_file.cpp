@@ -75,6 +75,9 @@ json plan_file_to_json(const PlanFile& pf) {
                    {"optimizer", name_of(t.optimizer)},
                    {"full_finetune", t.full_finetune},
                    {"base_storage", t.base_storage ? json(name_of(*t.base_storage)) : json(nullptr)}};
+  if (is_fsdp(in.strategy.stage))
+    throw InputError(fmt::format("plan.json: --strategy {} cannot be written yet (a plan.json carries a DeepSpeed ds_config); "
+                                 "write accelerate's launch config with --write-accelerate-config", name_of(in.strategy.stage)));
   json ds = write_ds_config(in.strategy, t, pf.extras);
   const RunOptions& r = pf.run;
   json run = {{"steps", r.steps},

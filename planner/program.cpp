@@ -391,7 +391,8 @@ class Builder {
   std::vector<std::int32_t> retained_;    // FSDP: checkpoint inputs and gradients its hooks hold
   // FSDP with reentrant checkpointing on a frozen decoder unit (see layer_backward).
   bool fsdp_retains(std::int64_t l) const {
-    return fsdp() && rules_.fsdp_hook_retains_checkpoint_grads && !in_.peft.adapters.empty() && checkpointed(l);
+    return fsdp() && rules_.fsdp_hook_retains_checkpoint_grads && !in_.peft.adapters.empty() && checkpointed(l) &&
+           t_.checkpoint_reentrant;
   }
   std::int32_t trainable_shard_ = -1;  // ZeRO-3, executor profile: this rank's adapter partition
   std::int64_t part_numel_ = 0;      // executor profile, ZeRO-3: the partition's elements (Σ unit
@@ -996,7 +997,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const std::size_t unit = static_cast<std::size_t>(l) + 1;
   gather_unit(unit, P, true);
   // Prefetch the next layer (or the head); FSDP's forward_prefetch is off by default.
-  if (!recompute && !fsdp()) gather_unit(unit + 1, P, false);
+  if (!recompute && (!fsdp() || s_.fsdp.forward_prefetch)) gather_unit(unit + 1, P, false);
   const std::int64_t H = m_.hidden, B = t_.micro_batch, S = M_ / t_.micro_batch;
   const std::string pre = fmt::format("layers.{}.mb{}", l, mb_);
   const std::int32_t x = resid_[static_cast<std::size_t>(l)];
@@ -1172,7 +1173,7 @@ void Builder::layer_backward(std::int32_t l) {
   }
   // Prefetch the previous layer (or the embedding). FSDP's BACKWARD_PRE prefetches only a unit
   // whose forward ran with grad enabled (_register_pre_backward_hooks): not a checkpointed one.
-  if (!fsdp() || (l > 0 && !checkpointed(l - 1))) gather_unit(unit - 1, B, false);
+  if (!fsdp() || (l > 0 && !checkpointed(l - 1) && s_.fsdp.backward_prefetch != FsdpPrefetch::none)) gather_unit(unit - 1, B, false);
   begin_unit_gradients(unit);
   auto& lin = layer_linears_[static_cast<std::size_t>(l)];
   auto& saved = saved_[static_cast<std::size_t>(l)];

@@ -8,6 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config   # compiler and build
   libeigen3-dev                                  # executor CPU kernels (GEMM)
   nlohmann-json3-dev                             # every JSON file in and out
+  libyaml-cpp-dev                                # accelerate's FSDP config YAML in and out
   libfmt-dev                                     # formatting tables and messages
   libssl-dev                                     # SHA-256 (OpenSSL libcrypto): config.json identity
   libcli11-dev                                   # command-line parsing

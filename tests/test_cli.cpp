@@ -115,6 +115,9 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "--offload-optimizer cpu: FSDP has no optimizer-only offload"},
       {"plan --gpus 2 --strategy fsdp-full-shard --profile hf --write-ds-config /tmp/peftplan-test-fsdp-ds.json",
        "has no FSDP sharding strategy"},
+      {"plan --accelerate-config " + kData + "/accelerate/malformed.yaml", "accelerate/malformed.yaml: not a valid YAML file"},
+      {"plan --accelerate-config " + kData + "/accelerate/bad_strategy.yaml", "fsdp_config.fsdp_sharding_strategy must be"},
+      {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --write-plan /tmp/peftplan-test-fsdp-plan.json", "cannot be written yet"},
       {"plan --headroom 120", "--headroom: must be a percentage in [0, 100), got 120"},
       {"plan --alloc-conf garbage_collection_threshold:0.6", "garbage_collection_threshold"},
   };

@@ -42,6 +42,9 @@ struct TrainingSpec {
   Precision precision = Precision::bf16_mixed;
   Checkpointing checkpointing = Checkpointing::none;
   std::int64_t checkpoint_every = 1;   // k for Checkpointing::every_k
+  bool checkpoint_reentrant = true;    // torch.utils.checkpoint(use_reentrant=True), what the
+                                       // Trainer's gradient_checkpointing uses; false for FSDP's
+                                       // own activation checkpointing (NO_REENTRANT)
   Attention attention = Attention::flash;
   Optimizer optimizer = Optimizer::adamw;
   std::optional<DType> base_storage;   // frozen weights' dtype; default: the compute dtype
@@ -88,6 +91,22 @@ struct DeepSpeedKnobs {
   bool overlap(bool stage3) const { return overlap_comm.value_or(stage3); }
 };
 
+// torch FSDP's knobs as accelerate's FullyShardedDataParallelPlugin sets them (accelerate 1.0.1
+// utils/dataclasses.py defaults; `accelerate launch` sets use_orig_params, sync_module_states and
+// cpu_ram_efficient_loading to true).
+enum class FsdpPrefetch { backward_pre, backward_post, none };
+struct FsdpKnobs {
+  FsdpPrefetch backward_prefetch = FsdpPrefetch::backward_pre;
+  bool forward_prefetch = false;
+  bool use_orig_params = true;
+  bool cpu_ram_efficient_loading = true;
+  bool sync_module_states = true;
+  bool activation_checkpointing = false;  // FSDP's checkpoint_wrapper (non-reentrant)
+  std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";
+  std::string state_dict_type = "SHARDED_STATE_DICT";
+  bool operator==(const FsdpKnobs&) const = default;
+};
+
 struct Strategy {
   Stage stage = Stage::ddp;
   std::int32_t ranks = 1;                        // N: data-parallel size (all GPUs)
@@ -96,6 +115,7 @@ struct Strategy {
   std::int32_t shard_group = 0;  // FSDP HYBRID_SHARD: ranks that shard among themselves (a node);
                                  // 0: all of them
   DeepSpeedKnobs ds;
+  FsdpKnobs fsdp;
 };
 
 std::string_view name_of(Precision p);

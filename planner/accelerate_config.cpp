@@ -1,0 +1,243 @@
+// accelerate config YAML reader and writer (see accelerate_config.h), on yaml-cpp.
+#include "peftplan/planner/accelerate_config.h"
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include "peftplan/common/error.h"
+
+namespace peftplan::planner {
+namespace {
+
+// accelerate utils/constants.py FSDP_SHARDING_STRATEGY; its position + 1 is torch's
+// ShardingStrategy value, the number `accelerate config` writes (fsdp_sharding_strategy: 1).
+constexpr std::array<std::string_view, 5> kShardingNames = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                                                            "HYBRID_SHARD_ZERO2"};
+constexpr std::array<Stage, 4> kShardingStages = {Stage::fsdp_full_shard, Stage::fsdp_shard_grad_op, Stage::fsdp_no_shard,
+                                                  Stage::fsdp_hybrid_shard};
+
+std::string_view sharding_name(Stage s) {
+  for (std::size_t i = 0; i < kShardingStages.size(); ++i)
+    if (kShardingStages[i] == s) return kShardingNames[i];
+  return "?";
+}
+
+// Top-level keys that change neither memory nor time.
+const std::set<std::string, std::less<>>& silent_keys() {
+  static const std::set<std::string, std::less<>> k = {
+      "compute_environment", "machine_rank",   "main_training_function", "rdzv_backend", "same_network",
+      "main_process_ip",     "main_process_port", "gpu_ids",             "tpu_env",      "tpu_use_cluster",
+      "tpu_use_sudo",        "debug",          "enable_cpu_affinity",    "dynamo_config", "use_cpu",
+      "downcast_bf16",       "megatron_lm_config", "ipex_config",        "mpirun_config", "commands",
+      "command_file",        "tpu_name",       "tpu_zone",               "deepspeed_config"};
+  return k;
+}
+
+struct Reader {
+  std::string_view source;
+  std::vector<std::string>* warnings;
+
+  std::string scalar(const YAML::Node& n, std::string_view key) const {
+    if (!n.IsScalar()) throw input_error(source, key, "must be a scalar value");
+    return n.Scalar();
+  }
+  // YAML booleans, and the strings 'true' / 'false' accelerate writes for environment variables.
+  bool boolean(const YAML::Node& n, std::string_view key) const {
+    std::string v = scalar(n, key);
+    std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (v == "true" || v == "yes" || v == "on") return true;
+    if (v == "false" || v == "no" || v == "off") return false;
+    throw input_error(source, key, "must be true or false", fmt::format("\"{}\"", n.Scalar()));
+  }
+  std::int64_t integer(const YAML::Node& n, std::string_view key, std::int64_t lo, std::int64_t hi) const {
+    const std::string v = scalar(n, key);
+    std::int64_t x = 0;
+    std::size_t used = 0;
+    try {
+      x = std::stoll(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != v.size() || v.empty() || x < lo || x > hi)
+      throw input_error(source, key, fmt::format("must be an integer in [{}, {}]", lo, hi), fmt::format("\"{}\"", v));
+    return x;
+  }
+  std::string one_of(const YAML::Node& n, std::string_view key, std::initializer_list<std::string_view> valid) const {
+    const std::string v = scalar(n, key);
+    for (std::string_view x : valid)
+      if (v == x) return v;
+    std::string list;
+    for (std::string_view x : valid) list += (list.empty() ? "" : ", ") + std::string(x);
+    throw input_error(source, key, "must be one of " + list, fmt::format("\"{}\"", v));
+  }
+  void warn(std::string msg) const { warnings->push_back(std::move(msg)); }
+};
+
+void read_fsdp(const YAML::Node& f, const Reader& r, AccelerateConfig& out) {
+  if (!f.IsMap()) throw input_error(r.source, "fsdp_config", "must be a mapping of fsdp_* keys");
+  Strategy& s = out.strategy;
+  s.stage = Stage::fsdp_full_shard;  // FullyShardedDataParallelPlugin's default
+  for (const auto& kv : f) {
+    const std::string key = kv.first.as<std::string>();
+    const std::string path = "fsdp_config." + key;
+    const YAML::Node& v = kv.second;
+    if (key == "fsdp_sharding_strategy") {
+      const std::string x = r.scalar(v, path);
+      bool found = false;
+      for (std::size_t i = 0; i < kShardingNames.size(); ++i)
+        if (x == kShardingNames[i] || x == std::to_string(i + 1)) {
+          if (i == 4)
+            throw input_error(r.source, path, "HYBRID_SHARD_ZERO2 (5) is not planned; use FULL_SHARD (1), SHARD_GRAD_OP (2), "
+                                              "NO_SHARD (3) or HYBRID_SHARD (4)", fmt::format("\"{}\"", x));
+          s.stage = kShardingStages[i];
+          found = true;
+        }
+      if (!found)
+        throw input_error(r.source, path, "must be FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or their numbers 1-4",
+                          fmt::format("\"{}\"", x));
+    } else if (key == "fsdp_offload_params") {
+      s.offload_param = r.boolean(v, path) ? OffloadDevice::cpu : OffloadDevice::none;
+    } else if (key == "fsdp_backward_prefetch" || key == "fsdp_backward_prefetch_policy") {
+      // fsdp_backward_prefetch_policy: the key's name before accelerate 0.27 (still read, with
+      // a deprecation warning, by FullyShardedDataParallelPlugin).
+      const std::string x = r.one_of(v, path, {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"});
+      s.fsdp.backward_prefetch = x == "BACKWARD_PRE" ? FsdpPrefetch::backward_pre : x == "BACKWARD_POST" ? FsdpPrefetch::backward_post : FsdpPrefetch::none;
+      if (key == "fsdp_backward_prefetch_policy") r.warn(fmt::format("{}: {} is the deprecated name of fsdp_config.fsdp_backward_prefetch", r.source, path));
+    } else if (key == "fsdp_forward_prefetch") {
+      s.fsdp.forward_prefetch = r.boolean(v, path);
+    } else if (key == "fsdp_use_orig_params") {
+      s.fsdp.use_orig_params = r.boolean(v, path);
+      if (!s.fsdp.use_orig_params) r.warn(fmt::format("{}: {} false is planned as true (flat-parameter gradients are not kept across zero_grad)", r.source, path));
+    } else if (key == "fsdp_cpu_ram_efficient_loading") {
+      s.fsdp.cpu_ram_efficient_loading = r.boolean(v, path);
+    } else if (key == "fsdp_sync_module_states") {
+      s.fsdp.sync_module_states = r.boolean(v, path);
+    } else if (key == "fsdp_activation_checkpointing") {
+      s.fsdp.activation_checkpointing = r.boolean(v, path);
+    } else if (key == "fsdp_auto_wrap_policy") {
+      s.fsdp.auto_wrap_policy = r.one_of(v, path, {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"});
+      if (s.fsdp.auto_wrap_policy != "TRANSFORMER_BASED_WRAP")
+        r.warn(fmt::format("{}: {} {} is planned as TRANSFORMER_BASED_WRAP (a unit per decoder layer)", r.source, path, s.fsdp.auto_wrap_policy));
+    } else if (key == "fsdp_state_dict_type") {
+      s.fsdp.state_dict_type = r.one_of(v, path, {"FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"});
+    } else if (key == "fsdp_version") {
+      const std::int64_t version = r.integer(v, path, 1, 2);
+      if (version == 2)
+        throw input_error(r.source, path, "FSDP2 (per-parameter DTensor shards) is not planned yet; use fsdp_version 1", "2");
+    } else if (key == "fsdp_transformer_layer_cls_to_wrap" || key == "fsdp_min_num_params") {
+      // The unit is the model's decoder layer (_no_split_modules) whatever class it names.
+    } else {
+      r.warn(fmt::format("{}: {} is not an FSDP option peftplan models; ignored", r.source, path));
+    }
+  }
+}
+
+}  // namespace
+
+AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml));
+  } catch (const YAML::Exception& e) {
+    throw InputError(fmt::format("{}: not a valid YAML file: {} (line {}, column {})", source, e.msg, e.mark.line + 1, e.mark.column + 1));
+  }
+  if (!root.IsMap()) throw input_error(source, "", "must be a YAML mapping (an accelerate config file)");
+  AccelerateConfig out;
+  Reader r{source, &out.warnings};
+  const YAML::Node dt = root["distributed_type"];
+  if (!dt) throw input_error(source, "distributed_type", "is missing (FSDP, MULTI_GPU or NO)");
+  const std::string type = r.one_of(dt, "distributed_type", {"FSDP", "MULTI_GPU", "NO", "DEEPSPEED"});
+  if (type == "DEEPSPEED")
+    throw input_error(source, "distributed_type", "DEEPSPEED: give DeepSpeed's own config with --ds-config", "\"DEEPSPEED\"");
+  out.strategy.stage = Stage::ddp;
+  for (const auto& kv : root) {
+    const std::string key = kv.first.as<std::string>();
+    const YAML::Node& v = kv.second;
+    if (key == "distributed_type") continue;
+    if (key == "fsdp_config") {
+      if (type != "FSDP") {
+        r.warn(fmt::format("{}: fsdp_config is ignored with distributed_type {}", source, type));
+        continue;
+      }
+      read_fsdp(v, r, out);
+    } else if (key == "num_processes") {
+      out.strategy.ranks = static_cast<std::int32_t>(r.integer(v, key, 1, 1'000'000));
+    } else if (key == "num_machines") {
+      out.num_machines = static_cast<std::int32_t>(r.integer(v, key, 1, 100'000));
+    } else if (key == "mixed_precision") {
+      const std::string x = r.one_of(v, key, {"no", "bf16", "fp16", "fp8"});
+      if (x == "fp8") throw input_error(source, key, "fp8 is not planned; use no, bf16 or fp16", "\"fp8\"");
+      if (x == "bf16") out.precision = Precision::bf16_mixed;
+      if (x == "fp16") out.precision = Precision::fp16_mixed;
+    } else if (silent_keys().count(key) == 0) {
+      r.warn(fmt::format("{}: {} is not an accelerate option peftplan models; ignored", source, key));
+    }
+  }
+  if (type == "FSDP" && !root["fsdp_config"]) out.strategy.stage = Stage::fsdp_full_shard;
+  if (out.strategy.ranks > 0 && out.strategy.ranks % out.num_machines != 0)
+    throw input_error(source, "num_processes", fmt::format("must be a multiple of num_machines ({})", out.num_machines),
+                      std::to_string(out.strategy.ranks));
+  if (out.strategy.stage == Stage::fsdp_hybrid_shard && out.strategy.ranks > 0)
+    out.strategy.shard_group = out.strategy.ranks / out.num_machines;
+  if (type != "FSDP" && out.strategy.ranks == 0) out.strategy.ranks = 1;
+  return out;
+}
+
+AccelerateConfig read_accelerate_config_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw InputError(fmt::format("{}: cannot read the accelerate config", path));
+  std::ostringstream text;
+  text << f.rdbuf();
+  return read_accelerate_config(text.str(), path);
+}
+
+std::string write_accelerate_config(const Strategy& s, const TrainingSpec& t, std::int32_t num_machines) {
+  const std::string where = "accelerate config";
+  if (!is_fsdp(s.stage) && s.stage != Stage::ddp)
+    throw input_error(where, "distributed_type", fmt::format("--strategy {} is DeepSpeed's: write its config with --write-ds-config", name_of(s.stage)));
+  if (s.offload_optimizer != OffloadDevice::none)
+    throw input_error(where, "fsdp_config.fsdp_offload_params", "accelerate has no optimizer-only offload (--offload-optimizer)");
+  YAML::Emitter y;
+  y << YAML::BeginMap;
+  y << YAML::Key << "compute_environment" << YAML::Value << "LOCAL_MACHINE";
+  y << YAML::Key << "distributed_type" << YAML::Value << (is_fsdp(s.stage) ? "FSDP" : s.ranks > 1 ? "MULTI_GPU" : "NO");
+  y << YAML::Key << "downcast_bf16" << YAML::Value << YAML::SingleQuoted << "no";
+  if (is_fsdp(s.stage)) {
+    const FsdpKnobs& k = s.fsdp;
+    y << YAML::Key << "fsdp_config" << YAML::Value << YAML::BeginMap;
+    y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << k.activation_checkpointing;
+    y << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << k.auto_wrap_policy;
+    y << YAML::Key << "fsdp_backward_prefetch" << YAML::Value
+      << (k.backward_prefetch == FsdpPrefetch::backward_pre ? "BACKWARD_PRE" : k.backward_prefetch == FsdpPrefetch::backward_post ? "BACKWARD_POST" : "NO_PREFETCH");
+    y << YAML::Key << "fsdp_cpu_ram_efficient_loading" << YAML::Value << k.cpu_ram_efficient_loading;
+    y << YAML::Key << "fsdp_forward_prefetch" << YAML::Value << k.forward_prefetch;
+    y << YAML::Key << "fsdp_offload_params" << YAML::Value << (s.offload_param == OffloadDevice::cpu);
+    y << YAML::Key << "fsdp_sharding_strategy" << YAML::Value << std::string(sharding_name(s.stage));
+    y << YAML::Key << "fsdp_state_dict_type" << YAML::Value << k.state_dict_type;
+    y << YAML::Key << "fsdp_sync_module_states" << YAML::Value << k.sync_module_states;
+    y << YAML::Key << "fsdp_use_orig_params" << YAML::Value << k.use_orig_params;
+    y << YAML::Key << "fsdp_version" << YAML::Value << 1;
+    y << YAML::EndMap;
+  }
+  y << YAML::Key << "machine_rank" << YAML::Value << 0;
+  y << YAML::Key << "main_training_function" << YAML::Value << "main";
+  y << YAML::Key << "mixed_precision" << YAML::Value << YAML::SingleQuoted
+    << (t.precision == Precision::bf16_mixed ? "bf16" : t.precision == Precision::fp16_mixed ? "fp16" : "no");
+  y << YAML::Key << "num_machines" << YAML::Value << num_machines;
+  y << YAML::Key << "num_processes" << YAML::Value << s.ranks;
+  y << YAML::Key << "rdzv_backend" << YAML::Value << "static";
+  y << YAML::Key << "same_network" << YAML::Value << true;
+  y << YAML::Key << "use_cpu" << YAML::Value << false;
+  y << YAML::EndMap;
+  return std::string(y.c_str()) + "\n";
+}
+
+}  // namespace peftplan::planner

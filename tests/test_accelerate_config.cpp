@@ -1,0 +1,129 @@
+// accelerate's launch config YAML in and out (planner/accelerate_config.h), against accelerate
+// 1.0.1's spellings: sharding strategies by name or by torch's ShardingStrategy number, the
+// deprecated fsdp_backward_prefetch_policy key, and the fms-acceleration benchmarks' own file.
+#include <fstream>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/planner/accelerate_config.h"
+
+using namespace peftplan;
+using namespace peftplan::planner;
+
+namespace {
+
+const std::string kDir = std::string(PEFTPLAN_TEST_DATA) + "/accelerate";
+
+std::string error_of(std::string_view yaml) {
+  try {
+    read_accelerate_config(yaml, "cfg.yaml");
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(AccelerateConfig, ReadsTheFmsBenchmarksFile) {
+  const AccelerateConfig c = read_accelerate_config_file(kDir + "/fms-acceleration-benchmarks.yaml");
+  EXPECT_EQ(c.strategy.stage, Stage::fsdp_full_shard);  // fsdp_sharding_strategy: 1
+  EXPECT_EQ(c.strategy.offload_param, OffloadDevice::none);
+  EXPECT_EQ(c.strategy.fsdp.backward_prefetch, FsdpPrefetch::backward_pre);
+  EXPECT_FALSE(c.strategy.fsdp.forward_prefetch);
+  EXPECT_TRUE(c.strategy.fsdp.cpu_ram_efficient_loading);
+  EXPECT_TRUE(c.strategy.fsdp.sync_module_states);
+  EXPECT_TRUE(c.strategy.fsdp.use_orig_params);  // accelerate launch's default
+  EXPECT_EQ(c.strategy.fsdp.state_dict_type, "SHARDED_STATE_DICT");
+  EXPECT_EQ(c.strategy.ranks, 1);
+  EXPECT_EQ(c.num_machines, 1);
+  EXPECT_FALSE(c.precision.has_value());  // mixed_precision: 'no'
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("fsdp_backward_prefetch_policy is the deprecated name"), std::string::npos);
+}
+
+TEST(AccelerateConfig, ShardingStrategyByNameOrNumber) {
+  const std::pair<std::string, Stage> cases[] = {
+      {"1", Stage::fsdp_full_shard},        {"FULL_SHARD", Stage::fsdp_full_shard},
+      {"2", Stage::fsdp_shard_grad_op},     {"SHARD_GRAD_OP", Stage::fsdp_shard_grad_op},
+      {"3", Stage::fsdp_no_shard},          {"NO_SHARD", Stage::fsdp_no_shard},
+      {"4", Stage::fsdp_hybrid_shard},      {"HYBRID_SHARD", Stage::fsdp_hybrid_shard},
+  };
+  for (const auto& [v, stage] : cases) {
+    SCOPED_TRACE(v);
+    const auto c = read_accelerate_config("distributed_type: FSDP\nnum_processes: 16\nnum_machines: 2\nfsdp_config:\n  fsdp_sharding_strategy: " + v + "\n", "cfg.yaml");
+    EXPECT_EQ(c.strategy.stage, stage);
+    EXPECT_EQ(c.strategy.ranks, 16);
+    if (stage == Stage::fsdp_hybrid_shard) {
+      EXPECT_EQ(c.strategy.shard_group, 8);  // a node's ranks
+    }
+  }
+}
+
+TEST(AccelerateConfig, WriteThenReadIsTheSameStrategy) {
+  for (Stage stage : {Stage::fsdp_full_shard, Stage::fsdp_shard_grad_op, Stage::fsdp_no_shard, Stage::fsdp_hybrid_shard, Stage::ddp}) {
+    for (bool offload : {false, true}) {
+      if (offload && !shards_params(stage)) continue;
+      Strategy s;
+      s.stage = stage;
+      s.ranks = 16;
+      s.offload_param = offload ? OffloadDevice::cpu : OffloadDevice::none;
+      s.fsdp.backward_prefetch = FsdpPrefetch::backward_post;
+      s.fsdp.forward_prefetch = true;
+      s.fsdp.state_dict_type = "FULL_STATE_DICT";
+      s.fsdp.activation_checkpointing = true;
+      if (stage == Stage::fsdp_hybrid_shard) s.shard_group = 8;
+      TrainingSpec t;
+      t.precision = Precision::bf16_mixed;
+      const std::string yaml = write_accelerate_config(s, t, 2);
+      SCOPED_TRACE(yaml);
+      const AccelerateConfig c = read_accelerate_config(yaml, "written.yaml");
+      EXPECT_TRUE(c.warnings.empty());
+      EXPECT_EQ(c.strategy.stage, s.stage);
+      EXPECT_EQ(c.strategy.ranks, 16);
+      EXPECT_EQ(c.num_machines, 2);
+      EXPECT_EQ(c.precision, Precision::bf16_mixed);
+      if (is_fsdp(stage)) {
+        EXPECT_EQ(c.strategy.offload_param, s.offload_param);
+        EXPECT_EQ(c.strategy.fsdp, s.fsdp);
+        EXPECT_EQ(c.strategy.shard_group, s.shard_group);
+      }
+    }
+  }
+}
+
+TEST(AccelerateConfig, BadFilesNameTheFileAndTheKey) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"[1, 2", "cfg.yaml: not a valid YAML file"},
+      {"- a\n- b\n", "cfg.yaml: must be a YAML mapping"},
+      {"num_processes: 2\n", "cfg.yaml: distributed_type is missing"},
+      {"distributed_type: DEEPSPEED\n", "cfg.yaml: distributed_type DEEPSPEED: give DeepSpeed's own config with --ds-config"},
+      {"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 5\n", "fsdp_config.fsdp_sharding_strategy HYBRID_SHARD_ZERO2 (5) is not planned"},
+      {"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: QUARTER\n", "fsdp_config.fsdp_sharding_strategy must be FULL_SHARD"},
+      {"distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: maybe\n", "fsdp_config.fsdp_offload_params must be true or false, got \"maybe\""},
+      {"distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n", "fsdp_config.fsdp_version FSDP2"},
+      {"distributed_type: FSDP\nnum_processes: -3\n", "cfg.yaml: num_processes must be an integer in [1, 1000000], got \"-3\""},
+      {"distributed_type: FSDP\nnum_processes: 3\nnum_machines: 2\n", "num_processes must be a multiple of num_machines (2)"},
+      {"distributed_type: FSDP\nmixed_precision: fp8\n", "mixed_precision fp8 is not planned"},
+      {"distributed_type: FSDP\nfsdp_config: 7\n", "fsdp_config must be a mapping"},
+  };
+  for (const auto& [yaml, expect] : cases) {
+    SCOPED_TRACE(yaml);
+    EXPECT_NE(error_of(yaml).find(expect), std::string::npos) << error_of(yaml);
+  }
+}
+
+TEST(AccelerateConfig, UnknownKeysAreWarningsNamingTheKey) {
+  const auto c = read_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_fancy: 1\nzeta: 2\nmachine_rank: 0\n", "cfg.yaml");
+  ASSERT_EQ(c.warnings.size(), 2u);
+  EXPECT_NE(c.warnings[0].find("fsdp_config.fsdp_fancy"), std::string::npos);
+  EXPECT_NE(c.warnings[1].find("zeta"), std::string::npos);
+}
+
+TEST(AccelerateConfig, RefusesToWriteZero) {
+  Strategy s;
+  s.stage = Stage::zero3;
+  EXPECT_THROW(write_accelerate_config(s, TrainingSpec{}, 1), InputError);
+}
+
+}  // namespace
