@@ -775,6 +775,10 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     }
   }
   gathered_[u] = alloc([&] { return fmt::format("{}.gathered.{}", un.name, name_of(phase)); }, Cat::gathered_weights, frozen_full + train_full, phase);
+  // FSDP allocates the unsharded parameter on its unshard stream (_runtime_utils.py _unshard:
+  // `with state._device_handle.stream(unshard_stream)`): the caching allocator then caches that
+  // block for that stream only.
+  if (fsdp()) p_.ops.back().stream = Stream::comm;
   const auto layer = static_cast<std::int32_t>(u) - 1;
   // Executor profile: the gathered buffer is the unit's flattened adapter (padded to a multiple
   // of N elements, unit inventory order) then its flattened frozen tensors (padded to a multiple

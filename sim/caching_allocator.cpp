@@ -618,7 +618,7 @@ AllocatorReplay replay_caching_allocator(const Program& program, const Allocator
       if (on_host(buf.category) || buf.view_of >= 0) continue;
       if (op.kind == OpKind::alloc) {
         if (live[b]) model.free(*live[b]);  // left live by the previous step
-        live[b] = model.malloc(buf.bytes, 0);
+        live[b] = model.malloc(buf.bytes, static_cast<int>(op.stream));
         if (!live[b] && !r.oom) {
           r.oom = model.stats().first_oom;
           r.oom_op = static_cast<std::int32_t>(i);

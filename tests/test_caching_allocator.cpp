@@ -591,3 +591,51 @@ TEST(CachingAllocator, RandomSequencesKeepTheBooksStraight) {
 
 }  // namespace
 }  // namespace peftplan::sim
+
+// replay_caching_allocator over a step program: setup once, the step twice; a block freed on one
+// stream is not reused by a request on another (CUDACachingAllocator.cpp get_free_block keys the
+// pools on the stream), so a gather buffer on FSDP's unshard stream does not fit into a cached
+// compute block of the same size.
+namespace {
+peftplan::sim::Program replay_program(peftplan::sim::Stream second) {
+  using namespace peftplan::sim;
+  Program p;
+  const std::int32_t w = p.add_buffer("weights", MemCategory::base_weights, 40u << 20);
+  const std::int32_t a = p.add_buffer("act", MemCategory::activations, 30u << 20);
+  const std::int32_t g = p.add_buffer("gathered", MemCategory::gathered_weights, 30u << 20);
+  auto op = [&](OpKind k, std::int32_t b, Phase ph, Stream s = Stream::compute) {
+    Op o;
+    o.kind = k;
+    o.buffer = b;
+    o.phase = ph;
+    o.stream = s;
+    p.add_op(o);
+  };
+  op(OpKind::alloc, w, Phase::setup);
+  op(OpKind::alloc, a, Phase::forward);
+  op(OpKind::free, a, Phase::forward);
+  op(OpKind::alloc, g, Phase::backward, second);
+  op(OpKind::free, g, Phase::backward, second);
+  return p;
+}
+}  // namespace
+
+TEST(AllocatorReplay, BlocksAreCachedPerStream) {
+  using namespace peftplan::sim;
+  const AllocatorConfig cfg = AllocatorConfig::parse("", 1ull << 40);
+  // One stream: the 30 MiB block of `act` serves `gathered`, in both steps.
+  const AllocatorReplay same = replay_caching_allocator(replay_program(Stream::compute), cfg);
+  EXPECT_EQ(same.reserved_peak_bytes, (40u << 20) + (30u << 20));
+  EXPECT_EQ(same.allocated_peak_bytes, (40u << 20) + (30u << 20));
+  // Two streams: each keeps its own 30 MiB segment.
+  const AllocatorReplay two = replay_caching_allocator(replay_program(Stream::comm), cfg);
+  EXPECT_EQ(two.reserved_peak_bytes, (40u << 20) + 2 * (30u << 20));
+  EXPECT_EQ(two.allocated_peak_bytes, (40u << 20) + (30u << 20));
+  EXPECT_FALSE(two.oom.has_value());
+  // Room for the weights and one segment only: the second stream's request frees the cache and
+  // retries (release_cached_blocks), and fits.
+  const AllocatorReplay tight = replay_caching_allocator(replay_program(Stream::comm), AllocatorConfig::parse("", (40u << 20) + (30u << 20)));
+  EXPECT_FALSE(tight.oom.has_value());
+  EXPECT_GE(tight.num_alloc_retries, 1u);
+  EXPECT_EQ(tight.reserved_peak_bytes, (40u << 20) + (30u << 20));
+}

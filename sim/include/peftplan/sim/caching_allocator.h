@@ -189,8 +189,8 @@ class CachingAllocatorModel {
 
 // A step program's device buffers replayed through the allocator: the setup buffers once, then
 // the rest of the program `steps` times, so that the second step meets the cache the first left
-// (the steady state a training loop runs in). Every request is on one stream (the eager
-// PyTorch runtimes allocate on the current stream). Host buffers and views are skipped.
+// (the steady state a training loop runs in). A request is on its alloc op's stream (blocks are
+// cached per stream); host buffers and views are skipped.
 struct AllocatorReplay {
   std::uint64_t allocated_peak_bytes = 0;  // the allocator's allocated_bytes peak (512-rounded)
   std::uint64_t reserved_peak_bytes = 0;   // max_memory_reserved
