@@ -79,6 +79,14 @@ void print_text(const planner::Plan& p) {
       fmt::print("  {:<26} {:>14}\n", sim::name_of(static_cast<sim::MemCategory>(c)), human_bytes(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]));
     fmt::print("  {:<26} {:>14}   of {} per rank\n", "host peak", human_bytes(p.memory.host_peak_bytes), human_bytes(p.host_capacity_bytes));
   }
+  if (p.lifecycle) {
+    const auto& l = *p.lifecycle;
+    fmt::print("outside the step (per rank unless said)\n");
+    fmt::print("  {:<26} {:>14} host, {} per node, {} device   {}\n", "loading", human_bytes(l.load_host_per_rank_bytes),
+               human_bytes(l.load_host_per_node_bytes), human_bytes(l.load_device_bytes), l.load_how);
+    fmt::print("  {:<26} {:>14} host on rank 0, +{} device   {}\n", "saving", human_bytes(l.save_host_bytes), human_bytes(l.save_device_bytes),
+               l.save_how);
+  }
   if (p.time) {
     const auto& tm = *p.time;
     fmt::print("\ntime per step (simulated)\n");

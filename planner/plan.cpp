@@ -155,6 +155,29 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
     p.used_peak_bytes = p.reserved_peak_bytes + p.outside_allocator_bytes;
   }
   p.host_capacity_bytes = cluster.gpus_per_node > 0 ? cluster.host_ram_bytes_per_node / static_cast<std::uint64_t>(cluster.gpus_per_node) : 0;
+  if (p.input.profile == RuntimeProfile::hf) {
+    std::uint64_t states = 0;  // what lives on the device between steps
+    for (const auto& op : p.program.ops)
+      if (op.kind == sim::OpKind::alloc && op.phase == sim::Phase::setup && !sim::on_host(p.program.buffers[static_cast<std::size_t>(op.buffer)].category))
+        states += p.program.buffers[static_cast<std::size_t>(op.buffer)].bytes;
+    p.lifecycle = lifecycle_peaks(p.input, cluster, states);
+    const auto& l = *p.lifecycle;
+    const std::uint64_t node_ram = cluster.host_ram_bytes_per_node;
+    if (node_ram > 0 && l.load_host_per_node_bytes > node_ram)
+      p.warnings.push_back(fmt::format("loading needs {:.1f} GiB of host RAM per node, the node has {:.1f} GiB ({}): the load, not the step, "
+                                       "is what runs out{}", to_gib(l.load_host_per_node_bytes), to_gib(node_ram), l.load_how,
+                                       is_fsdp(p.input.strategy.stage) ? "; fsdp_cpu_ram_efficient_loading loads it once" : ""));
+    if (l.load_device_bytes > p.memory.device_peak_bytes)
+      p.warnings.push_back(fmt::format("loading peaks at {:.2f} GiB on the device, above the step's {:.2f} GiB allocated ({})",
+                                       to_gib(l.load_device_bytes), to_gib(p.memory.device_peak_bytes), l.load_how));
+    if (node_ram > 0 && l.save_host_bytes > node_ram)
+      p.warnings.push_back(fmt::format("saving needs {:.1f} GiB of host RAM on rank 0's node, the node has {:.1f} GiB ({}); "
+                                       "SHARDED_STATE_DICT writes a shard per rank", to_gib(l.save_host_bytes), to_gib(node_ram), l.save_how));
+    if (p.memory.device_peak_bytes > 0 && l.save_device_bytes > 0 &&
+        states + l.save_device_bytes > p.device_capacity_bytes)
+      p.warnings.push_back(fmt::format("saving gathers {:.2f} GiB on the device beyond the model states: more than the GPU holds ({})",
+                                       to_gib(l.save_device_bytes), l.save_how));
+  }
   if (options.simulate_time) {
     sim::SimOptions so;
     so.compute_dtype = p.facts.compute_dtype;
@@ -216,6 +239,13 @@ nlohmann::json plan_to_json(const Plan& p) {
     comm["device_to_host_bytes"] = t.device_to_host_bytes;
     comm["host_to_device_bytes"] = t.host_to_device_bytes;
     j["comm"] = comm;
+  }
+  if (p.lifecycle) {
+    const auto& l = *p.lifecycle;
+    j["lifecycle"] = {{"load_host_per_rank_bytes", l.load_host_per_rank_bytes}, {"load_host_per_node_bytes", l.load_host_per_node_bytes},
+                      {"load_device_bytes", l.load_device_bytes},           {"save_host_bytes", l.save_host_bytes},
+                      {"save_device_bytes", l.save_device_bytes},           {"load", l.load_how},
+                      {"save", l.save_how}};
   }
   j["fits"] = p.fits;
   j["reasons"] = p.reasons;

@@ -373,3 +373,47 @@ TEST(Fsdp, RefusesWhatFsdpDoesNotHave) {
   EXPECT_NO_THROW(validate(in));
   EXPECT_THROW(write_ds_config(in.strategy, in.training), peftplan::InputError);
 }
+
+// --- peaks outside the step (planner/lifecycle.h) ----------------------------------------------
+TEST(Lifecycle, LoadAndSavePeaksAgainstHandSizes) {
+  const std::uint64_t P = 7'241'732'096;  // Mistral-7B-v0.1 parameters (vocab 32000, untied)
+  const std::uint64_t lora = 4 * 13'631'488;  // fp32 adapters, r 16 on q, k, v, o
+  sim::Cluster c = sim::resolve_cluster("1x2xA100-80GB");
+  c.host_ram_bytes_per_node = 64ull << 30;
+  // DDP: both ranks build the whole bf16 model in host RAM.
+  PlanInput in = fsdp_hand::mistral(2, true);
+  in.strategy.stage = Stage::ddp;
+  Plan p = make_plan(in, c);
+  ASSERT_TRUE(p.lifecycle.has_value());
+  EXPECT_EQ(p.lifecycle->load_host_per_rank_bytes, 2 * P);
+  EXPECT_EQ(p.lifecycle->load_host_per_node_bytes, 4 * P);
+  EXPECT_EQ(p.lifecycle->save_host_bytes, lora);  // PEFT writes the adapter only
+  // Two 13.5 GiB copies fit in 64 GiB of node RAM, not in 16.
+  EXPECT_TRUE(std::none_of(p.warnings.begin(), p.warnings.end(), [](const std::string& w) { return w.starts_with("loading needs"); }));
+  c.host_ram_bytes_per_node = 16ull << 30;
+  p = make_plan(in, c);
+  EXPECT_TRUE(std::any_of(p.warnings.begin(), p.warnings.end(), [](const std::string& w) { return w.starts_with("loading needs"); }));
+  // FSDP with cpu_ram_efficient_loading: one copy per node; FULL_STATE_DICT: the whole model
+  // and the adapter on rank 0's host when saving.
+  in.strategy.stage = Stage::fsdp_full_shard;
+  in.strategy.fsdp.state_dict_type = "FULL_STATE_DICT";
+  p = make_plan(in, c);
+  EXPECT_EQ(p.lifecycle->load_host_per_node_bytes, 2 * P);
+  EXPECT_EQ(p.lifecycle->save_host_bytes, 2 * P + lora);
+  // The largest unit gathered whole: the root (embedding, head, final norm) in bf16.
+  EXPECT_EQ(p.lifecycle->save_device_bytes, 2ull * (2 * 32000 * 4096 + 4096));
+}
+
+TEST(Lifecycle, QloraQuantisesTheLargestLinearOnTheDevice) {
+  PlanInput in = fsdp_hand::mistral(1, true);
+  in.strategy.stage = Stage::ddp;
+  in.peft.quantization = models::Quantization{DType::nf4, true, 64};
+  in.training.precision = Precision::bf16_mixed;
+  const Plan p = make_plan(in, sim::resolve_cluster("1x1xA100-80GB"));
+  std::uint64_t states = 0;
+  for (const auto& op : p.program.ops)
+    if (op.kind == sim::OpKind::alloc && op.phase == sim::Phase::setup) states += p.program.buffers[static_cast<std::size_t>(op.buffer)].bytes;
+  const std::uint64_t n = 14336ull * 4096;  // gate_proj / up_proj / down_proj
+  // bitsandbytes quantize_4bit: the bf16 weight, the packed output, an fp32 absmax per 64.
+  EXPECT_EQ(p.lifecycle->load_device_bytes, states + 2 * n + n / 2 + 4 * (n / 64));
+}

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "peftplan/planner/lifecycle.h"
 #include "peftplan/planner/program.h"
 #include "peftplan/sim/cluster.h"
 #include "peftplan/sim/memory.h"
@@ -31,6 +32,7 @@ struct Plan {
   bool allocator_oom = false;              // the allocator model ran out of the GPU's memory
   std::string_view runtime_versions;       // what the runtime profile models
   double headroom_fraction = 0.0;          // the verdict's margin, a share of the GPU's memory
+  std::optional<LifecyclePeaks> lifecycle; // loading and saving (the hf profile's stack)
   std::optional<sim::Timeline> time;       // absent when simulate_time is false
   std::uint64_t device_capacity_bytes = 0; // one GPU's memory
   std::uint64_t host_capacity_bytes = 0;   // host RAM per rank (node RAM / GPUs per node)
