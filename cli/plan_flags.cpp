@@ -42,6 +42,8 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
   cmd->add_option("--precision", f.precision, "fp32, fp16, bf16 (mixed) or bf16-pure")->capture_default_str();
   cmd->add_option("--checkpointing", f.checkpointing, "none, full, or every-K")->capture_default_str();
   cmd->add_option("--attention", f.attention, "eager or flash")->capture_default_str();
+  cmd->add_option("--cross-entropy", f.cross_entropy,
+                  "standard (the logits materialised) or chunked (a fused linear cross-entropy, Liger's)")->capture_default_str();
   cmd->add_option("--optimizer", f.optimizer, "adamw, adamw-8bit or sgd")->capture_default_str();
   cmd->add_option("--base-dtype", f.base_dtype, "frozen weight storage: fp32, bf16, fp16, int8, nf4");
   cmd->add_option("--headroom", f.headroom_pct, "percent of the GPU's memory the verdict keeps free beyond the predicted peak in use")
@@ -78,6 +80,8 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     t.checkpointing = pick<Checkpointing>("--checkpointing", f.checkpointing, {{"none", Checkpointing::none}, {"full", Checkpointing::full}});
   }
   t.attention = pick<Attention>("--attention", f.attention, {{"eager", Attention::eager}, {"flash", Attention::flash}});
+  t.cross_entropy = pick<planner::CrossEntropy>("--cross-entropy", f.cross_entropy,
+                                                {{"standard", planner::CrossEntropy::standard}, {"chunked", planner::CrossEntropy::chunked}});
   t.optimizer = pick<Optimizer>("--optimizer", f.optimizer,
                                 {{"adamw", Optimizer::adamw}, {"adamw-8bit", Optimizer::adamw_8bit}, {"sgd", Optimizer::sgd_momentum}});
   if (!f.base_dtype.empty()) {

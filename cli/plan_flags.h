@@ -30,6 +30,7 @@ struct PlanFlags {
   std::string precision = "bf16";
   std::string checkpointing = "none";
   std::string attention = "flash";
+  std::string cross_entropy = "standard";
   std::string optimizer = "adamw";
   std::string base_dtype;
   std::string profile = "deepspeed";

@@ -72,6 +72,7 @@ json plan_file_to_json(const PlanFile& pf) {
                    {"checkpointing", name_of(t.checkpointing)},
                    {"checkpoint_every", t.checkpoint_every},
                    {"attention", name_of(t.attention)},
+                   {"cross_entropy", name_of(t.cross_entropy)},
                    {"optimizer", name_of(t.optimizer)},
                    {"full_finetune", t.full_finetune},
                    {"base_storage", t.base_storage ? json(name_of(*t.base_storage)) : json(nullptr)}};
@@ -151,6 +152,8 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
                                  {Checkpointing::none, Checkpointing::full, Checkpointing::every_k});
   if (tr.contains("attention"))
     t.attention = parse_enum(tr["attention"], source, "training.attention", {Attention::eager, Attention::flash});
+  if (tr.contains("cross_entropy"))
+    t.cross_entropy = parse_enum(tr["cross_entropy"], source, "training.cross_entropy", {CrossEntropy::standard, CrossEntropy::chunked});
   if (tr.contains("optimizer"))
     t.optimizer = parse_enum(tr["optimizer"], source, "training.optimizer",
                              {Optimizer::adamw, Optimizer::adamw_8bit, Optimizer::sgd_momentum});

@@ -323,6 +323,7 @@ class Builder {
   void unit_gradients_done(std::size_t unit, std::int32_t after_op);
   void optimizer_step();
   std::int32_t hf_loss(std::int32_t logits, std::int32_t tokens);
+  std::int32_t fused_loss(LinearPlan& lm, std::int32_t x, std::int32_t tokens);
   std::int32_t linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
                               Cat saved_cat, std::vector<std::int32_t>& saved, std::optional<DType> out_dtype = std::nullopt);
   std::int32_t linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer,
@@ -1409,6 +1410,38 @@ std::int32_t Builder::hf_loss(std::int32_t logits, std::int32_t tokens) {
   return d;
 }
 
+// CrossEntropy::chunked: Liger-Kernel's fused linear cross-entropy
+// (src/liger_kernel/ops/fused_linear_cross_entropy.py, fused_linear_cross_entropy_forward). The
+// tokens are cut into chunks of next_power_of_2(ceil(BT / ceil(V / H))) rows, so that a chunk's
+// logits are about as large as the input; per chunk the head's GEMM, the cross-entropy kernel
+// writing the logits' gradient in place, and the GEMMs into grad_input (and the head's weight
+// gradient when it trains) run in the forward. It keeps grad_input [BT, H] and an fp32 loss per
+// token; backward only scales grad_input (element_mul_kernel). Returns grad_input.
+std::int32_t Builder::fused_loss(LinearPlan& lm, std::int32_t x, std::int32_t tokens) {
+  const Phase L = Phase::loss;
+  const std::int64_t V = m_.vocab, H = m_.hidden, BT = M_;
+  const std::int64_t inc = (V + H - 1) / H;
+  std::int64_t chunk = 1;
+  while (chunk < (BT + inc - 1) / inc) chunk <<= 1;
+  chunk = std::min(chunk, BT);
+  const std::string pre = names_ ? fmt::format("loss.mb{}", mb_) : std::string();
+  const std::int32_t grad_in = alloc([&] { return pre + ".grad_input"; }, Cat::workspace, act(BT * H), L);
+  const std::int32_t loss1d = alloc([&] { return pre + ".loss_1d"; }, Cat::workspace, f32(BT), L);
+  const std::uint64_t wbytes = act(V * H);
+  for (std::int64_t lo = 0; lo < BT; lo += chunk) {
+    const std::int64_t rows = std::min(chunk, BT - lo);
+    const std::int32_t lc = alloc([&] { return pre + ".logits_chunk"; }, Cat::workspace, act(rows * V), L);
+    compute(Kernel::linear_fwd, intern(lm.mod->leaf), -1, L, gemm(rows, V, H, wbytes + act(rows * (H + V))), {x, lm.weight_buf, lc, -1});
+    compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, L, elementwise(2 * act(rows * V), 5.0 * static_cast<double>(rows * V)), {lc, tokens});
+    compute(Kernel::linear_bwd_data, intern(lm.mod->leaf), -1, L, gemm(rows, H, V, wbytes + act(rows * (H + V))), {lc, lm.weight_buf, grad_in});
+    if (lm.trainable_weight)
+      compute(Kernel::linear_bwd_weight, intern(lm.mod->leaf), -1, L, gemm(V, H, rows, wbytes + act(rows * (H + V))), {lc, x, grad_flat_});
+    free(lc, L);
+  }
+  free(loss1d, L);
+  return grad_in;
+}
+
 void Builder::micro_batch(std::int32_t mb) {
   mb_ = mb;
   const Phase F = Phase::forward, B = Phase::backward;
@@ -1473,11 +1506,21 @@ void Builder::micro_batch(std::int32_t mb) {
     if (lp.mod->is_output) lm = &lp;
   PEFTPLAN_CHECK(lm != nullptr);
   if (lm->weight_buf < 0) lm->weight_buf = embed_buf_;  // tied head
-  std::int32_t logits = linear_forward(*lm, hf, -1, Phase::loss, Cat::workspace, Cat::activations, head_saved);
+  const bool fused = t_.cross_entropy == CrossEntropy::chunked;
+  std::int32_t logits = -1, grad_in = -1;
+  if (fused) grad_in = fused_loss(*lm, hf, tokens);
+  else logits = linear_forward(*lm, hf, -1, Phase::loss, Cat::workspace, Cat::activations, head_saved);
   release_unit(head, Phase::loss);
   if (tied) release_unit(0, Phase::loss);
   std::int32_t dlogits = -1;
-  if (rules_.loss == LossChain::hf_shift_copy) {
+  if (fused) {
+    free(autocast_cache, Phase::loss);
+    // The fused loss saves only its gradients: the head's input goes with the model's outputs.
+    if (rules_.free_at_last_use) {
+      free(hf, Phase::loss);
+      hf_freed = true;
+    }
+  } else if (rules_.loss == LossChain::hf_shift_copy) {
     dlogits = hf_loss(logits, tokens);
     free(autocast_cache, Phase::loss);
     // The model's outputs are gone once forward returns: the final norm's output stays only
@@ -1511,8 +1554,13 @@ void Builder::micro_batch(std::int32_t mb) {
   if (tied) gather_unit(0, B, true);
   begin_unit_gradients(head);
   const bool hf_needed = lm->needs_input();
-  const std::int32_t d_hf = alloc([&] { return fmt::format("final_norm.mb{}.d_out", mb); }, Cat::workspace, act(M_ * H), B);
-  std::int32_t last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1, true);
+  std::int32_t d_hf = grad_in, last = -1;
+  if (fused) {  // element_mul_kernel: grad_input *= grad_output, in place
+    last = compute(Kernel::accumulate, "scale_grad_input", -1, B, elementwise(2 * act(M_ * H), static_cast<double>(M_ * H)), {d_hf});
+  } else {
+    d_hf = alloc([&] { return fmt::format("final_norm.mb{}.d_out", mb); }, Cat::workspace, act(M_ * H), B);
+    last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1, true);
+  }
   free(dlogits, B);
   if (!hf_freed) free(hf, B);
   for (std::int32_t b : head_saved) free(b, B);
@@ -1886,6 +1934,8 @@ std::vector<std::string> validate(const PlanInput& in) {
   if (in.model.sliding_window && *in.model.sliding_window < t.seq_len)
     warnings.push_back(fmt::format("sliding_window {} < --seq-len {}: attention is planned over the full sequence",
                                    *in.model.sliding_window, t.seq_len));
+  if (in.profile == RuntimeProfile::executor && t.cross_entropy == CrossEntropy::chunked)
+    throw InputError("--cross-entropy chunked: our executor computes the standard loss; plan it with --profile hf or deepspeed");
   if (in.profile == RuntimeProfile::executor && t.precision != Precision::fp32)
     warnings.push_back("the executor profile computes in fp32: --precision is ignored for activations and adapters");
   if (t.seq_len > in.model.max_positions && in.model.max_positions > 0)

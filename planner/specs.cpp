@@ -33,6 +33,14 @@ std::string_view name_of(Optimizer o) {
   return "?";
 }
 
+std::string_view name_of(CrossEntropy c) {
+  switch (c) {
+    case CrossEntropy::standard: return "standard";
+    case CrossEntropy::chunked: return "chunked";
+  }
+  return "?";
+}
+
 std::string_view name_of(Stage s) {
   switch (s) {
     case Stage::ddp: return "ddp";

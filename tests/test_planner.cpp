@@ -417,3 +417,35 @@ TEST(Lifecycle, QloraQuantisesTheLargestLinearOnTheDevice) {
   // bitsandbytes quantize_4bit: the bf16 weight, the packed output, an fp32 absmax per 64.
   EXPECT_EQ(p.lifecycle->load_device_bytes, states + 2 * n + n / 2 + 4 * (n / 64));
 }
+
+// --cross-entropy chunked: Liger's fused linear cross-entropy never holds the whole logits: a
+// chunk of next_power_of_2(ceil(BT / ceil(V / H))) rows of them (fused_linear_cross_entropy.py).
+TEST(CrossEntropy, ChunkedHoldsAChunkOfLogitsAndGradInput) {
+  PlanInput in;
+  in.model = models::load_model("llama-3-8b");  // V 128256, H 4096
+  in.peft = lora(16, 16, {"q_proj", "v_proj"});
+  in.training.micro_batch = 4;
+  in.training.seq_len = 4096;
+  in.training.precision = Precision::bf16_pure;
+  in.training.checkpointing = Checkpointing::full;
+  in.training.cross_entropy = CrossEntropy::chunked;
+  in.profile = RuntimeProfile::hf;
+  const sim::Program p = build_program(in).program;
+  const std::uint64_t chunk = 512;  // ceil(16384 / ceil(128256 / 4096) = 32) = 512, a power of two
+  std::uint64_t chunks = 0, largest_loss = 0;
+  for (std::size_t i = 0; i < p.ops.size(); ++i) {
+    const auto& op = p.ops[i];
+    if (op.kind != sim::OpKind::alloc || op.phase != sim::Phase::loss) continue;
+    const auto& b = p.buffers[static_cast<std::size_t>(op.buffer)];
+    largest_loss = std::max(largest_loss, b.bytes);
+    if (b.name.find("logits_chunk") != std::string::npos) {
+      EXPECT_EQ(b.bytes, 2 * chunk * 128256);
+      ++chunks;
+    }
+  }
+  EXPECT_EQ(chunks, 16384 / chunk);
+  EXPECT_EQ(largest_loss, 2ull * 16384 * 4096);  // grad_input [BT, H] in bf16 is the largest
+  in.profile = RuntimeProfile::executor;
+  in.training.precision = Precision::fp32;
+  EXPECT_THROW(validate(in), peftplan::InputError);
+}

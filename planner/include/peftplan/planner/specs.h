@@ -29,6 +29,12 @@ enum class Attention {
   flash,  // fused kernel: only the log-sum-exp [B, nh, S] is saved
 };
 
+// How the loss is computed from the LM head: `standard` materialises the logits (and the runtime
+// profile's loss chain upcasts them); `chunked` is a fused linear cross-entropy that never holds
+// the whole logits (Liger-Kernel's LigerFusedLinearCrossEntropyLoss; torchtune's chunked loss is
+// close to it).
+enum class CrossEntropy { standard, chunked };
+
 enum class Optimizer {
   adamw,        // two fp32 moments per trainable parameter (PyTorch AdamW)
   adamw_8bit,   // bitsandbytes 8-bit AdamW: two 1-byte moments + block quantisation state
@@ -46,6 +52,7 @@ struct TrainingSpec {
                                        // Trainer's gradient_checkpointing uses; false for FSDP's
                                        // own activation checkpointing (NO_REENTRANT)
   Attention attention = Attention::flash;
+  CrossEntropy cross_entropy = CrossEntropy::standard;
   Optimizer optimizer = Optimizer::adamw;
   std::optional<DType> base_storage;   // frozen weights' dtype; default: the compute dtype
                                        // (nf4/int8 when PeftSpec::quantization is set)
@@ -122,6 +129,7 @@ std::string_view name_of(Precision p);
 std::string_view name_of(Checkpointing c);
 std::string_view name_of(Attention a);
 std::string_view name_of(Optimizer o);
+std::string_view name_of(CrossEntropy c);
 std::string_view name_of(Stage s);
 
 }  // namespace peftplan::planner
