@@ -122,6 +122,12 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
                                                                {{"none", planner::OffloadDevice::none}, {"cpu", planner::OffloadDevice::cpu}});
   in.strategy.offload_param = pick<planner::OffloadDevice>("--offload-param", f.offload_param,
                                                            {{"none", planner::OffloadDevice::none}, {"cpu", planner::OffloadDevice::cpu}});
+  if (!f.ds_config.empty() && planner::is_fsdp(in.strategy.stage))
+    throw InputError(fmt::format("--ds-config {} with --strategy {}: a DeepSpeed config runs ZeRO, not FSDP (give FSDP's settings "
+                                 "with --accelerate-config)", f.ds_config, f.strategy));
+  if (!f.accelerate_config.empty() && f.strategy != "ddp")
+    throw InputError(fmt::format("--accelerate-config {} with --strategy {}: the accelerate config sets the strategy; drop --strategy",
+                                 f.accelerate_config, f.strategy));
   if (!f.ds_config.empty()) {
     planner::DsConfigInputs di;
     di.world_size = in.strategy.ranks;

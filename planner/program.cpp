@@ -72,6 +72,46 @@ Role role_of(const models::LinearModule& l) {
   return Role::other;
 }
 
+// RuntimeRules::eager_elementwise: eager PyTorch runs each elementwise op of the module code as
+// its own kernel, reading and writing its operands in device memory. Bytes per element of the
+// op's tensor (a: input dtype's bytes, o: output's, e: the tensor's, ad: the adapter branch's),
+// from the code the hf profile models and autograd's formulas (tools/autograd/derivatives.yaml).
+namespace eager {
+// LlamaRMSNorm / MistralRMSNorm.forward: x.to(fp32) (a + 4, unless a is fp32), pow(2) (8),
+// mean(-1) (4), x * rsqrt(var + eps) (8), .to(a) (4 + a, unless fp32), weight * x (a + o).
+double norm_fwd(double a, double o) { return (a != 4 ? (a + 4) + (4 + a) : 0.0) + 8 + 4 + 8 + a + o; }
+// Its backward: the weight mul (o + a), .to(a)'s (a + 4), the rstd mul's two gradients (8 and
+// 16 with the row sum), mean's expanded gradient (4), pow's g * 2x (20), their sum (12),
+// .to(fp32)'s (4 + a); and the residual stream's two gradients summed (3a).
+double norm_bwd(double a, double o) { return (o + a) + (a != 4 ? (a + 4) + (4 + a) : 0.0) + 8 + 16 + 4 + 20 + 12 + 3 * a; }
+// apply_rotary_pos_emb, per element of q or k: q * cos (2e), rotate_half's neg of a half and cat
+// (e + 2e), * sin (2e), the add (3e); backward: two muls (4e), neg (e), the two slices'
+// zero-filled full-size gradients (4e), summing three gradients (6e).
+double rope_fwd(double e) { return 10 * e; }
+double rope_bwd(double e) { return 15 * e; }
+// MistralMLP act_fn(gate) * up, per intermediate element: silu (2e), mul (3e); backward: the
+// mul's two gradients (6e), silu's (3e).
+double swiglu_fwd(double e) { return 5 * e; }
+double swiglu_bwd(double e) { return 9 * e; }
+// PEFT lora.Linear.forward, per output element: `lora_B(...) * scaling` (2 ad), `result +`
+// (o + ad + r, r = the promoted result's bytes), `.to(torch_result_dtype)` (r + o, when r != o);
+// backward: the cast's (r + o), the add's gradient cast for the base result (r + o), the
+// scaling mul's (2 ad).
+double lora_out_fwd(double o, double ad) {
+  const double r = std::max(o, ad);
+  return 2 * ad + (o + ad + r) + (r != o ? r + o : 0.0);
+}
+double lora_out_bwd(double o, double ad) {
+  const double r = std::max(o, ad);
+  return (r != o ? 2 * (r + o) : 0.0) + 2 * ad;
+}
+// Per input element: the cast to the adapter's dtype (a + ad, when they differ) and
+// native_dropout (2 ad + 1, the keep mask); backward: dropout's (2 ad + 1), the cast's (ad + a),
+// and the input's two gradients (base and branch) summed (3a).
+double lora_in_fwd(double a, double ad, bool dropout) { return (a != ad ? a + ad : 0.0) + (dropout ? 2 * ad + 1 : 0.0); }
+double lora_in_bwd(double a, double ad, bool dropout) { return (dropout ? 2 * ad + 1 : 0.0) + (a != ad ? ad + a : 0.0) + 3 * a; }
+}  // namespace eager
+
 struct Adapter {       // a LoRA (or IA3) branch on one linear module
   std::int64_t r = 0;  // 0 for IA3 (a scaling vector)
   double dropout = 0.0;
@@ -96,6 +136,7 @@ struct LinearPlan {
   std::int32_t xin_buf = -1;      // the latest forward's dropped adapter input (-1: no dropout)
   std::int32_t u_buf = -1;        // the latest forward's adapter intermediate u [M, r]
   bool adapter_owns_input = false;  // the adapter saves its own copy of the input (runtime rule)
+  DType input_dtype = DType::bf16;  // the module's input dtype
   bool needs_input() const { return trainable_weight || (adapter.has_value() && !adapter_owns_input); }
 };
 
@@ -310,6 +351,19 @@ class Builder {
     return false;
   }
 
+  // Bytes of the elementwise ops under RuntimeRules::eager_elementwise, else the fused kernels'.
+  std::uint64_t norm_fwd_bytes(std::int64_t n, DType in) const {
+    if (!rules_.eager_elementwise || !m_.rms_norm()) return act(n) * 2;
+    return static_cast<std::uint64_t>(eager::norm_fwd(static_cast<double>(bytes_of(in)), static_cast<double>(bytes_of(stream_dtype()))) * static_cast<double>(n));
+  }
+  std::uint64_t norm_bwd_bytes(std::int64_t n, DType in) const {
+    if (!rules_.eager_elementwise || !m_.rms_norm()) return act(n) * 4;
+    return static_cast<std::uint64_t>(eager::norm_bwd(static_cast<double>(bytes_of(in)), static_cast<double>(bytes_of(stream_dtype()))) * static_cast<double>(n));
+  }
+  std::uint64_t eager_or(double per_element, std::int64_t n, DType d, std::uint64_t fused) const {
+    return rules_.eager_elementwise ? static_cast<std::uint64_t>(per_element * static_cast<double>(bytes_of(d)) * static_cast<double>(n)) : fused;
+  }
+
   void facts();
   void plan_linears();
   void setup();
@@ -494,11 +548,12 @@ void Builder::plan_linears() {
     lp.mod = &lm;
     lp.role = role_of(lm);
     lp.trainable_weight = full || trained_modules.count(lm.path) > 0;
+    lp.input_dtype = lp.role == Role::attn_out || lm.layer < 0 ? f_.compute_dtype : stream_dtype();
     if (auto it = adapters.find(lm.path); it != adapters.end()) {
       lp.adapter = it->second;
       // PEFT's branch saves a tensor of its own when it casts the input to the adapter's dtype
       // or drops it out; otherwise its GEMM saves the module's input itself.
-      const DType x_dtype = lp.role == Role::attn_out ? f_.compute_dtype : stream_dtype();
+      const DType x_dtype = lp.input_dtype;
       lp.adapter_owns_input = rules_.adapter_owns_input && (lp.adapter->dropout > 0.0 || x_dtype != adapter_act_dtype_);
     }
     if (lm.expert >= 0) lp.token_share = static_cast<double>(m_.experts_per_token) / static_cast<double>(m_.experts);
@@ -876,6 +931,15 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
     compute(Kernel::cast, "dequantize", layer, phase, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
     w = cast;
   }
+  // A 16-bit GEMM fed an fp32 input (an fp32 norm's output) casts it, and bitsandbytes'
+  // Linear4bit returns out.to(x.dtype) (bitsandbytes 0.43.3 nn/modules.py Linear4bit.forward):
+  // two eager casts.
+  const DType od = out_dtype.value_or(f_.compute_dtype);
+  if (rules_.eager_elementwise && (lp.input_dtype != f_.compute_dtype || od != f_.compute_dtype))
+    compute(Kernel::cast, "cast_io", layer, phase,
+            elementwise((lp.input_dtype != f_.compute_dtype ? bytes(lp.input_dtype, rows * mod.in) + act(rows * mod.in) : 0) +
+                        (od != f_.compute_dtype ? bytes(od, rows * mod.out) + act(rows * mod.out) : 0)),
+            {x, y});
   compute(Kernel::linear_fwd, intern(mod.leaf), layer, phase,
           gemm(rows, mod.out, mod.in, wbytes + act(rows * (mod.in + mod.out))), {x, w, y, lp.bias_buf});
   free(cast, phase);
@@ -887,10 +951,14 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
     const DType ad = lp.adapter_owns_input ? adapter_act_dtype_ : f_.compute_dtype;
     if (a.dropout > 0.0 || lp.adapter_owns_input) {  // PEFT applies dropout to the adapter input: keep the dropped copy
       xin = alloc([&] { return base + ".lora_x"; }, saved_cat, bytes(ad, rows * mod.in), phase);
+      const std::uint64_t in_bytes = rules_.eager_elementwise
+                                         ? static_cast<std::uint64_t>(eager::lora_in_fwd(static_cast<double>(bytes_of(lp.input_dtype)), static_cast<double>(bytes_of(ad)), a.dropout > 0.0) *
+                                                                      static_cast<double>(rows * mod.in))
+                                         : act(rows * mod.in) + bytes(ad, rows * mod.in);
       if (a.dropout > 0.0)
-        compute(Kernel::dropout, "lora_dropout", layer, phase, elementwise(act(rows * mod.in) + bytes(ad, rows * mod.in)), {x, xin, a.a_buf});
+        compute(Kernel::dropout, "lora_dropout", layer, phase, elementwise(in_bytes), {x, xin, a.a_buf});
       else
-        compute(Kernel::cast, "lora_cast", layer, phase, elementwise(act(rows * mod.in) + bytes(ad, rows * mod.in)), {x, xin});
+        compute(Kernel::cast, "lora_cast", layer, phase, elementwise(in_bytes), {x, xin});
       saved.push_back(xin);
       lp.xin_buf = xin;
       // torch's native_dropout saves its keep mask (bool, a byte per element) for backward.
@@ -899,11 +967,17 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
     }
     if (a.r > 0) {
       const std::int32_t u = alloc([&] { return base + ".lora_u"; }, saved_cat, bytes(ad, rows * a.r), phase);
-      sim::ComputeWork w1 = gemm(rows, a.r, mod.in, act(rows * (mod.in + a.r)));
-      sim::ComputeWork w2 = gemm(rows, mod.out, a.r, act(rows * (a.r + 2 * mod.out)));
+      sim::ComputeWork w1 = gemm(rows, a.r, mod.in, bytes(ad, rows * (mod.in + a.r)));
+      sim::ComputeWork w2 = gemm(rows, mod.out, a.r, bytes(ad, rows * (a.r + 2 * mod.out)));
       w1.flops += w2.flops;
       w1.bytes_moved += w2.bytes_moved;
+      w1.fp32_math = rules_.eager_elementwise && ad == DType::fp32 && f_.compute_dtype != DType::fp32;
       compute(Kernel::lora_fwd, "lora", layer, phase, w1, {xin, a.a_buf, a.b_buf, u, y});
+      if (rules_.eager_elementwise)  // the scaling, the add into the base output and its cast
+        compute(Kernel::accumulate, "lora_add", layer, phase,
+                elementwise(static_cast<std::uint64_t>(eager::lora_out_fwd(static_cast<double>(bytes_of(f_.compute_dtype)), static_cast<double>(bytes_of(ad))) *
+                                                       static_cast<double>(rows * mod.out))),
+                {y});
       saved.push_back(u);
       lp.u_buf = u;
     } else {  // IA3: elementwise scaling
@@ -937,6 +1011,12 @@ std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int3
     w = cast;
   }
   std::int32_t op = -1;
+  // The backward of the two casts (see linear_forward).
+  const DType od = lp.input_dtype == f_.compute_dtype ? f_.compute_dtype : lp.input_dtype;  // Linear4bit: out like x
+  if (rules_.eager_elementwise && lp.input_dtype != f_.compute_dtype && !mod.is_output)
+    compute(Kernel::cast, "cast_io", layer, B,
+            elementwise((dx >= 0 ? bytes(lp.input_dtype, rows * mod.in) + act(rows * mod.in) : 0) + bytes(od, rows * mod.out) + act(rows * mod.out)),
+            {dy});
   if (dx >= 0) {
     op = compute(Kernel::linear_bwd_data, intern(mod.leaf), layer, B, gemm(rows, mod.in, mod.out, wbytes + act(rows * (mod.in + mod.out))),
                  {dy, w, dx});
@@ -952,11 +1032,22 @@ std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int3
     // temporary (and, with dropout, a [M, in] one for du·A before the mask).
     const std::int64_t scratch = rows * (a.r + (a.dropout > 0.0 ? mod.in : 0));
     const std::int32_t du = alloc([&] { return base + ".lora_du"; }, Cat::workspace, act(scratch), B);
-    sim::ComputeWork w1 = gemm(mod.out, a.r, rows, act(rows * (mod.out + a.r)));
-    for (const auto& extra : {gemm(rows, a.r, mod.out, act(rows * (mod.out + a.r))), gemm(a.r, mod.in, rows, act(rows * (mod.in + a.r))),
-                              gemm(rows, mod.in, a.r, act(rows * (mod.in + a.r))) }) {
+    const DType ad = lp.adapter_owns_input ? adapter_act_dtype_ : f_.compute_dtype;
+    const auto abytes = [&](std::int64_t n) { return rules_.eager_elementwise ? bytes(ad, n) : act(n); };
+    sim::ComputeWork w1 = gemm(mod.out, a.r, rows, abytes(rows * (mod.out + a.r)));
+    for (const auto& extra : {gemm(rows, a.r, mod.out, abytes(rows * (mod.out + a.r))), gemm(a.r, mod.in, rows, abytes(rows * (mod.in + a.r))),
+                              gemm(rows, mod.in, a.r, abytes(rows * (mod.in + a.r))) }) {
       w1.flops += extra.flops;
       w1.bytes_moved += extra.bytes_moved;
+    }
+    w1.fp32_math = rules_.eager_elementwise && ad == DType::fp32 && f_.compute_dtype != DType::fp32;
+    if (rules_.eager_elementwise) {  // the branch's elementwise backward, kernels of their own
+      const double o = static_cast<double>(bytes_of(f_.compute_dtype)), adb = static_cast<double>(bytes_of(ad));
+      compute(Kernel::accumulate, "lora_eager_bwd", layer, B,
+              elementwise(static_cast<std::uint64_t>(eager::lora_out_bwd(o, adb) * static_cast<double>(rows * mod.out) +
+                                                     eager::lora_in_bwd(static_cast<double>(bytes_of(lp.input_dtype)), adb, a.dropout > 0.0) *
+                                                         static_cast<double>(rows * mod.in))),
+              {dy});
     }
     op = compute(Kernel::lora_bwd, "lora", layer, B, w1,
                  {dy, lp.xin_buf >= 0 ? lp.xin_buf : x, a.a_buf, a.b_buf, lp.u_buf, du, dx, a.ga_buf, a.gb_buf});
@@ -1030,7 +1121,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // --- attention block ---
   const std::int32_t rstd1 = alloc([&] { return pre + ".norm1.stats"; }, keep, stat_bytes, P);
   const std::int32_t h1 = alloc([&] { return pre + ".norm1.out"; }, cat_for(h1_needed), bytes(nd, M_ * H), P);
-  compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)),
+  compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
           {x, norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], h1, rstd1});
   save(rstd1);
   norm_saves("norm1", resid_dtype(l));
@@ -1044,7 +1135,8 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
     }
   keep_or_drop(h1, h1_needed);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
-    compute(Kernel::rope_fwd, "rope", l, P, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2),
+    compute(Kernel::rope_fwd, "rope", l, P,
+            elementwise(eager_or(eager::rope_fwd(1), M_ * (m_.q_width() + m_.kv_width()), nd, act(M_ * (m_.q_width() + m_.kv_width())) * 2)),
             {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, rope_});
   if (nd != f_.compute_dtype)  // the attention kernel takes (and saves) compute-dtype copies
     for (std::int32_t& b : qkv) {
@@ -1100,7 +1192,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // --- MLP block ---
   const std::int32_t rstd2 = alloc([&] { return pre + ".norm2.stats"; }, keep, stat_bytes, P);
   const std::int32_t h2 = alloc([&] { return pre + ".norm2.out"; }, cat_for(h2_needed), bytes(nd, M_ * H), P);
-  compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)),
+  compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
           {x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], h2, rstd2});
   save(rstd2);
   norm_saves("norm2", resid_dtype(l));
@@ -1126,7 +1218,8 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   if (rules_.unfused_swiglu && m_.gated_mlp())  // silu(gate), kept by the mul with up
     silu = alloc([&] { return pre + ".mlp.silu"; }, keep, bytes(nd, rows * I), P);
   const std::int32_t a = alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), bytes(nd, rows * I), P);
-  compute(Kernel::mlp_act_fwd, m_.gated_mlp() ? "swiglu" : "gelu", l, P, elementwise(act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
+  compute(Kernel::mlp_act_fwd, m_.gated_mlp() ? "swiglu" : "gelu", l, P,
+          elementwise(m_.gated_mlp() ? eager_or(eager::swiglu_fwd(1), rows * I, nd, act(rows * I) * 3) : act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
           {mlp_in.empty() ? -1 : mlp_in[0], mlp_in.size() > 1 ? mlp_in[1] : -1, a});
   for (std::int32_t b : mlp_in) save(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
   if (silu >= 0) save(silu);
@@ -1204,7 +1297,9 @@ void Builder::layer_backward(std::int32_t l) {
   std::vector<std::int32_t> d_in;
   for (auto& lp : lin)
     if (lp.role == Role::mlp_in) d_in.push_back(alloc([&] { return pre + "." + lp.mod->leaf + ".d_out"; }, Cat::workspace, act(static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share)) * lp.mod->out), B));
-  compute(Kernel::mlp_act_bwd, m_.gated_mlp() ? "swiglu" : "gelu", l, B, elementwise(act(rows * I) * 5, 10.0 * static_cast<double>(rows * I)),
+  compute(Kernel::mlp_act_bwd, m_.gated_mlp() ? "swiglu" : "gelu", l, B,
+          elementwise(m_.gated_mlp() ? eager_or(eager::swiglu_bwd(1), rows * I, stream_dtype(), act(rows * I) * 5) : act(rows * I) * 5,
+                      10.0 * static_cast<double>(rows * I)),
           {d_act, lb.gate_up[0], lb.gate_up[1], d_in.empty() ? -1 : d_in[0], d_in.size() > 1 ? d_in[1] : -1});
   free(d_act, B);
   const std::int32_t d_h2 = alloc([&] { return pre + ".norm2.d_out"; }, Cat::workspace, act(M_ * H), B);
@@ -1223,7 +1318,7 @@ void Builder::layer_backward(std::int32_t l) {
       }
   }
   for (std::int32_t b : d_in) free(b, B);
-  compute_acc(compute(Kernel::norm_bwd, "post_attention_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)),
+  compute_acc(compute(Kernel::norm_bwd, "post_attention_norm", l, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(l)), 8.0 * static_cast<double>(M_ * H)),
                       {d_h2, lb.x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], lb.rstd2, dres_}));
   free(d_h2, B);
   // Attention backward.
@@ -1257,7 +1352,8 @@ void Builder::layer_backward(std::int32_t l) {
   free(dprobs, B);
   free(d_attn, B);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
-    compute(Kernel::rope_bwd, "rope", l, B, elementwise(act(M_ * (m_.q_width() + m_.kv_width())) * 2),
+    compute(Kernel::rope_bwd, "rope", l, B,
+            elementwise(eager_or(eager::rope_bwd(1), M_ * (m_.q_width() + m_.kv_width()), stream_dtype(), act(M_ * (m_.q_width() + m_.kv_width())) * 2)),
             {d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1, rope_});
   const std::int32_t d_h1 = alloc([&] { return pre + ".norm1.d_out"; }, Cat::workspace, act(M_ * H), B);
   {
@@ -1270,7 +1366,7 @@ void Builder::layer_backward(std::int32_t l) {
       }
   }
   for (std::int32_t b : d_qkv) free(b, B);
-  last = compute_acc(compute(Kernel::norm_bwd, "input_norm", l, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)),
+  last = compute_acc(compute(Kernel::norm_bwd, "input_norm", l, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(l)), 8.0 * static_cast<double>(M_ * H)),
                              {d_h1, resid_[static_cast<std::size_t>(l)], norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], lb.rstd1, dres_}));
   free(d_h1, B);
   // Everything the layer saved is released, and so is its input (the previous layer's output).
@@ -1484,7 +1580,8 @@ void Builder::micro_batch(std::int32_t mb) {
   std::int32_t xl = resid_.back();
   const std::int32_t rstd = alloc([&] { return fmt::format("final_norm.mb{}.stats", mb); }, Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
   const std::int32_t hf = alloc([&] { return fmt::format("final_norm.mb{}.out", mb); }, Cat::workspace, bytes(stream_dtype(), M_ * H), F);
-  compute(Kernel::norm_fwd, "final_norm", -1, F, elementwise(act(M_ * H) * 2, 4.0 * static_cast<double>(M_ * H)), {xl, final_norm_, hf, rstd});
+  compute(Kernel::norm_fwd, "final_norm", -1, F, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(m_.layers)), 4.0 * static_cast<double>(M_ * H)),
+          {xl, final_norm_, hf, rstd});
   std::vector<std::int32_t> head_saved;
   bool hf_freed = false;
   // The final norm under the runtime rule of the layers' norms: an fp32 copy of a
@@ -1565,7 +1662,7 @@ void Builder::micro_batch(std::int32_t mb) {
   if (!hf_freed) free(hf, B);
   for (std::int32_t b : head_saved) free(b, B);
   dres_ = alloc([&] { return fmt::format("d_resid.mb{}", mb); }, Cat::workspace, act(M_ * H), B);
-  last = compute(Kernel::norm_bwd, "final_norm", -1, B, elementwise(act(M_ * H) * 4, 8.0 * static_cast<double>(M_ * H)),
+  last = compute(Kernel::norm_bwd, "final_norm", -1, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(m_.layers)), 8.0 * static_cast<double>(M_ * H)),
                  {d_hf, xl, final_norm_, rstd, dres_});
   free(d_hf, B);
   free(rstd, B);

@@ -75,6 +75,10 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   r.eager_softmax_fp32 = true;
   r.layer_input_only_if_saved = true;
   r.free_at_last_use = true;  // eager PyTorch frees a tensor with its last reference
+  // Eager PyTorch runs each op of the Python module code as a kernel of its own (no fusion);
+  // an fp32 matmul stays fp32 (torch.backends.cuda.matmul.allow_tf32 is False by default since
+  // torch 1.12, and the Trainer's tf32 flag is unset).
+  r.eager_elementwise = true;
   // torch autocast caches the casts of leaf tensors that require grad (the fp32 adapters)
   // until the autocast region that accelerate opens around forward closes.
   r.autocast_weight_cache = mixed;

@@ -69,7 +69,7 @@ ComputeCost device_compute_cost(const ComputeWork& work, Kernel kernel, const Cl
   ComputeCost c;
   double peak;
   if (is_gemm_kernel(kernel)) {
-    peak = peak_flops_per_s(cluster.gpu, compute, allow_tf32);
+    peak = peak_flops_per_s(cluster.gpu, work.fp32_math ? DType::fp32 : compute, allow_tf32);
     c.efficiency = gemm_efficiency(work.gemm_m, work.gemm_n, work.gemm_k, work.gemm_count, e);
   } else {
     peak = cluster.gpu.fp32_flops_per_s;

@@ -54,6 +54,9 @@ struct RuntimeRules {
   bool fsdp_hook_retains_checkpoint_grads = false;  // FSDP1's multi-grad hook on a frozen unit's
                                        // checkpointed input keeps it and its gradient to the end
                                        // of backward
+  bool eager_elementwise = false;      // every elementwise op of the module code is its own kernel
+                                       // (its bytes: Eager in program.cpp); adapter GEMMs in the
+                                       // adapter's dtype
   LossChain loss = LossChain::upcast_in_place;
   // --- outside the model ---
   int cublas_workspaces = 0;           // cuBLAS workspaces in the caching allocator

@@ -107,6 +107,8 @@ struct ComputeWork {
   std::int32_t gemm_count = 1;      // identical GEMMs in this op (attention: batch × heads)
   std::int64_t params = 0;          // optimizer_step: parameters updated (a host-stream step is
                                     //   costed per parameter, at the CPU-Adam rate)
+  bool fp32_math = false;           // a GEMM in fp32 although the step computes in 16 bits (an
+                                    //   fp32 adapter without autocast): the fp32 peak applies
 };
 
 struct Buffer {
