@@ -1158,7 +1158,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
     probs = alloc([&] { return pre + ".attn.probs"; }, keep, act(B * nh * S * kv), P);
     aw.bytes_moved = act(B * nh * S * kv) * 3 + act(M_ * (m_.q_width() + 2 * m_.kv_width()));
     aw.flops *= eager_gemm_fraction();
-    if (rules_.eager_softmax_fp32 && f_.compute_dtype != DType::fp32)
+    if (rules_.eager_softmax_fp32 && m_.rms_norm() && f_.compute_dtype != DType::fp32)  // the Llama family's code
       probs32 = alloc([&] { return pre + ".attn.probs_fp32"; }, keep, f32(B * nh * S * kv), P);
   } else {
     probs = alloc([&] { return pre + ".attn.lse"; }, keep, f32(B * nh * S), P);

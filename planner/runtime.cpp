@@ -16,6 +16,47 @@ std::uint64_t cublas_workspace_bytes(int sm) {
   return 4096ull * 1024 * 2 + 16ull * 1024 * 8;
 }
 
+namespace {
+
+// What transformers' model code and PEFT do under any launcher (the Trainer, accelerate,
+// DeepSpeed): the saved tensors, the loss, the batch, eager PyTorch's kernels and allocations.
+void model_side(RuntimeRules& r) {
+  // Saved tensors (tools/autograd/derivatives.yaml, gen_variable_type.py guard_for): a frozen
+  // mm saves no activation; PEFT lora.Linear.forward casts x to lora_A's dtype and drops it out
+  // per target module (native_dropout saves the bool mask, the mm saves the dropped input);
+  // MistralRMSNorm / LlamaRMSNorm compute in fp32 (pow and mul save hidden_states.to(fp32));
+  // flash-attn's FlashAttnFunc saves q, k, v, out and the log-sum-exp; MistralMLP computes
+  // down(act(gate(x)) * up(x)), so the mul keeps act(gate(x)) and up(x), SiLU keeps gate(x).
+  r.adapter_owns_input = true;
+  r.norm_saves_fp32_input = true;
+  r.attention_saves_output = true;
+  r.unfused_swiglu = true;
+  // The Llama family's eager_attention_forward: softmax(..., dtype=torch.float32).to(query.dtype).
+  r.eager_softmax_fp32 = true;
+  r.layer_input_only_if_saved = true;
+  r.free_at_last_use = true;  // eager PyTorch frees a tensor with its last reference
+  // Eager PyTorch runs each op of the Python module code as a kernel of its own (no fusion);
+  // an fp32 matmul stays fp32 (torch.backends.cuda.matmul.allow_tf32 is False by default since
+  // torch 1.12, and the Trainer's tf32 flag is unset).
+  r.eager_elementwise = true;
+  r.loss = LossChain::hf_shift_copy;
+  r.cublas_workspaces = 2;  // the main thread's and the autograd device thread's handles
+  // The Trainer's default DataCollatorWithPadding: input_ids, attention_mask and labels, int64.
+  r.batch_bytes_per_token = 24;
+  // LlamaRotaryEmbedding / MistralRotaryEmbedding: cos and sin of shape [1, S, head_dim] in the
+  // compute dtype (emb = cat(freqs, freqs)).
+  r.rope_table_elems_per_pos = 2;  // x head_dim
+  // The CUDA context with lazy module loading (CUDA >= 11.7): pytorch/pytorch#107667 and
+  // #20532 report 300-400 MiB; outside the caching allocator (nvidia-smi sees it,
+  // torch.cuda.memory_allocated does not).
+  r.context_bytes = 300ull << 20;
+  // NCCL allocates its channels, proxy and scratch buffers itself: NVIDIA/nccl#964 measures
+  // about 544 MB per 2-GPU communicator outside PyTorch's allocator.
+  r.nccl_bytes = 544'000'000;
+}
+
+}  // namespace
+
 RuntimeRules runtime_rules(const PlanInput& in) {
   RuntimeRules r;
   switch (in.profile) {
@@ -25,23 +66,20 @@ RuntimeRules runtime_rules(const PlanInput& in) {
       r.fp32_master_for_mixed = false;
       return r;
     case RuntimeProfile::deepspeed:
-      // DeepSpeed keeps fp32 master weights and partitions (stage_1_and_2.py,
-      // single_partition_of_fp32_groups); its model side is planned with the builder's own
-      // saved-tensor rules. cuBLAS: the forward thread's and the autograd engine's handles
-      // (setWorkspaceForHandle keys on the handle and the stream), as under `hf`.
-      r.versions = "DeepSpeed ZeRO (runtime/zero/config.py defaults)";
-      r.cublas_workspaces = 2;
-      // The CUDA context with lazy module loading (CUDA >= 11.7): pytorch/pytorch#107667 and
-      // #20532 report 300-400 MiB; outside the caching allocator (nvidia-smi sees it,
-      // torch.cuda.memory_allocated does not).
-      r.context_bytes = 300ull << 20;
-      r.nccl_bytes = 544'000'000;  // as under hf (NVIDIA/nccl#964)
+      // The HF model under DeepSpeed's engine: the model side as under hf. DeepSpeed casts the
+      // whole module to the 16-bit dtype (engine.py _configure_distributed_model:
+      // module.bfloat16() / half()), adapters and norms included, and keeps fp32 master weights
+      // and moments in its optimizer (stage_1_and_2.py single_partition_of_fp32_groups); its
+      // Adam is fused (no foreach temporary); its gradient partitions and buckets persist.
+      model_side(r);
+      r.versions = "DeepSpeed ZeRO (runtime/zero/config.py defaults) with transformers 4.48.1 and peft 0.13.2 model code";
       return r;
     case RuntimeProfile::hf:
       break;
   }
   // transformers 4.48.1 + PEFT 0.13.2 (+ TRL 0.13.0, accelerate 1.0.1, bitsandbytes 0.43.3) on
   // torch 2.4.1: the Trainer's training_step in eager PyTorch.
+  model_side(r);
   r.versions = "torch 2.4.1, transformers 4.48.1, peft 0.13.2, trl 0.13.0, accelerate 1.0.1, bitsandbytes 0.43.3";
   const bool mixed = in.training.precision == Precision::bf16_mixed || in.training.precision == Precision::fp16_mixed;
   // PEFT get_peft_model(autocast_adapter_dtype=True) (mapping.py, the default) upcasts bf16 and
@@ -61,40 +99,11 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   // Trainer: optimizer.step() then model.zero_grad() (set_to_none=True since torch 2.0):
   // AccumulateGrad allocates .grad in backward, and the step frees it.
   r.grads_only_in_backward = true;
-  // Saved tensors (tools/autograd/derivatives.yaml, gen_variable_type.py guard_for): a frozen
-  // mm saves no activation; PEFT lora.Linear.forward casts x to lora_A's dtype and drops it out
-  // per target module (native_dropout saves the bool mask, the mm saves the dropped input);
-  // MistralRMSNorm / LlamaRMSNorm compute in fp32 (pow and mul save hidden_states.to(fp32));
-  // flash-attn's FlashAttnFunc saves q, k, v, out and the log-sum-exp; MistralMLP computes
-  // down(act(gate(x)) * up(x)), so the mul keeps act(gate(x)) and up(x), SiLU keeps gate(x).
-  r.adapter_owns_input = true;
-  r.norm_saves_fp32_input = true;
-  r.attention_saves_output = true;
-  r.unfused_swiglu = true;
-  // eager_attention_forward: softmax(..., dtype=torch.float32).to(query.dtype).
-  r.eager_softmax_fp32 = true;
-  r.layer_input_only_if_saved = true;
-  r.free_at_last_use = true;  // eager PyTorch frees a tensor with its last reference
-  // Eager PyTorch runs each op of the Python module code as a kernel of its own (no fusion);
-  // an fp32 matmul stays fp32 (torch.backends.cuda.matmul.allow_tf32 is False by default since
-  // torch 1.12, and the Trainer's tf32 flag is unset).
-  r.eager_elementwise = true;
   // torch autocast caches the casts of leaf tensors that require grad (the fp32 adapters)
   // until the autocast region that accelerate opens around forward closes.
   r.autocast_weight_cache = mixed;
-  r.loss = LossChain::hf_shift_copy;
-  r.cublas_workspaces = 2;  // the main thread's and the autograd device thread's handles
-  // The Trainer's default DataCollatorWithPadding: input_ids, attention_mask and labels, int64.
-  r.batch_bytes_per_token = 24;
-  // LlamaRotaryEmbedding / MistralRotaryEmbedding: cos and sin of shape [1, S, head_dim] in the
-  // compute dtype (emb = cat(freqs, freqs)).
-  r.rope_table_elems_per_pos = 2;  // x head_dim
-  r.context_bytes = 300ull << 20;  // as for deepspeed
   // torch 2.4 FSDP1 (see Builder::layer_backward); docs/research/fsdp-memory-model.md §2.5.
   r.fsdp_hook_retains_checkpoint_grads = true;
-  // NCCL allocates its channels, proxy and scratch buffers itself: NVIDIA/nccl#964 measures
-  // about 544 MB per 2-GPU communicator outside PyTorch's allocator.
-  r.nccl_bytes = 544'000'000;
   return r;
 }
 
