@@ -50,7 +50,8 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
       ->capture_default_str();
   cmd->add_option("--alloc-conf", f.alloc_conf,
                   "PYTORCH_CUDA_ALLOC_CONF for the caching allocator model (expandable_segments:True, max_split_size_mb:N)");
-  cmd->add_option("--profile", f.profile, "executor, deepspeed or hf (transformers + PEFT; pytorch is its old name)")->capture_default_str();
+  cmd->add_option("--profile", f.profile,
+                  "executor, deepspeed (the default) or hf (transformers + PEFT; the default with --accelerate-config; pytorch is its old name)");
 }
 
 ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
@@ -94,7 +95,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   r.headroom_fraction = f.headroom_pct / 100.0;
   in.alloc_conf = f.alloc_conf;
   (void)sim::AllocatorConfig::parse(in.alloc_conf, 0);  // refuse a bad --alloc-conf here
-  std::string profile = f.profile;
+  std::string profile = f.profile.empty() ? std::string("deepspeed") : f.profile;
   if (profile == "pytorch") {  // the `hf` profile's old name
     r.warnings.push_back("--profile pytorch is now --profile hf (transformers + PEFT in eager PyTorch)");
     profile = "hf";
@@ -152,15 +153,22 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
                                        f.accelerate_config, *f.gpus, ac.strategy.ranks));
     in.strategy = ac.strategy;
     in.strategy.ranks = ranks;
-    if (in.strategy.stage == Stage::fsdp_hybrid_shard && in.strategy.shard_group == 0)
-      in.strategy.shard_group = std::min(r.cluster.gpus_per_node, ranks);
+    // HYBRID_SHARD shards within a machine: num_processes / num_machines ranks, or a node's GPUs.
+    if (in.strategy.stage == Stage::fsdp_hybrid_shard)
+      in.strategy.shard_group = ac.num_machines > 1 ? ranks / ac.num_machines : std::min(r.cluster.gpus_per_node, ranks);
     if (ac.precision) in.training.precision = *ac.precision;
+    if (ac.no_mixed_precision && (in.training.precision == Precision::bf16_mixed || in.training.precision == Precision::fp16_mixed)) {
+      // 'no': no autocast, the model in its torch_dtype; bf16 is what fine-tuning recipes load.
+      in.training.precision = Precision::bf16_pure;
+      r.warnings.push_back(fmt::format("{}: mixed_precision 'no' is planned as --precision bf16-pure (the model loaded in bf16, "
+                                       "no autocast); give --precision fp32 for an fp32 model", f.accelerate_config));
+    }
     if (in.strategy.fsdp.activation_checkpointing) {  // FSDP's checkpoint_wrapper on every decoder layer
       in.training.checkpointing = Checkpointing::full;
       in.training.checkpoint_reentrant = false;
     }
     // An accelerate job runs transformers + PEFT: the hf profile, unless another was asked for.
-    if (f.profile == "deepspeed") in.profile = planner::RuntimeProfile::hf;
+    if (f.profile.empty()) in.profile = planner::RuntimeProfile::hf;
     r.warnings.insert(r.warnings.end(), ac.warnings.begin(), ac.warnings.end());
   }
   return r;

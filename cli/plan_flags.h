@@ -33,7 +33,7 @@ struct PlanFlags {
   std::string cross_entropy = "standard";
   std::string optimizer = "adamw";
   std::string base_dtype;
-  std::string profile = "deepspeed";
+  std::string profile;  // "": deepspeed, or hf with --accelerate-config
   double headroom_pct = 100.0 * planner::kDefaultHeadroomFraction;
   std::string alloc_conf;
 };

@@ -86,6 +86,7 @@ void read_fsdp(const YAML::Node& f, const Reader& r, AccelerateConfig& out) {
   Strategy& s = out.strategy;
   s.stage = Stage::fsdp_full_shard;  // FullyShardedDataParallelPlugin's default
   for (const auto& kv : f) {
+    if (!kv.first.IsScalar()) throw input_error(r.source, "fsdp_config", "has a key that is not a plain name");
     const std::string key = kv.first.as<std::string>();
     const std::string path = "fsdp_config." + key;
     const YAML::Node& v = kv.second;
@@ -159,6 +160,7 @@ AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view 
     throw input_error(source, "distributed_type", "DEEPSPEED: give DeepSpeed's own config with --ds-config", "\"DEEPSPEED\"");
   out.strategy.stage = Stage::ddp;
   for (const auto& kv : root) {
+    if (!kv.first.IsScalar()) throw input_error(source, "", "has a top-level key that is not a plain name");
     const std::string key = kv.first.as<std::string>();
     const YAML::Node& v = kv.second;
     if (key == "distributed_type") continue;
@@ -177,6 +179,7 @@ AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view 
       if (x == "fp8") throw input_error(source, key, "fp8 is not planned; use no, bf16 or fp16", "\"fp8\"");
       if (x == "bf16") out.precision = Precision::bf16_mixed;
       if (x == "fp16") out.precision = Precision::fp16_mixed;
+      out.no_mixed_precision = x == "no";
     } else if (silent_keys().count(key) == 0) {
       r.warn(fmt::format("{}: {} is not an accelerate option peftplan models; ignored", source, key));
     }
@@ -187,7 +190,6 @@ AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view 
                       std::to_string(out.strategy.ranks));
   if (out.strategy.stage == Stage::fsdp_hybrid_shard && out.strategy.ranks > 0)
     out.strategy.shard_group = out.strategy.ranks / out.num_machines;
-  if (type != "FSDP" && out.strategy.ranks == 0) out.strategy.ranks = 1;
   return out;
 }
 

@@ -14,7 +14,7 @@ namespace peftplan::planner {
 // piece a checkpoint is written in, and what a loader holds of one at a time.
 constexpr std::uint64_t kShardBytes = 5'000'000'000ull;
 
-LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster, std::uint64_t model_states_device_bytes) {
+LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster, std::uint64_t weights_device_bytes) {
   LifecyclePeaks r;
   const auto& t = in.training;
   // from_pretrained(torch_dtype=...) builds the model in the training's dtype.
@@ -42,7 +42,7 @@ LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster,
     // output and one fp32 absmax per 64-element block are live together).
     r.load_host_per_rank_bytes = std::min(model_bytes, kShardBytes);
     r.load_host_per_node_bytes = r.load_host_per_rank_bytes * static_cast<std::uint64_t>(per_node);
-    r.load_device_bytes = model_states_device_bytes + 2 * largest_linear + largest_linear / 2 + 4 * (largest_linear / 64);
+    r.load_device_bytes = weights_device_bytes + storage_bytes(load, static_cast<std::int64_t>(largest_linear)) + largest_linear / 2 + 4 * (largest_linear / 64);
     r.load_how = fmt::format("quantised at load: one checkpoint shard in host RAM per rank, on the device the largest Linear "
                              "({} elements) in {} while bitsandbytes packs it", with_commas(static_cast<std::int64_t>(largest_linear)), name_of(load));
   } else if (fsdp && in.strategy.fsdp.cpu_ram_efficient_loading) {
@@ -51,7 +51,7 @@ LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster,
     // weights"; sync_module_states broadcasts them while each unit is wrapped and sharded.
     r.load_host_per_rank_bytes = model_bytes;
     r.load_host_per_node_bytes = model_bytes;
-    r.load_device_bytes = model_states_device_bytes + largest_unit;
+    r.load_device_bytes = weights_device_bytes + largest_unit;
     r.load_how = fmt::format("FSDP cpu_ram_efficient_loading: rank 0 alone holds the {} model in host RAM; each unit is whole on "
                              "the device while it is wrapped and sharded", name_of(load));
   } else {
@@ -59,7 +59,7 @@ LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster,
     // and copies the checkpoint into it, then the Trainer moves it to its GPU.
     r.load_host_per_rank_bytes = model_bytes;
     r.load_host_per_node_bytes = model_bytes * static_cast<std::uint64_t>(per_node);
-    r.load_device_bytes = fsdp ? model_states_device_bytes + largest_unit : model_states_device_bytes;
+    r.load_device_bytes = fsdp ? weights_device_bytes + largest_unit : weights_device_bytes;
     r.load_how = fmt::format("every rank builds the whole {} model in host RAM ({} per node)", name_of(load),
                              per_node > 1 ? fmt::format("{} copies", per_node) : std::string("one copy"));
   }

@@ -104,7 +104,7 @@ void explain(Plan& p) {
                                                : "FSDP FULL_SHARD shards every parameter, gradient and optimizer state; one decoder unit is "
                                                  "gathered at a time, the root unit (embedding, final norm, head) from forward to the end of backward";
     p.explanation.push_back(std::string(what));
-    if (peft && p.input.training.checkpointing != Checkpointing::none)
+    if (peft && p.input.training.checkpointing != Checkpointing::none && p.input.training.checkpoint_reentrant)
       p.explanation.push_back("with reentrant checkpointing, FSDP's hook on each frozen unit's input keeps that input and its gradient "
                               "until backward ends (torch 2.4): the peak is in the first layer's backward");
   }
@@ -141,7 +141,10 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   p.device_capacity_bytes = cluster.gpu.memory_bytes;
   const RuntimeRules rules = runtime_rules(p.input);
   p.runtime_versions = rules.versions;
-  p.outside_allocator_bytes = rules.context_bytes + (p.input.strategy.ranks > 1 ? rules.nccl_bytes : 0);
+  // NCCL: one communicator per process group a rank is in (HYBRID_SHARD: its shard group and its
+  // replica group).
+  const std::uint64_t communicators = p.input.strategy.ranks <= 1 ? 0 : p.input.strategy.stage == Stage::fsdp_hybrid_shard ? 2 : 1;
+  p.outside_allocator_bytes = rules.context_bytes + communicators * rules.nccl_bytes;
   p.headroom_fraction = options.headroom_fraction;
   if (p.input.profile == RuntimeProfile::executor) {
     p.reserved_peak_bytes = p.used_peak_bytes = p.memory.device_peak_bytes;  // our allocator holds what it uses
@@ -156,11 +159,15 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   }
   p.host_capacity_bytes = cluster.gpus_per_node > 0 ? cluster.host_ram_bytes_per_node / static_cast<std::uint64_t>(cluster.gpus_per_node) : 0;
   if (p.input.profile == RuntimeProfile::hf) {
-    std::uint64_t states = 0;  // what lives on the device between steps
-    for (const auto& op : p.program.ops)
-      if (op.kind == sim::OpKind::alloc && op.phase == sim::Phase::setup && !sim::on_host(p.program.buffers[static_cast<std::size_t>(op.buffer)].category))
-        states += p.program.buffers[static_cast<std::size_t>(op.buffer)].bytes;
-    p.lifecycle = lifecycle_peaks(p.input, cluster, states);
+    std::uint64_t states = 0, weights = 0;  // what lives on the device between steps; its weights
+    for (const auto& op : p.program.ops) {
+      if (op.kind != sim::OpKind::alloc || op.phase != sim::Phase::setup) continue;
+      const auto& b = p.program.buffers[static_cast<std::size_t>(op.buffer)];
+      if (sim::on_host(b.category)) continue;
+      states += b.bytes;
+      if (b.category == MemCategory::base_weights || b.category == MemCategory::trainable_weights) weights += b.bytes;
+    }
+    p.lifecycle = lifecycle_peaks(p.input, cluster, weights);
     const auto& l = *p.lifecycle;
     const std::uint64_t node_ram = cluster.host_ram_bytes_per_node;
     if (node_ram > 0 && l.load_host_per_node_bytes > node_ram)

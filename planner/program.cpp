@@ -802,7 +802,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   const std::uint64_t train_full = tw * static_cast<std::uint64_t>(shard(un.trainable_numel) * N);
   if (frozen_full + train_full == 0) return;
   // A prefetch never runs further ahead than max_live_parameters allows.
-  if (!use && un.frozen_numel + un.trainable_numel > s_.ds.stage3_max_live_parameters) return;
+  if (!use && !fsdp() && un.frozen_numel + un.trainable_numel > s_.ds.stage3_max_live_parameters) return;
   std::int32_t staged = -1;
   // The gather is issued when the program reaches it: after the compute emitted before it.
   std::int32_t dep = last_compute_;
@@ -881,7 +881,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     // gathers a unit's frozen region in one op (its chunks would not be contiguous blocks of
     // every rank's shard).
     const std::uint64_t chunks =
-        use || exec_z3() ? 1 : std::max<std::uint64_t>(1, ceil_div(static_cast<std::uint64_t>(un.frozen_numel),
+        use || exec_z3() || fsdp() ? 1 : std::max<std::uint64_t>(1, ceil_div(static_cast<std::uint64_t>(un.frozen_numel),
                                                       static_cast<std::uint64_t>(std::max<std::int64_t>(1, s_.ds.stage3_prefetch_bucket_size))));
     const std::uint64_t chunk = frozen_full / chunks;
     issue("gather_frozen", frozen_full - chunk * (chunks - 1), payload_frozen, shard_frozen, dep_frozen >= 0 ? dep_frozen : dep);
@@ -1187,6 +1187,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const std::int32_t x_mid = alloc([&] { return pre + ".resid_mid"; }, x_mid_saved ? keep : Cat::workspace, bytes(resid_dtype(l), M_ * H), P);
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), {x, y_attn, x_mid});
   free(y_attn, P);
+  if (!rules_.free_at_last_use) keep_or_drop(x_mid, x_mid_saved);  // freed with the layer's transients
   lb.x_mid = x_mid;
 
   // --- MLP block ---
@@ -1245,7 +1246,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
           {x_mid, y_mlp, recompute ? -1 : x_out});
   free(y_mlp, P);
-  keep_or_drop(x_mid, x_mid_saved);
+  if (rules_.free_at_last_use) keep_or_drop(x_mid, x_mid_saved);  // after its last use, the add above
   for (std::int32_t b : transient) free(b, P);
   // Runtime rule: the layer's input lives only while something saves it. Without a checkpoint
   // only an fp32 input is (the norm saves it); otherwise the norm's fp32 copy replaced it.
@@ -1271,7 +1272,8 @@ void Builder::layer_backward(std::int32_t l) {
   }
   // Prefetch the previous layer (or the embedding). FSDP's BACKWARD_PRE prefetches only a unit
   // whose forward ran with grad enabled (_register_pre_backward_hooks): not a checkpointed one.
-  if (!fsdp() || (l > 0 && !checkpointed(l - 1) && s_.fsdp.backward_prefetch != FsdpPrefetch::none)) gather_unit(unit - 1, B, false);
+  if (!fsdp() || (l > 0 && (!checkpointed(l - 1) || !t_.checkpoint_reentrant) && s_.fsdp.backward_prefetch != FsdpPrefetch::none))
+    gather_unit(unit - 1, B, false);
   begin_unit_gradients(unit);
   auto& lin = layer_linears_[static_cast<std::size_t>(l)];
   auto& saved = saved_[static_cast<std::size_t>(l)];
@@ -1437,6 +1439,7 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     if (group() < s_.ranks) {  // HYBRID_SHARD: the shard is then all-reduced across the groups
       rs = collective(Collective::all_reduce, "all_reduce_grads", tw * static_cast<std::uint64_t>(shard(bk.numel)), -1, Phase::backward, -1, {rs});
       p_.ops[static_cast<std::size_t>(rs)].group_size = s_.ranks / group();
+      p_.ops[static_cast<std::size_t>(rs)].group_stride = group();  // one member per node
     }
     p_.ops[static_cast<std::size_t>(rs)].buffer_out = exec_z3() ? un.grad_shard_view : exec_z2() ? bk.grad_view : grad_shard_;
     p_.ops[static_cast<std::size_t>(rs)].accumulate = mb_ > 0;
@@ -1482,14 +1485,16 @@ std::int32_t Builder::hf_loss(std::int32_t logits, std::int32_t tokens) {
   const Phase L = Phase::loss, B = Phase::backward;
   const std::int64_t V = m_.vocab, T = M_, Tv = M_ - t_.micro_batch;  // Tv: positions with a next token
   const std::string pre = names_ ? fmt::format("loss.mb{}", mb_) : std::string();
-  const std::int32_t up = alloc([&] { return pre + ".logits_fp32"; }, Cat::workspace, f32(T * V), L);
-  compute(Kernel::cast, "upcast_logits", -1, L, elementwise(act(T * V) + f32(T * V)), {logits, up});
+  // .float() of fp32 logits is the tensor itself (and its backward the identity).
+  const bool upcast = f_.compute_dtype != DType::fp32;
+  const std::int32_t up = upcast ? alloc([&] { return pre + ".logits_fp32"; }, Cat::workspace, f32(T * V), L) : logits;
+  if (upcast) compute(Kernel::cast, "upcast_logits", -1, L, elementwise(act(T * V) + f32(T * V)), {logits, up});
   const std::int32_t shifted = alloc([&] { return pre + ".shift_logits"; }, Cat::workspace, f32(Tv * V), L);
   compute(Kernel::accumulate, "shift_logits", -1, L, elementwise(2 * f32(Tv * V)), {up, shifted});
   const std::int32_t lsm = alloc([&] { return pre + ".log_softmax"; }, Cat::workspace, f32(Tv * V), L);
   compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, L, elementwise(2 * f32(Tv * V), 3.0 * static_cast<double>(Tv * V)), {shifted, tokens});
   free(shifted, L);
-  free(up, L);
+  if (upcast) free(up, L);
   free(logits, L);
   const std::int32_t g_nll = alloc([&] { return pre + ".d_nll"; }, Cat::workspace, f32(Tv * V), B);
   compute(Kernel::cross_entropy_bwd, "nll_loss_backward", -1, B, elementwise(f32(Tv * V)), {lsm, tokens, g_nll});
@@ -1500,6 +1505,7 @@ std::int32_t Builder::hf_loss(std::int32_t logits, std::int32_t tokens) {
   const std::int32_t g_up = alloc([&] { return pre + ".d_logits_fp32"; }, Cat::workspace, f32(T * V), B);
   compute(Kernel::accumulate, "slice_backward", -1, B, elementwise(f32(T * V) + f32(Tv * V)), {g_lsm, g_up});
   free(g_lsm, B);
+  if (!upcast) return g_up;
   const std::int32_t d = alloc([&] { return pre + ".d_logits"; }, Cat::workspace, act(T * V), B);
   compute(Kernel::cast, "downcast_grad", -1, B, elementwise(f32(T * V) + act(T * V)), {g_up, d});
   free(g_up, B);
@@ -2031,6 +2037,20 @@ std::vector<std::string> validate(const PlanInput& in) {
   if (in.model.sliding_window && *in.model.sliding_window < t.seq_len)
     warnings.push_back(fmt::format("sliding_window {} < --seq-len {}: attention is planned over the full sequence",
                                    *in.model.sliding_window, t.seq_len));
+  if (t.cross_entropy == CrossEntropy::chunked) {
+    // The fused loss computes the head's weight gradient in its forward, outside the plan's
+    // gradient buffers: not planned yet.
+    const auto inv = make_inventory(in.model, in.peft);
+    const bool head_trains = in.peft.adapters.empty() ||
+                             std::any_of(inv.loras.begin(), inv.loras.end(), [](const models::LoraModule& l) { return l.linear.is_output; });
+    if (head_trains)
+      throw InputError("--cross-entropy chunked with a trainable LM head (full fine-tuning, or an adapter on lm_head) is not planned; "
+                       "use --cross-entropy standard");
+  }
+  if (is_zero_stage(s.stage) && in.profile == RuntimeProfile::hf)
+    throw InputError(fmt::format("--strategy {} is DeepSpeed's ZeRO: plan it with --profile deepspeed (the same transformers + PEFT "
+                                 "model side under DeepSpeed's engine); --profile hf plans ddp and the FSDP strategies",
+                                 name_of(s.stage)));
   if (in.profile == RuntimeProfile::executor && t.cross_entropy == CrossEntropy::chunked)
     throw InputError("--cross-entropy chunked: our executor computes the standard loss; plan it with --profile hf or deepspeed");
   if (in.profile == RuntimeProfile::executor && t.precision != Precision::fp32)

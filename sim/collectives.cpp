@@ -41,10 +41,10 @@ struct Layout {
   double k = 1;  // nodes
 };
 
-Layout layout_of(std::int32_t group_size, const Cluster& c) {
+Layout layout_of(std::int32_t group_size, const Cluster& c, std::int32_t stride) {
   Layout l;
   l.n = group_size;
-  l.k = std::ceil(static_cast<double>(group_size) / c.gpus_per_node);
+  l.k = stride >= c.gpus_per_node ? static_cast<double>(group_size) : std::ceil(static_cast<double>(group_size) / c.gpus_per_node);
   l.g = l.n / l.k;
   return l;
 }
@@ -145,11 +145,11 @@ double table_time_s(const CollectiveTable& t, double bytes) {
 }
 
 CollectiveCost collective_cost(Collective kind, std::uint64_t bytes, std::int32_t group_size,
-                               const Cluster& cluster, CollectiveAlgorithm algorithm) {
+                               const Cluster& cluster, CollectiveAlgorithm algorithm, std::int32_t stride) {
   PEFTPLAN_CHECK_MSG(group_size >= 1 && group_size <= total_gpus(cluster),
                      "group of {} ranks on a cluster of {} GPUs", group_size, total_gpus(cluster));
   if (group_size == 1 || bytes == 0) return CollectiveCost{};
-  const Layout l = layout_of(group_size, cluster);
+  const Layout l = layout_of(group_size, cluster, stride);
   // A calibrated host: the measured table of this kind and group size, when there is one (see
   // CollectiveTable in cluster.h). Bytes on the links are still the ring's.
   for (const CollectiveTable& t : cluster.host_calibration.collectives) {

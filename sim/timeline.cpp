@@ -57,7 +57,7 @@ InStep collective_in_step(const Op& op, const Cluster& cluster, const SimOptions
   const std::size_t slot = collective_slot(static_cast<std::size_t>(op.collective), collective_place(op.phase));
   const HostCalibration& h = cluster.host_calibration;
   const bool peers = op.group_size > 1;
-  InStep r{collective_cost(op.collective, op.bytes, op.group_size, cluster, options.algorithm)};
+  InStep r{collective_cost(op.collective, op.bytes, op.group_size, cluster, options.algorithm, op.group_stride)};
   if (peers) {
     r.wait_s = h.collective_skew_s[slot] + h.collective_skew_per_compute[slot] * since_s;
     r.transfer_s = r.cost.time_s + h.collective_load_s[slot] + h.collective_load_per_compute[slot] * overlapped_s;

@@ -122,6 +122,7 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "a DeepSpeed config runs ZeRO, not FSDP"},
       {"plan --gpus 2 --strategy zero3 --accelerate-config " + kData + "/accelerate/fms-acceleration-benchmarks.yaml",
        "the accelerate config sets the strategy"},
+      {"plan --gpus 2 --profile hf --strategy zero3", "--strategy zero3 is DeepSpeed's ZeRO: plan it with --profile deepspeed"},
       {"plan --headroom 120", "--headroom: must be a percentage in [0, 100), got 120"},
       {"plan --alloc-conf garbage_collection_threshold:0.6", "garbage_collection_threshold"},
   };
@@ -181,4 +182,24 @@ TEST(CliPlan, WriteDsConfigRoundTrips) {
   const auto ja = nlohmann::json::parse(a.out), jb = nlohmann::json::parse(b.out);
   EXPECT_EQ(ja["memory"], jb["memory"]);
   EXPECT_EQ(jb["strategy"], "zero3");
+}
+
+// --accelerate-config: the fms-acceleration benchmarks' launch file plans FSDP FULL_SHARD under
+// the hf profile; its mixed_precision 'no' plans pure bf16; --gpus overrides num_processes.
+TEST(CliPlan, AccelerateConfigPlansTheFileStrategy) {
+  Result r = run("plan --json --gpus 2 --cluster 1x2xA100-80GB --lora-r 16 --checkpointing full --seq-len 1024 --accelerate-config " + kData +
+                 "/accelerate/fms-acceleration-benchmarks.yaml");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  EXPECT_EQ(j["strategy"], "fsdp-full-shard");
+  EXPECT_EQ(j["profile"], "hf");
+  EXPECT_EQ(j["ranks"], 2);
+  const std::string warnings = j["warnings"].dump();
+  EXPECT_NE(warnings.find("mixed_precision 'no' is planned as --precision bf16-pure"), std::string::npos) << warnings;
+  EXPECT_NE(warnings.find("--gpus 2 overrides num_processes 1"), std::string::npos) << warnings;
+  // An explicit --profile is kept.
+  Result d = run("plan --gpus 2 --cluster 1x2xA100-80GB --profile deepspeed --accelerate-config " + kData +
+                 "/accelerate/fms-acceleration-benchmarks.yaml");
+  EXPECT_EQ(d.code, 2) << d.out;
+  EXPECT_NE(d.out.find("FSDP is planned with --profile hf"), std::string::npos) << d.out;
 }

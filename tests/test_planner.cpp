@@ -410,12 +410,19 @@ TEST(Lifecycle, QloraQuantisesTheLargestLinearOnTheDevice) {
   in.peft.quantization = models::Quantization{DType::nf4, true, 64};
   in.training.precision = Precision::bf16_mixed;
   const Plan p = make_plan(in, sim::resolve_cluster("1x1xA100-80GB"));
-  std::uint64_t states = 0;
+  // The quantised model as the step holds it (its weights, not yet its optimizer states)...
+  std::uint64_t weights = 0;
   for (const auto& op : p.program.ops)
-    if (op.kind == sim::OpKind::alloc && op.phase == sim::Phase::setup) states += p.program.buffers[static_cast<std::size_t>(op.buffer)].bytes;
+    if (op.kind == sim::OpKind::alloc && op.phase == sim::Phase::setup) {
+      const auto& b = p.program.buffers[static_cast<std::size_t>(op.buffer)];
+      if (b.category == MemCategory::base_weights || b.category == MemCategory::trainable_weights) weights += b.bytes;
+    }
+  EXPECT_GT(weights, 3'800'000'000u);  // nf4 Mistral-7B with bf16 embeddings and fp32 norms: ~3.84 GiB
+  EXPECT_LT(weights, 4'300'000'000u);
   const std::uint64_t n = 14336ull * 4096;  // gate_proj / up_proj / down_proj
-  // bitsandbytes quantize_4bit: the bf16 weight, the packed output, an fp32 absmax per 64.
-  EXPECT_EQ(p.lifecycle->load_device_bytes, states + 2 * n + n / 2 + 4 * (n / 64));
+  // ...plus, for the largest Linear, bitsandbytes quantize_4bit's bf16 input, its packed output
+  // and an fp32 absmax per 64 elements.
+  EXPECT_EQ(p.lifecycle->load_device_bytes, weights + 2 * n + n / 2 + 4 * (n / 64));
 }
 
 // --cross-entropy chunked: Liger's fused linear cross-entropy never holds the whole logits: a
@@ -445,7 +452,53 @@ TEST(CrossEntropy, ChunkedHoldsAChunkOfLogitsAndGradInput) {
   }
   EXPECT_EQ(chunks, 16384 / chunk);
   EXPECT_EQ(largest_loss, 2ull * 16384 * 4096);  // grad_input [BT, H] in bf16 is the largest
+  for (const auto& b : p.buffers)  // nothing anywhere holds the whole logits, forward or backward
+    EXPECT_LT(b.bytes, 2ull * 16384 * 128256) << b.name;
+  // A trainable head (full fine-tuning) is refused: its weight gradient is not planned.
+  PlanInput full = in;
+  full.peft.adapters.clear();
+  EXPECT_THROW(validate(full), peftplan::InputError);
   in.profile = RuntimeProfile::executor;
   in.training.precision = Precision::fp32;
   EXPECT_THROW(validate(in), peftplan::InputError);
+}
+
+// The other FSDP strategies: SHARD_GRAD_OP keeps every unit gathered from its forward to its
+// backward, NO_SHARD shards nothing, HYBRID_SHARD shards inside a node and all-reduces the
+// gradient shards across nodes (one member per node: inter-node traffic).
+TEST(Fsdp, OtherShardingStrategies) {
+  using namespace fsdp_hand;
+  const sim::Cluster two_nodes = sim::resolve_cluster("2x8xH100-SXM-NDR");
+  PlanInput full = mistral(16, true);
+  const Plan fs = make_plan(full, two_nodes);
+  PlanInput grad_op = full;
+  grad_op.strategy.stage = Stage::fsdp_shard_grad_op;
+  const Plan go = make_plan(grad_op, two_nodes);
+  // All 32 decoder units gathered at once at SHARD_GRAD_OP's peak, against one (plus the root).
+  EXPECT_GT(peak(go.memory, MemCategory::gathered_weights), 20 * peak(fs.memory, MemCategory::gathered_weights) / 2);
+  EXPECT_EQ(peak(go.memory, MemCategory::base_weights), peak(fs.memory, MemCategory::base_weights));
+  PlanInput none = full;
+  none.strategy.stage = Stage::fsdp_no_shard;
+  const Plan ns = make_plan(none, two_nodes);
+  EXPECT_EQ(peak(ns.memory, MemCategory::gathered_weights), 0u);
+  EXPECT_GT(peak(ns.memory, MemCategory::base_weights), 15 * peak(fs.memory, MemCategory::base_weights));
+  EXPECT_GT(ns.time->collective_bytes[static_cast<std::size_t>(sim::Collective::all_reduce)], 0u);
+  PlanInput hybrid = full;
+  hybrid.strategy.stage = Stage::fsdp_hybrid_shard;
+  hybrid.strategy.shard_group = 8;
+  const Plan hy = make_plan(hybrid, two_nodes);
+  // Shards of 8 ranks: twice FULL_SHARD's over 16.
+  EXPECT_NEAR(static_cast<double>(peak(hy.memory, MemCategory::base_weights)), 2.0 * static_cast<double>(peak(fs.memory, MemCategory::base_weights)),
+              0.001 * static_cast<double>(peak(hy.memory, MemCategory::base_weights)));
+  EXPECT_GT(hy.time->inter_node_bytes, 0u);       // the cross-node all-reduce of the gradient shards
+  EXPECT_GT(fs.time->inter_node_bytes, hy.time->inter_node_bytes);  // FULL_SHARD gathers across nodes
+  EXPECT_GT(hy.outside_allocator_bytes, fs.outside_allocator_bytes);  // two NCCL communicators
+}
+
+TEST(Profiles, HfPlansDdpAndFsdpNotZero) {
+  PlanInput in = fsdp_hand::mistral(2, true);
+  in.strategy.stage = Stage::zero3;
+  EXPECT_THROW(validate(in), peftplan::InputError);
+  in.profile = RuntimeProfile::deepspeed;
+  EXPECT_NO_THROW(validate(in));
 }

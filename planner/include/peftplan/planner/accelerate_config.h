@@ -24,7 +24,8 @@ struct AccelerateConfig {
                                      // ranks = num_processes (0 when the file does not say)
   std::int32_t num_machines = 1;
   std::optional<Precision> precision;  // mixed_precision bf16 / fp16 (autocast and FSDP's
-                                       // MixedPrecision); nullopt for 'no' (the model's dtype)
+                                       // MixedPrecision); nullopt when the file does not say
+  bool no_mixed_precision = false;     // mixed_precision: 'no' (the model runs in its torch_dtype)
   std::vector<std::string> warnings;
 };
 

@@ -23,8 +23,8 @@ struct LifecyclePeaks {
   std::string load_how, save_how;               // one line each: what the rule was
 };
 
-// The peaks for `in` on `cluster`; `model_states_device_bytes` is what the step keeps on the
-// device between steps (weights and optimizer states), which saving adds to.
-LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster, std::uint64_t model_states_device_bytes);
+// The peaks for `in` on `cluster`; `weights_device_bytes` is the model's weights on the device as
+// the step holds them (its optimizer states do not exist yet while loading).
+LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster, std::uint64_t weights_device_bytes);
 
 }  // namespace peftplan::planner

@@ -18,7 +18,7 @@ struct PlanInput;
 // How the loss turns the LM head's logits into the cross-entropy and its gradient.
 enum class LossChain {
   // The logits upcast to fp32 once (freeing the compute-dtype logits), cross-entropy in place:
-  // what our executor does and what DeepSpeed's model side is planned with today.
+  // what our executor does.
   upcast_in_place,
   // transformers 4.46-4.48 ForCausalLMLoss: the model keeps its logits until forward returns,
   // the loss upcasts them (.float()), copies the shifted logits (logits[..., :-1, :].contiguous())

@@ -77,6 +77,7 @@ constexpr bool shards_params(Stage s) {
 }
 // Gradients reduce-scattered into shards (with more than one rank).
 constexpr bool shards_grads(Stage s) { return s == Stage::zero2 || shards_params(s); }
+constexpr bool is_zero_stage(Stage s) { return s == Stage::zero1 || s == Stage::zero2 || s == Stage::zero3; }
 // Optimizer states sharded.
 constexpr bool shards_optimizer(Stage s) { return s != Stage::ddp && s != Stage::fsdp_no_shard; }
 enum class OffloadDevice { none, cpu };

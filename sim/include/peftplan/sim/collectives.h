@@ -41,9 +41,10 @@ double busbw_factor(Collective kind, std::int32_t n);
 double table_time_s(const CollectiveTable& t, double bytes);
 
 // One collective of nccl-tests size `bytes` over `group_size` ranks (1 <= group_size <=
-// total_gpus(cluster)). A group of one costs nothing.
+// total_gpus(cluster)). A group of one costs nothing. `stride`: the rank distance between
+// members; a stride of at least a node's GPUs puts one member on each node.
 CollectiveCost collective_cost(Collective kind, std::uint64_t bytes, std::int32_t group_size,
                                const Cluster& cluster,
-                               CollectiveAlgorithm algorithm = CollectiveAlgorithm::automatic);
+                               CollectiveAlgorithm algorithm = CollectiveAlgorithm::automatic, std::int32_t stride = 1);
 
 }  // namespace peftplan::sim

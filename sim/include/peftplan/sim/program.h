@@ -133,6 +133,9 @@ struct Op {
   std::int32_t micro_batch = -1;       // -1 when not tied to a micro-batch
   std::int32_t buffer = -1;            // alloc/free: the buffer; collective/copy: the payload
   std::int32_t group_size = 1;         // collective: ranks taking part
+  std::int32_t group_stride = 1;       // collective: rank distance between members (1: packed onto
+                                       //   nodes; FSDP HYBRID_SHARD's cross-node groups: a node's
+                                       //   GPUs, one member per node)
   std::uint64_t bytes = 0;             // collective: nccl-tests "size" S — all_reduce and
                                        //   broadcast: the buffer each rank holds;
                                        //   reduce_scatter and all_gather: the TOTAL (gathered,
