@@ -83,8 +83,11 @@ void explain(Plan& p) {
                                  : "DDP keeps every weight, gradient and optimizer state on every GPU");
     return;
   }
+  // The unsharded reference on the same stack: DDP, or FSDP's NO_SHARD for an FSDP plan (whose
+  // runtime differs from DDP's in more than sharding: sharded QLoRA's bf16 norms, for one).
   PlanInput ddp_in = p.input;
-  ddp_in.strategy.stage = Stage::ddp;
+  const bool fsdp_plan = is_fsdp(s.stage);
+  ddp_in.strategy.stage = fsdp_plan ? Stage::fsdp_no_shard : Stage::ddp;
   ddp_in.strategy.offload_optimizer = OffloadDevice::none;
   ddp_in.strategy.offload_param = OffloadDevice::none;
   const sim::MemoryProfile ddp = sim::walk_memory(build_program(ddp_in, BuildOptions{false}).program);
@@ -123,7 +126,8 @@ void explain(Plan& p) {
   if (s.offload_optimizer == OffloadDevice::cpu)
     p.explanation.push_back(peft ? "optimizer offload moves the adapter's optimizer states to host RAM: little GPU memory with PEFT"
                                  : "optimizer offload moves optimizer states and fp32 gradients to host RAM and runs Adam on the CPU");
-  p.explanation.push_back("per-category peaks against DDP: " + (deltas.empty() ? std::string("no change") : deltas));
+  p.explanation.push_back(std::string(fsdp_plan ? "per-category peaks against FSDP NO_SHARD: " : "per-category peaks against DDP: ") +
+                          (deltas.empty() ? std::string("no change") : deltas));
 }
 
 }  // namespace

@@ -1272,8 +1272,9 @@ void Builder::layer_backward(std::int32_t l) {
   }
   // Prefetch the previous layer (or the embedding). FSDP's BACKWARD_PRE prefetches only a unit
   // whose forward ran with grad enabled (_register_pre_backward_hooks): not a checkpointed one.
-  if (!fsdp() || (l > 0 && (!checkpointed(l - 1) || !t_.checkpoint_reentrant) && s_.fsdp.backward_prefetch != FsdpPrefetch::none))
-    gather_unit(unit - 1, B, false);
+  // BACKWARD_POST prefetches after this unit's gradients (below), with the unit resharded.
+  const bool prefetch = !fsdp() || (l > 0 && (!checkpointed(l - 1) || !t_.checkpoint_reentrant) && s_.fsdp.backward_prefetch != FsdpPrefetch::none);
+  if (prefetch && !(fsdp() && s_.fsdp.backward_prefetch == FsdpPrefetch::backward_post)) gather_unit(unit - 1, B, false);
   begin_unit_gradients(unit);
   auto& lin = layer_linears_[static_cast<std::size_t>(l)];
   auto& saved = saved_[static_cast<std::size_t>(l)];
@@ -1390,6 +1391,7 @@ void Builder::layer_backward(std::int32_t l) {
   resid_[static_cast<std::size_t>(l)] = -1;
   release_unit(unit, B);
   unit_gradients_done(unit, last);
+  if (prefetch && fsdp() && s_.fsdp.backward_prefetch == FsdpPrefetch::backward_post) gather_unit(unit - 1, B, false);
 }
 
 // ZeRO-2/3 with several ranks: a bucket's full gradients live from its first unit's backward

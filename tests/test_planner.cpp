@@ -22,6 +22,7 @@ using sim::MemCategory;
 namespace {
 
 std::uint64_t peak(const sim::MemoryProfile& m, MemCategory c) { return m.category_peak_bytes[static_cast<std::size_t>(c)]; }
+sim::MemoryProfile walk_memory_of(const PlanInput& in) { return sim::walk_memory(build_program(in).program); }
 
 models::PeftSpec lora(std::int64_t r, double alpha, std::vector<std::string> targets) {
   models::AdapterSpec a;
@@ -501,4 +502,16 @@ TEST(Profiles, HfPlansDdpAndFsdpNotZero) {
   EXPECT_THROW(validate(in), peftplan::InputError);
   in.profile = RuntimeProfile::deepspeed;
   EXPECT_NO_THROW(validate(in));
+}
+
+// BACKWARD_PRE gathers the next unit while the current one is still gathered; BACKWARD_POST
+// after the current one is resharded (without checkpointing, where FSDP prefetches at all).
+TEST(Fsdp, BackwardPostHoldsOneUnitWherePreHoldsTwo) {
+  PlanInput in = fsdp_hand::mistral(2, true);
+  in.training.checkpointing = Checkpointing::none;
+  const std::uint64_t pre = peak(walk_memory_of(in), MemCategory::gathered_weights);
+  in.strategy.fsdp.backward_prefetch = FsdpPrefetch::backward_post;
+  const std::uint64_t post = peak(walk_memory_of(in), MemCategory::gathered_weights);
+  const std::uint64_t layer = 2ull * 218'112'000;  // one decoder unit, whole, in bf16
+  EXPECT_GE(pre - post, layer - layer / 100);
 }
