@@ -190,13 +190,8 @@ class Builder {
   // so searches that need none (BuildOptions::names = false) never format them.
   template <typename Name>
   std::int32_t alloc(Name&& name, Cat cat, std::uint64_t bytes, Phase phase) {
-    std::int32_t b = p_.add_buffer(names_ ? std::string(name()) : std::string(), cat, bytes);
-    Op op;
-    op.kind = OpKind::alloc;
-    op.phase = phase;
-    op.buffer = b;
-    op.micro_batch = mb_;
-    p_.add_op(op);
+    const std::int32_t b = p_.add_buffer(names_ ? std::string(name()) : std::string(), cat, bytes);
+    alloc_buffer(b, phase);
     return b;
   }
   // A persistent gradient buffer: allocated in setup, or (runtime rule grads_only_in_backward)
