@@ -102,9 +102,11 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (ec) throw std::runtime_error("peftplan run: cannot find its own binary to run calibrate");
-  // One attempt: a run waits for this calibration, and the next run's probe retakes it if the
-  // machine has moved on (`peftplan calibrate` itself retakes a noisy calibration up to 3 times).
-  const int code = run_child({self.string(), "calibrate", "--ranks", std::to_string(N), "--quick", "--attempts", "1", "--out", path.string()});
+  // As `peftplan calibrate` does: retaken (up to 3 attempts, the quietest kept) while its programs'
+  // rounds spread or the machine's speed moves by more than a third of the tolerance while it
+  // runs (executor/calibrate.h, calibration_noise) — a profile measured across a change of speed
+  // mispredicts every run after it, and costs a run's wait only once.
+  const int code = run_child({self.string(), "calibrate", "--ranks", std::to_string(N), "--quick", "--out", path.string()});
   if (code != 0) throw std::runtime_error(fmt::format("peftplan run: peftplan calibrate exited with code {}", code));
   sim::Cluster c = sim::read_cluster_file(path);
   fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);

@@ -201,19 +201,37 @@ struct GemmBuffers {
   }
 };
 
+// Repeats `call` for at least `duration_s` and `min_calls` calls, in kBlocks timed blocks of
+// equal call counts, and returns the seconds per call over the steady blocks
+// (planner::steady_samples, the rule a run's steps are taken by): a slow spell of a shared
+// machine lands in some blocks and is left out, as a run's slow steps are, so calibration and
+// the runs it predicts measure the same thing. `calls` gets the number of timed calls.
+template <class Call>
+double steady_seconds_per_call(Call&& call, double duration_s, int min_calls, int* calls = nullptr) {
+  constexpr int kBlocks = 16;
+  auto t0 = Clock::now();
+  call();  // sizes the blocks
+  const double once = std::max(seconds_since(t0), 1e-9);
+  const int per_block = std::max({1, static_cast<int>(std::ceil(duration_s / kBlocks / once)), (min_calls + kBlocks - 1) / kBlocks});
+  std::array<double, kBlocks> block{};
+  for (double& b : block) {
+    t0 = Clock::now();
+    for (int i = 0; i < per_block; ++i) call();
+    b = seconds_since(t0) / per_block;
+  }
+  if (calls) *calls = kBlocks * per_block;
+  double sum = 0.0;
+  const std::vector<std::size_t> steady = planner::steady_samples(block, 0);
+  for (std::size_t i : steady) sum += block[i];
+  return sum / static_cast<double>(steady.size());
+}
+
 GemmResult time_gemm(const GemmShape& s, double min_time_s, int min_calls) {
   GemmBuffers b(s);
   b.run(s);  // warm-up: page faults, Eigen's packing buffers
   GemmResult r;
   r.shape = s;
-  const auto t0 = Clock::now();
-  double elapsed = 0.0;
-  do {
-    b.run(s);
-    ++r.calls;
-    elapsed = seconds_since(t0);
-  } while (elapsed < min_time_s || r.calls < min_calls);
-  r.seconds = elapsed / r.calls;
+  r.seconds = steady_seconds_per_call([&] { b.run(s); }, min_time_s, min_calls, &r.calls);
   r.flops_per_s = gemm_flops(s) / r.seconds;
   return r;
 }
@@ -224,16 +242,13 @@ double gemm_mix_rate(std::span<const GemmShape> mix, double duration_s) {
   for (const auto& s : mix) bufs.emplace_back(s);
   for (std::size_t i = 0; i < mix.size(); ++i) bufs[i].run(mix[i]);
   double flops = 0.0;
-  const auto t0 = Clock::now();
-  double elapsed = 0.0;
-  do {
-    for (std::size_t i = 0; i < mix.size(); ++i) {
-      bufs[i].run(mix[i]);
-      flops += gemm_flops(mix[i]);
-    }
-    elapsed = seconds_since(t0);
-  } while (elapsed < duration_s);
-  return flops / elapsed;
+  for (const auto& s : mix) flops += gemm_flops(s);
+  const double seconds = steady_seconds_per_call(
+      [&] {
+        for (std::size_t i = 0; i < mix.size(); ++i) bufs[i].run(mix[i]);
+      },
+      duration_s, 1);
+  return flops / seconds;
 }
 
 }  // namespace
@@ -242,7 +257,11 @@ double calibration_noise(const Calibration& cal) {
   std::vector<double> shares;
   for (const ProgramSample& p : cal.programs)
     if (p.step_s > 0.0) shares.push_back(p.spread_s / p.step_s);
-  return planner::spread_of(shares).median;
+  const double programs = planner::spread_of(shares).median;
+  const double moved = cal.probe_before_flops_per_s > 0.0 && cal.probe_after_flops_per_s > 0.0
+                           ? std::abs(cal.probe_after_flops_per_s / cal.probe_before_flops_per_s - 1.0)
+                           : 0.0;
+  return std::max(programs, moved);
 }
 
 double speed_probe(Communicator* world, double window_s) {

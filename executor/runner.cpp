@@ -180,6 +180,15 @@ struct Session::Impl {
   std::int64_t op_runs = 0;                     // run_ops calls of this session
   double exposed_warm_s = 0.0;                  // compute thread's waits on collectives, summed
                                                 //   over the steps after the first
+  std::vector<double> op_cur;                   // by op: this run_ops' seconds (as op_warm_s)
+  double exposed_cur = 0.0;                     // this run_ops' waits on collectives
+  struct StepOps {
+    std::size_t step;                           // index into meas.step_times_s
+    std::vector<double> op_s;
+    double exposed_s;
+  };
+  std::deque<StepOps> ops_recent;               // the last planner::kSteadyWindow steps after the
+                                                //   first: measurement() keeps the steady ones
   std::vector<std::int32_t> coll_ordinal;       // by op: its index among the step's collectives
   std::vector<std::int32_t> coll_ops;           // the step's collective ops in program order
   std::vector<double> coll_cur;                 // this step's execution seconds per collective
@@ -476,9 +485,14 @@ void Session::Impl::wait(CommRequest& req, std::size_t i) {
                                   op_name(i), watchdog_s));
   }
   req.wait();  // rethrows the operation's error
-  if (op_runs > 0 && !was_done) exposed_warm_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  if (op_runs > 0 && !was_done) {
+    const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+    exposed_warm_s += waited;
+    exposed_cur += waited;
+  }
   if (const double t = req.seconds(); t >= 0.0 && op_runs > 0) {
     op_warm_s[i] += t;
+    if (i < op_cur.size()) op_cur[i] += t;  // (a collective outside the step ops has no slot)
     if (i < coll_ordinal.size() && coll_ordinal[i] >= 0) coll_cur[static_cast<std::size_t>(coll_ordinal[i])] = t;
   }
 }
@@ -699,6 +713,10 @@ void Session::Impl::run_ops(bool update) {
   loss_sum = 0.0;
   have_norm = false;
   lr_logged = false;
+  if (op_runs > 0) {
+    op_cur.assign(program.ops.size(), 0.0);
+    exposed_cur = 0.0;
+  }
   const auto t0 = Clock::now();
   for (std::size_t i = first_step_op; i < program.ops.size(); ++i) {
     const sim::Op& op = program.ops[i];
@@ -728,7 +746,11 @@ void Session::Impl::run_ops(bool update) {
         wait_through(i);
         const auto s = Clock::now();
         copy(op);
-        if (op_runs > 0) op_warm_s[i] += std::chrono::duration<double>(Clock::now() - s).count();
+        if (op_runs > 0) {
+          const double dur = std::chrono::duration<double>(Clock::now() - s).count();
+          op_warm_s[i] += dur;
+          op_cur[i] += dur;
+        }
         break;
       }
       case OpKind::compute: {
@@ -740,7 +762,10 @@ void Session::Impl::run_ops(bool update) {
         const auto e = Clock::now();
         const double dur = std::chrono::duration<double>(e - s).count();
         op_s[i] += dur;
-        if (op_runs > 0) op_warm_s[i] += dur;
+        if (op_runs > 0) {
+          op_warm_s[i] += dur;
+          op_cur[i] += dur;
+        }
         last_start_s[i] = std::chrono::duration<double>(s - t0).count();
         last_dur_s[i] = dur;
         if (is_gemm(op.kernel)) {
@@ -754,7 +779,7 @@ void Session::Impl::run_ops(bool update) {
   if (!pending.empty()) wait_through(pending.back().op);
   if (op_runs > 0 && !coll_ops.empty()) {
     coll_recent.push_back(coll_cur);
-    if (coll_recent.size() > 32) coll_recent.pop_front();
+    if (coll_recent.size() > planner::kSteadyWindow) coll_recent.pop_front();
   }
   std::fill(coll_cur.begin(), coll_cur.end(), 0.0);
   ++op_runs;
@@ -787,6 +812,10 @@ StepStats Session::step() {
   st.lr = s.meas.lrs.empty() ? 0.0 : s.meas.lrs.back();
   s.meas.losses.push_back(st.loss);
   s.meas.grad_norms.push_back(st.grad_norm);
+  if (s.op_runs > 1) {  // not the session's first run of the ops (warm-up)
+    s.ops_recent.push_back({s.meas.step_times_s.size(), std::move(s.op_cur), s.exposed_cur});
+    if (s.ops_recent.size() > planner::kSteadyWindow) s.ops_recent.pop_front();
+  }
   s.meas.step_times_s.push_back(st.seconds);
   return st;
 }
@@ -995,12 +1024,28 @@ Measurement Session::measurement() const {
   };
   m.device_peak_op = op_name(m.memory.device_peak_op);
   m.host_peak_op = op_name(m.memory.host_peak_op);
-  // Per program op: mean seconds per step over the steps after the first.
+  // Per program op: mean seconds per step over the steady steps (planner::steady_samples, as
+  // validation takes the step: the fastest of the recent steps after the first), so the
+  // op times add up to the step they are compared with; over every step after the first when
+  // the session ran its ops outside step() (forward_backward) and kept no steps to choose from.
   m.op_s.assign(s.program.ops.size(), 0.0);
-  if (s.op_runs > 1)
+  std::vector<const Impl::StepOps*> steady;
+  for (std::size_t k : planner::steady_samples(s.meas.step_times_s, 1))
+    for (const auto& r : s.ops_recent)
+      if (r.step == k) steady.push_back(&r);
+  if (!steady.empty() && steady.size() == planner::steady_samples(s.meas.step_times_s, 1).size()) {
+    for (const auto* r : steady) {
+      for (std::size_t i = 0; i < m.op_s.size(); ++i) m.op_s[i] += r->op_s[i];
+      m.exposed_comm_s += r->exposed_s;
+    }
+    for (double& x : m.op_s) x /= static_cast<double>(steady.size());
+    m.exposed_comm_s /= static_cast<double>(steady.size());
+    m.op_s_steps = static_cast<std::int64_t>(steady.size());
+  } else if (s.op_runs > 1) {
     for (std::size_t i = 0; i < m.op_s.size(); ++i) m.op_s[i] = s.op_warm_s[i] / static_cast<double>(s.op_runs - 1);
-  m.op_s_steps = s.op_runs > 1 ? s.op_runs - 1 : 0;
-  m.exposed_comm_s = s.op_runs > 1 ? s.exposed_warm_s / static_cast<double>(s.op_runs - 1) : 0.0;
+    m.op_s_steps = s.op_runs - 1;
+    m.exposed_comm_s = s.exposed_warm_s / static_cast<double>(s.op_runs - 1);
+  }
   m.collective_ops = s.coll_ops;
   m.collective_op_s_by_step.assign(s.coll_recent.begin(), s.coll_recent.end());
   // Time per (phase, kernel, label), in first-appearance order.
@@ -1099,8 +1144,8 @@ nlohmann::json gather_measurements(Communicator& comm, const nlohmann::json& min
 // Rank 0: each collective's transfer (the shortest rank's execution, step by step: the rank
 // that arrived last waited for nobody) and the time ranks waited for the last one to arrive,
 // per collective op and in total, from every rank's collective_op_s_by_step (see Measurement).
-// Each is the median over the steps, as the step time is: a typical step's, not one stalled
-// step's share.
+// Each is the mean over rank 0's steady steps (planner::steady_samples), the steps its step time
+// and op_s are taken over: a collective's share of the steps it is compared with.
 void split_collective_time(Measurement& m) {
   const auto& ranks = m.per_rank;
   if (!ranks.is_array() || ranks.empty() || m.collective_ops.empty()) return;
@@ -1112,23 +1157,29 @@ void split_collective_time(Measurement& m) {
   std::size_t steps = d.front().size();
   for (const auto& r : d) steps = std::min(steps, r.size());
   if (steps == 0) return;
+  // Row k of the last `steps` rows is step n - steps + k of rank 0's step_times_s.
+  const std::size_t n = m.step_times_s.size();
+  std::vector<std::size_t> rows;
+  for (std::size_t k : planner::steady_samples(m.step_times_s, 1))
+    if (n >= steps && k >= n - steps) rows.push_back(k - (n - steps));
+  if (rows.empty())  // steps run outside step() (forward_backward): every row
+    for (std::size_t k = 0; k < steps; ++k) rows.push_back(k);
   const std::size_t C = m.collective_ops.size();
   m.collective_transfer_s.assign(C, 0.0);
   m.collective_wait_s.assign(C, 0.0);
-  std::vector<double> transfer(steps), wait(steps);
   for (std::size_t c = 0; c < C; ++c) {
-    for (std::size_t k = 0; k < steps; ++k) {
+    for (std::size_t k : rows) {
       double lo = std::numeric_limits<double>::max(), sum = 0.0;
       for (const auto& r : d) {
         const std::size_t kk = r.size() - steps + k;  // align the last `steps` steps
         lo = std::min(lo, r[kk][c]);
         sum += r[kk][c];
       }
-      transfer[k] = lo;
-      wait[k] = sum / static_cast<double>(d.size()) - lo;
+      m.collective_transfer_s[c] += lo;
+      m.collective_wait_s[c] += sum / static_cast<double>(d.size()) - lo;
     }
-    m.collective_transfer_s[c] = planner::spread_of(transfer).median;
-    m.collective_wait_s[c] = planner::spread_of(wait).median;
+    m.collective_transfer_s[c] /= static_cast<double>(rows.size());
+    m.collective_wait_s[c] /= static_cast<double>(rows.size());
   }
   m.sync_wait_s = std::accumulate(m.collective_wait_s.begin(), m.collective_wait_s.end(), 0.0);
 }

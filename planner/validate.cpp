@@ -94,10 +94,23 @@ Spread spread_of(std::vector<double> v) {
   return {at(0.5), at(0.25), at(0.75)};
 }
 
+std::vector<std::size_t> steady_samples(std::span<const double> times, std::size_t warmup) {
+  std::vector<std::size_t> idx;
+  if (times.empty()) return idx;
+  const std::size_t first = times.size() > warmup ? std::max(warmup, times.size() - std::min(times.size() - warmup, kSteadyWindow)) : 0;
+  for (std::size_t i = first; i < times.size(); ++i) idx.push_back(i);
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return times[a] < times[b]; });
+  idx.resize(1);
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
 double steady_step_s(const std::vector<double>& step_times) {
   if (step_times.empty()) return 0.0;
-  if (step_times.size() == 1) return step_times.front();
-  return spread_of(std::vector<double>(step_times.begin() + 1, step_times.end())).median;
+  double sum = 0.0;
+  const std::vector<std::size_t> idx = steady_samples(step_times, 1);
+  for (std::size_t i : idx) sum += step_times[i];
+  return sum / static_cast<double>(idx.size());
 }
 
 namespace {
@@ -144,7 +157,7 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
   if (step_times.empty()) throw InputError("measurement.json: step_times_s is empty (no step was measured)");
   const double steps = static_cast<double>(step_times.size());
   std::vector<std::optional<double>> op_measured(prog.ops.size());
-  // Preferred: "op_s", every program op's mean seconds per step after the first step.
+  // Preferred: "op_s", every program op's mean seconds over the steady steps (steady_samples).
   const bool have_op_s = m.contains("op_s") && m.at("op_s").is_array() && !m.at("op_s").empty() &&
                          m.value("op_s_steps", std::int64_t{0}) > 0;
   if (have_op_s && m.at("op_s").size() != prog.ops.size())

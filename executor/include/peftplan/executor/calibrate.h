@@ -44,7 +44,7 @@ constexpr double gemm_flops(const GemmShape& s) {
 
 struct GemmResult {
   GemmShape shape;
-  double seconds = 0.0;      // mean time of one call
+  double seconds = 0.0;      // time of one call (its steady blocks' mean)
   double flops_per_s = 0.0;  // gemm_flops / seconds
   int calls = 0;             // timed calls
 };
@@ -100,7 +100,7 @@ struct LinkFit {
 
 // One timed op of the calibration step program (the executor's own kernels, N ranks at once):
 // its kernel and work as the program states them and the measured mean seconds per step (rank
-// 0's, steps after the first).
+// 0's, over the steady steps: measurement op_s).
 struct KernelSample {
   sim::Kernel kernel = sim::Kernel::none;
   bool host = false;             // on the host stream (offloaded optimizer)
@@ -129,7 +129,7 @@ struct CollectiveSample {
 };
 
 // One calibration step program as the ranks ran it: the program and the measured wall time of a
-// step (rank 0, median of the steps after the first), which includes what no op's timer sees:
+// step (rank 0, planner::steady_step_s of its steps), which includes what no op's timer sees:
 // time a rank spends descheduled while ranks outnumber cores, waits for slower peers, the loop.
 // The program runs in several rounds, interleaved with the other programs; the round with the
 // median step is kept (its op times become the kernel samples) and the rounds' spread reported.
@@ -165,7 +165,8 @@ struct Calibration {
 };
 
 // The machine-speed probe: a fixed GEMM mix (gemm_mix(true)) run by every rank of `world` at once
-// (this process alone when world is null) for window_s; the rate per rank, the mean over the
+// (this process alone when world is null) for window_s, timed in blocks whose steady ones
+// (planner::steady_samples, as a run's steps) give the rate; the rate per rank, the mean over the
 // ranks, on every rank. Calibration takes it as it begins and as it ends and the profile keeps the
 // mean (host_calibration.speed_probe_flops_per_s); peftplan-exec takes it before a run's steps
 // (measurement.json "speed_probe_flops_per_s"), so validation can tell how much faster or slower
@@ -175,7 +176,11 @@ struct Calibration {
 // window only averages more of the machine's second-to-second jitter (back-to-back 0.2 s probes
 // on the 2-core development VM ranged ±7%).
 // How noisy a calibration was: the median over its step programs of their rounds' spread
-// (interquartile range) over their step. 0 without programs.
+// (interquartile range) over their step, or how far the machine's speed moved while it ran —
+// |probe_after / probe_before - 1| when both probes were taken — whichever is larger: a
+// calibration whose probes disagree measured some programs at one speed and some at another,
+// however quiet each program's rounds were (one whose probes moved +11% predicted the default
+// job 18-20% slow; one whose moved +4% came within 3-8%). 0 without programs or probes.
 double calibration_noise(const Calibration& cal);
 // A calibration taken in a noisy spell of a shared machine mispredicts every run after it (one
 // taken while other jobs ran measured its programs 30% slow with a median spread of 11%, against

@@ -2,7 +2,8 @@
 // losses and gradient norms per step, step times, memory per category with the same keys as
 // `peftplan plan --json` (memory.device.<category>_bytes, memory.device.peak_bytes,
 // memory.device.peak_op, memory.host.*), time per (phase, kernel, label), op_s (mean seconds per
-// step of every program op, warm-up step excluded), and a Chrome trace of the last step.
+// step of every program op over the steady steps, planner::steady_samples), and a Chrome trace
+// of the last step.
 #pragma once
 
 #include <cstdint>
@@ -54,26 +55,28 @@ struct Measurement {
   std::string host_peak_op;
   std::vector<OpTime> op_times;
   std::vector<double> op_s;             // by program op index: mean seconds per step over the
-                                        //   steps after the first (warm-up excluded); compute
+                                        //   steady steps (planner::steady_samples: the fastest
+                                        //   quarter of the last 32 after the first); compute
                                         //   ops and copies as the rank timed them, collectives
                                         //   their execution on the communication thread
                                         //   (library call start to end, queueing excluded);
                                         //   0 for alloc/free and ops not run
   std::int64_t op_s_steps = 0;          // steps op_s averages over (0: op_s is all zeros)
-  double exposed_comm_s = 0.0;          // mean per step after the first: time the rank's compute
+  double exposed_comm_s = 0.0;          // mean over op_s's steps: time the rank's compute
                                         //   thread stood waiting for collectives
   std::vector<std::int32_t> collective_ops;  // program op index of each collective of a step
   std::vector<std::vector<double>> collective_op_s_by_step;  // [step][collective]: execution
                                         //   seconds on the communication thread, the last (up to
                                         //   32) steps after the first
-  // Rank 0 of several, from every rank's collective_op_s_by_step: per collective op, the median
-  // over steps of the shortest rank's execution — the rank that arrived last waits for nobody, so
-  // its call is the transfer — and the median over steps of the mean over ranks of the rest:
-  // waiting for the last rank to arrive (skew; calibrate measures it, the timeline predicts it).
+  // Rank 0 of several, from every rank's collective_op_s_by_step: per collective op, the mean
+  // over rank 0's steady steps (planner::steady_samples, as op_s) of the shortest rank's
+  // execution — the rank that arrived last waits for nobody, so its call is the transfer — and of
+  // the mean over ranks of the rest: waiting for the last rank to arrive (skew; calibrate
+  // measures it, the timeline predicts it).
   std::vector<double> collective_transfer_s;  // aligned with collective_ops; empty otherwise
   std::vector<double> collective_wait_s;      // aligned with collective_ops: per step, the mean
                                         //   over ranks of (its call - the shortest rank's
-                                        //   call), the median over steps
+                                        //   call), the mean over the steady steps
   double sync_wait_s = 0.0;             // per step: collective_wait_s summed over collective ops
   double speed_probe_flops_per_s = 0.0; // run_plan: speed_probe (calibrate.h) just before the
                                         //   steps, every rank at once; 0 = not taken
