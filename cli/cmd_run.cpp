@@ -54,11 +54,14 @@ std::string shown(const fs::path& p) { return shown_path(p); }
 // (calibration.<N>.json beside the default calibration.json: a profile describes ranks sharing
 // the cores, so each rank count has its own). The cached one is made with `peftplan calibrate
 // --ranks N --quick` by this same binary, written where it was looked for: when it is missing,
-// when it predates the speed probe, and when the machine's speed has moved away from it — a
-// shared machine has slow and fast spells, and a profile measured in one of them mispredicts
-// every run in the other. "Moved away" is the probe (executor/calibrate.h, speed_probe) taken now
-// differing from the profile's by more than `recalibrate_beyond` (a third of the profile's time
-// tolerance, whatever --tolerance-time says: drift that leaves two thirds of it to the model). A profile given with
+// when it predates the speed probe, and when the machine's speed has moved away from it.
+// "Moved away" is the probe (executor/calibrate.h, speed_probe) taken now differing from the
+// profile's by more than `recalibrate_beyond`: the profile's time tolerance, whatever
+// --tolerance-time says — a drift that alone would make every time figure inconclusive (see
+// planner::Validation::speed_drift), so a run on the old profile could not judge time at all.
+// A smaller drift is left to the verdict, which widens each figure's uncertainty by it: the
+// development VM's probe wanders ±10% from minute to minute, and recalibrating on every such
+// swing cost each run 25 s for a profile no better than the last. A profile given with
 // --calibration is the user's: used as it is (validation reports the drift).
 sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double recalibrate_beyond) {
   const fs::path path = given.empty() ? default_profile_path().replace_filename(fmt::format("calibration.{}.json", N))
@@ -102,11 +105,10 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (ec) throw std::runtime_error("peftplan run: cannot find its own binary to run calibrate");
-  // As `peftplan calibrate` does: retaken (up to 3 attempts, the quietest kept) while its programs'
-  // rounds spread or the machine's speed moves by more than a third of the tolerance while it
-  // runs (executor/calibrate.h, calibration_noise) — a profile measured across a change of speed
-  // mispredicts every run after it, and costs a run's wait only once.
-  const int code = run_child({self.string(), "calibrate", "--ranks", std::to_string(N), "--quick", "--out", path.string()});
+  // One attempt: a run waits for this calibration, which keeps each program's fastest round (a
+  // slow spell passes it by), and the next run's probe retakes it if the machine has moved on
+  // (`peftplan calibrate` itself retakes a noisy calibration up to 3 times).
+  const int code = run_child({self.string(), "calibrate", "--ranks", std::to_string(N), "--quick", "--attempts", "1", "--out", path.string()});
   if (code != 0) throw std::runtime_error(fmt::format("peftplan run: peftplan calibrate exited with code {}", code));
   sim::Cluster c = sim::read_cluster_file(path);
   fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);
@@ -324,7 +326,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       const int N = pf.input.strategy.ranks;
       if (flags.cluster.empty()) {
         if (!calibrated)
-          calibrated = calibrated_cluster(o->calibration, N, planner::tolerances_for(pf.input.profile).time / 3.0);
+          calibrated = calibrated_cluster(o->calibration, N, planner::tolerances_for(pf.input.profile).time);
         r.cluster = *calibrated;
         profile = "calibrated profile";
       } else if (si == 0) {

@@ -130,20 +130,28 @@ std::string verdict_lines(const planner::Validation& v) {
   return s;
 }
 
+namespace {
+// How many steps the steady step is chosen from (planner::steady_samples): the last
+// kSteadyWindow after the first.
+std::int64_t steady_window(std::int64_t steps) {
+  return std::clamp<std::int64_t>(steps - 1, 1, static_cast<std::int64_t>(planner::kSteadyWindow));
+}
+}  // namespace
+
 std::string validation_notes(const planner::Validation& v) {
   std::string s;
   if (v.op_time_source.rfind("totals", 0) == 0)
     s += fmt::format("time: {}; spread = the interquartile range of its steps after warm-up ({} step(s) recorded)\n", v.op_time_source,
                      v.steps);
   else if (v.rounds > 1)
-    s += fmt::format("time: the median of {} rounds, each round's step the median of its {} step(s) after the first; spread = the "
-                     "interquartile range of the rounds (spr. %: of the measured step for step_s, of the predicted step for its "
-                     "parts); op times from round {}'s {}\n",
-                     v.rounds, v.steps > 1 ? v.steps - 1 : 1, v.op_round + 1, v.op_time_source);
+    s += fmt::format("time: the median of {} rounds, each round's step the fastest of its {} step(s) after the first (noise on a "
+                     "shared machine only adds time); spread = the interquartile range of the rounds (spr. %: of the measured step "
+                     "for step_s, of the predicted step for its parts); op times from round {}'s {}\n",
+                     v.rounds, steady_window(v.steps), v.op_round + 1, v.op_time_source);
   else
-    s += fmt::format("time: step_s is the median of the {} step(s) after the first (the first includes warm-up), its spread their "
-                     "interquartile range; op times from the {}\n",
-                     v.steps > 1 ? v.steps - 1 : 1, v.op_time_source);
+    s += fmt::format("time: step_s is the fastest of the {} step(s) after the first (the first includes warm-up; noise on a shared "
+                     "machine only adds time), its spread their interquartile range; op times from the {}\n",
+                     steady_window(v.steps), v.op_time_source);
   if (v.most_different) s += "op that differs most: " + describe(*v.most_different) + "\n";
   if (v.sync_wait_s)
     s += fmt::format("ranks waited {:.3f} ms per step inside collectives for the last rank to arrive (sync_wait_s; predicted from the "

@@ -265,13 +265,36 @@ double calibration_noise(const Calibration& cal) {
 }
 
 double speed_probe(Communicator* world, double window_s) {
-  if (world) world->barrier();  // every rank starts the window together
-  double rate = gemm_mix_rate(gemm_mix(true), window_s);
-  if (world && world->size() > 1) {
-    world->all_reduce(&rate, &rate, 1, CommDType::fp64, ReduceOp::sum);
-    rate /= world->size();
+  // Timed as a step is: every rank runs the mix in blocks started together, a block lasts as long
+  // as its slowest rank (a step waits for its slowest rank at every collective), and the steady
+  // block (planner::steady_samples: the fastest) gives the rate. An interruption of either rank
+  // slows a block as it slows a step, so a spell of them shows in the probe as in the steps.
+  const std::vector<GemmShape> mix = gemm_mix(true);
+  std::vector<GemmBuffers> bufs;
+  for (const auto& s : mix) bufs.emplace_back(s);
+  double flops = 0.0;
+  for (const auto& s : mix) flops += gemm_flops(s);
+  const auto run_mix = [&] {
+    for (std::size_t i = 0; i < mix.size(); ++i) bufs[i].run(mix[i]);
+  };
+  const bool several = world && world->size() > 1;
+  if (world) world->barrier();
+  run_mix();  // warm-up
+  auto t0 = Clock::now();
+  run_mix();
+  double once = seconds_since(t0);
+  if (several) world->all_reduce(&once, &once, 1, CommDType::fp64, ReduceOp::max);
+  constexpr int kBlocks = 16;
+  const int per_block = std::max(1, static_cast<int>(std::ceil(window_s / kBlocks / std::max(once, 1e-9))));
+  std::array<double, kBlocks> block{};
+  for (double& b : block) {
+    if (world) world->barrier();
+    t0 = Clock::now();
+    for (int i = 0; i < per_block; ++i) run_mix();
+    b = seconds_since(t0);
+    if (several) world->all_reduce(&b, &b, 1, CommDType::fp64, ReduceOp::max);
   }
-  return rate;
+  return flops * per_block / block[planner::steady_samples(block, 0).front()];
 }
 
 namespace {
@@ -852,7 +875,7 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
   if (!cal.programs.empty()) {
     o += fmt::format("\n# calibration steps, {} rank(s) at once: measured wall time per step (rank 0) and sim on the profile\n",
                      cal.ranks);
-    o += fmt::format("# meas = the median of {} interleaved rounds, spread = their interquartile range\n", cal.rounds);
+    o += fmt::format("# meas = the fastest of {} interleaved rounds (each its fastest step after the first), spread = their interquartile range\n", cal.rounds);
     o += fmt::format("# {:<26} {:>10} {:>11} {:>10} {:>7}\n", "program", "meas(ms)", "spread(ms)", "sim(ms)", "err");
     for (const ProgramSample& p : cal.programs) {
       const double s = sim::simulate(p.step, profile).step_s;
@@ -1089,8 +1112,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   constexpr std::pair<std::int64_t, std::int64_t> kSizes[] = {{2, 128}, {8, 256}};
   constexpr int kPrograms = 3, kRuns = 2 * kPrograms;
   // Rounds of the six programs, interleaved (a slow spell of the machine lands on every program
-  // alike, not on one); each program keeps its median round's op times and step, and every
-  // round's collectives.
+  // alike, not on one); each program keeps its steady (fastest) round's op times and step, and
+  // every round's collectives.
   struct Kept {
     ProgramSample program;
     std::vector<KernelSample> kernels;
@@ -1126,8 +1149,11 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     } else if (prog == 2) {
       in.strategy.stage = planner::Stage::zero3;
     }
-    // the first step is warm-up; small steps are cheap, so they get more (noise falls with steps)
-    pf.run.steps = run / kPrograms == 0 ? (quick ? 10 : 16) : (quick ? 4 : 6);
+    // the first step is warm-up; small steps are cheap, so they get more. A round's step is its
+    // fastest (planner::steady_samples), which a few steps more make far likelier to be a quiet
+    // one: with 3 steps after the warm-up, the large programs' fastest round was still 10-25%
+    // slow in a noisy spell of the development VM, and every run after was predicted so.
+    pf.run.steps = run / kPrograms == 0 ? (quick ? 10 : 16) : (quick ? 8 : 10);
     pf.run.seed = 1;
     std::vector<std::int32_t> tokens(static_cast<std::size_t>(in.training.seq_len * 64 + 1));
     for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7919u) % static_cast<std::size_t>(in.model.vocab));
@@ -1166,11 +1192,11 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   for (auto& r : rounds) {
     std::vector<double> steps;
     for (const Kept& k : r) steps.push_back(k.program.step_s);
-    // the median round (the lower middle one of an even count)
-    std::vector<std::size_t> order(r.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return steps[a] < steps[b]; });
-    Kept& k = r[order[(order.size() - 1) / 2]];
+    // The steady round (planner::steady_samples, as a run's steps: the fastest): a round is a
+    // few steps, and a slow spell of the machine that covers most rounds of a program would
+    // otherwise become its kernels' speed for every run after (the runs' rounds, of 19 steps,
+    // each find their fast steps).
+    Kept& k = r[planner::steady_samples(steps, 0).front()];
     k.program.round_step_s = steps;
     k.program.spread_s = planner::spread_of(steps).iqr();
     cal.programs.push_back(std::move(k.program));

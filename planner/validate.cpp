@@ -165,7 +165,7 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
                                  m.at("op_s").size(), prog.ops.size()));
   const bool have_trace = !have_op_s && m.contains("trace") && m.at("trace").is_object() && m.at("trace").contains("traceEvents");
   if (have_op_s) {
-    v.op_time_source = fmt::format("op_s (mean of {} step(s) after the first)", m.at("op_s_steps").get<std::int64_t>());
+    v.op_time_source = fmt::format("op_s (mean of {} steady step(s))", m.at("op_s_steps").get<std::int64_t>());
     const json& a = m.at("op_s");
     for (std::size_t i = 0; i < prog.ops.size(); ++i)
       if (timed_kind(prog.ops[i])) op_measured[i] = a[i].get<double>();

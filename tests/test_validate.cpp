@@ -283,7 +283,7 @@ TEST(Validate, OpSecondsNameACollectiveAndSumByKind) {
   m["op_s"] = op_s;
   m["op_s_steps"] = 2;
   const Validation v = validate(p, m, Tolerances{0.02, 1000.0});
-  EXPECT_EQ(v.op_time_source, "op_s (mean of 2 step(s) after the first)");
+  EXPECT_EQ(v.op_time_source, "op_s (mean of 2 steady step(s))");
   ASSERT_TRUE(v.most_different);
   EXPECT_EQ(v.most_different->op, coll);
   EXPECT_EQ(v.most_different->kernel, "reduce_scatter");

@@ -29,7 +29,7 @@ namespace peftplan::executor {
 
 struct CalibrateOptions {
   bool quick = false;  // fewer shapes, sizes and repetitions: seconds instead of about a minute
-  int rounds = 5;      // rounds of the calibration step programs (at least 1; the median is kept)
+  int rounds = 5;      // rounds of the calibration step programs (at least 1; the fastest is kept)
 };
 
 // y[M,N] = x[M,K] · W[N,K]^T, the executor's linear layer (cpu::linear_forward).
@@ -131,12 +131,13 @@ struct CollectiveSample {
 // One calibration step program as the ranks ran it: the program and the measured wall time of a
 // step (rank 0, planner::steady_step_s of its steps), which includes what no op's timer sees:
 // time a rank spends descheduled while ranks outnumber cores, waits for slower peers, the loop.
-// The program runs in several rounds, interleaved with the other programs; the round with the
-// median step is kept (its op times become the kernel samples) and the rounds' spread reported.
+// The program runs in several rounds, interleaved with the other programs; the steady round
+// (planner::steady_samples: the fastest) is kept (its op times become the kernel samples) and the
+// rounds' spread reported.
 struct ProgramSample {
   std::string program;           // e.g. "ddp fp32 B2 S128"
   sim::Program step;
-  double step_s = 0.0;           // the kept (median) round's step
+  double step_s = 0.0;           // the kept (steady) round's step
   std::vector<double> round_step_s;  // every round's step, in round order
   double spread_s = 0.0;         // interquartile range of round_step_s
 };
@@ -165,9 +166,9 @@ struct Calibration {
 };
 
 // The machine-speed probe: a fixed GEMM mix (gemm_mix(true)) run by every rank of `world` at once
-// (this process alone when world is null) for window_s, timed in blocks whose steady ones
-// (planner::steady_samples, as a run's steps) give the rate; the rate per rank, the mean over the
-// ranks, on every rank. Calibration takes it as it begins and as it ends and the profile keeps the
+// (this process alone when world is null) for window_s, timed as a step is: in blocks started
+// together, each as long as its slowest rank, the steady block (planner::steady_samples, as a
+// run's steps: the fastest) giving the rate per rank, on every rank. Calibration takes it as it begins and as it ends and the profile keeps the
 // mean (host_calibration.speed_probe_flops_per_s); peftplan-exec takes it before a run's steps
 // (measurement.json "speed_probe_flops_per_s"), so validation can tell how much faster or slower
 // the machine ran than when it was calibrated — a shared machine's speed drifts — and `peftplan
