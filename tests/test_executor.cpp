@@ -21,6 +21,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/models/parameters.h"
 #include "peftplan/planner/plan_file.h"
+#include "peftplan/planner/validate.h"
 #include "peftplan/sim/memory.h"
 
 using namespace peftplan;
@@ -132,6 +133,29 @@ TEST(ExecutorMemory, MeasuredEqualsPredictedExactly) {
     const nlohmann::json j = measurement_to_json(s.measurement());
     EXPECT_EQ(j["memory"]["device"]["peak_bytes"].get<std::uint64_t>(), want.device_peak_bytes);
   }
+}
+
+// The op times a run reports are its steady step's (planner::steady_samples, the step validation
+// compares): one step, the fastest after the first, so they add up to no more than that step's
+// wall time — a mean over every step would carry the slow steps' share and could exceed it.
+TEST(ExecutorTiming, OpTimesAreTheSteadyStepsAndFitInIt) {
+  Config c;
+  c.model = "tiny-llama-4l";
+  c.B = 2;
+  c.S = 32;
+  planner::PlanFile pf = make_plan(c);
+  pf.run.steps = 8;
+  Session s(pf, cpu_backend(), corpus(pf));
+  for (int k = 0; k < 8; ++k) s.step();
+  const Measurement m = s.measurement();
+  ASSERT_EQ(m.step_times_s.size(), 8u);
+  EXPECT_EQ(m.op_s_steps, 1);
+  const double fastest = *std::min_element(m.step_times_s.begin() + 1, m.step_times_s.end());
+  EXPECT_DOUBLE_EQ(planner::steady_step_s(m.step_times_s), fastest);
+  double ops = 0.0;
+  for (double x : m.op_s) ops += x;
+  EXPECT_GT(ops, 0.5 * fastest);  // the ops are most of a step
+  EXPECT_LE(ops, fastest);
 }
 
 // d loss / d adapter against central differences of the loss (fp32 model; directional
