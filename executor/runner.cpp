@@ -1029,11 +1029,12 @@ Measurement Session::measurement() const {
   // op times add up to the step they are compared with; over every step after the first when
   // the session ran its ops outside step() (forward_backward) and kept no steps to choose from.
   m.op_s.assign(s.program.ops.size(), 0.0);
+  const std::vector<std::size_t> steady_steps = planner::steady_samples(s.meas.step_times_s, 1);
   std::vector<const Impl::StepOps*> steady;
-  for (std::size_t k : planner::steady_samples(s.meas.step_times_s, 1))
+  for (std::size_t k : steady_steps)
     for (const auto& r : s.ops_recent)
       if (r.step == k) steady.push_back(&r);
-  if (!steady.empty() && steady.size() == planner::steady_samples(s.meas.step_times_s, 1).size()) {
+  if (!steady.empty() && steady.size() == steady_steps.size()) {
     for (const auto* r : steady) {
       for (std::size_t i = 0; i < m.op_s.size(); ++i) m.op_s[i] += r->op_s[i];
       m.exposed_comm_s += r->exposed_s;
