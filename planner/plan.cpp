@@ -192,6 +192,7 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   if (options.simulate_time) {
     sim::SimOptions so;
     so.compute_dtype = p.facts.compute_dtype;
+    so.sustained = cluster.efficiency.sustained.value_or(rules.sustained);
     p.time = sim::simulate(p.program, cluster, so);
   }
   judge(p);

@@ -660,7 +660,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     if (!e.is_object()) throw input_error(where, "efficiency", "must be an object", e.dump());
     check_keys(e, where, "efficiency.",
                {"gemm_max", "gemm_half_dim", "hbm", "collective_intra", "collective_inter", "collective_base_latency_us",
-                "host_device", "kernel_launch_us"});
+                "host_device", "kernel_launch_us", "sustained"});
     auto fraction = [&](std::string_view key, double& out) {
       if (!e.contains(std::string(key))) return;
       double x = number(e, key, where, "efficiency.");
@@ -674,6 +674,11 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     fraction("collective_intra", c.efficiency.collective_intra);
     fraction("collective_inter", c.efficiency.collective_inter);
     fraction("host_device", c.efficiency.host_device);
+    if (e.contains("sustained")) {
+      double x = 0.0;
+      fraction("sustained", x);
+      c.efficiency.sustained = x;
+    }
     if (e.contains("gemm_half_dim"))
       c.efficiency.gemm_half_dim = number(e, "gemm_half_dim", where, "efficiency.", true);
     if (e.contains("kernel_launch_us"))
@@ -723,6 +728,7 @@ nlohmann::json cluster_to_json(const Cluster& c) {
         {"kernel_launch_us", c.efficiency.kernel_launch_s / kMicro},
         {"collective_base_latency_us", c.efficiency.collective_base_latency_s / kMicro}}},
   };
+  if (c.efficiency.sustained) j["efficiency"]["sustained"] = *c.efficiency.sustained;
   if (!c.shared_compute.empty()) {
     nlohmann::json rates = nlohmann::json::array();
     for (const SharedComputeRate& r : c.shared_compute)

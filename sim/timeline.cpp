@@ -68,8 +68,9 @@ InStep collective_in_step(const Op& op, const Cluster& cluster, const SimOptions
 }
 
 double compute_op_s(const Op& op, const Cluster& cluster, const SimOptions& options) {
-  return op.stream == Stream::host ? host_compute_cost(op.work, op.kernel, cluster).time_s
-                                   : device_compute_cost(op.work, op.kernel, cluster, options.compute_dtype, options.allow_tf32).time_s;
+  if (op.stream == Stream::host) return host_compute_cost(op.work, op.kernel, cluster).time_s;
+  const ComputeCost c = device_compute_cost(op.work, op.kernel, cluster, options.compute_dtype, options.allow_tf32);
+  return (c.time_s - c.launch_s) / options.sustained + c.launch_s;
 }
 
 }  // namespace

@@ -88,6 +88,31 @@ TEST(Published, ModelledRunsAllocateWhatWasMeasured) {
   EXPECT_GE(judged, 10);  // A1-A10
 }
 
+// tokens/s per GPU (the Trainer's train_tokens_per_second). The model side's sustained fraction
+// (planner/runtime.cpp) is fitted on A1, A3 and A4 by tools/fit_sustained.py, so those three
+// must come back within 5%; the seven others are predictions from it. Today seven of the ten are
+// within the 15% (A7, A8, A9 are 19-25% high: README, "Published measurements"), and
+// none is low by more than that.
+TEST(Published, TokensPerSecondPerGpuOfTheFittedRowsAndOfTheOthers) {
+  int judged = 0, within = 0;
+  for (const auto& p : rows()) {
+    const json row = read(p);
+    if (row.at("expect") != "fits" || !row.at("modelled").get<bool>()) continue;
+    const std::string id = row.at("id").get<std::string>();
+    SCOPED_TRACE(id);
+    const json j = plan(row);
+    const double measured = row.at("measured").at("tokens_per_s_per_gpu").get<double>();
+    const double predicted = j.at("time").at("tokens_per_s_per_gpu").get<double>();
+    const double err = (predicted - measured) / measured;
+    if (id == "A1" || id == "A3" || id == "A4") EXPECT_LE(std::abs(err), 0.05) << fmt::format("{:+.1f}%", 100 * err);
+    EXPECT_GE(err, -0.15) << fmt::format("tokens/s {:.0f} vs measured {:.0f}", predicted, measured);
+    if (std::abs(err) <= 0.15) ++within;
+    ++judged;
+  }
+  EXPECT_GE(judged, 10);
+  EXPECT_GE(within, 7);
+}
+
 TEST(Published, ModelledOutOfMemoryPointsDoNotFit) {
   int judged = 0;
   for (const auto& p : rows()) {

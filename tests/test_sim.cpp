@@ -206,6 +206,7 @@ TEST(ClusterJson, RoundTripThroughAFile) {
   c.gpu.cost_per_hour_usd = 2.5;
   c.efficiency.collective_intra = 0.77;
   c.cpu_adam_params_per_s = 3e8;
+  c.efficiency.sustained = 0.9;
   auto path = std::filesystem::temp_directory_path() / "peftplan_test_cluster.json";
   write_cluster_file(c, path);
   Cluster back = resolve_cluster(path.string());
@@ -218,6 +219,9 @@ TEST(ClusterJson, RoundTripThroughAFile) {
   EXPECT_EQ(back.inter_node_link->name, "IB-NDR");
   EXPECT_DOUBLE_EQ(back.inter_node_link->bandwidth_bytes_per_s, 50e9);
   EXPECT_DOUBLE_EQ(back.efficiency.collective_intra, 0.77);
+  ASSERT_TRUE(back.efficiency.sustained.has_value());
+  EXPECT_DOUBLE_EQ(*back.efficiency.sustained, 0.9);
+  EXPECT_FALSE(parse_cluster_spelling("8xA100-80GB").efficiency.sustained.has_value());  // the profile's
   EXPECT_DOUBLE_EQ(back.cpu_adam_params_per_s, 3e8);
   EXPECT_EQ(back.host_ram_bytes_per_node, c.host_ram_bytes_per_node);
   std::filesystem::remove(path);
@@ -269,6 +273,12 @@ TEST(ClusterJson, InlineGpuAndErrors) {
         "c.json");
   });
   EXPECT_THAT(m, HasSubstr("efficiency.hbm must be in (0, 1], got 1.5"));
+  m = input_error_of([] {
+    cluster_from_json(
+        nlohmann::json::parse(R"({"gpu":"A100","gpus_per_node":8,"efficiency":{"sustained":0}})"),
+        "c.json");
+  });
+  EXPECT_THAT(m, HasSubstr("efficiency.sustained must be > 0, got 0"));
   m = input_error_of([] {
     cluster_from_json(nlohmann::json::parse(R"({"gpu":"TPU","gpus_per_node":8})"), "c.json");
   });
@@ -529,6 +539,41 @@ TEST(Timeline, BlockingCommIsFullyExposed) {
   Timeline t = simulate(p, c);
   EXPECT_NEAR(t.exposed_comm_s, t.comm_s, 1e-15);
   EXPECT_NEAR(t.step_s, 2e-3 + t.comm_s, 1e-15);
+}
+
+// SimOptions::sustained stretches each device compute op's roofline time (not its launch) and
+// nothing else: by hand, compute 1 ms at sustained 0.5 takes 2 ms plus the 5 us launch; the
+// all_reduce (1 ms + 8.4 us) and the 1 ms device-to-host copy keep their times.
+TEST(Timeline, SustainedFractionStretchesDeviceComputeOnly) {
+  Cluster c = round_cluster();
+  c.efficiency.kernel_launch_s = 5e-6;
+  Program p;
+  p.ranks = 2;
+  const int a = p.add_op(compute_op(1'000'000'000));  // 1 ms at 1 TB/s
+  Op ar;
+  ar.kind = OpKind::collective;
+  ar.stream = Stream::comm;
+  ar.collective = Collective::all_reduce;
+  ar.group_size = 2;
+  ar.bytes = 80'000'000;
+  const int comm = p.add_op(ar, {a});
+  Op cp;
+  cp.kind = OpKind::copy;
+  cp.stream = Stream::copy;
+  cp.copy_dir = CopyDir::device_to_host;
+  cp.bytes = 10'000'000;
+  const int copy = p.add_op(cp, {a});
+  SimOptions half;
+  half.sustained = 0.5;
+  const Timeline full = simulate(p, c), slow = simulate(p, c, half);
+  auto dur = [](const Timeline& t, int i) { return t.ops[static_cast<std::size_t>(i)].end_s - t.ops[static_cast<std::size_t>(i)].start_s; };
+  EXPECT_NEAR(dur(full, a), 1e-3 + 5e-6, 1e-15);
+  EXPECT_NEAR(dur(slow, a), 2e-3 + 5e-6, 1e-15);
+  EXPECT_GT(dur(full, comm), 1e-3);
+  EXPECT_NEAR(dur(slow, comm), dur(full, comm), 1e-15);
+  EXPECT_GT(dur(full, copy), 0.0);
+  EXPECT_NEAR(dur(slow, copy), dur(full, copy), 1e-15);
+  EXPECT_NEAR(slow.compute_s, 2 * full.compute_s - 5e-6, 1e-15);
 }
 
 // A calibrated arrival skew and load (HostCalibration::collective_skew_* / collective_load_*) in

@@ -65,6 +65,12 @@ struct RuntimeRules {
                                                // builder's [S, d/2] x 2 tables)
   std::uint64_t context_bytes = 0;     // CUDA context and libraries outside the allocator
   std::uint64_t nccl_bytes = 0;        // NCCL's own buffers per communicator, outside the allocator
+  // --- time ---
+  double sustained = 1.0;              // fraction of the GPU roofline's rates (the GEMM curve at
+                                       // the MAMF plateau, the streaming bandwidth) the device's
+                                       // compute kernels sustain over a whole step (sim
+                                       // SimOptions::sustained); a cluster file's
+                                       // efficiency.sustained overrides it
 };
 
 // The rules of input.profile for this input (dtypes depend on precision and quantisation).

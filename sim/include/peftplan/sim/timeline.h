@@ -24,6 +24,10 @@ struct SimOptions {
   DType compute_dtype = DType::bf16;  // precision of the GEMMs: picks the peak FLOP/s
   bool allow_tf32 = false;            // fp32 GEMMs on TF32 tensor cores
   CollectiveAlgorithm algorithm = CollectiveAlgorithm::automatic;
+  // Fraction of the roofline's rates the device's compute kernels sustain over a step: each
+  // device compute op takes (roofline time) / sustained, plus its launch. Collectives, copies
+  // and host ops are not scaled (they have their own measured efficiencies).
+  double sustained = 1.0;
 };
 
 struct OpTime {
