@@ -10,6 +10,7 @@
 #include "peftplan/sim/cluster.h"
 #include "peftplan/sim/memory.h"
 #include "peftplan/sim/timeline.h"
+#include "peftplan/sim/verify.h"
 
 namespace {
 
@@ -61,6 +62,18 @@ BENCHMARK(BM_BuildWalkSimulate)
     ->Args({0, 1, 1, 0})
     ->Args({3, 1, 1, 0})
     ->Unit(benchmark::kMicrosecond);
+
+// The structural contract check alone (sim::verify, which walk_memory runs first), on the same
+// program as BM_BuildWalkSimulate's: its share of a plan.
+void BM_Verify(benchmark::State& state) {
+  const auto stage = static_cast<planner::Stage>(state.range(0));
+  planner::PlanInput in = llama70b(stage, 1);
+  const planner::BuiltProgram built = planner::build_program(in, {false});
+  for (auto _ : state) benchmark::DoNotOptimize(sim::verify(built.program).size());
+  state.counters["ops"] = static_cast<double>(built.program.ops.size());
+  state.SetLabel(std::string(planner::name_of(stage)));
+}
+BENCHMARK(BM_Verify)->Arg(0)->Arg(3)->Unit(benchmark::kMicrosecond);
 
 void BM_MakePlan(benchmark::State& state) {  // what `peftplan plan` does, explanation included
   const planner::PlanInput in = llama70b(planner::Stage::zero3, 1);

@@ -19,6 +19,7 @@
 #include "commands.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/paths.h"
+#include "peftplan/common/schemas.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/plan_file.h"
@@ -64,6 +65,7 @@ void add_compare_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--out", o->out, "folder to write validation.json and report.md into");
   cmd->callback([o, &exit_code] {
     const planner::PlanFile pf = planner::read_plan_file(o->plan);
+    planner::check_program_hash(pf, o->plan);
     sim::Cluster cluster;
     std::string cluster_from;
     if (!o->cluster.empty()) {
@@ -87,18 +89,18 @@ void add_compare_command(CLI::App& app, int& exit_code) {
     for (const std::string& path : o->measurements) {
       nlohmann::json m = models::read_json_file(path);
       const std::string schema = m.is_object() && m.contains("schema") && m.at("schema").is_string() ? m.at("schema").get<std::string>() : "";
-      if (schema == "peftplan.measurement/1") {
+      if (schema == schemas::kMeasurement) {
         rounds.push_back(std::move(m));
         continue;
       }
-      if (schema == "peftplan.measurement-totals/1") {
+      if (schema == schemas::kMeasurementTotals) {
         if (totals) throw input_error(path, "schema", "a totals measurement must be compared alone (one per job)", "\"" + schema + "\"");
         totals.emplace(path, std::move(m));
         continue;
       }
       throw input_error(path, "schema",
-                        "must be \"peftplan.measurement/1\" (peftplan-exec) or \"peftplan.measurement-totals/1\" "
-                        "(tools/peftplan_callback.py)",
+                        fmt::format("must be \"{}\" (peftplan-exec) or \"{}\" (tools/peftplan_callback.py)", schemas::kMeasurement,
+                                    schemas::kMeasurementTotals),
                         m.is_object() && m.contains("schema") ? m.at("schema").dump() : "nothing");
     }
     if (totals && !rounds.empty())

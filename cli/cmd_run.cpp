@@ -30,6 +30,7 @@
 #include "commands.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/paths.h"
+#include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan.h"
@@ -446,7 +447,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
         sj.push_back({{"strategy", r.strategy}, {"dir", r.dir.string()}, {"within_tolerance", r.v.within_tolerance}, {"outside", r.v.outside},
                       {"inconclusive", r.v.inconclusive}, {"step_s", vj["time"]["step_s"]}, {"peak", vj["memory"]["peak"]}, {"comm", vj["comm"]}});
       }
-      write_text_atomic(out / "summary.json", nlohmann::json{{"schema", "peftplan.run-summary/2"}, {"rounds", R}, {"runs", sj}}.dump(1) + "\n");
+      write_text_atomic(out / "summary.json", nlohmann::json{{"schema", schemas::kRunSummary}, {"rounds", R}, {"runs", sj}}.dump(1) + "\n");
       write_text_atomic(out / "summary.md", "# peftplan run: predicted versus measured, by strategy\n\n" + summary_table(jobs, true));
       fmt::print("wrote {} and {}\n", shown(out / "summary.json"), shown(out / "summary.md"));
     }

@@ -3,6 +3,8 @@
 
 #include <numeric>
 
+#include "peftplan/common/schemas.h"
+
 namespace peftplan::executor {
 
 nlohmann::json measurement_to_json(const Measurement& m) {
@@ -40,7 +42,7 @@ nlohmann::json measurement_to_json(const Measurement& m) {
     coll[c.kind] = {{"calls", c.calls}, {"bytes", c.bytes}, {"seconds", c.seconds}, {"bytes_per_step", c.bytes_per_step},
                     {"predicted_calls_per_step", c.predicted_calls_per_step},
                     {"predicted_bytes_per_step", c.predicted_bytes_per_step}};
-  json j = json{{"schema", "peftplan.measurement/1"},
+  json j = json{{"schema", schemas::kMeasurement},
               {"backend", m.backend},
               {"ranks", m.ranks},
               {"rank", m.rank},

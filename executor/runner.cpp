@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/schemas.h"
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/executor/communicator.h"
 #include "peftplan/executor/model.h"
@@ -29,6 +30,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/planner/validate.h"
 #include "peftplan/sim/compute.h"
+#include "peftplan/sim/verify.h"
 
 namespace peftplan::executor {
 namespace {
@@ -102,6 +104,7 @@ void check_executable(const planner::PlanFile& plan) {
 planner::PlanFile load_plan(const std::filesystem::path& path) {
   planner::PlanFile p = planner::read_plan_file(path);
   check_executable(p);
+  planner::check_program_hash(p, path.string());
   return p;
 }
 
@@ -243,6 +246,7 @@ void Session::Impl::setup() {
   planner::PlanInput pin = in;
   pin.inventory = nullptr;
   program = planner::build_program(pin, {.names = true}).program;
+  sim::verify_or_throw(program);  // what the interpreter loop below may assume (sim/verify.h)
   const auto inv = planner::make_inventory(in.model, in.peft);
   trainables = inv.trainables;
   const auto& t = in.training;
@@ -946,7 +950,7 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
   if (s.rank == 0) {
     save_adapter(tmp);
     const auto& t = s.plan.input.training;
-    const nlohmann::json state = {{"schema", "peftplan.checkpoint/1"},
+    const nlohmann::json state = {{"schema", schemas::kCheckpoint},
                                   {"step", s.steps_done},
                                   {"next_sequence", s.steps_done * t.micro_batch * t.grad_accum * s.N},
                                   {"seed", s.plan.run.seed},

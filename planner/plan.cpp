@@ -6,10 +6,12 @@
 
 #include <fmt/format.h>
 
+#include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
 #include "peftplan/planner/runtime.h"
 #include "peftplan/sim/caching_allocator.h"
 #include "peftplan/sim/trace.h"
+#include "peftplan/sim/verify.h"
 
 namespace peftplan::planner {
 namespace {
@@ -141,6 +143,7 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   BuiltProgram built = build_program(p.input, BuildOptions{options.names});
   p.facts = built.facts;
   p.program = std::move(built.program);
+  sim::verify_or_throw(p.program);  // what the walk, the allocator model and the timeline assume
   p.memory = sim::walk_memory(p.program);
   p.device_capacity_bytes = cluster.gpu.memory_bytes;
   const RuntimeRules rules = runtime_rules(p.input);
@@ -203,7 +206,7 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
 nlohmann::json plan_to_json(const Plan& p) {
   using nlohmann::json;
   json j;
-  j["schema"] = "peftplan.plan-result/2";
+  j["schema"] = schemas::kPlanResult;
   j["model"] = p.input.model.name;
   j["strategy"] = name_of(p.input.strategy.stage);
   j["ranks"] = p.input.strategy.ranks;

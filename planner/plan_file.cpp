@@ -10,6 +10,7 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
+#include "peftplan/sim/program_hash.h"
 
 namespace peftplan::planner {
 namespace {
@@ -53,6 +54,18 @@ json model_source_for(const std::string& name_or_path) {
   if (fs::is_directory(p)) p /= "config.json";
   return models::read_json_file(p.string());
 }
+
+namespace {
+
+// The hash of the program make_plan builds for this input on this cluster (it takes the GPU's
+// compute capability from the cluster, which picks cuBLAS's workspace size).
+std::string planned_program_hash(PlanInput in, const std::optional<sim::Cluster>& cluster) {
+  if (in.device_sm == 0 && cluster) in.device_sm = cluster->gpu.compute_capability;
+  in.inventory = nullptr;
+  return sim::program_hash_hex(build_program(in, {.names = false}).program);
+}
+
+}  // namespace
 
 json plan_file_to_json(const PlanFile& pf) {
   const PlanInput& in = pf.input;
@@ -105,6 +118,7 @@ json plan_file_to_json(const PlanFile& pf) {
             {"ds_config", ds},
             {"run", run}};
   if (pf.cluster) j["cluster"] = sim::cluster_to_json(*pf.cluster);
+  j["program"] = {{"contract_version", sim::kProgramContractVersion}, {"hash", planned_program_hash(in, pf.cluster)}};
   return j;
 }
 
@@ -222,7 +236,29 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   r.resume = get<std::string>(run, "resume", source, "run.", r.resume);
   if (auto it = j.find("cluster"); it != j.end() && !it->is_null())
     pf.cluster = sim::cluster_from_json(*it, fmt::format("{}: cluster", source));
+  if (auto it = j.find("program"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) throw input_error(source, "program", "must be an object", it->dump());
+    const auto version = get<std::int64_t>(*it, "contract_version", source, "program.", -1);
+    if (version != sim::kProgramContractVersion)
+      throw input_error(source, "program.contract_version",
+                        fmt::format("must be {} (the step-program contract this build reads; the plan was written by another "
+                                    "version of peftplan: write it again)", sim::kProgramContractVersion),
+                        std::to_string(version));
+    pf.program_hash = get<std::string>(*it, "hash", source, "program.", "");
+    if (pf.program_hash.size() != 16 || pf.program_hash.find_first_not_of("0123456789abcdef") != std::string::npos)
+      throw input_error(source, "program.hash", "must be 16 lower-case hex digits", "\"" + pf.program_hash + "\"");
+  }
   return pf;
+}
+
+void check_program_hash(const PlanFile& plan, std::string_view source) {
+  if (plan.program_hash.empty()) return;
+  const std::string built = planned_program_hash(plan.input, plan.cluster);
+  if (built != plan.program_hash)
+    throw input_error(source, "program.hash",
+                      fmt::format("names the program the writer built, but this build of peftplan makes {} from the same plan: "
+                                  "the two binaries disagree (rebuild both: make build)", built),
+                      "\"" + plan.program_hash + "\"");
 }
 
 PlanFile read_plan_file(const fs::path& path) {

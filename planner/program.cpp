@@ -457,6 +457,8 @@ class Builder {
   // What a layer's forward (or its recompute) produced that its backward reads.
   struct LayerBufs {
     std::int32_t rstd1 = -1, h1 = -1, probs = -1, attn_out = -1, x_mid = -1, rstd2 = -1, h2 = -1, act = -1;
+    std::int32_t norm1_x = -1, norm2_x = -1;             // what each norm saved of its input (an
+                                                         // fp32 copy), when not the input itself
     std::array<std::int32_t, 3> qkv = {-1, -1, -1};      // q, k, v projections (after RoPE)
     std::array<std::int32_t, 2> gate_up = {-1, -1};      // gate and up projections
   };
@@ -878,7 +880,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     const std::uint64_t chunks =
         use || exec_z3() || fsdp() ? 1 : std::max<std::uint64_t>(1, ceil_div(static_cast<std::uint64_t>(un.frozen_numel),
                                                       static_cast<std::uint64_t>(std::max<std::int64_t>(1, s_.ds.stage3_prefetch_bucket_size))));
-    const std::uint64_t chunk = frozen_full / chunks;
+    const std::uint64_t chunk = frozen_full / chunks / static_cast<std::uint64_t>(N) * static_cast<std::uint64_t>(N);  // whole shards
     issue("gather_frozen", frozen_full - chunk * (chunks - 1), payload_frozen, shard_frozen, dep_frozen >= 0 ? dep_frozen : dep);
     for (std::uint64_t c = 1; c < chunks; ++c) pending_.push_back(Chunk{u, chunk, "gather_frozen", phase});
   }
@@ -1108,10 +1110,13 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const bool norm_copies = rules_.norm_saves_fp32_input && m_.rms_norm();
   const bool full = in_.peft.adapters.empty();
   const DType nd = stream_dtype();
-  auto norm_saves = [&](std::string_view what, DType x_dtype) {
-    if (!norm_copies) return;
-    if (x_dtype != DType::fp32) save(alloc([&] { return fmt::format("{}.{}.x_fp32", pre, what); }, keep, f32(M_ * H), P));
+  // Returns the saved copy of the input (-1: the norm keeps the input itself).
+  auto norm_saves = [&](std::string_view what, DType x_dtype) -> std::int32_t {
+    if (!norm_copies) return -1;
+    std::int32_t copy = -1;
+    if (x_dtype != DType::fp32) save(copy = alloc([&] { return fmt::format("{}.{}.x_fp32", pre, what); }, keep, f32(M_ * H), P));
     if (full) save(alloc([&] { return fmt::format("{}.{}.normed", pre, what); }, keep, bytes(x_dtype, M_ * H), P));
+    return copy;
   };
   // --- attention block ---
   const std::int32_t rstd1 = alloc([&] { return pre + ".norm1.stats"; }, keep, stat_bytes, P);
@@ -1119,7 +1124,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
           {x, norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], h1, rstd1});
   save(rstd1);
-  norm_saves("norm1", resid_dtype(l));
+  lb.norm1_x = norm_saves("norm1", resid_dtype(l));
   lb.rstd1 = rstd1;
   lb.h1 = h1;
   std::vector<std::int32_t> qkv;
@@ -1191,7 +1196,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
           {x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], h2, rstd2});
   save(rstd2);
-  norm_saves("norm2", resid_dtype(l));
+  lb.norm2_x = norm_saves("norm2", resid_dtype(l));
   lb.rstd2 = rstd2;
   lb.h2 = h2;
   for (auto& lp : lin)
@@ -1317,7 +1322,7 @@ void Builder::layer_backward(std::int32_t l) {
   }
   for (std::int32_t b : d_in) free(b, B);
   compute_acc(compute(Kernel::norm_bwd, "post_attention_norm", l, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(l)), 8.0 * static_cast<double>(M_ * H)),
-                      {d_h2, lb.x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], lb.rstd2, dres_}));
+                      {d_h2, lb.norm2_x >= 0 ? lb.norm2_x : lb.x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], lb.rstd2, dres_}));
   free(d_h2, B);
   // Attention backward.
   const std::int32_t d_attn = alloc([&] { return pre + ".attn.d_out"; }, Cat::workspace, act(M_ * m_.q_width()), B);
@@ -1365,7 +1370,7 @@ void Builder::layer_backward(std::int32_t l) {
   }
   for (std::int32_t b : d_qkv) free(b, B);
   last = compute_acc(compute(Kernel::norm_bwd, "input_norm", l, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(l)), 8.0 * static_cast<double>(M_ * H)),
-                             {d_h1, resid_[static_cast<std::size_t>(l)], norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], lb.rstd1, dres_}));
+                             {d_h1, lb.norm1_x >= 0 ? lb.norm1_x : resid_[static_cast<std::size_t>(l)], norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], lb.rstd1, dres_}));
   free(d_h1, B);
   // Everything the layer saved is released, and so is its input (the previous layer's output).
   for (std::int32_t b : saved) free(b, B);

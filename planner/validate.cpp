@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/schemas.h"
 #include "peftplan/models/config.h"
 #include "peftplan/sim/compute.h"
 
@@ -455,8 +456,8 @@ Validation validate_totals(const Plan& plan, const json& m, std::string_view sou
   const TotalsReader rd{source};
   if (!m.is_object()) rd.fail("", "must be a JSON object (a measurement written by tools/peftplan_callback.py)", m);
   const json& schema = rd.need(m, "schema", "");
-  if (schema != "peftplan.measurement-totals/1")
-    rd.fail("schema", "must be \"peftplan.measurement-totals/1\" (or \"peftplan.measurement/1\" from peftplan-exec)", schema);
+  if (schema != schemas::kMeasurementTotals)
+    rd.fail("schema", fmt::format("must be \"{}\" (or \"{}\" from peftplan-exec)", schemas::kMeasurementTotals, schemas::kMeasurement), schema);
   const auto world = rd.integer(m, "world_size", "");
   if (!world || *world < 1) rd.fail("world_size", "must be a positive integer", rd.need(m, "world_size", ""));
   const std::int32_t ranks = plan.input.strategy.ranks;
@@ -536,7 +537,7 @@ Validation validate_totals(const Plan& plan, const json& m, std::string_view sou
 
 json validation_to_json(const Validation& v) {
   json j;
-  j["schema"] = "peftplan.validation/2";
+  j["schema"] = schemas::kValidation;
   json mem = json::object(), ranks = json::object(), time = json::object(), comm = json::object();
   for (const Figure& f : v.memory) {
     mem[f.name] = {{"predicted_bytes", static_cast<std::uint64_t>(f.predicted)},

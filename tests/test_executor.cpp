@@ -22,7 +22,9 @@
 #include "peftplan/models/parameters.h"
 #include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/validate.h"
+#include "peftplan/sim/cluster.h"
 #include "peftplan/sim/memory.h"
+#include "peftplan/sim/program_hash.h"
 
 using namespace peftplan;
 using namespace peftplan::executor;
@@ -380,6 +382,38 @@ TEST(PlanFile, RoundTrip) {
   // The same program, so the same prediction.
   EXPECT_EQ(sim::walk_memory(planner::build_program(back.input).program).device_peak_bytes,
             sim::walk_memory(planner::build_program(pf.input).program).device_peak_bytes);
+  // The file names the program the writer built (sim/program_hash.h); this build makes the same.
+  EXPECT_EQ(j["program"]["contract_version"], sim::kProgramContractVersion);
+  EXPECT_EQ(back.program_hash, j["program"]["hash"].get<std::string>());
+  EXPECT_EQ(back.program_hash, sim::program_hash_hex(planner::build_program(pf.input, {.names = false}).program));
+  EXPECT_NO_THROW(planner::check_program_hash(back, "plan.json"));
+  nlohmann::json other = j;
+  other["program"]["hash"] = "0123456789abcdef";  // another build's program
+  try {
+    planner::check_program_hash(planner::plan_file_from_json(other, "plan.json"), "plan.json");
+    FAIL() << "a foreign program hash passed";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("plan.json: program.hash"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the two binaries disagree"), std::string::npos) << e.what();
+  }
+  other["program"]["contract_version"] = 0;
+  EXPECT_THROW(planner::plan_file_from_json(other, "plan.json"), InputError);
+  other["program"] = {{"contract_version", sim::kProgramContractVersion}, {"hash", "XYZ"}};
+  EXPECT_THROW(planner::plan_file_from_json(other, "plan.json"), InputError);
+  // A plan for a GPU: the hash is of the program make_plan builds on the recorded cluster (an
+  // sm90 GPU's cuBLAS workspaces are larger), and reading it back on that cluster agrees.
+  planner::PlanFile gpu = pf;
+  gpu.input.profile = planner::RuntimeProfile::deepspeed;
+  gpu.cluster = sim::resolve_cluster("8xH100-SXM");
+  const planner::PlanFile gpu_back = planner::plan_file_from_json(planner::plan_file_to_json(gpu), "plan.json");
+  EXPECT_NO_THROW(planner::check_program_hash(gpu_back, "plan.json"));
+  EXPECT_NE(gpu_back.program_hash, planner::plan_file_from_json([&] {
+              planner::PlanFile a100 = gpu;
+              a100.cluster = sim::resolve_cluster("8xA100-80GB");
+              return planner::plan_file_to_json(a100);
+            }(), "plan.json").program_hash);
+  other.erase("program");  // a plan written before the hash existed still runs
+  EXPECT_NO_THROW(planner::check_program_hash(planner::plan_file_from_json(other, "plan.json"), "plan.json"));
   nlohmann::json broken = j;
   broken["training"]["micro_batch"] = -3;
   try {
@@ -423,6 +457,22 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
   std::tie(code, out) = run(common + " --weights " + (dir / "truncated.safetensors").string() + " --out " + dir.string());
   EXPECT_EQ(code, 2) << out;
   EXPECT_NE(out.find("truncated.safetensors"), std::string::npos) << out;
+  // A plan.json whose program another build made: peftplan-exec refuses it, naming the field.
+#ifdef PEFTPLAN_EXEC
+  {
+    nlohmann::json pj = models::read_json_file((dir / "plan.json").string());
+    pj["program"]["hash"] = "0123456789abcdef";
+    std::ofstream(dir / "foreign-plan.json") << pj.dump(2);
+    const std::string cmd = std::string(PEFTPLAN_EXEC) + " " + (dir / "foreign-plan.json").string() + " --out " + (dir / "foreign").string() + " 2>&1";
+    std::string eout;
+    FILE* p = popen(cmd.c_str(), "r");
+    char buf[4096];
+    while (std::fgets(buf, sizeof buf, p)) eout += buf;
+    const int status = pclose(p);
+    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 2) << eout;
+    EXPECT_NE(eout.find("foreign-plan.json: program.hash"), std::string::npos) << eout;
+  }
+#endif
   std::ofstream(dir / "short.txt") << "0123456789";
   std::tie(code, out) = run("--model tiny-llama-2l --seq-len 16" + fixed + " --data " + (dir / "short.txt").string() + " --out " + dir.string());
   EXPECT_EQ(code, 2) << out;

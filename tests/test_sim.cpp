@@ -19,6 +19,7 @@
 #include "peftplan/sim/program.h"
 #include "peftplan/sim/timeline.h"
 #include "peftplan/sim/trace.h"
+#include "peftplan/sim/verify.h"
 
 namespace peftplan::sim {
 namespace {
@@ -860,8 +861,9 @@ TEST(Memory, WalkOfAHandBuiltProgram) {
   EXPECT_EQ(m.end_bytes[static_cast<int>(MemCategory::base_weights)], 100u);
   EXPECT_EQ(m.end_bytes[static_cast<int>(MemCategory::activations)], 0u);
   EXPECT_EQ(memory_timeline(p).size(), 8u);
-  mem(OpKind::free, a2);  // freed twice: a bug in the program, not bad input
-  EXPECT_THROW(walk_memory(p), InternalError);
+  EXPECT_TRUE(verify(p).empty());
+  mem(OpKind::free, a2);  // freed twice: a bug in the program, not bad input, which the contract
+  EXPECT_THROW(verify_or_throw(p), InternalError);  // check (make_plan's, before the walk) rejects
 }
 
 }  // namespace

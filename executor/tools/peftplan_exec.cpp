@@ -21,6 +21,7 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/common/paths.h"
+#include "peftplan/common/schemas.h"
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/executor/communicator.h"
 #include "peftplan/executor/plan_file.h"
@@ -73,7 +74,7 @@ void probe(const std::string& out, double window_s) {
   auto backend = executor::make_cpu_backend(threads_per_rank());  // the OpenMP threads a run's rank has
   const double rate = executor::speed_probe(world->size() > 1 ? world.get() : nullptr, window_s);
   if (world->rank() != 0) return;
-  const nlohmann::json j = {{"schema", "peftplan.speed-probe/1"}, {"flops_per_s", rate}, {"ranks", world->size()},
+  const nlohmann::json j = {{"schema", schemas::kSpeedProbe}, {"flops_per_s", rate}, {"ranks", world->size()},
                             {"window_s", window_s}};
   executor::write_atomically(out, j.dump(1) + "\n");
 }

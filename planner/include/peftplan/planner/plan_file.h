@@ -4,6 +4,8 @@
 // strategy as a DeepSpeed ds_config (write_ds_config/read_ds_config), the runtime profile, and a
 // "run" object with what only the executor needs (steps, data, seeds, weights, learning-rate
 // overrides, the scheduler, where to save the adapter).
+// "program" identifies the step program the writer built from it (a contract version and
+// sim::program_hash), so that the executor and `compare` can check they build the same one.
 // Parsing happens here, at the edge: errors name the file and the field. Reading a file from
 // disk and writing it atomically are the only I/O.
 // Deliberately not here: the prediction (build_program/make_plan do that from PlanInput). The
@@ -19,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "peftplan/common/schemas.h"
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/program.h"
 #include "peftplan/sim/cluster.h"
@@ -50,9 +53,12 @@ struct PlanFile {
   nlohmann::json model_source;        // as written: a zoo name (string) or a config.json object
   RunOptions run;
   std::optional<sim::Cluster> cluster;  // the cluster the plan was predicted on, when known
+  std::string program_hash;           // as read: "program.hash", the hash (sim/program_hash.h) of
+                                      //   the program the writer built from this plan; empty
+                                      //   when the file has none. Writing recomputes it.
 };
 
-inline constexpr std::string_view kPlanSchema = "peftplan.plan/1";
+inline constexpr std::string_view kPlanSchema = schemas::kPlanFile;
 
 // A zoo name stays a name; a path (config.json, or a folder holding one) becomes the parsed
 // config.json object, so that a plan file is self-contained.
@@ -63,6 +69,11 @@ nlohmann::json plan_file_to_json(const PlanFile& plan);
 PlanFile plan_file_from_json(const nlohmann::json& j, std::string_view source);
 
 PlanFile read_plan_file(const std::filesystem::path& path);
+
+// The program this build makes from plan.input, against the hash the writer recorded: throws
+// InputError "<source>: program.hash ..." when they differ (the binary that wrote the plan and
+// this one would not run the same program). A plan without a hash passes.
+void check_program_hash(const PlanFile& plan, std::string_view source);
 // Written to "<path>.tmp.<pid>" and renamed over path.
 void write_plan_file(const std::filesystem::path& path, const PlanFile& plan);
 

@@ -77,11 +77,11 @@ struct Efficiency {
                                               //   ring/tree with the Simple protocol
                                               //   (src/graph/tuning.cc); MPI on shared memory
                                               //   has its own, measured by calibrate
-  std::optional<double> sustained;  // fraction of the rates above (GEMM curve, streaming
-                                    //   bandwidth) that device kernels sustain over a whole
-                                    //   training step; nullopt: the runtime profile's figure
-                                    //   (planner RuntimeRules::sustained). Set it in a cluster
-                                    //   file to use your own stack's measured figure
+  std::optional<double> sustained{};  // fraction of the rates above (GEMM curve, streaming
+                                      //   bandwidth) that device kernels sustain over a whole
+                                      //   training step; nullopt: the runtime profile's figure
+                                      //   (planner RuntimeRules::sustained). Set it in a
+                                      //   cluster file to use your own stack's measured figure
 };
 
 // The GEMM rate one rank reaches while `ranks` ranks compute at once on a node whose ranks share

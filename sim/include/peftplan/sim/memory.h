@@ -23,7 +23,9 @@ struct MemoryProfile {
   std::int32_t host_peak_op = -1;
 };
 
-// Throws InternalError on a free of a buffer that is not live or a double alloc.
+// The program must keep its contract (sim::verify: buffer ids exist, allocs and frees alternate);
+// make_plan verifies each program it builds once, before the walk, the allocator model and the
+// timeline read it.
 MemoryProfile walk_memory(const Program& program);
 
 // One sample per alloc/free: live bytes per category after that op. For traces and GUIs.

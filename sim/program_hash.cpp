@@ -1,0 +1,84 @@
+// program_hash (program_hash.h): FNV-1a (Fowler, Noll, Vo; the 64-bit offset basis and prime of
+// draft-eastlake-fnv) over each interpreted field's bytes, field by field, so that padding
+// inside the structs never enters it.
+#include "peftplan/sim/program_hash.h"
+
+#include <bit>
+#include <type_traits>
+
+#include <fmt/format.h>
+
+namespace peftplan::sim {
+namespace {
+
+class Fnv1a {
+ public:
+  template <typename T>
+  void add(T v) {
+    static_assert(std::is_integral_v<T> || std::is_enum_v<T> || std::is_floating_point_v<T>);
+    std::uint64_t x;
+    if constexpr (std::is_floating_point_v<T>) x = std::bit_cast<std::uint64_t>(static_cast<double>(v));
+    else if constexpr (std::is_enum_v<T>) x = static_cast<std::uint64_t>(static_cast<std::underlying_type_t<T>>(v));
+    else x = static_cast<std::uint64_t>(v);
+    for (int i = 0; i < 8; ++i) {
+      h_ ^= (x >> (8 * i)) & 0xffu;
+      h_ *= 0x100000001b3ull;
+    }
+  }
+  std::uint64_t value() const { return h_; }
+
+ private:
+  std::uint64_t h_ = 0xcbf29ce484222325ull;
+};
+
+}  // namespace
+
+std::uint64_t program_hash(const Program& p) {
+  Fnv1a h;
+  h.add(kProgramContractVersion);
+  h.add(p.ranks);
+  h.add(p.micro_batches);
+  h.add(p.tokens_per_step);
+  h.add(p.model_flops_per_step);
+  h.add(p.buffers.size());
+  for (const Buffer& b : p.buffers) {
+    h.add(b.category);
+    h.add(b.bytes);
+    h.add(b.view_of);
+    h.add(b.offset);
+  }
+  h.add(p.ops.size());
+  for (const Op& op : p.ops) {
+    h.add(op.kind);
+    h.add(op.stream);
+    h.add(op.phase);
+    h.add(op.kernel);
+    h.add(op.collective);
+    h.add(op.copy_dir);
+    h.add(op.layer);
+    h.add(op.micro_batch);
+    h.add(op.buffer);
+    h.add(op.group_size);
+    h.add(op.group_stride);
+    h.add(op.bytes);
+    h.add(op.buffer_out);
+    h.add(op.buffer_in);
+    h.add(op.work.flops);
+    h.add(op.work.bytes_moved);
+    h.add(op.work.gemm_m);
+    h.add(op.work.gemm_n);
+    h.add(op.work.gemm_k);
+    h.add(op.work.gemm_count);
+    h.add(op.work.params);
+    h.add(op.work.fp32_math);
+    h.add(op.accumulate);
+    for (std::int32_t a : op.args) h.add(a);
+    h.add(op.deps_count);
+    for (std::int32_t d : p.deps_of(op)) h.add(d);
+  }
+  return h.value();
+}
+
+std::string program_hash_hex(const Program& program) { return fmt::format("{:016x}", program_hash(program)); }
+
+}  // namespace peftplan::sim

@@ -1,0 +1,167 @@
+// sim::verify (verify.h): one pass over the ops in program order (the setup ops come first, one
+// of the rules, so that setup buffers exist before the step starts for every interpreter).
+#include "peftplan/sim/verify.h"
+
+#include <array>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+
+namespace peftplan::sim {
+
+std::string_view name_of(Rule r) {
+  constexpr std::array<std::string_view, kNumRules> names = {
+      "buffer_id",     "view_bounds", "view_alloc",  "double_alloc",     "free_not_live",
+      "use_not_live",  "dep_order",   "kernel_none", "collective_group", "copy_direction",
+      "setup_order"};
+  return names[static_cast<std::size_t>(r)];
+}
+
+namespace {
+
+class Checker {
+ public:
+  explicit Checker(const Program& p) : p_(p), live_(p.buffers.size(), 0), root_(p.buffers.size()) {}
+
+  std::vector<Violation> run() {
+    check_views();
+    bool in_step = false;
+    for (std::size_t i = 0; i < p_.ops.size(); ++i) {
+      const bool setup = p_.ops[i].phase == Phase::setup;
+      if (setup && in_step) [[unlikely]]
+        add(Rule::setup_order, static_cast<std::int32_t>(i), "a setup op after the step's first op");
+      in_step = in_step || !setup;
+      check_op(static_cast<std::int32_t>(i));
+    }
+    return std::move(out_);
+  }
+
+ private:
+  void add(Rule r, std::int32_t op, std::string detail) { out_.push_back(Violation{r, op, std::move(detail)}); }
+
+  bool exists(std::int32_t b) const { return b >= 0 && static_cast<std::size_t>(b) < p_.buffers.size(); }
+
+  std::string label(std::int32_t b) const {
+    const std::string& n = p_.buffers[static_cast<std::size_t>(b)].name;
+    return n.empty() ? fmt::format("buffer #{}", b) : fmt::format("buffer #{} ({})", b, n);
+  }
+
+  // The buffer whose alloc and free make b live (b itself, or a view's outermost parent).
+  std::int32_t root(std::int32_t b) const {
+    for (int hops = 0; exists(b) && p_.buffers[static_cast<std::size_t>(b)].view_of >= 0 && hops < 64; ++hops)
+      b = p_.buffers[static_cast<std::size_t>(b)].view_of;
+    return b;
+  }
+
+  void check_views() {
+    for (std::size_t i = 0; i < p_.buffers.size(); ++i) {
+      const Buffer& b = p_.buffers[i];
+      root_[i] = root(static_cast<std::int32_t>(i));
+      if (!exists(root_[i])) root_[i] = static_cast<std::int32_t>(i);  // reported below
+      if (b.view_of < 0) continue;
+      const auto id = static_cast<std::int32_t>(i);
+      if (!exists(b.view_of) || b.view_of == id) {
+        add(Rule::view_bounds, -1, fmt::format("{} is a view of buffer #{}, which does not exist", label(id), b.view_of));
+        continue;
+      }
+      const Buffer& parent = p_.buffers[static_cast<std::size_t>(b.view_of)];
+      if (b.offset > parent.bytes || b.bytes > parent.bytes - b.offset)
+        add(Rule::view_bounds, -1, fmt::format("{} covers bytes [{}, {}) of {}, which has {}", label(id), b.offset,
+                                               b.offset + b.bytes, label(b.view_of), parent.bytes));
+    }
+  }
+
+  // An operand or payload: it exists, and it (a view: its parent) is live. The check is inline;
+  // only a violation goes out of line to say which ("operand" with its slot when slot >= 0).
+  void use(std::int32_t i, std::int32_t b, std::string_view role, int slot = -1) {
+    if (b < 0) return;
+    if (static_cast<std::size_t>(b) >= live_.size() || !live_[static_cast<std::size_t>(root_[static_cast<std::size_t>(b)])]) [[unlikely]]
+      report_use(i, b, role, slot);
+  }
+  [[gnu::noinline]] void report_use(std::int32_t i, std::int32_t b, std::string_view role, int slot) {
+    const std::string what = slot >= 0 ? fmt::format("{} {}", role, slot) : std::string(role);
+    if (!exists(b)) {
+      add(Rule::buffer_id, i, fmt::format("{} names buffer #{}; the program has {}", what, b, p_.buffers.size()));
+      return;
+    }
+    const std::int32_t r = root_[static_cast<std::size_t>(b)];
+    add(Rule::use_not_live, i, fmt::format("{} {} is not live{}", what, label(b), r == b ? "" : fmt::format(" (its parent {} is not)", label(r))));
+  }
+
+  void check_op(std::int32_t i) {
+    const Op& op = p_.ops[static_cast<std::size_t>(i)];
+    for (std::int32_t d : p_.deps_of(op))
+      if (d < 0 || d >= i) add(Rule::dep_order, i, fmt::format("depends on op {}, not an earlier op", d));
+    switch (op.kind) {
+      case OpKind::alloc:
+      case OpKind::free: {
+        const bool alloc = op.kind == OpKind::alloc;
+        if (!exists(op.buffer)) {
+          add(Rule::buffer_id, i, fmt::format("{} of buffer #{}; the program has {}", alloc ? "alloc" : "free", op.buffer, p_.buffers.size()));
+          return;
+        }
+        const auto b = static_cast<std::size_t>(op.buffer);
+        if (p_.buffers[b].view_of >= 0) {
+          add(Rule::view_alloc, i, fmt::format("{} of {}, a view (views live and die with their parent)", alloc ? "alloc" : "free", label(op.buffer)));
+          return;
+        }
+        if (alloc && live_[b]) add(Rule::double_alloc, i, fmt::format("alloc of {}, which is already live", label(op.buffer)));
+        if (!alloc && !live_[b]) add(Rule::free_not_live, i, fmt::format("free of {}, which is not live", label(op.buffer)));
+        live_[b] = alloc ? 1 : 0;
+        return;
+      }
+      case OpKind::compute:
+        if (op.kernel == Kernel::none) add(Rule::kernel_none, i, "a compute op without a kernel");
+        for (std::size_t a = 0; a < op.args.size(); ++a) use(i, op.args[a], "operand", static_cast<int>(a));
+        return;
+      case OpKind::collective:
+        use(i, op.buffer, "payload");
+        use(i, op.buffer_out, "receive buffer");
+        use(i, op.buffer_in, "contributed shard");
+        if (op.group_size < 1 || op.group_stride < 1)
+          add(Rule::collective_group, i, fmt::format("{} over a group of {} (stride {})", name_of(op.collective), op.group_size, op.group_stride));
+        else if ((op.collective == Collective::all_gather || op.collective == Collective::reduce_scatter) &&
+                 op.bytes % static_cast<std::uint64_t>(op.group_size) != 0)
+          add(Rule::collective_group, i, fmt::format("{} of {} B in total over {} ranks: not a whole shard each",
+                                                     name_of(op.collective), op.bytes, op.group_size));
+        return;
+      case OpKind::copy: {
+        use(i, op.buffer, "source");
+        use(i, op.buffer_out, "destination");
+        // With both ends named, the source lies where the direction starts, and a device-to-host
+        // copy lands on the host. (A host-to-device copy may land in a host buffer: under ZeRO-3
+        // parameter offload the partition it refreshes lives on the host.)
+        if (exists(op.buffer) && exists(op.buffer_out)) {
+          const bool to_host = op.copy_dir == CopyDir::device_to_host;
+          const bool src_host = on_host(p_.buffers[static_cast<std::size_t>(op.buffer)].category);
+          const bool dst_host = on_host(p_.buffers[static_cast<std::size_t>(op.buffer_out)].category);
+          if (src_host == to_host || (to_host && !dst_host))
+            add(Rule::copy_direction, i, fmt::format("{} copy from {} ({}) to {} ({})", to_host ? "device-to-host" : "host-to-device",
+                                                     label(op.buffer), src_host ? "host" : "device", label(op.buffer_out), dst_host ? "host" : "device"));
+        }
+        return;
+      }
+    }
+  }
+
+  const Program& p_;
+  std::vector<std::uint8_t> live_;
+  std::vector<std::int32_t> root_;  // each buffer's outermost parent (itself when not a view)
+  std::vector<Violation> out_;
+};
+
+}  // namespace
+
+std::vector<Violation> verify(const Program& program) { return Checker(program).run(); }
+
+void verify_or_throw(const Program& program) {
+  const std::vector<Violation> v = verify(program);
+  if (v.empty()) return;
+  std::string msg = fmt::format("the step program breaks its contract in {} place(s):", v.size());
+  for (std::size_t i = 0; i < v.size() && i < 5; ++i)
+    msg += fmt::format("\n  {} at op {}: {}", name_of(v[i].rule), v[i].op, v[i].detail);
+  throw InternalError(msg);
+}
+
+}  // namespace peftplan::sim

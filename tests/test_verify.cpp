@@ -1,0 +1,258 @@
+// sim::verify, the step program's structural contract (sim/verify.h): every program the builder
+// makes, for every strategy, profile, offload, checkpointing and quantisation it supports, with
+// names on and off, is well-formed; and a program broken by hand in one way is rejected with the
+// rule it breaks, one test per rule.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
+#include "peftplan/planner/program.h"
+#include "peftplan/sim/verify.h"
+
+using namespace peftplan;
+using namespace peftplan::planner;
+using sim::Collective;
+using sim::CopyDir;
+using sim::Kernel;
+using sim::MemCategory;
+using sim::Op;
+using sim::OpKind;
+using sim::Phase;
+using sim::Program;
+using sim::Rule;
+using sim::Stream;
+using ::testing::HasSubstr;
+
+namespace {
+
+models::PeftSpec lora(std::int64_t r) {
+  models::AdapterSpec a;
+  a.lora.r = r;
+  a.lora.alpha = 2.0 * static_cast<double>(r);
+  a.lora.targets.kind = models::ModuleSelector::Kind::list;
+  a.lora.targets.names = {"q_proj", "v_proj"};
+  return models::PeftSpec{{a}, std::nullopt};
+}
+
+std::vector<Rule> rules_of(const Program& p) {
+  std::vector<Rule> out;
+  for (const auto& v : sim::verify(p)) out.push_back(v.rule);
+  return out;
+}
+
+// A small well-formed program: a setup weight, a step buffer used by a compute op and a
+// collective, a host buffer a copy fills, a view inside the weight.
+struct Hand {
+  Program p;
+  std::int32_t weight = -1, act = -1, host = -1, view = -1, compute = -1;
+  Hand() {
+    p.ranks = 2;
+    weight = p.add_buffer("w", MemCategory::base_weights, 1024);
+    act = p.add_buffer("a", MemCategory::activations, 512);
+    host = p.add_buffer("h", MemCategory::host_other, 512);
+    view = p.add_view("w[0:256]", weight, 0, 256);
+    p.add_op(alloc(weight, Phase::setup));
+    p.add_op(alloc(host, Phase::setup));
+    p.add_op(alloc(act, Phase::forward));
+    Op c;
+    c.kind = OpKind::compute;
+    c.kernel = Kernel::linear_fwd;
+    c.args[0] = view;
+    c.args[1] = act;
+    compute = p.add_op(c);
+    Op ar;
+    ar.kind = OpKind::collective;
+    ar.stream = Stream::comm;
+    ar.collective = Collective::all_gather;
+    ar.group_size = 2;
+    ar.bytes = 512;
+    ar.buffer = act;
+    p.add_op(ar, {compute});
+    Op cp;
+    cp.kind = OpKind::copy;
+    cp.stream = Stream::copy;
+    cp.copy_dir = CopyDir::device_to_host;
+    cp.bytes = 512;
+    cp.buffer = act;
+    cp.buffer_out = host;
+    p.add_op(cp, {compute});
+    p.add_op(free(act, Phase::forward));
+  }
+  static Op alloc(std::int32_t b, Phase ph) {
+    Op o;
+    o.kind = OpKind::alloc;
+    o.phase = ph;
+    o.buffer = b;
+    return o;
+  }
+  static Op free(std::int32_t b, Phase ph) {
+    Op o = alloc(b, ph);
+    o.kind = OpKind::free;
+    return o;
+  }
+};
+
+}  // namespace
+
+TEST(Verify, TheHandProgramIsWellFormed) { EXPECT_TRUE(sim::verify(Hand().p).empty()); }
+
+TEST(Verify, EveryBuiltProgramIsWellFormedWithNamesOnAndOff) {
+  struct Case {
+    Stage stage;
+    std::int32_t ranks;
+    RuntimeProfile profile;
+    OffloadDevice opt = OffloadDevice::none, param = OffloadDevice::none;
+    Checkpointing ckpt = Checkpointing::none;
+    bool quant = false, full = false;
+    std::int64_t accum = 1;
+  };
+  const std::vector<Case> cases = {
+      {Stage::ddp, 1, RuntimeProfile::executor},
+      {Stage::ddp, 2, RuntimeProfile::executor, OffloadDevice::none, OffloadDevice::none, Checkpointing::full, false, false, 2},
+      {Stage::zero1, 2, RuntimeProfile::executor},
+      {Stage::zero2, 2, RuntimeProfile::executor, OffloadDevice::cpu},
+      {Stage::zero3, 2, RuntimeProfile::executor},
+      {Stage::zero3, 2, RuntimeProfile::executor, OffloadDevice::cpu, OffloadDevice::cpu, Checkpointing::full},
+      {Stage::zero3, 4, RuntimeProfile::executor, OffloadDevice::none, OffloadDevice::none, Checkpointing::none, false, true},
+      {Stage::ddp, 8, RuntimeProfile::deepspeed},
+      {Stage::zero2, 8, RuntimeProfile::deepspeed, OffloadDevice::cpu, OffloadDevice::none, Checkpointing::every_k},
+      {Stage::zero3, 8, RuntimeProfile::deepspeed, OffloadDevice::cpu, OffloadDevice::cpu, Checkpointing::full},
+      {Stage::zero3, 8, RuntimeProfile::deepspeed, OffloadDevice::none, OffloadDevice::none, Checkpointing::none, true},
+      {Stage::ddp, 1, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::full, true},
+      {Stage::ddp, 2, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::none, false, true},
+      {Stage::fsdp_full_shard, 2, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::full},
+      {Stage::fsdp_full_shard, 2, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::full, true},
+      {Stage::fsdp_full_shard, 8, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::cpu},
+      {Stage::fsdp_shard_grad_op, 8, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::full, false, true},
+      {Stage::fsdp_no_shard, 4, RuntimeProfile::hf},
+      {Stage::fsdp_hybrid_shard, 16, RuntimeProfile::hf},
+  };
+  for (const Case& c : cases) {
+    PlanInput in;
+    in.model = models::load_model(c.profile == RuntimeProfile::executor ? "tiny-llama-2l" : "llama-2-7b");
+    if (!c.full) in.peft = lora(c.profile == RuntimeProfile::executor ? 4 : 16);
+    if (c.quant) in.peft.quantization = models::Quantization{};
+    in.training.micro_batch = 2;
+    in.training.seq_len = c.profile == RuntimeProfile::executor ? 8 : 512;
+    in.training.grad_accum = c.accum;
+    in.training.checkpointing = c.ckpt;
+    in.training.checkpoint_every = 2;
+    if (c.profile == RuntimeProfile::executor) {
+      in.training.precision = Precision::fp32;
+      in.training.attention = Attention::eager;
+    }
+    in.strategy.stage = c.stage;
+    in.strategy.ranks = c.ranks;
+    in.strategy.offload_optimizer = c.opt;
+    in.strategy.offload_param = c.param;
+    if (c.stage == Stage::fsdp_hybrid_shard) in.strategy.shard_group = 8;
+    in.profile = c.profile;
+    for (bool names : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} x{} profile {} opt {} param {} ckpt {} quant {} full {} names {}", name_of(c.stage), c.ranks,
+                               static_cast<int>(c.profile), static_cast<int>(c.opt), static_cast<int>(c.param), name_of(c.ckpt), c.quant,
+                               c.full, names));
+      const auto built = build_program(in, {.names = names});
+      const auto v = sim::verify(built.program);
+      EXPECT_TRUE(v.empty()) << (v.empty() ? "" : fmt::format("{} at op {}: {}", name_of(v[0].rule), v[0].op, v[0].detail));
+    }
+  }
+}
+
+TEST(Verify, RejectsAnUnknownBuffer) {
+  Hand h;
+  h.p.ops[static_cast<std::size_t>(h.compute)].args[2] = 99;
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::buffer_id));
+}
+
+TEST(Verify, RejectsAViewPastItsParent) {
+  Hand h;
+  h.p.buffers[static_cast<std::size_t>(h.view)].offset = 900;  // 900 + 256 > 1024
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::view_bounds));
+}
+
+TEST(Verify, RejectsAnAllocOfAView) {
+  Hand h;
+  h.p.add_op(Hand::alloc(h.view, Phase::backward));
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::view_alloc));
+}
+
+TEST(Verify, RejectsADoubleAlloc) {
+  Hand h;
+  h.p.add_op(Hand::alloc(h.weight, Phase::backward));  // the setup weight is live all step
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::double_alloc));
+}
+
+TEST(Verify, RejectsAFreeOfWhatIsNotLive) {
+  Hand h;
+  h.p.add_op(Hand::free(h.act, Phase::backward));  // freed at the end of forward already
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::free_not_live));
+}
+
+TEST(Verify, RejectsAUseOfWhatIsNotLiveAndSaysWhichParent) {
+  Hand h;
+  Op c;
+  c.kind = OpKind::compute;
+  c.kernel = Kernel::linear_bwd_data;
+  c.args[0] = h.act;  // freed
+  h.p.add_op(c);
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::use_not_live));
+  Hand g;
+  g.p.add_op(Hand::free(g.weight, Phase::optimizer));
+  Op d = c;
+  d.args[0] = g.view;  // a view of the freed weight
+  g.p.add_op(d);
+  const auto v = sim::verify(g.p);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].rule, Rule::use_not_live);
+  EXPECT_THAT(v[0].detail, HasSubstr("its parent buffer #0 (w) is not"));
+}
+
+TEST(Verify, RejectsADependencyOnALaterOp) {
+  Hand h;
+  h.p.deps[h.p.ops[4].deps_begin] = 6;  // the all_gather (op 4) waits for op 6
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::dep_order));
+}
+
+TEST(Verify, RejectsAComputeOpWithoutAKernel) {
+  Hand h;
+  h.p.ops[static_cast<std::size_t>(h.compute)].kernel = Kernel::none;
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::kernel_none));
+}
+
+TEST(Verify, RejectsACollectiveItsGroupCannotSplit) {
+  Hand h;
+  h.p.ops[4].bytes = 511;  // an all_gather over 2 ranks of an odd total
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::collective_group));
+  Hand g;
+  g.p.ops[4].group_size = 0;
+  EXPECT_THAT(rules_of(g.p), ::testing::ElementsAre(Rule::collective_group));
+}
+
+TEST(Verify, RejectsACopyTheWrongWayRound) {
+  Hand h;
+  h.p.ops[5].copy_dir = CopyDir::host_to_device;  // from the device buffer into the host one
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::copy_direction));
+  Hand g;
+  g.p.ops[5].buffer_out = g.view;  // device-to-host into a device buffer
+  EXPECT_THAT(rules_of(g.p), ::testing::ElementsAre(Rule::copy_direction));
+}
+
+TEST(Verify, RejectsASetupOpInsideTheStep) {
+  Hand h;
+  const std::int32_t late = h.p.add_buffer("late", MemCategory::optimizer_states, 64);
+  h.p.add_op(Hand::alloc(late, Phase::setup));
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::setup_order));
+}
+
+TEST(Verify, ThrowsNamingTheRuleAndTheOp) {
+  Hand h;
+  h.p.ops[static_cast<std::size_t>(h.compute)].kernel = Kernel::none;
+  try {
+    sim::verify_or_throw(h.p);
+    FAIL() << "no throw";
+  } catch (const InternalError& e) {
+    EXPECT_THAT(std::string(e.what()), HasSubstr("kernel_none at op 3"));
+  }
+  EXPECT_NO_THROW(sim::verify_or_throw(Hand().p));
+}
