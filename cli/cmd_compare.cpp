@@ -24,7 +24,7 @@
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/validate.h"
-#include "output_files.h"
+#include "peftplan/common/atomic_file.h"
 #include "validation_text.h"
 
 namespace peftplan::cli {

@@ -50,10 +50,10 @@ void validate(const EstimateOptions& o) {
   if (o.gpus_per_node < 1) throw input_error("--gpus-per-node", "", "must be a positive integer", num(o.gpus_per_node));
   if (o.nodes < 1) throw input_error("--nodes", "", "must be a positive integer", num(o.nodes));
   if (o.stage < 0 || o.stage > 3) throw input_error("--stage", "", "must be 0, 1, 2 or 3", num(o.stage));
-  if (o.offload_param && o.stage != 3)
+  if (o.offload_param && !planner::can_offload_params(to_stage(o.stage)))
     throw input_error("--offload-param", "", "needs --stage 3 (parameter offload is ZeRO-3 only)",
                       fmt::format("--stage {}", o.stage));
-  if (o.offload_optimizer && o.stage == 0)
+  if (o.offload_optimizer && !planner::can_offload_optimizer(to_stage(o.stage)))
     throw input_error("--offload-optimizer", "", "needs --stage 1, 2 or 3", "--stage 0");
   if (o.zero_init && o.stage != 3) throw input_error("--zero-init", "", "needs --stage 3",
                                          fmt::format("--stage {}", o.stage));

@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
-#include "output_files.h"
+#include "peftplan/common/atomic_file.h"
 #include "plan_flags.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"

@@ -39,7 +39,7 @@
 #include "peftplan/sim/memory.h"
 #include "peftplan/sim/trace.h"
 #include "plan_flags.h"
-#include "output_files.h"
+#include "peftplan/common/atomic_file.h"
 #include "validation_text.h"
 
 namespace peftplan::cli {

@@ -44,6 +44,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/executor/kernels.h"
 #include "peftplan/executor/backend.h"
@@ -1004,24 +1005,9 @@ void write_profile(const sim::Cluster& profile, const Calibration& cal,
                    const std::filesystem::path& path) {
   const auto dir = path.parent_path();
   if (!dir.empty()) std::filesystem::create_directories(dir);
-  const auto tmp_name = [](const std::filesystem::path& p) {
-    auto t = p;
-    t += fmt::format(".tmp.{}", ::getpid());
-    return t;
-  };
   // The measurements first: a profile never sits beside another run's measurements.
-  const auto mpath = measurements_path(path);
-  const auto mtmp = tmp_name(mpath);
-  {
-    std::ofstream out(mtmp);
-    if (!out) throw input_error(mpath.string(), "", "cannot be written");
-    out << calibration_to_json(cal).dump(1) << '\n';
-    if (!out) throw input_error(mpath.string(), "", "could not be written completely");
-  }
-  std::filesystem::rename(mtmp, mpath);
-  const auto ptmp = tmp_name(path);
-  sim::write_cluster_file(profile, ptmp);
-  std::filesystem::rename(ptmp, path);
+  write_text_atomic(measurements_path(path), calibration_to_json(cal).dump(1) + "\n");
+  sim::write_cluster_file(profile, path);  // atomic too
 }
 
 // --- the measurement ------------------------------------------------------------------------

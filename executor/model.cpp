@@ -3,11 +3,11 @@
 
 #include <cmath>
 #include <cstring>
-#include <fstream>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/executor/kernels.h"
 
@@ -122,9 +122,7 @@ void save_adapter(const std::filesystem::path& dir, const models::AdapterSpec& a
     views.push_back({t.info->name, StDtype::F32, t.info->shape, std::as_bytes(t.values)});
   write_safetensors(dir / "adapter_model.safetensors", views, {{"format", "pt"}});
   const std::filesystem::path cfg = dir / "adapter_config.json";
-  std::ofstream f(cfg, std::ios::trunc);
-  if (!f) throw InputError(fmt::format("{}: cannot write", cfg.string()));
-  f << models::lora_adapter_config(adapter, base_model).dump(2) << "\n";  // nlohmann sorts keys
+  write_text_atomic(cfg, models::lora_adapter_config(adapter, base_model).dump(2) + "\n");  // nlohmann sorts keys
 }
 
 }  // namespace peftplan::executor

@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/schemas.h"
 #include "peftplan/executor/calibrate.h"
@@ -82,9 +83,9 @@ void check_executable(const planner::PlanFile& plan) {
                        in.training.seq_len));
   if (in.model.out_bias || in.model.mlp_bias) refuse("bias on o_proj or the MLP");
   const auto& st = in.strategy;
-  if (st.offload_param != planner::OffloadDevice::none && st.stage != planner::Stage::zero3)
+  if (st.offload_param != planner::OffloadDevice::none && !planner::can_offload_params(st.stage))
     refuse("parameter offload without ZeRO-3 (it needs --strategy zero3)");
-  if (st.offload_optimizer != planner::OffloadDevice::none && st.stage == planner::Stage::ddp)
+  if (st.offload_optimizer != planner::OffloadDevice::none && !planner::can_offload_optimizer(st.stage))
     refuse("optimizer offload with ddp (it needs a ZeRO stage)");
   const auto& t = in.training;
   if (t.attention != planner::Attention::eager) refuse("flash attention (use eager)");
@@ -906,16 +907,6 @@ std::int64_t Session::steps_done() const { return impl_->steps_done; }
 // The data position is the step (step k reads global sequences k·G …); dropout masks are a
 // counter-based hash of (seed, step, micro-batch, adapter), so the seed and the step are all the
 // random state there is.
-void write_atomically(const std::filesystem::path& p, const std::string& text) {
-  const std::filesystem::path tmp = p.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw InputError(fmt::format("{}: cannot write", tmp.string()));
-    f << text;
-    if (!f) throw InputError(fmt::format("{}: write failed", tmp.string()));
-  }
-  std::filesystem::rename(tmp, p);
-}
 
 void Session::save_checkpoint(const std::filesystem::path& dir) const {
   namespace fs = std::filesystem;
@@ -937,13 +928,13 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
     std::memcpy(blob.data() + 8, &np, 8);
     std::memcpy(blob.data() + 16, s.at(s.opt_states), 4 * ns);
     if (np) std::memcpy(blob.data() + 16 + 4 * ns, s.at(s.host_params), 4 * np);
-    write_atomically(tmp / fmt::format("optimizer.rank{}.bin", s.rank), blob);
+    write_text_atomic(tmp / fmt::format("optimizer.rank{}.bin", s.rank), blob);
     if (s.zero3) {
       const std::uint64_t nt = static_cast<std::uint64_t>(s.floats(s.trainable_shard));
       std::string shard(8 + 4 * nt, '\0');
       std::memcpy(shard.data(), &nt, 8);
       std::memcpy(shard.data() + 8, s.at(s.trainable_shard), 4 * nt);
-      write_atomically(tmp / fmt::format("trainable.rank{}.bin", s.rank), shard);
+      write_text_atomic(tmp / fmt::format("trainable.rank{}.bin", s.rank), shard);
     }
   }
   if (s.comm) s.comm->barrier();
@@ -957,10 +948,10 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
                                   {"ranks", s.N},
                                   {"strategy", planner::name_of(s.plan.input.strategy.stage)},
                                   {"offload_optimizer", s.host_params >= 0}};
-    write_atomically(tmp / "trainer_state.json", state.dump(1) + "\n");
+    write_text_atomic(tmp / "trainer_state.json", state.dump(1) + "\n");
     fs::remove_all(final_dir);
     fs::rename(tmp, final_dir);
-    write_atomically(dir / "latest", name + "\n");
+    write_text_atomic(dir / "latest", name + "\n");
   }
   if (s.comm) s.comm->barrier();
 }
@@ -1242,7 +1233,7 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
   if (comm) gather_ranks(m, *comm);
   if (!root) return m;
   std::filesystem::create_directories(out_dir);
-  auto write = [](const std::filesystem::path& p, const nlohmann::json& j) { write_atomically(p, j.dump(1) + "\n"); };
+  auto write = [](const std::filesystem::path& p, const nlohmann::json& j) { write_text_atomic(p, j.dump(1) + "\n"); };
   write(out_dir / "measurement.json", measurement_to_json(m));
   write(out_dir / "trace.json", m.trace);
   if (!plan.run.save_adapter.empty()) session.save_adapter(plan.run.save_adapter);

@@ -20,6 +20,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/executor/kernels.h"
 
@@ -377,38 +378,11 @@ void write_safetensors(const std::filesystem::path& path, std::span<const StTens
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // pad to 8 bytes, as the serializer does
 
-  const std::string tmp = fmt::format("{}.tmp.{}", file, ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw InputError(fmt::format("{}: cannot create: {}", tmp, std::strerror(errno)));
-  auto write_all = [&](const void* p, std::size_t len) {
-    const char* c = static_cast<const char*>(p);
-    while (len > 0) {
-      const ssize_t w = ::write(fd, c, len);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) return false;
-      c += w;
-      len -= static_cast<std::size_t>(w);
-    }
-    return true;
-  };
-  std::array<unsigned char, 8> len_le{};
-  for (int i = 0; i < 8; ++i) len_le[i] = static_cast<unsigned char>(text.size() >> (8 * i));
-  bool ok = write_all(len_le.data(), 8) && write_all(text.data(), text.size());
-  for (std::size_t i = 0; ok && i < order.size(); ++i)
-    ok = write_all(order[i]->data.data(), order[i]->data.size());
-  ok = ok && ::fsync(fd) == 0;
-  const int err = errno;
-  ok = (::close(fd) == 0) && ok;
-  if (!ok) {
-    ::unlink(tmp.c_str());
-    throw InputError(fmt::format("{}: write failed: {}", tmp, std::strerror(err)));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    ::unlink(tmp.c_str());
-    throw InputError(fmt::format("{}: cannot rename {} into place: {}", file, tmp, ec.message()));
-  }
+  std::array<char, 8> len_le{};
+  for (int i = 0; i < 8; ++i) len_le[i] = static_cast<char>(text.size() >> (8 * i));
+  std::vector<std::string_view> pieces = {std::string_view(len_le.data(), 8), text};
+  for (const auto* t : order) pieces.emplace_back(reinterpret_cast<const char*>(t->data.data()), t->data.size());
+  write_file_atomic(path, pieces);
 }
 
 }  // namespace peftplan::executor

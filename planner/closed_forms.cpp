@@ -78,7 +78,7 @@ ModelStatesBytes peft_model_states_bytes(const PeftModelStatesInput& in, std::in
                                          OffloadDevice offload_optimizer, OffloadDevice offload_param) {
   PEFTPLAN_CHECK(ranks >= 1);
   PEFTPLAN_CHECK(in.base_params >= 0 && in.trainable_params >= 0 && in.optimizer_bytes_per_param >= 0);
-  PEFTPLAN_CHECK(offload_param == OffloadDevice::none || stage == Stage::zero3);
+  PEFTPLAN_CHECK(offload_param == OffloadDevice::none || can_offload_params(stage));
   const bool shard_optimizer = stage != Stage::ddp;                        // P_os
   const bool shard_gradients = stage == Stage::zero2 || stage == Stage::zero3;  // P_g
   const bool shard_weights = stage == Stage::zero3;                        // P_p

@@ -536,10 +536,10 @@ void read_zero(Reader& r, const json& z, const DsConfigInputs& in, DsConfig& out
   }
   st.offload_optimizer = opt_dev.value_or(OffloadDevice::none);
   st.offload_param = param_dev.value_or(OffloadDevice::none);
-  if (st.offload_param == OffloadDevice::cpu && st.stage != Stage::zero3)
+  if (st.offload_param == OffloadDevice::cpu && !can_offload_params(st.stage))
     r.fail(zp + ".offload_param.device",
            fmt::format("\"cpu\" needs ZeRO stage 3 (parameter offload is stage 3 only), got stage {}", stage));
-  if (st.offload_optimizer == OffloadDevice::cpu && st.stage == Stage::ddp)
+  if (st.offload_optimizer == OffloadDevice::cpu && !can_offload_optimizer(st.stage))
     r.fail(zp + ".offload_optimizer.device", "\"cpu\" needs ZeRO stage 1, 2 or 3, got stage 0");
   if (ratio && *ratio < 1.0) {
     if (st.stage != Stage::zero3)
@@ -604,9 +604,9 @@ nlohmann::json write_ds_config(const Strategy& s, const TrainingSpec& t, const D
                       fmt::format("--strategy {}", name_of(s.stage)));
   if (t.micro_batch < 1) throw input_error(where, "train_micro_batch_size_per_gpu", "must be a positive integer", fmt::format("{}", t.micro_batch));
   if (t.grad_accum < 1) throw input_error(where, "gradient_accumulation_steps", "must be a positive integer", fmt::format("{}", t.grad_accum));
-  if (s.offload_param != OffloadDevice::none && s.stage != Stage::zero3)
+  if (s.offload_param != OffloadDevice::none && !can_offload_params(s.stage))
     throw input_error(where, "zero_optimization.offload_param", "needs ZeRO stage 3");
-  if (s.offload_optimizer != OffloadDevice::none && s.stage == Stage::ddp)
+  if (s.offload_optimizer != OffloadDevice::none && !can_offload_optimizer(s.stage))
     throw input_error(where, "zero_optimization.offload_optimizer", "needs ZeRO stage 1, 2 or 3");
   if (t.precision == Precision::bf16_pure && s.stage == Stage::ddp)
     throw input_error(where, "bf16.bf16_master_weights_and_grads",

@@ -1,13 +1,11 @@
 // plan.json in and out (see plan_file.h).
 #include "peftplan/planner/plan_file.h"
 
-#include <unistd.h>
-
 #include <filesystem>
-#include <fstream>
 
 #include <fmt/format.h>
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
 #include "peftplan/sim/program_hash.h"
@@ -266,17 +264,7 @@ PlanFile read_plan_file(const fs::path& path) {
 }
 
 void write_plan_file(const fs::path& path, const PlanFile& plan) {
-  const std::string text = plan_file_to_json(plan).dump(2) + "\n";
-  const fs::path tmp = path.string() + fmt::format(".tmp.{}", ::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw InputError(fmt::format("{}: cannot write", tmp.string()));
-    f << text;
-    if (!f.flush()) throw InputError(fmt::format("{}: write failed", tmp.string()));
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) throw InputError(fmt::format("{}: cannot rename into place: {}", path.string(), ec.message()));
+  write_text_atomic(path, plan_file_to_json(plan).dump(2) + "\n");
 }
 
 }  // namespace peftplan::planner

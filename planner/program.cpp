@@ -2028,13 +2028,13 @@ std::vector<std::string> validate(const PlanInput& in) {
     throw InputError(fmt::format("--offload-optimizer cpu: FSDP has no optimizer-only offload; --offload-param cpu is FSDP's "
                                  "CPUOffload (fsdp_offload_params: parameters, gradients and the optimizer step on the host), got "
                                  "--strategy {}", name_of(s.stage)));
-  if (s.offload_param == OffloadDevice::cpu && !shards_params(s.stage))
+  if (s.offload_param == OffloadDevice::cpu && !can_offload_params(s.stage))
     throw InputError("--offload-param cpu: parameter offload needs sharded parameters (--strategy zero3, fsdp-full-shard, "
                      "fsdp-shard-grad-op or fsdp-hybrid-shard), got --strategy " + std::string(name_of(s.stage)));
   if (s.stage == Stage::fsdp_hybrid_shard && s.shard_group > 0 && s.ranks % s.shard_group != 0)
     throw InputError(fmt::format("--strategy fsdp-hybrid-shard: {} ranks do not divide into shard groups of {} (the GPUs per node)",
                                  s.ranks, s.shard_group));
-  if (s.offload_optimizer == OffloadDevice::cpu && s.stage == Stage::ddp)
+  if (s.offload_optimizer == OffloadDevice::cpu && s.stage == Stage::ddp)  // FSDP's case is refused above
     throw InputError("--offload-optimizer cpu: optimizer offload needs a ZeRO stage (zero1, zero2 or zero3), got ddp");
   if (in.model.sliding_window && *in.model.sliding_window < t.seq_len)
     warnings.push_back(fmt::format("sliding_window {} < --seq-len {}: attention is planned over the full sequence",

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
 #include "peftplan/sim/compute.h"
@@ -782,10 +783,7 @@ Cluster read_cluster_file(const std::filesystem::path& path) {
 }
 
 void write_cluster_file(const Cluster& c, const std::filesystem::path& path) {
-  std::ofstream out(path);
-  if (!out) throw input_error(path.string(), "", "cannot be written");
-  out << cluster_to_json(c).dump(2) << '\n';
-  if (!out) throw input_error(path.string(), "", "could not be written completely");
+  write_text_atomic(path, cluster_to_json(c).dump(2) + "\n");
 }
 
 std::filesystem::path default_presets_dir() { return PEFTPLAN_CLUSTERS_DIR; }

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/paths.h"
 #include "peftplan/common/schemas.h"
@@ -76,7 +77,7 @@ void probe(const std::string& out, double window_s) {
   if (world->rank() != 0) return;
   const nlohmann::json j = {{"schema", schemas::kSpeedProbe}, {"flops_per_s", rate}, {"ranks", world->size()},
                             {"window_s", window_s}};
-  executor::write_atomically(out, j.dump(1) + "\n");
+  write_text_atomic(out, j.dump(1) + "\n");
 }
 
 // OpenMP threads for this rank: OMP_NUM_THREADS when set; otherwise the machine's cores shared

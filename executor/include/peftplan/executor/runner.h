@@ -93,10 +93,6 @@ class Session {
 // checkpoints and resume with every strategy.
 void check_executable(const planner::PlanFile& plan);
 
-// The executor's one file writer: `text` to <p>.tmp, then a rename (a reader never sees half a
-// file). Throws InputError naming the path.
-void write_atomically(const std::filesystem::path& p, const std::string& text);
-
 // peftplan-exec PLAN.json: loads the data, runs plan.run.steps steps printing one progress line
 // per step to `progress` (may be null), writes <out_dir>/measurement.json and
 // <out_dir>/trace.json, and saves the adapter when plan.run.save_adapter is set.

@@ -81,6 +81,15 @@ constexpr bool is_zero_stage(Stage s) { return s == Stage::zero1 || s == Stage::
 // Optimizer states sharded.
 constexpr bool shards_optimizer(Stage s) { return s != Stage::ddp && s != Stage::fsdp_no_shard; }
 enum class OffloadDevice { none, cpu };
+// What a strategy can keep on the host: the one statement of the rule, which ds_config, the
+// builder, the closed forms, `estimate` and the executor all ask (each names its own field or
+// flag in its message). Parameters: a strategy that shards them (DeepSpeed's offload_param is
+// stage 3 only, deepspeed/runtime/zero/config.py; FSDP's CPUOffload with a sharding strategy).
+// The optimizer alone: a ZeRO stage (ZeRO-Offload; DDP has no optimizer partition to move, and
+// FSDP has no optimizer-only offload: fsdp_offload_params moves parameters, gradients and the
+// step together).
+constexpr bool can_offload_params(Stage s) { return shards_params(s); }
+constexpr bool can_offload_optimizer(Stage s) { return is_zero_stage(s); }
 
 // DeepSpeed's zero_optimization knobs with DeepSpeed's *code* defaults
 // (deepspeed/runtime/zero/config.py; the docs differ where marked).
