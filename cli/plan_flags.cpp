@@ -12,14 +12,11 @@
 namespace peftplan::cli {
 namespace {
 
-template <typename T>
-T pick(const std::string& flag, const std::string& value, std::initializer_list<std::pair<const char*, T>> options) {
-  std::string valid;
-  for (const auto& [name, v] : options) {
-    if (value == name) return v;
-    valid += (valid.empty() ? "" : ", ") + std::string(name);
-  }
-  throw input_error(flag, "", "must be one of " + valid, "\"" + value + "\"");
+// The value among `values` spelt `value` (planner's name_of), or an error naming the flag.
+template <typename E, std::size_t N>
+E pick(const std::string& flag, const std::string& value, const std::array<E, N>& values) {
+  if (const std::optional<E> e = planner::from_name(value, values)) return *e;
+  throw input_error(flag, "", "must be one of " + planner::names_of(values), "\"" + value + "\"");
 }
 
 }  // namespace
@@ -65,9 +62,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   t.grad_accum = f.grad_accum;
   t.full_finetune = f.peft.full_finetune;
   using planner::Precision, planner::Checkpointing, planner::Attention, planner::Optimizer, planner::Stage;
-  t.precision = pick<Precision>("--precision", f.precision,
-                                {{"fp32", Precision::fp32}, {"fp16", Precision::fp16_mixed}, {"bf16", Precision::bf16_mixed},
-                                 {"bf16-pure", Precision::bf16_pure}});
+  t.precision = pick("--precision", f.precision, planner::kPrecisions);
   if (f.checkpointing.rfind("every-", 0) == 0) {
     t.checkpointing = Checkpointing::every_k;
     try {
@@ -78,13 +73,11 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     if (t.checkpoint_every <= 0)
       throw input_error("--checkpointing", "", "must be none, full or every-K with a positive K", "\"" + f.checkpointing + "\"");
   } else {
-    t.checkpointing = pick<Checkpointing>("--checkpointing", f.checkpointing, {{"none", Checkpointing::none}, {"full", Checkpointing::full}});
+    t.checkpointing = pick("--checkpointing", f.checkpointing, std::array{Checkpointing::none, Checkpointing::full});
   }
-  t.attention = pick<Attention>("--attention", f.attention, {{"eager", Attention::eager}, {"flash", Attention::flash}});
-  t.cross_entropy = pick<planner::CrossEntropy>("--cross-entropy", f.cross_entropy,
-                                                {{"standard", planner::CrossEntropy::standard}, {"chunked", planner::CrossEntropy::chunked}});
-  t.optimizer = pick<Optimizer>("--optimizer", f.optimizer,
-                                {{"adamw", Optimizer::adamw}, {"adamw-8bit", Optimizer::adamw_8bit}, {"sgd", Optimizer::sgd_momentum}});
+  t.attention = pick("--attention", f.attention, planner::kAttentions);
+  t.cross_entropy = pick("--cross-entropy", f.cross_entropy, planner::kCrossEntropies);
+  t.optimizer = pick("--optimizer", f.optimizer, planner::kOptimizers);
   if (!f.base_dtype.empty()) {
     auto d = parse_dtype(f.base_dtype);
     if (!d) throw input_error("--base-dtype", "", "must be fp32, bf16, fp16, int8 or nf4", "\"" + f.base_dtype + "\"");
@@ -100,10 +93,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     r.warnings.push_back("--profile pytorch is now --profile hf (transformers + PEFT in eager PyTorch)");
     profile = "hf";
   }
-  in.profile = pick<planner::RuntimeProfile>("--profile", profile,
-                                             {{"executor", planner::RuntimeProfile::executor},
-                                              {"deepspeed", planner::RuntimeProfile::deepspeed},
-                                              {"hf", planner::RuntimeProfile::hf}});
+  in.profile = pick("--profile", profile, planner::kRuntimeProfiles);
   // Cluster: --cluster, else --gpus N of the default kind, else the embedded default.
   if (!f.cluster.empty()) r.cluster = sim::resolve_cluster(f.cluster);
   else r.cluster = f.gpus ? sim::default_cluster(*f.gpus) : sim::resolve_cluster("8xA100-80GB");
@@ -113,16 +103,11 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   if (in.strategy.ranks > total)
     throw input_error("--gpus", "", fmt::format("must not exceed the cluster's {} GPUs ({})", total, r.cluster.name),
                       std::to_string(in.strategy.ranks));
-  in.strategy.stage = pick<Stage>("--strategy", f.strategy,
-                                  {{"ddp", Stage::ddp}, {"zero1", Stage::zero1}, {"zero2", Stage::zero2}, {"zero3", Stage::zero3},
-                                   {"fsdp-full-shard", Stage::fsdp_full_shard}, {"fsdp-shard-grad-op", Stage::fsdp_shard_grad_op},
-                                   {"fsdp-no-shard", Stage::fsdp_no_shard}, {"fsdp-hybrid-shard", Stage::fsdp_hybrid_shard}});
+  in.strategy.stage = pick("--strategy", f.strategy, planner::kStages);
   // HYBRID_SHARD shards within a node and replicates across nodes.
   if (in.strategy.stage == Stage::fsdp_hybrid_shard) in.strategy.shard_group = std::min(r.cluster.gpus_per_node, in.strategy.ranks);
-  in.strategy.offload_optimizer = pick<planner::OffloadDevice>("--offload-optimizer", f.offload_optimizer,
-                                                               {{"none", planner::OffloadDevice::none}, {"cpu", planner::OffloadDevice::cpu}});
-  in.strategy.offload_param = pick<planner::OffloadDevice>("--offload-param", f.offload_param,
-                                                           {{"none", planner::OffloadDevice::none}, {"cpu", planner::OffloadDevice::cpu}});
+  in.strategy.offload_optimizer = pick("--offload-optimizer", f.offload_optimizer, planner::kOffloadDevices);
+  in.strategy.offload_param = pick("--offload-param", f.offload_param, planner::kOffloadDevices);
   if (!f.ds_config.empty() && planner::is_fsdp(in.strategy.stage))
     throw InputError(fmt::format("--ds-config {} with --strategy {}: a DeepSpeed config runs ZeRO, not FSDP (give FSDP's settings "
                                  "with --accelerate-config)", f.ds_config, f.strategy));

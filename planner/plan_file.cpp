@@ -16,15 +16,12 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-// The enumerator whose name_of() is `s`, or an InputError listing the valid names.
-template <typename E>
-E parse_enum(const json& v, std::string_view source, std::string_view field, std::initializer_list<E> values) {
-  std::string valid;
-  for (E e : values) valid += (valid.empty() ? "" : ", ") + std::string(name_of(e));
-  if (!v.is_string()) throw input_error(source, field, "must be one of " + valid, v.dump());
-  for (E e : values)
-    if (v.get<std::string>() == name_of(e)) return e;
-  throw input_error(source, field, "must be one of " + valid, v.dump());
+// The enumerator whose name_of() is `v`, or an InputError listing the valid names.
+template <typename E, std::size_t N>
+E parse_enum(const json& v, std::string_view source, std::string_view field, const std::array<E, N>& values) {
+  const std::optional<E> e = v.is_string() ? from_name(v.get<std::string>(), values) : std::nullopt;
+  if (!e) throw input_error(source, field, "must be one of " + names_of(values), v.dump());
+  return *e;
 }
 
 template <typename T>
@@ -157,18 +154,15 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   t.grad_accum = positive(tr, "grad_accum", source, "training.", t.grad_accum);
   t.checkpoint_every = positive(tr, "checkpoint_every", source, "training.", t.checkpoint_every);
   if (tr.contains("precision"))
-    t.precision = parse_enum(tr["precision"], source, "training.precision",
-                             {Precision::fp32, Precision::fp16_mixed, Precision::bf16_mixed, Precision::bf16_pure});
+    t.precision = parse_enum(tr["precision"], source, "training.precision", kPrecisions);
   if (tr.contains("checkpointing"))
-    t.checkpointing = parse_enum(tr["checkpointing"], source, "training.checkpointing",
-                                 {Checkpointing::none, Checkpointing::full, Checkpointing::every_k});
+    t.checkpointing = parse_enum(tr["checkpointing"], source, "training.checkpointing", kCheckpointings);
   if (tr.contains("attention"))
-    t.attention = parse_enum(tr["attention"], source, "training.attention", {Attention::eager, Attention::flash});
+    t.attention = parse_enum(tr["attention"], source, "training.attention", kAttentions);
   if (tr.contains("cross_entropy"))
-    t.cross_entropy = parse_enum(tr["cross_entropy"], source, "training.cross_entropy", {CrossEntropy::standard, CrossEntropy::chunked});
+    t.cross_entropy = parse_enum(tr["cross_entropy"], source, "training.cross_entropy", kCrossEntropies);
   if (tr.contains("optimizer"))
-    t.optimizer = parse_enum(tr["optimizer"], source, "training.optimizer",
-                             {Optimizer::adamw, Optimizer::adamw_8bit, Optimizer::sgd_momentum});
+    t.optimizer = parse_enum(tr["optimizer"], source, "training.optimizer", kOptimizers);
   t.full_finetune = get<bool>(tr, "full_finetune", source, "training.", false);
   if (auto it = tr.find("base_storage"); it != tr.end() && !it->is_null()) {
     auto d = it->is_string() ? parse_dtype(it->get<std::string>()) : std::nullopt;
@@ -179,8 +173,7 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   // "pytorch": the `hf` profile's name in plan files written before it was renamed.
   if (j.contains("profile"))
     in.profile = j["profile"] == "pytorch" ? RuntimeProfile::hf
-                                           : parse_enum(j["profile"], source, "profile",
-                                                        {RuntimeProfile::executor, RuntimeProfile::deepspeed, RuntimeProfile::hf});
+                                           : parse_enum(j["profile"], source, "profile", kRuntimeProfiles);
   // The run object; its scheduler replaces ds_config's.
   const json run = j.value("run", json::object());
   if (!run.is_object()) throw input_error(source, "run", "must be an object", run.dump());

@@ -55,4 +55,6 @@ std::string_view name_of(Stage s) {
   return "?";
 }
 
+std::string_view name_of(OffloadDevice d) { return d == OffloadDevice::cpu ? "cpu" : "none"; }
+
 }  // namespace peftplan::planner

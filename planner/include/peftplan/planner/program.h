@@ -37,6 +37,8 @@ enum class RuntimeProfile {
               // buckets): runtime.cpp lists its rules and the versions they were read from
 };
 std::string_view name_of(RuntimeProfile p);
+inline constexpr std::array kRuntimeProfiles = {RuntimeProfile::executor, RuntimeProfile::deepspeed, RuntimeProfile::hf};
+static_assert(lists_every(kRuntimeProfiles, RuntimeProfile::hf));
 
 // Rows per causal block in the executor's eager attention (executor/cpu/attention.cpp): each
 // block of rows multiplies only the key columns up to its last row. The builder counts that work

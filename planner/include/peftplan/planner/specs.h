@@ -3,9 +3,11 @@
 // Plain aggregates; parsing of ds_config.json lives in ds_config.h, flags in cli/.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "peftplan/common/dtype.h"
 
@@ -135,11 +137,57 @@ struct Strategy {
   FsdpKnobs fsdp;
 };
 
+// Spellings, as flags, plan.json, reports and the GUI write them: each value's in name_of alone
+// (specs.cpp), and every reader parses through it (from_name below), so a new spelling is one
+// line. Checkpointing::every_k is "every-k" (flags spell it every-K with the K).
 std::string_view name_of(Precision p);
 std::string_view name_of(Checkpointing c);
 std::string_view name_of(Attention a);
 std::string_view name_of(Optimizer o);
 std::string_view name_of(CrossEntropy c);
 std::string_view name_of(Stage s);
+std::string_view name_of(OffloadDevice d);
+
+// Every enumerator, in order; the static_asserts tie each list to its enum (a new enumerator
+// that is not listed, or a reordering, does not compile).
+inline constexpr std::array kPrecisions = {Precision::fp32, Precision::fp16_mixed, Precision::bf16_mixed, Precision::bf16_pure};
+inline constexpr std::array kCheckpointings = {Checkpointing::none, Checkpointing::full, Checkpointing::every_k};
+inline constexpr std::array kAttentions = {Attention::eager, Attention::flash};
+inline constexpr std::array kCrossEntropies = {CrossEntropy::standard, CrossEntropy::chunked};
+inline constexpr std::array kOptimizers = {Optimizer::adamw, Optimizer::adamw_8bit, Optimizer::sgd_momentum};
+inline constexpr std::array kStages = {Stage::ddp,           Stage::zero1,           Stage::zero2,
+                                       Stage::zero3,         Stage::fsdp_full_shard, Stage::fsdp_shard_grad_op,
+                                       Stage::fsdp_no_shard, Stage::fsdp_hybrid_shard};
+inline constexpr std::array kOffloadDevices = {OffloadDevice::none, OffloadDevice::cpu};
+
+// The list holds enumerators 0 .. last in order.
+template <typename E, std::size_t N>
+constexpr bool lists_every(const std::array<E, N>& all, E last) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (static_cast<std::size_t>(all[i]) != i) return false;
+  return static_cast<std::size_t>(last) + 1 == N;
+}
+static_assert(lists_every(kPrecisions, Precision::bf16_pure));
+static_assert(lists_every(kCheckpointings, Checkpointing::every_k));
+static_assert(lists_every(kAttentions, Attention::flash));
+static_assert(lists_every(kCrossEntropies, CrossEntropy::chunked));
+static_assert(lists_every(kOptimizers, Optimizer::sgd_momentum));
+static_assert(lists_every(kStages, Stage::fsdp_hybrid_shard));
+static_assert(lists_every(kOffloadDevices, OffloadDevice::cpu));
+
+// The value among `values` whose name_of() is `name`.
+template <typename E, std::size_t N>
+std::optional<E> from_name(std::string_view name, const std::array<E, N>& values) {
+  for (E e : values)
+    if (name_of(e) == name) return e;
+  return std::nullopt;
+}
+// "a, b, c": the valid spellings, for messages.
+template <typename E, std::size_t N>
+std::string names_of(const std::array<E, N>& values) {
+  std::string out;
+  for (E e : values) (out += out.empty() ? "" : ", ") += name_of(e);
+  return out;
+}
 
 }  // namespace peftplan::planner
