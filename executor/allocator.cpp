@@ -74,22 +74,20 @@ void* TrackedAllocator::allocate(std::uint64_t bytes, sim::MemCategory category,
   void* p = (host ? host_ : device_).allocate(bytes);
   blocks_.emplace(p, Block{bytes, category});
   ++stats_.allocations;
-  const auto c = static_cast<std::size_t>(category);
-  stats_.live_bytes[c] += bytes;
-  stats_.peak_bytes[c] = std::max(stats_.peak_bytes[c], stats_.live_bytes[c]);
-  // The same rule as sim::walk_memory: a new simultaneous peak strictly above the last one.
-  std::uint64_t total = 0;
-  const int first = host ? sim::kNumDeviceCategories : 0;
-  const int last = host ? sim::kNumCategories : sim::kNumDeviceCategories;
-  for (int i = first; i < last; ++i) total += stats_.live_bytes[static_cast<std::size_t>(i)];
-  std::uint64_t& peak = host ? stats_.host_peak_bytes : stats_.device_peak_bytes;
-  if (total > peak) {
-    peak = total;
-    (host ? stats_.host_peak_op : stats_.device_peak_op) = op;
-    for (int i = first; i < last; ++i)
-      stats_.at_peak_bytes[static_cast<std::size_t>(i)] = stats_.live_bytes[static_cast<std::size_t>(i)];
-  }
+  ledger_.alloc(category, bytes, op);  // counted as sim::walk_memory counts the program
+  publish();
   return p;
+}
+
+void TrackedAllocator::publish() {
+  const sim::MemoryProfile m = ledger_.profile();
+  stats_.live_bytes = m.end_bytes;
+  stats_.peak_bytes = m.category_peak_bytes;
+  stats_.at_peak_bytes = m.at_peak_bytes;
+  stats_.device_peak_bytes = m.device_peak_bytes;
+  stats_.host_peak_bytes = m.host_peak_bytes;
+  stats_.device_peak_op = m.device_peak_op;
+  stats_.host_peak_op = m.host_peak_op;
 }
 
 void TrackedAllocator::release(void* p) {
@@ -97,7 +95,8 @@ void TrackedAllocator::release(void* p) {
   PEFTPLAN_CHECK_MSG(it != blocks_.end(), "release of a pointer the allocator does not own");
   const Block b = it->second;
   blocks_.erase(it);
-  stats_.live_bytes[static_cast<std::size_t>(b.category)] -= b.bytes;
+  ledger_.free(b.category, b.bytes);
+  stats_.live_bytes = ledger_.live();
   (sim::on_host(b.category) ? host_ : device_).deallocate(p, b.bytes);
 }
 

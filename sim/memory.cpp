@@ -6,55 +6,56 @@
 #include "peftplan/common/error.h"
 
 namespace peftplan::sim {
+
+void MemoryLedger::alloc(MemCategory category, std::uint64_t bytes, std::int32_t op) {
+  const auto c = static_cast<std::size_t>(category);
+  live_[c] += bytes;
+  peaks_.category_peak_bytes[c] = std::max(peaks_.category_peak_bytes[c], live_[c]);
+  const bool host = on_host(category);
+  const std::size_t first = host ? kNumDeviceCategories : 0, last = host ? kNumCategories : kNumDeviceCategories;
+  std::uint64_t total = 0;
+  for (std::size_t i = first; i < last; ++i) total += live_[i];
+  std::uint64_t& peak = host ? peaks_.host_peak_bytes : peaks_.device_peak_bytes;
+  if (total > peak) {
+    peak = total;
+    (host ? peaks_.host_peak_op : peaks_.device_peak_op) = op;
+    for (std::size_t i = first; i < last; ++i) peaks_.at_peak_bytes[i] = live_[i];
+  }
+}
+
+MemoryProfile MemoryLedger::profile() const {
+  MemoryProfile p = peaks_;
+  p.end_bytes = live_;
+  return p;
+}
+
 namespace {
 
-// Calls visit(op_index, live) after each alloc/free, with live bytes per category.
-template <typename Visit>
-void replay(const Program& program, Visit&& visit) {
-  std::array<std::uint64_t, kNumCategories> live{};
+// Counts the program's allocs and frees through a ledger, calling after(op index, ledger) after each.
+template <typename After>
+void count(const Program& program, MemoryLedger& ledger, After&& after) {
   for (std::size_t i = 0; i < program.ops.size(); ++i) {
     const Op& op = program.ops[i];
     if (op.kind != OpKind::alloc && op.kind != OpKind::free) continue;
     const Buffer& b = program.buffers[static_cast<std::size_t>(op.buffer)];
-    auto c = static_cast<std::size_t>(b.category);
-    if (op.kind == OpKind::alloc) live[c] += b.bytes;
-    else live[c] -= b.bytes;
-    visit(static_cast<std::int32_t>(i), live);
+    if (op.kind == OpKind::alloc) ledger.alloc(b.category, b.bytes, static_cast<std::int32_t>(i));
+    else ledger.free(b.category, b.bytes);
+    after(static_cast<std::int32_t>(i), ledger);
   }
 }
 
 }  // namespace
 
 MemoryProfile walk_memory(const Program& program) {
-  MemoryProfile p;
-  std::array<std::uint64_t, kNumCategories> last{};
-  replay(program, [&](std::int32_t op, const std::array<std::uint64_t, kNumCategories>& live) {
-    std::uint64_t device = 0, host = 0;
-    for (int c = 0; c < kNumCategories; ++c) {
-      p.category_peak_bytes[c] = std::max(p.category_peak_bytes[c], live[c]);
-      (c < kNumDeviceCategories ? device : host) += live[c];
-    }
-    if (device > p.device_peak_bytes) {
-      p.device_peak_bytes = device;
-      p.device_peak_op = op;
-      for (int c = 0; c < kNumDeviceCategories; ++c) p.at_peak_bytes[c] = live[c];
-    }
-    if (host > p.host_peak_bytes) {
-      p.host_peak_bytes = host;
-      p.host_peak_op = op;
-      for (int c = kNumDeviceCategories; c < kNumCategories; ++c) p.at_peak_bytes[c] = live[c];
-    }
-    last = live;
-  });
-  p.end_bytes = last;
-  return p;
+  MemoryLedger ledger;
+  count(program, ledger, [](std::int32_t, const MemoryLedger&) {});
+  return ledger.profile();
 }
 
 std::vector<MemorySample> memory_timeline(const Program& program) {
   std::vector<MemorySample> samples;
-  replay(program, [&](std::int32_t op, const std::array<std::uint64_t, kNumCategories>& live) {
-    samples.push_back(MemorySample{op, live});
-  });
+  MemoryLedger ledger;
+  count(program, ledger, [&](std::int32_t op, const MemoryLedger& l) { samples.push_back(MemorySample{op, l.live()}); });
   return samples;
 }
 

@@ -2,7 +2,7 @@
 // memory categories of the design (sim::MemCategory), so that measured memory is counted the way
 // the planner predicts it: live and peak bytes per category, the simultaneous device and host
 // peaks (the maximum of the live total, not the sum of per-category peaks) and the step-program
-// op at which each was reached — the same rules as sim::walk_memory.
+// op at which each was reached, counted by sim::MemoryLedger, as sim::walk_memory counts.
 // Raw memory comes from a MemoryResource (the backend's device memory, or host memory), so a
 // CUDA backend plugs in its own without changing this file.
 // Deliberately not here: pooling or caching (every allocation is exactly the bytes asked for, so
@@ -15,6 +15,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "peftplan/sim/memory.h"
 #include "peftplan/sim/program.h"
 
 namespace peftplan::executor {
@@ -67,9 +68,11 @@ class TrackedAllocator {
     std::uint64_t bytes;
     sim::MemCategory category;
   };
+  void publish();  // stats_ from the ledger after an allocation
   MemoryResource& device_;
   MemoryResource& host_;
   std::unordered_map<void*, Block> blocks_;
+  sim::MemoryLedger ledger_;
   MemoryStats stats_;
 };
 

@@ -23,6 +23,25 @@ struct MemoryProfile {
   std::int32_t host_peak_op = -1;
 };
 
+// How memory is counted, the one statement of it: live bytes per category, each category's own
+// peak, and the simultaneous device and host peaks — the maximum of the live total, not the sum
+// of per-category peaks — with the op whose allocation reached each (a new peak only when the
+// total rises strictly above the last) and every category's bytes at that moment. The memory walk
+// counts a program through it and the executor's tracked allocator counts real allocations
+// through it, so that predicted and measured memory are counted by the same rules.
+class MemoryLedger {
+ public:
+  void alloc(MemCategory category, std::uint64_t bytes, std::int32_t op);
+  void free(MemCategory category, std::uint64_t bytes) { live_[static_cast<std::size_t>(category)] -= bytes; }
+  const std::array<std::uint64_t, kNumCategories>& live() const { return live_; }
+  // The peaks so far, end_bytes = what is live now.
+  MemoryProfile profile() const;
+
+ private:
+  std::array<std::uint64_t, kNumCategories> live_{};
+  MemoryProfile peaks_;
+};
+
 // The program must keep its contract (sim::verify: buffer ids exist, allocs and frees alternate);
 // make_plan verifies each program it builds once, before the walk, the allocator model and the
 // timeline read it.
