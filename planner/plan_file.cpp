@@ -8,6 +8,7 @@
 #include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
+#include "peftplan/planner/accelerate_config.h"
 #include "peftplan/sim/program_hash.h"
 
 namespace peftplan::planner {
@@ -82,12 +83,12 @@ json plan_file_to_json(const PlanFile& pf) {
                    {"attention", name_of(t.attention)},
                    {"cross_entropy", name_of(t.cross_entropy)},
                    {"optimizer", name_of(t.optimizer)},
+                   {"checkpoint_reentrant", t.checkpoint_reentrant},
                    {"full_finetune", t.full_finetune},
                    {"base_storage", t.base_storage ? json(name_of(*t.base_storage)) : json(nullptr)}};
-  if (is_fsdp(in.strategy.stage))
-    throw InputError(fmt::format("plan.json: --strategy {} cannot be written yet (a plan.json carries a DeepSpeed ds_config); "
-                                 "write accelerate's launch config with --write-accelerate-config", name_of(in.strategy.stage)));
-  json ds = write_ds_config(in.strategy, t, pf.extras);
+  // The strategy as its launcher's own file: DeepSpeed's ds_config, or accelerate's FSDP YAML.
+  const bool fsdp = is_fsdp(in.strategy.stage);
+  json ds = fsdp ? json(nullptr) : write_ds_config(in.strategy, t, pf.extras);
   const RunOptions& r = pf.run;
   json run = {{"steps", r.steps},
               {"data", r.data},
@@ -102,7 +103,7 @@ json plan_file_to_json(const PlanFile& pf) {
               {"checkpoint_every", r.checkpoint_every},
               {"checkpoint_dir", r.checkpoint_dir},
               {"resume", r.resume},
-              {"scheduler", ds.contains("scheduler") ? ds["scheduler"] : json(nullptr)}};
+              {"scheduler", !fsdp && ds.contains("scheduler") ? ds["scheduler"] : json(nullptr)}};
   json j = {{"schema", kPlanSchema},
             {"model", pf.model_source.is_null() ? json(in.model.name) : pf.model_source},
             {"model_name", in.model.name},
@@ -110,8 +111,16 @@ json plan_file_to_json(const PlanFile& pf) {
             {"training", training},
             {"ranks", in.strategy.ranks},
             {"profile", name_of(in.profile)},
-            {"ds_config", ds},
             {"run", run}};
+  if (fsdp) {
+    j["accelerate_config"] = write_accelerate_config(in.strategy, t, 1);
+    if (in.strategy.shard_group > 0) j["shard_group"] = in.strategy.shard_group;
+  } else {
+    j["ds_config"] = ds;
+  }
+  // bitsandbytes' quantisation of the base (QLoRA), which no adapter_config.json carries.
+  if (const auto& q = in.peft.quantization)
+    j["quantization"] = {{"dtype", name_of(q->dtype)}, {"double_quant", q->double_quant}, {"block_size", q->block_size}};
   if (pf.cluster) j["cluster"] = sim::cluster_to_json(*pf.cluster);
   j["program"] = {{"contract_version", sim::kProgramContractVersion}, {"hash", planned_program_hash(in, pf.cluster)}};
   return j;
@@ -164,6 +173,19 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   if (tr.contains("optimizer"))
     t.optimizer = parse_enum(tr["optimizer"], source, "training.optimizer", kOptimizers);
   t.full_finetune = get<bool>(tr, "full_finetune", source, "training.", false);
+  t.checkpoint_reentrant = get<bool>(tr, "checkpoint_reentrant", source, "training.", true);
+  if (auto it = j.find("quantization"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) throw input_error(source, "quantization", "must be an object (dtype, double_quant, block_size) or null", it->dump());
+    models::Quantization q;
+    const std::string d = get<std::string>(*it, "dtype", source, "quantization.", std::string(name_of(q.dtype)));
+    const auto dt = parse_dtype(d);
+    if (!dt || (*dt != DType::nf4 && *dt != DType::fp4 && *dt != DType::int8))
+      throw input_error(source, "quantization.dtype", "must be nf4, fp4 or int8", "\"" + d + "\"");
+    q.dtype = *dt;
+    q.double_quant = get<bool>(*it, "double_quant", source, "quantization.", q.double_quant);
+    q.block_size = positive(*it, "block_size", source, "quantization.", q.block_size);
+    in.peft.quantization = q;
+  }
   if (auto it = tr.find("base_storage"); it != tr.end() && !it->is_null()) {
     auto d = it->is_string() ? parse_dtype(it->get<std::string>()) : std::nullopt;
     if (!d) throw input_error(source, "training.base_storage", "must be fp32, bf16, fp16, int8 or nf4", it->dump());
@@ -185,24 +207,35 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   }
   RunOptions& r = pf.run;
   r.steps = positive(run, "steps", source, "run.", r.steps);
-  DsConfigInputs dsi;
-  dsi.world_size = ranks;
-  dsi.training = t;
-  dsi.hidden = in.model.hidden;
-  dsi.total_steps = r.steps;
-  DsConfig dc = read_ds_config(ds, fmt::format("{}: ds_config", source), dsi);
-  in.strategy = dc.strategy;
-  in.strategy.ranks = ranks;
-  // ds_config carries batch sizes, optimizer hyper-parameters and clipping; fields it lacks stay.
-  const TrainingSpec before = t;
-  t = dc.training;
-  t.seq_len = before.seq_len;
-  t.checkpointing = before.checkpointing;
-  t.checkpoint_every = before.checkpoint_every;
-  t.attention = before.attention;
-  t.base_storage = before.base_storage;
-  t.full_finetune = before.full_finetune;
-  pf.extras = dc.extras;
+  if (auto it = j.find("accelerate_config"); it != j.end() && !it->is_null()) {
+    // An FSDP plan: the strategy from accelerate's YAML; the training object has the rest.
+    if (!it->is_string()) throw input_error(source, "accelerate_config", "must be accelerate's launch config YAML, as a string", it->dump());
+    if (j.contains("ds_config")) throw input_error(source, "ds_config", "and accelerate_config cannot both be given (one launcher per plan)");
+    const AccelerateConfig ac = read_accelerate_config(it->get<std::string>(), fmt::format("{}: accelerate_config", source));
+    in.strategy = ac.strategy;
+    in.strategy.ranks = ranks;
+    in.strategy.shard_group = static_cast<std::int32_t>(get<std::int64_t>(j, "shard_group", source, "", 0));
+  } else {
+    DsConfigInputs dsi;
+    dsi.world_size = ranks;
+    dsi.training = t;
+    dsi.hidden = in.model.hidden;
+    dsi.total_steps = r.steps;
+    DsConfig dc = read_ds_config(ds, fmt::format("{}: ds_config", source), dsi);
+    in.strategy = dc.strategy;
+    in.strategy.ranks = ranks;
+    // ds_config carries batch sizes, optimizer hyper-parameters and clipping; fields it lacks stay.
+    const TrainingSpec before = t;
+    t = dc.training;
+    t.seq_len = before.seq_len;
+    t.checkpointing = before.checkpointing;
+    t.checkpoint_every = before.checkpoint_every;
+    t.checkpoint_reentrant = before.checkpoint_reentrant;
+    t.attention = before.attention;
+    t.base_storage = before.base_storage;
+    t.full_finetune = before.full_finetune;
+    pf.extras = dc.extras;
+  }
   r.data = get<std::string>(run, "data", source, "run.", r.data);
   r.data_format = get<std::string>(run, "data_format", source, "run.", r.data_format);
   if (r.data_format != "u32" && r.data_format != "u16" && r.data_format != "bytes")

@@ -117,7 +117,6 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "has no FSDP sharding strategy"},
       {"plan --accelerate-config " + kData + "/accelerate/malformed.yaml", "accelerate/malformed.yaml: not a valid YAML file"},
       {"plan --accelerate-config " + kData + "/accelerate/bad_strategy.yaml", "fsdp_config.fsdp_sharding_strategy must be"},
-      {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --write-plan /tmp/peftplan-test-fsdp-plan.json", "cannot be written yet"},
       {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --ds-config " + kData + "/ds/zero3_unknown_key.json",
        "a DeepSpeed config runs ZeRO, not FSDP"},
       {"plan --gpus 2 --strategy zero3 --accelerate-config " + kData + "/accelerate/fms-acceleration-benchmarks.yaml",

@@ -7,7 +7,9 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
+#include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/program.h"
+#include "peftplan/sim/cluster.h"
 #include "peftplan/sim/verify.h"
 
 using namespace peftplan;
@@ -93,11 +95,9 @@ struct Hand {
   }
 };
 
-}  // namespace
 
-TEST(Verify, TheHandProgramIsWellFormed) { EXPECT_TRUE(sim::verify(Hand().p).empty()); }
-
-TEST(Verify, EveryBuiltProgramIsWellFormedWithNamesOnAndOff) {
+// Every strategy, profile, offload, checkpointing and quantisation the builder supports.
+std::vector<PlanInput> every_kind_of_input() {
   struct Case {
     Stage stage;
     std::int32_t ranks;
@@ -128,6 +128,7 @@ TEST(Verify, EveryBuiltProgramIsWellFormedWithNamesOnAndOff) {
       {Stage::fsdp_no_shard, 4, RuntimeProfile::hf},
       {Stage::fsdp_hybrid_shard, 16, RuntimeProfile::hf},
   };
+  std::vector<PlanInput> out;
   for (const Case& c : cases) {
     PlanInput in;
     in.model = models::load_model(c.profile == RuntimeProfile::executor ? "tiny-llama-2l" : "llama-2-7b");
@@ -147,15 +148,52 @@ TEST(Verify, EveryBuiltProgramIsWellFormedWithNamesOnAndOff) {
     in.strategy.offload_optimizer = c.opt;
     in.strategy.offload_param = c.param;
     if (c.stage == Stage::fsdp_hybrid_shard) in.strategy.shard_group = 8;
+    if (is_fsdp(c.stage) && c.ckpt == Checkpointing::full && c.quant) {  // FSDP's own checkpoint_wrapper
+      in.strategy.fsdp.activation_checkpointing = true;
+      in.training.checkpoint_reentrant = false;
+    }
     in.profile = c.profile;
+    out.push_back(std::move(in));
+  }
+  return out;
+}
+
+std::string describe(const PlanInput& in) {
+  return fmt::format("{} x{} profile {} opt {} param {} ckpt {} quant {} full {}", name_of(in.strategy.stage), in.strategy.ranks,
+                     name_of(in.profile), name_of(in.strategy.offload_optimizer), name_of(in.strategy.offload_param),
+                     name_of(in.training.checkpointing), in.peft.quantization.has_value(), in.peft.adapters.empty());
+}
+
+}  // namespace
+
+TEST(Verify, TheHandProgramIsWellFormed) { EXPECT_TRUE(sim::verify(Hand().p).empty()); }
+
+TEST(Verify, EveryBuiltProgramIsWellFormedWithNamesOnAndOff) {
+  for (const PlanInput& in : every_kind_of_input())
     for (bool names : {true, false}) {
-      SCOPED_TRACE(fmt::format("{} x{} profile {} opt {} param {} ckpt {} quant {} full {} names {}", name_of(c.stage), c.ranks,
-                               static_cast<int>(c.profile), static_cast<int>(c.opt), static_cast<int>(c.param), name_of(c.ckpt), c.quant,
-                               c.full, names));
+      SCOPED_TRACE(describe(in) + fmt::format(" names {}", names));
       const auto built = build_program(in, {.names = names});
       const auto v = sim::verify(built.program);
       EXPECT_TRUE(v.empty()) << (v.empty() ? "" : fmt::format("{} at op {}: {}", name_of(v[0].rule), v[0].op, v[0].detail));
     }
+}
+
+// plan.json carries everything the program depends on: written and read back, every kind of
+// input builds the program the writer hashed (sim/program_hash.h), QLoRA's quantisation, FSDP's
+// accelerate config and a non-reentrant checkpoint included.
+TEST(PlanFile, EveryKindOfInputReadsBackToTheProgramItsWriterBuilt) {
+  for (const PlanInput& in : every_kind_of_input()) {
+    SCOPED_TRACE(describe(in));
+    PlanFile pf;
+    pf.input = in;
+    pf.cluster = sim::resolve_cluster(in.strategy.stage == Stage::fsdp_hybrid_shard ? "2x8xH100-SXM-NDR" : "8xH100-SXM");
+    const nlohmann::json j = plan_file_to_json(pf);
+    const PlanFile back = plan_file_from_json(j, "plan.json");
+    EXPECT_EQ(back.program_hash, j.at("program").at("hash").get<std::string>());
+    EXPECT_NO_THROW(check_program_hash(back, "plan.json"));
+    EXPECT_EQ(back.input.peft.quantization.has_value(), in.peft.quantization.has_value());
+    EXPECT_EQ(back.input.strategy.stage, in.strategy.stage);
+    EXPECT_EQ(j.contains("accelerate_config"), is_fsdp(in.strategy.stage));
   }
 }
 
