@@ -42,17 +42,6 @@ std::int64_t positive(const json& obj, const char* key, std::string_view source,
   return v;
 }
 
-}  // namespace
-
-json model_source_for(const std::string& name_or_path) {
-  if (models::zoo_config_text(name_or_path) != nullptr) return name_or_path;
-  fs::path p(name_or_path);
-  if (fs::is_directory(p)) p /= "config.json";
-  return models::read_json_file(p.string());
-}
-
-namespace {
-
 // The hash of the program make_plan builds for this input on this cluster (it takes the GPU's
 // compute capability from the cluster, which picks cuBLAS's workspace size).
 std::string planned_program_hash(PlanInput in, const std::optional<sim::Cluster>& cluster) {
@@ -62,6 +51,13 @@ std::string planned_program_hash(PlanInput in, const std::optional<sim::Cluster>
 }
 
 }  // namespace
+
+json model_source_for(const std::string& name_or_path) {
+  if (models::zoo_config_text(name_or_path) != nullptr) return name_or_path;
+  fs::path p(name_or_path);
+  if (fs::is_directory(p)) p /= "config.json";
+  return models::read_json_file(p.string());
+}
 
 json plan_file_to_json(const PlanFile& pf) {
   const PlanInput& in = pf.input;

@@ -1,9 +1,10 @@
 // plan.json: everything `peftplan run` hands to the executor, as versioned JSON
 // ("schema": "peftplan.plan/1"): the model (a zoo name, or the config.json object itself), the
-// adapters (adapter_config.json objects), the training fields ds_config does not carry, the
-// strategy as a DeepSpeed ds_config (write_ds_config/read_ds_config), the runtime profile, and a
-// "run" object with what only the executor needs (steps, data, seeds, weights, learning-rate
-// overrides, the scheduler, where to save the adapter).
+// adapters (adapter_config.json objects), QLoRA's quantisation of the base, the training fields
+// ds_config does not carry, the strategy as its launcher's file (a DeepSpeed ds_config,
+// write_ds_config/read_ds_config; for FSDP accelerate's launch YAML, accelerate_config.h), the
+// runtime profile, and a "run" object with what only the executor needs (steps, data, seeds,
+// weights, learning-rate overrides, the scheduler, where to save the adapter).
 // "program" identifies the step program the writer built from it (a contract version and
 // sim::program_hash), so that the executor and `compare` can check they build the same one.
 // Parsing happens here, at the edge: errors name the file and the field. Reading a file from
