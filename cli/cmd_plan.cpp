@@ -50,7 +50,7 @@ void print_text(const planner::Plan& p) {
   const auto& in = p.input;
   const auto& t = in.training;
   fmt::print("peftplan plan: {} · {} · {} trainable of {} parameters\n", in.model.name, adapter_summary(p),
-             with_commas(p.facts.trainable_params), with_commas(p.facts.base_params + (in.peft.adapters.empty() ? 0 : p.facts.trainable_params)));
+             with_commas(p.facts.trainable_params), with_commas(p.facts.base_params + p.facts.trainable_params));
   fmt::print("strategy {}{}{} on {} ({} ranks) · micro-batch {} × seq {} × accum {} · {} · attention {} · checkpointing {}{} · profile {}\n",
              name_of(in.strategy.stage), in.strategy.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "",
              in.strategy.offload_param == planner::OffloadDevice::cpu ? " + offload param" : "", p.cluster.name, in.strategy.ranks,

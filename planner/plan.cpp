@@ -151,7 +151,7 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   // NCCL: one communicator per process group a rank is in (HYBRID_SHARD: its shard group and its
   // replica group).
   const std::uint64_t communicators = p.input.strategy.ranks <= 1 ? 0 : p.input.strategy.stage == Stage::fsdp_hybrid_shard ? 2 : 1;
-  p.outside_allocator_bytes = rules.context_bytes + communicators * rules.nccl_bytes;
+  p.outside_allocator_bytes = rules.context_bytes + (communicators == 0 ? 0 : rules.nccl_first_bytes + (communicators - 1) * rules.nccl_bytes);
   p.headroom_fraction = options.headroom_fraction;
   if (p.input.profile == RuntimeProfile::executor) {
     p.reserved_peak_bytes = p.used_peak_bytes = p.memory.device_peak_bytes;  // our allocator holds what it uses

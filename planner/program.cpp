@@ -202,6 +202,39 @@ class Builder {
     lazy_grads_.push_back(b);
     return b;
   }
+  // Runtime rule per_tensor_allocations (DDP's unsharded parameters): buffer b as PyTorch
+  // allocates it, `copies` tensors of `elem_bytes` per element for each trainable tensor in
+  // inventory order (AdamW's exp_avg then exp_avg_sq per parameter: 2), any padding last.
+  void per_tensor(std::int32_t b, std::uint64_t elem_bytes, int copies) {
+    if (b < 0 || !rules_.per_tensor_allocations || s_.stage != Stage::ddp) return;
+    sim::Buffer& buf = p_.buffers[static_cast<std::size_t>(b)];
+    std::vector<std::uint64_t> pieces;
+    std::uint64_t sum = 0;
+    auto add = [&](std::int64_t numel) {
+      for (int c = 0; c < copies; ++c) {
+        pieces.push_back(elem_bytes * static_cast<std::uint64_t>(numel));
+        sum += pieces.back();
+      }
+    };
+    if (in_.peft.adapters.empty())
+      for (const auto& t : inv_->tensors) add(t.numel());
+    else
+      for (const auto& t : inv_->trainables) add(t.numel());
+    if (sum > buf.bytes) return;  // not this buffer's layout: leave it one allocation
+    if (sum < buf.bytes) pieces.push_back(buf.bytes - sum);
+    buf.pieces = std::move(pieces);
+  }
+  // Runtime rule per_tensor_allocations on a MoE layer: a buffer that holds every expert's rows
+  // (the program's one [M·k, I] tensor) is one tensor per expert in transformers' expert loop
+  // (MixtralSparseMoeBlock.forward runs each expert's MLP on its own tokens), E equal pieces.
+  std::int32_t per_expert(std::int32_t b) {
+    if (b < 0 || !rules_.per_tensor_allocations || !m_.is_moe() || m_.experts < 2) return b;
+    sim::Buffer& buf = p_.buffers[static_cast<std::size_t>(b)];
+    const auto e = static_cast<std::uint64_t>(m_.experts);
+    buf.pieces.assign(e, buf.bytes / e);
+    buf.pieces.back() += buf.bytes % e;
+    return b;
+  }
   // The alloc op of a buffer added earlier (its views exist before it does).
   void alloc_buffer(std::int32_t b, Phase phase) {
     Op op;
@@ -436,6 +469,14 @@ class Builder {
   std::int64_t extra_trainable_numel_ = 0;              // prompt/prefix embeddings, DoRA, biases
   // Persistent state buffers.
   std::int32_t grad_flat_ = -1;      // full gradients (DDP, ZeRO-1)
+  // Full fine-tuning under per_tensor_allocations: each module's weight gradient, a view of
+  // grad.flat (absent: the kernels write grad.flat whole).
+  std::unordered_map<std::string_view, std::int32_t> weight_grad_;
+  std::int32_t embed_grad_ = -1;
+  std::int32_t weight_grad_of(std::string_view module) const {
+    auto it = weight_grad_.find(module);
+    return it == weight_grad_.end() ? grad_flat_ : it->second;
+  }
   std::int32_t grad_shard_ = -1;     // gradient partition (ZeRO-2/3)
   std::vector<std::int32_t> lazy_grads_;  // gradient buffers that live from backward to the step
   std::vector<std::int32_t> retained_;    // FSDP: checkpoint inputs and gradients its hooks hold
@@ -679,8 +720,25 @@ void Builder::setup() {
       }
     } else if (sharded_grads())
       grad_shard_ = grad_buffer("grad.shard", tw * static_cast<std::uint64_t>(shard(trainable_numel_)));
-    else if (rules_.grads_only_in_backward)  // allocated when backward first reaches a gradient
+    else if (rules_.grads_only_in_backward) {  // allocated when backward first reaches a gradient
       grad_flat_ = grad_buffer("grad.flat", tw * static_cast<std::uint64_t>(padded));
+      per_tensor(grad_flat_, tw, 1);
+      // Full fine-tuning: each weight's backward writes its own gradient (a view at the tensor's
+      // inventory offset), so that the replay allocates it there, layer by layer.
+      if (full && !p_.buffers[static_cast<std::size_t>(grad_flat_)].pieces.empty()) {
+        std::uint64_t off = 0;
+        for (const auto& t : *tensors_) {
+          const std::uint64_t bytes = tw * static_cast<std::uint64_t>(t.numel());
+          if (t.role == models::ParamRole::linear_weight || t.role == models::ParamRole::lm_head || t.role == models::ParamRole::embedding)
+            weight_grad_[std::string_view(t.module)] = p_.add_view(names_ ? "grad." + t.name : std::string(), grad_flat_, off, bytes);
+          if (t.role == models::ParamRole::embedding) embed_grad_ = weight_grad_[std::string_view(t.module)];
+          off += bytes;
+        }
+        if (m_.tie_embeddings)  // a tied head's gradient accumulates into the embedding's
+          for (const auto& lp : head_linears_)
+            if (!weight_grad_.contains(std::string_view(lp.mod->path))) weight_grad_[std::string_view(lp.mod->path)] = embed_grad_;
+      }
+    }
     else
       grad_flat_ = alloc([&] { return "grad.flat"; }, Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
   }
@@ -720,6 +778,7 @@ void Builder::setup() {
     case Optimizer::sgd_momentum: state_bytes = state; break;
   }
   opt_states_ = alloc([&] { return "optimizer.states"; }, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
+  if (t_.optimizer == Optimizer::adamw && rules_.states_follow_params && !host_opt) per_tensor(opt_states_, tw, 2);
   if (exec_z2() && !host_opt)  // per bucket: its m then its v (the step runs bucket by bucket)
     for (GradBucket& bk : buckets_)
       bk.state_view = p_.add_view(std::string(), opt_states_, 2 * tw * static_cast<std::uint64_t>(bk.part_offset),
@@ -832,6 +891,10 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   // `with state._device_handle.stream(unshard_stream)`): the caching allocator then caches that
   // block for that stream only.
   if (fsdp()) p_.ops.back().stream = Stream::comm;
+  // ... and frees it in reshard after record_stream on the compute stream that read it
+  // (flat_param.py _free_unsharded_flat_param): its block is reused only once the GPU is past
+  // the free, which the rate limiter bounds to one reshard behind (program.h).
+  if (fsdp() && in_.profile != RuntimeProfile::executor) p_.buffers[static_cast<std::size_t>(gathered_[u])].reuse_after_next_recorded_free = true;
   const auto layer = static_cast<std::int32_t>(u) - 1;
   // Executor profile: the gathered buffer is the unit's flattened adapter (padded to a multiple
   // of N elements, unit inventory order) then its flattened frozen tensors (padded to a multiple
@@ -1022,7 +1085,7 @@ std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int3
   free(cast, B);
   if (lp.trainable_weight)
     op = compute(Kernel::linear_bwd_weight, intern(mod.leaf), layer, B, gemm(mod.out, mod.in, rows, act(rows * (mod.in + mod.out)) + wbytes),
-                 {dy, x, grad_flat_});
+                 {dy, x, weight_grad_of(mod.path)});
   if (lp.adapter && lp.adapter->r > 0) {
     const Adapter& a = *lp.adapter;
     // dB = s·dyᵀu, du = s·dy·B, dA = duᵀx, dx += du·A: four skinny GEMMs through a [M, r]
@@ -1217,8 +1280,8 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
   std::int32_t silu = -1;
   if (rules_.unfused_swiglu && m_.gated_mlp())  // silu(gate), kept by the mul with up
-    silu = alloc([&] { return pre + ".mlp.silu"; }, keep, bytes(nd, rows * I), P);
-  const std::int32_t a = alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), bytes(nd, rows * I), P);
+    silu = per_expert(alloc([&] { return pre + ".mlp.silu"; }, keep, bytes(nd, rows * I), P));
+  const std::int32_t a = per_expert(alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), bytes(nd, rows * I), P));
   compute(Kernel::mlp_act_fwd, m_.gated_mlp() ? "swiglu" : "gelu", l, P,
           elementwise(m_.gated_mlp() ? eager_or(eager::swiglu_fwd(1), rows * I, nd, act(rows * I) * 3) : act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
           {mlp_in.empty() ? -1 : mlp_in[0], mlp_in.size() > 1 ? mlp_in[1] : -1, a});
@@ -1290,7 +1353,7 @@ void Builder::layer_backward(std::int32_t l) {
   //   rope_bwd      {dq, dk, tables}: rotates the gradients back in place
   // MLP backward: dres -> d(act) -> d(gate), d(up) -> d(norm2 out) -> dres.
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
-  const std::int32_t d_act = alloc([&] { return pre + ".mlp.d_act"; }, Cat::workspace, act(rows * I), B);
+  const std::int32_t d_act = per_expert(alloc([&] { return pre + ".mlp.d_act"; }, Cat::workspace, act(rows * I), B));
   bool first = true;
   for (auto& lp : lin)
     if (lp.role == Role::mlp_out) {
@@ -1539,7 +1602,7 @@ std::int32_t Builder::fused_loss(LinearPlan& lm, std::int32_t x, std::int32_t to
     compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, L, elementwise(2 * act(rows * V), 5.0 * static_cast<double>(rows * V)), {lc, tokens});
     compute(Kernel::linear_bwd_data, intern(lm.mod->leaf), -1, L, gemm(rows, H, V, wbytes + act(rows * (H + V))), {lc, lm.weight_buf, grad_in});
     if (lm.trainable_weight)
-      compute(Kernel::linear_bwd_weight, intern(lm.mod->leaf), -1, L, gemm(V, H, rows, wbytes + act(rows * (H + V))), {lc, x, grad_flat_});
+      compute(Kernel::linear_bwd_weight, intern(lm.mod->leaf), -1, L, gemm(V, H, rows, wbytes + act(rows * (H + V))), {lc, x, weight_grad_of(lm.mod->path)});
     free(lc, L);
   }
   free(loss1d, L);
@@ -1684,7 +1747,7 @@ void Builder::micro_batch(std::int32_t mb) {
   gather_unit(0, B, true);
   begin_unit_gradients(0);
   if (embed_trains)
-    last = compute(Kernel::embedding_bwd, "embedding", -1, B, elementwise(act(M_ * H) * 2), {tokens, dres_, grad_flat_});
+    last = compute(Kernel::embedding_bwd, "embedding", -1, B, elementwise(act(M_ * H) * 2), {tokens, dres_, embed_grad_ >= 0 ? embed_grad_ : grad_flat_});
   wait_ = -1;
   release_unit(0, B, true);
   release_unit(head, B, true);
@@ -1773,7 +1836,9 @@ void Builder::optimizer_step() {
       if (rules_.foreach_step_temp && t_.optimizer == Optimizer::adamw)
         sqrt_v = alloc([&] { return "adamw.exp_avg_sq_sqrt"; }, Cat::workspace,
                        (rules_.states_follow_params ? tw : 4) * static_cast<std::uint64_t>(part), O);
-      dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {params, grad_shard_ >= 0 ? grad_shard_ : grad_flat_, opt_states_}, {dep});
+      if (rules_.states_follow_params) per_tensor(sqrt_v, tw, 1);
+      // Operands: parameters, gradients, states, and the foreach temporary when there is one.
+      dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {params, grad_shard_ >= 0 ? grad_shard_ : grad_flat_, opt_states_, sqrt_v}, {dep});
       free(sqrt_v, O);
     }
   }

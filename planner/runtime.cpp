@@ -50,8 +50,13 @@ void model_side(RuntimeRules& r) {
   // #20532 report 300-400 MiB; outside the caching allocator (nvidia-smi sees it,
   // torch.cuda.memory_allocated does not).
   r.context_bytes = 300ull << 20;
-  // NCCL allocates its channels, proxy and scratch buffers itself: NVIDIA/nccl#964 measures
-  // about 544 MB per 2-GPU communicator outside PyTorch's allocator.
+  // NCCL allocates its channels, proxy and scratch buffers (and loads its device code) itself,
+  // outside PyTorch's allocator. A process's first communicator: NVIDIA/nccl#864 reports about
+  // 1.6 GB in use once one communicator is set up and has run an all-reduce, the CUDA context
+  // included, so NCCL's share is 1.6 GB less the context above. Each further communicator (a
+  // second process group): NVIDIA/nccl#964 measures about 544 MB per 2-GPU group on 4 x A100
+  // with NVLink, group after group.
+  r.nccl_first_bytes = 1'600'000'000 - r.context_bytes;
   r.nccl_bytes = 544'000'000;
   // Eager PyTorch's kernels over a whole training step reach this share of the roofline's rates
   // (GEMMs on the MAMF curve, elementwise kernels at the streaming bandwidth): sustained clocks
@@ -107,6 +112,12 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   // Trainer: optimizer.step() then model.zero_grad() (set_to_none=True since torch 2.0):
   // AccumulateGrad allocates .grad in backward, and the step frees it.
   r.grads_only_in_backward = true;
+  // The caching allocator sees these as tensors of their own, not one flat buffer: AccumulateGrad
+  // allocates each parameter's .grad when backward first reaches it (torch/csrc/autograd/
+  // functions/accumulate_grad.h), AdamW's _init_group creates exp_avg and exp_avg_sq with
+  // zeros_like(p) per parameter on the first step() (torch/optim/adamw.py), and _foreach_sqrt
+  // returns one tensor per parameter. Only DDP's unsharded parameters (FSDP steps flat shards).
+  r.per_tensor_allocations = true;
   // torch autocast caches the casts of leaf tensors that require grad (the fp32 adapters)
   // until the autocast region that accelerate opens around forward closes.
   r.autocast_weight_cache = mixed;

@@ -322,7 +322,9 @@ void CachingAllocatorModel::release_block(std::uint64_t address) {
 }
 
 void CachingAllocatorModel::release_cached_blocks() {
-  // release_cached_blocks: every pool, large first, every stream.
+  // release_cached_blocks: synchronize_and_free_events first (every recorded block waits for its
+  // events and returns to the cache), then every pool, large first, every stream.
+  while (!recorded_.empty()) release_oldest_recorded();
   release_blocks(false);
   release_blocks(true);
 }
@@ -585,12 +587,33 @@ void CachingAllocatorModel::free(BlockId id) {
   // NativeCachingAllocator::free: a null pointer is ignored.
   if (id.address == 0) return;
   auto it = blocks_.find(id.address);
-  PEFTPLAN_CHECK_MSG(it != blocks_.end() && it->second.allocated,
+  PEFTPLAN_CHECK_MSG(it != blocks_.end() && it->second.allocated && !it->second.recorded,
                      "free of block {:#x}, which is not a live allocation", id.address);
   // DeviceCachingAllocator::free: allocated bytes drop by the block's size.
   decrease(stats_.allocations, 1);
   decrease(stats_.allocated_bytes, it->second.size);
   free_block(id.address);
+}
+
+void CachingAllocatorModel::free_recorded(BlockId id) {
+  auto it = blocks_.find(id.address);
+  PEFTPLAN_CHECK_MSG(id.address != 0 && it != blocks_.end() && it->second.allocated && !it->second.recorded,
+                     "recorded free of block {:#x}, which is not a live allocation", id.address);
+  // DeviceCachingAllocator::free: the stats drop before insert_events defers the block.
+  decrease(stats_.allocations, 1);
+  decrease(stats_.allocated_bytes, it->second.size);
+  decrease(stats_.requested_bytes, it->second.requested_bytes);
+  it->second.requested_bytes = 0;
+  it->second.recorded = true;
+  recorded_.push_back(id.address);
+}
+
+void CachingAllocatorModel::release_oldest_recorded() {
+  PEFTPLAN_CHECK(!recorded_.empty());
+  const std::uint64_t address = recorded_.front();
+  recorded_.pop_front();
+  blocks_.at(address).recorded = false;
+  free_block(address);  // process_events: its last event completed
 }
 
 void CachingAllocatorModel::empty_cache() {
@@ -608,23 +631,91 @@ void CachingAllocatorModel::reset_peak_stats() {
 AllocatorReplay replay_caching_allocator(const Program& program, const AllocatorConfig& config, int steps) {
   CachingAllocatorModel model(config);
   AllocatorReplay r;
-  std::vector<std::optional<BlockId>> live(program.buffers.size());
+  const std::size_t nb = program.buffers.size();
+  // A buffer's live block, or (Buffer::pieces) one block per piece allocated so far.
+  std::vector<std::optional<BlockId>> live(nb);
+  std::vector<std::vector<std::optional<BlockId>>> live_pieces(nb);
+  std::vector<char> active(nb, 0);  // a pieces buffer between its alloc and free ops
+  // Each buffer's outermost parent and its byte offset there, for the pieces a view touches.
+  std::vector<std::int32_t> root(nb);
+  std::vector<std::uint64_t> root_offset(nb, 0);
+  bool any_pieces = false;
+  for (std::size_t b = 0; b < nb; ++b) {
+    std::int32_t at = static_cast<std::int32_t>(b);
+    std::uint64_t off = 0;
+    while (program.buffers[static_cast<std::size_t>(at)].view_of >= 0) {
+      off += program.buffers[static_cast<std::size_t>(at)].offset;
+      at = program.buffers[static_cast<std::size_t>(at)].view_of;
+    }
+    root[b] = at;
+    root_offset[b] = off;
+    any_pieces |= !program.buffers[b].pieces.empty();
+  }
+  auto note_oom = [&](std::size_t op, bool ok) {
+    if (!ok && !r.oom) {
+      r.oom = model.stats().first_oom;
+      r.oom_op = static_cast<std::int32_t>(op);
+    }
+  };
+  auto free_pieces = [&](std::size_t b) {
+    for (auto& piece : live_pieces[b])
+      if (piece) model.free(*piece);
+    live_pieces[b].clear();
+    active[b] = 0;
+  };
+  // An op touched bytes [lo, lo + n) of buffer `id`: the pieces of its root there that are not
+  // allocated yet are, in order, on the op's stream.
+  auto touch = [&](std::size_t op_index, const Op& op, std::int32_t id) {
+    if (id < 0) return;
+    const auto rb = static_cast<std::size_t>(root[static_cast<std::size_t>(id)]);
+    const Buffer& rbuf = program.buffers[rb];
+    if (rbuf.pieces.empty() || !active[rb] || on_host(rbuf.category)) return;
+    const std::uint64_t lo = root_offset[static_cast<std::size_t>(id)];
+    const std::uint64_t hi = lo + program.buffers[static_cast<std::size_t>(id)].bytes;
+    auto& blocks = live_pieces[rb];
+    blocks.resize(rbuf.pieces.size());
+    std::uint64_t at = 0;
+    for (std::size_t k = 0; k < rbuf.pieces.size() && at < hi; at += rbuf.pieces[k], ++k) {
+      if (blocks[k] || at + rbuf.pieces[k] <= lo) continue;
+      blocks[k] = model.malloc(rbuf.pieces[k], static_cast<int>(op.stream));
+      note_oom(op_index, blocks[k].has_value());
+    }
+  };
   auto run = [&](bool setup) {
     for (std::size_t i = 0; i < program.ops.size(); ++i) {
       const Op& op = program.ops[i];
-      if ((op.kind != OpKind::alloc && op.kind != OpKind::free) || (op.phase == Phase::setup) != setup) continue;
+      if ((op.phase == Phase::setup) != setup) continue;
+      if (op.kind != OpKind::alloc && op.kind != OpKind::free) {
+        if (!any_pieces) continue;
+        touch(i, op, op.buffer);
+        touch(i, op, op.buffer_out);
+        touch(i, op, op.buffer_in);
+        for (std::int32_t a : op.args) touch(i, op, a);
+        continue;
+      }
       const auto b = static_cast<std::size_t>(op.buffer);
       const Buffer& buf = program.buffers[b];
       if (on_host(buf.category) || buf.view_of >= 0) continue;
+      if (!buf.pieces.empty()) {  // its pieces come with their first use
+        if (op.kind == OpKind::alloc) {
+          if (active[b]) free_pieces(b);  // left live by the previous step
+          active[b] = 1;
+        } else {
+          free_pieces(b);
+        }
+        continue;
+      }
       if (op.kind == OpKind::alloc) {
         if (live[b]) model.free(*live[b]);  // left live by the previous step
         live[b] = model.malloc(buf.bytes, static_cast<int>(op.stream));
-        if (!live[b] && !r.oom) {
-          r.oom = model.stats().first_oom;
-          r.oom_op = static_cast<std::int32_t>(i);
-        }
+        note_oom(i, live[b].has_value());
       } else if (live[b]) {
-        model.free(*live[b]);
+        if (buf.reuse_after_next_recorded_free) {  // its block waits for the GPU
+          model.free_recorded(*live[b]);
+          if (model.recorded_pending() > 1) model.release_oldest_recorded();
+        } else {
+          model.free(*live[b]);
+        }
         live[b].reset();
       }
     }

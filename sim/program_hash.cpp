@@ -46,6 +46,9 @@ std::uint64_t program_hash(const Program& p) {
     h.add(b.bytes);
     h.add(b.view_of);
     h.add(b.offset);
+    h.add(b.pieces.size());
+    for (std::uint64_t piece : b.pieces) h.add(piece);
+    h.add(b.reuse_after_next_recorded_free);
   }
   h.add(p.ops.size());
   for (const Op& op : p.ops) {

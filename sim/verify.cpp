@@ -14,7 +14,7 @@ std::string_view name_of(Rule r) {
   constexpr std::array<std::string_view, kNumRules> names = {
       "buffer_id",     "view_bounds", "view_alloc",  "double_alloc",     "free_not_live",
       "use_not_live",  "dep_order",   "kernel_none", "collective_group", "copy_direction",
-      "setup_order"};
+      "setup_order",   "pieces"};
   return names[static_cast<std::size_t>(r)];
 }
 
@@ -58,6 +58,7 @@ class Checker {
     for (std::size_t i = 0; i < p_.buffers.size(); ++i) {
       const Buffer& b = p_.buffers[i];
       root_[i] = root(static_cast<std::int32_t>(i));
+      if (!b.pieces.empty()) check_pieces(static_cast<std::int32_t>(i));
       if (!exists(root_[i])) root_[i] = static_cast<std::int32_t>(i);  // reported below
       if (b.view_of < 0) continue;
       const auto id = static_cast<std::int32_t>(i);
@@ -70,6 +71,18 @@ class Checker {
         add(Rule::view_bounds, -1, fmt::format("{} covers bytes [{}, {}) of {}, which has {}", label(id), b.offset,
                                                b.offset + b.bytes, label(b.view_of), parent.bytes));
     }
+  }
+
+  [[gnu::noinline]] void check_pieces(std::int32_t id) {
+    const Buffer& b = p_.buffers[static_cast<std::size_t>(id)];
+    if (b.view_of >= 0) {
+      add(Rule::pieces, -1, fmt::format("{} is a view with {} allocation pieces; a view allocates nothing", label(id), b.pieces.size()));
+      return;
+    }
+    std::uint64_t sum = 0;
+    for (std::uint64_t piece : b.pieces) sum += piece;
+    if (sum != b.bytes)
+      add(Rule::pieces, -1, fmt::format("{} has {} B but its {} allocation pieces sum to {} B", label(id), b.bytes, b.pieces.size(), sum));
   }
 
   // An operand or payload: it exists, and it (a view: its parent) is live. The check is inline;

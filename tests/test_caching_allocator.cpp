@@ -14,6 +14,7 @@
 #include "input_error_of.h"
 #include "peftplan/common/error.h"
 #include "peftplan/sim/caching_allocator.h"
+#include "peftplan/sim/verify.h"
 
 namespace peftplan::sim {
 namespace {
@@ -165,6 +166,33 @@ TEST(CachingAllocator, LargeBlockNotSplitWhenAtMostOneMiBRemains) {
   // The 11 MiB free piece existed between the two requests, then was taken whole.
   EXPECT_EQ(m.stats().inactive_split_bytes.peak, 11 * kMiB);
   EXPECT_EQ(m.stats().inactive_split_bytes.current, 0u);
+}
+
+TEST(CachingAllocator, ARecordedBlockWaitsForItsEvents) {
+  // free() of a block with stream_uses: allocated bytes drop at once, but insert_events keeps the
+  // block out of the pool (and unmerged) until process_events sees its events complete;
+  // release_cached_blocks synchronises on every event first (synchronize_and_free_events).
+  CachingAllocatorModel m(AllocatorConfig{});
+  auto a = m.malloc(30 * kMiB, 1);
+  ASSERT_TRUE(a);
+  m.free_recorded(*a);
+  EXPECT_EQ(m.stats().allocated_bytes.current, 0u);
+  EXPECT_EQ(m.recorded_pending(), 1u);
+  auto b = m.malloc(30 * kMiB, 1);  // the first block is not free yet: a second segment
+  ASSERT_TRUE(b);
+  EXPECT_NE(b->address, a->address);
+  EXPECT_EQ(m.stats().reserved_bytes.current, 60 * kMiB);
+  m.release_oldest_recorded();
+  m.free(*b);
+  auto c = m.malloc(30 * kMiB, 1);  // best fit: the lower of the two cached 30 MiB blocks
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->address, a->address);
+  EXPECT_EQ(m.stats().num_device_alloc, 2u);
+  EXPECT_THROW(m.free_recorded(*b), InternalError);  // b is cached, not live
+  m.free_recorded(*c);
+  m.empty_cache();  // waits for c's events, then frees both segments
+  EXPECT_EQ(m.recorded_pending(), 0u);
+  EXPECT_EQ(m.stats().reserved_bytes.current, 0u);
 }
 
 TEST(CachingAllocator, FreedSegmentIsReused) {
@@ -638,4 +666,113 @@ TEST(AllocatorReplay, BlocksAreCachedPerStream) {
   EXPECT_FALSE(tight.oom.has_value());
   EXPECT_GE(tight.num_alloc_retries, 1u);
   EXPECT_EQ(tight.reserved_peak_bytes, (40u << 20) + (30u << 20));
+}
+
+// Buffer::pieces: a buffer PyTorch allocates as several tensors is replayed piece by piece, each
+// piece at the first op that touches it. Lazily created optimizer states (a setup buffer whose
+// pieces torch.optim creates at the first step(), torch/optim/adamw.py _init_group) land in the
+// activation segment the first step freed, so the second step's activation needs a segment of
+// its own: the fragmentation behind the published full fine-tuning row A1.
+namespace {
+struct ReplayBuilder {
+  peftplan::sim::Program p;
+  void op(peftplan::sim::OpKind k, std::int32_t b, peftplan::sim::Phase ph,
+          peftplan::sim::Stream s = peftplan::sim::Stream::compute) {
+    peftplan::sim::Op o;
+    o.kind = k;
+    o.buffer = b;
+    o.phase = ph;
+    o.stream = s;
+    p.add_op(o);
+  }
+  void touch(std::int32_t b, peftplan::sim::Phase ph) {
+    peftplan::sim::Op o;
+    o.kind = peftplan::sim::OpKind::compute;
+    o.kernel = peftplan::sim::Kernel::accumulate;
+    o.phase = ph;
+    o.args[0] = b;
+    p.add_op(o);
+  }
+};
+
+peftplan::sim::Program lazy_states_program(bool pieces) {
+  using namespace peftplan::sim;
+  ReplayBuilder r;
+  const std::int32_t w = r.p.add_buffer("weights", MemCategory::base_weights, 40 * kMiB);
+  const std::int32_t st = r.p.add_buffer("optimizer.states", MemCategory::optimizer_states, 48 * kMiB);
+  if (pieces) r.p.buffers[static_cast<std::size_t>(st)].pieces = {24 * kMiB, 24 * kMiB};
+  const std::int32_t a = r.p.add_buffer("act", MemCategory::activations, 64 * kMiB);
+  r.op(OpKind::alloc, w, Phase::setup);
+  r.op(OpKind::alloc, st, Phase::setup);
+  r.op(OpKind::alloc, a, Phase::forward);
+  r.touch(a, Phase::forward);
+  r.op(OpKind::free, a, Phase::backward);
+  r.touch(st, Phase::optimizer);
+  return r.p;
+}
+}  // namespace
+
+TEST(AllocatorReplay, LazyStatePiecesFragmentTheActivationSegment) {
+  using namespace peftplan::sim;
+  const AllocatorConfig cfg = AllocatorConfig::parse("", 1ull << 40);
+  // One 48 MiB state allocated at setup: weights 40 + states 48 + one 64 MiB activation segment
+  // that both steps reuse.
+  const AllocatorReplay flat = replay_caching_allocator(lazy_states_program(false), cfg);
+  EXPECT_EQ(flat.reserved_peak_bytes, (40 + 48 + 64) * kMiB);
+  // Two 24 MiB pieces at step 1's optimizer op: best fit is the freed 64 MiB activation block,
+  // split (40 MiB, then 16 MiB remain: more than 1 MiB, should_split). Step 2's 64 MiB
+  // activation finds only the 16 MiB remainder and takes a new segment: 40 + 64 + 64.
+  const AllocatorReplay lazy = replay_caching_allocator(lazy_states_program(true), cfg);
+  EXPECT_EQ(lazy.reserved_peak_bytes, (40 + 64 + 64) * kMiB);
+  EXPECT_EQ(lazy.allocated_peak_bytes, (40 + 48 + 64) * kMiB);  // step 2, states live
+  EXPECT_TRUE(verify(lazy_states_program(true)).empty());
+}
+
+// A piece is allocated when an op touches its bytes (here through a view), not when the buffer's
+// alloc op runs: the second gradient lands in the activation block freed in between.
+TEST(AllocatorReplay, PiecesAreAllocatedWhereFirstTouched) {
+  using namespace peftplan::sim;
+  ReplayBuilder r;
+  const std::int32_t w = r.p.add_buffer("weights", MemCategory::base_weights, 40 * kMiB);
+  const std::int32_t g = r.p.add_buffer("grad.flat", MemCategory::gradients, 60 * kMiB);
+  r.p.buffers[static_cast<std::size_t>(g)].pieces = {30 * kMiB, 30 * kMiB};
+  const std::int32_t g0 = r.p.add_view("grad.0", g, 0, 30 * kMiB);
+  const std::int32_t g1 = r.p.add_view("grad.1", g, 30 * kMiB, 30 * kMiB);
+  const std::int32_t a = r.p.add_buffer("act", MemCategory::activations, 50 * kMiB);
+  r.op(OpKind::alloc, w, Phase::setup);
+  r.op(OpKind::alloc, g, Phase::backward);
+  r.touch(g0, Phase::backward);  // 30 MiB segment
+  r.op(OpKind::alloc, a, Phase::backward);
+  r.touch(a, Phase::backward);  // 50 MiB segment
+  r.op(OpKind::free, a, Phase::backward);
+  r.touch(g1, Phase::backward);  // the cached 50 MiB block, split 30 + 20
+  r.op(OpKind::free, g, Phase::optimizer);
+  ASSERT_TRUE(verify(r.p).empty());
+  const AllocatorReplay rep = replay_caching_allocator(r.p, AllocatorConfig::parse("", 1ull << 40));
+  EXPECT_EQ(rep.reserved_peak_bytes, (40 + 30 + 50) * kMiB);  // both pieces at once: 40 + 60 + 50
+  EXPECT_EQ(rep.allocated_peak_bytes, (40 + 30 + 50) * kMiB);
+}
+
+// Buffer::reuse_after_next_recorded_free: FSDP1 frees each unit's gathered parameters after
+// record_stream, and its rate limiter leaves one reshard unfinished when it issues the next
+// all-gather (_limiter_utils.py _FreeEventQueue), so consecutive units' gathers need two blocks
+// on the unshard stream, not one.
+TEST(AllocatorReplay, ARecordedFreeIsReusedOnlyAfterTheNextOne) {
+  using namespace peftplan::sim;
+  auto program = [](bool recorded) {
+    ReplayBuilder r;
+    for (int u = 0; u < 3; ++u) {
+      const std::int32_t g = r.p.add_buffer("unit.gathered", MemCategory::gathered_weights, 30 * kMiB);
+      r.p.buffers[static_cast<std::size_t>(g)].reuse_after_next_recorded_free = recorded;
+      r.op(OpKind::alloc, g, Phase::forward, Stream::comm);
+      r.touch(g, Phase::forward);
+      r.op(OpKind::free, g, Phase::forward);
+    }
+    return r.p;
+  };
+  const AllocatorConfig cfg = AllocatorConfig::parse("", 1ull << 40);
+  EXPECT_EQ(replay_caching_allocator(program(false), cfg).reserved_peak_bytes, 30 * kMiB);
+  const AllocatorReplay rec = replay_caching_allocator(program(true), cfg);
+  EXPECT_EQ(rec.reserved_peak_bytes, 60 * kMiB);  // unit 2 reuses unit 0's block, and so on
+  EXPECT_EQ(rec.allocated_peak_bytes, 30 * kMiB);  // allocated drops at the free, as in PyTorch
 }

@@ -88,6 +88,31 @@ TEST(Published, ModelledRunsAllocateWhatWasMeasured) {
   EXPECT_GE(judged, 10);  // A1-A10
 }
 
+// nvidia-smi's memory.used peak less its value before the run (the CSV's mem_nvidia_mem_reserved,
+// mean over ranks) against `used`: the caching allocator's replay (per-parameter gradients and
+// lazily created AdamW states, MoE experts as separate tensors, FSDP's record_stream frees)
+// plus the CUDA context and NCCL (planner/runtime.cpp). Every row within the issue's 10%; A7
+// (QLoRA under FSDP) is 2.8% low, the only row more than 2% low (README, "Published
+// measurements": the missing effect), so no row may be more than 3% low.
+TEST(Published, UsedMemoryIsWhatNvidiaSmiShowed) {
+  int judged = 0, low = 0;
+  for (const auto& p : rows()) {
+    const json row = read(p);
+    if (row.at("expect") != "fits" || !row.at("modelled").get<bool>()) continue;
+    SCOPED_TRACE(row.at("id").get<std::string>());
+    const json j = plan(row);
+    const double measured = row.at("measured").at("used_peak_mib").get<double>() * 1048576.0;
+    const double predicted = j.at("memory").at("device").at("used_peak_bytes").get<double>();
+    const double err = (predicted - measured) / measured;
+    EXPECT_LE(std::abs(err), 0.10) << fmt::format("used {:.0f} MiB vs nvidia-smi {:.0f} MiB ({:+.1f}%)", predicted / 1048576.0, measured / 1048576.0, 100 * err);
+    EXPECT_GE(err, -0.03) << "an under-estimate of what nvidia-smi shows";
+    if (err < -0.02) ++low;
+    ++judged;
+  }
+  EXPECT_GE(judged, 10);
+  EXPECT_LE(low, 1);
+}
+
 // tokens/s per GPU (the Trainer's train_tokens_per_second). The model side's sustained fraction
 // (planner/runtime.cpp) is fitted on A1, A3 and A4 by tools/fit_sustained.py, so those three
 // must come back within 5%; the seven others are predictions from it. Today seven of the ten are

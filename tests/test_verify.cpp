@@ -283,6 +283,18 @@ TEST(Verify, RejectsASetupOpInsideTheStep) {
   EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::setup_order));
 }
 
+TEST(Verify, RejectsAllocationPiecesThatDoNotTileTheirBuffer) {
+  Hand h;
+  h.p.buffers[static_cast<std::size_t>(h.weight)].pieces = {512, 256};  // the weight has 1024 B
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::pieces));
+  Hand g;
+  g.p.buffers[static_cast<std::size_t>(g.view)].pieces = {256};  // a view allocates nothing
+  EXPECT_THAT(rules_of(g.p), ::testing::ElementsAre(Rule::pieces));
+  Hand ok;
+  ok.p.buffers[static_cast<std::size_t>(ok.weight)].pieces = {512, 256, 256};
+  EXPECT_TRUE(sim::verify(ok.p).empty());
+}
+
 TEST(Verify, ThrowsNamingTheRuleAndTheOp) {
   Hand h;
   h.p.ops[static_cast<std::size_t>(h.compute)].kernel = Kernel::none;

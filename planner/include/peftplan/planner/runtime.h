@@ -37,6 +37,9 @@ struct RuntimeRules {
   bool states_follow_params = false;   // optimizer states in the parameter dtype (torch.optim)
   bool foreach_step_temp = false;      // AdamW's foreach step holds one state-sized temporary
   bool grads_only_in_backward = false; // gradients allocated in backward, freed after the step
+  bool per_tensor_allocations = false; // gradients, optimizer states and the foreach temporary
+                                       // are one tensor per parameter, each allocated when
+                                       // first needed (Buffer::pieces; the allocator replay)
   bool fp32_master_for_mixed = true;   // mixed precision keeps an fp32 master copy of
                                        // low-precision trainable weights in the optimizer
   // --- what autograd saves ---
@@ -64,7 +67,9 @@ struct RuntimeRules {
   std::uint64_t rope_table_elems_per_pos = 0;  // cos/sin elements per position (0: the
                                                // builder's [S, d/2] x 2 tables)
   std::uint64_t context_bytes = 0;     // CUDA context and libraries outside the allocator
-  std::uint64_t nccl_bytes = 0;        // NCCL's own buffers per communicator, outside the allocator
+  std::uint64_t nccl_first_bytes = 0;  // NCCL's own memory for a process's first communicator
+                                       // (its device code, channels, proxy), outside the allocator
+  std::uint64_t nccl_bytes = 0;        // ... and for each further communicator
   // --- time ---
   double sustained = 1.0;              // fraction of the GPU roofline's rates (the GEMM curve at
                                        // the MAMF plateau, the streaming bandwidth) the device's

@@ -6,8 +6,9 @@
 // free-cached-segments-and-retry path on a failed cudaMalloc, and expandable segments.
 // Each rule is cited beside its code in caching_allocator.cpp.
 //
-// Deliberately not modelled: CUDA graph private pools, recordStream / cross-stream events (a
-// block is reusable as soon as it is freed), roundup_power2_divisions, garbage_collection_threshold
+// Deliberately not modelled: CUDA graph private pools, recordStream / cross-stream events in the
+// allocator itself (a block is reusable as soon as it is freed; the replay below defers the
+// frees a program marks), roundup_power2_divisions, garbage_collection_threshold
 // and set_per_process_memory_fraction (configurations naming them are rejected), free-memory
 // callbacks, IPC, and memory outside the allocator (CUDA context, NCCL): `capacity_bytes` is what
 // the allocator may reserve, not the GPU's size. replay_caching_allocator runs it over a step
@@ -16,6 +17,7 @@
 
 #include <compare>
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <map>
 #include <optional>
@@ -107,6 +109,13 @@ class CachingAllocatorModel {
   std::optional<BlockId> malloc(std::uint64_t bytes, int stream = 0);
   // Returns a live block to the cache. Throws InternalError for an id that is not live.
   void free(BlockId id);
+  // free() of a block another stream still uses (record_stream): the allocated and requested
+  // bytes drop now, but the block stays out of the cache, unmerged, until its events complete
+  // (DeviceCachingAllocator::free: insert_events when stream_uses is not empty).
+  void free_recorded(BlockId id);
+  // The oldest recorded block's events completed: it goes back to the cache (process_events).
+  void release_oldest_recorded();
+  std::size_t recorded_pending() const { return recorded_.size(); }
   // torch.cuda.empty_cache(): frees every cached segment that is entirely unused.
   void empty_cache();
   // torch.cuda.reset_peak_memory_stats(): every peak becomes its current value.
@@ -124,6 +133,8 @@ class CachingAllocatorModel {
     bool small = false;      // small pool (blocks of requests <= 1 MiB)
     bool allocated = false;  // handed out by malloc()
     bool mapped = true;      // backed by physical pages (false: unmapped expandable range)
+    bool recorded = false;   // freed, waiting for its stream events (still `allocated`, so
+                             // that nothing merges with it or finds it)
   };
   struct Segment {
     std::uint64_t base = 0;
@@ -183,6 +194,7 @@ class CachingAllocatorModel {
   Pool small_;
   Pool large_;
   std::unordered_map<std::uint32_t, Segment> segments_;
+  std::deque<std::uint64_t> recorded_;  // freed blocks waiting for their events, oldest first
   std::uint32_t next_segment_ = 0;
   std::uint64_t next_address_;  // where the next segment's address range starts
 };
@@ -190,13 +202,17 @@ class CachingAllocatorModel {
 // A step program's device buffers replayed through the allocator: the setup buffers once, then
 // the rest of the program `steps` times, so that the second step meets the cache the first left
 // (the steady state a training loop runs in). A request is on its alloc op's stream (blocks are
-// cached per stream); host buffers and views are skipped.
+// cached per stream); host buffers and views are skipped. A buffer with allocation pieces
+// (Buffer::pieces) is allocated piece by piece, each at the first op that touches it, on that
+// op's stream, and freed whole; a setup buffer's pieces, never freed, persist from the first
+// step on. A buffer marked reuse_after_next_recorded_free goes back to the cache only at the next
+// free of such a buffer (record_stream's deferred reuse).
 struct AllocatorReplay {
   std::uint64_t allocated_peak_bytes = 0;  // the allocator's allocated_bytes peak (512-rounded)
   std::uint64_t reserved_peak_bytes = 0;   // max_memory_reserved
   std::uint64_t num_alloc_retries = 0;     // cache flushes that a failed segment forced
   std::optional<OomEvent> oom;             // the first request that failed after the flush
-  std::int32_t oom_op = -1;                // its alloc op
+  std::int32_t oom_op = -1;                // its alloc op (a piece's: the op that first touched it)
 };
 AllocatorReplay replay_caching_allocator(const Program& program, const AllocatorConfig& config, int steps = 2);
 

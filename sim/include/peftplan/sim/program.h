@@ -120,6 +120,23 @@ struct Buffer {
   // is valid while its parent is live.
   std::int32_t view_of = -1;
   std::uint64_t offset = 0;  // bytes from the parent's start (views only)
+  // The separate tensors a runtime allocates for this buffer, in order, tiling [0, bytes) (one
+  // gradient per parameter under AccumulateGrad, one exp_avg and one exp_avg_sq per parameter in
+  // torch.optim); empty = one allocation. Only the caching-allocator replay reads them: each
+  // piece is allocated at the first op that touches its bytes after the buffer's alloc op, as
+  // PyTorch creates such a tensor when it is first needed, and every piece is freed with the
+  // buffer. A setup buffer's pieces are therefore created in the first step and then persist
+  // (torch.optim's lazily created states). Sums to `bytes`; views have none.
+  std::vector<std::uint64_t> pieces;
+  // Freed while another stream may still be using it (the runtime called record_stream): the
+  // caching allocator takes the block back only when the GPU has passed the free
+  // (CUDACachingAllocator.cpp free: insert_events when stream_uses is not empty; process_events
+  // at the next malloc). The replay returns it at the next free of such a buffer: FSDP1's rate
+  // limiter lets one reshard's free event be unfinished when it issues the next all-gather
+  // (torch/distributed/fsdp/_limiter_utils.py _FreeEventQueue, _max_num_inflight_all_gathers = 2,
+  // dequeued and synchronised in _runtime_utils.py _unshard). Only the allocator replay reads it;
+  // allocated bytes drop at the free as PyTorch counts them.
+  bool reuse_after_next_recorded_free = false;
 };
 
 struct Op {
@@ -172,12 +189,19 @@ struct Program {
   double model_flops_per_step = 0.0;   // useful model FLOPs (no recompute) for MFU, this rank
 
   std::int32_t add_buffer(std::string name, MemCategory category, std::uint64_t bytes) {
-    buffers.push_back(Buffer{std::move(name), category, bytes});
+    Buffer b;
+    b.name = std::move(name);
+    b.category = category;
+    b.bytes = bytes;
+    buffers.push_back(std::move(b));
     return static_cast<std::int32_t>(buffers.size() - 1);
   }
   std::int32_t add_view(std::string name, std::int32_t parent, std::uint64_t offset,
                         std::uint64_t bytes) {
-    Buffer b{std::move(name), buffers[static_cast<std::size_t>(parent)].category, bytes};
+    Buffer b;
+    b.name = std::move(name);
+    b.category = buffers[static_cast<std::size_t>(parent)].category;
+    b.bytes = bytes;
     b.view_of = parent;
     b.offset = offset;
     buffers.push_back(std::move(b));

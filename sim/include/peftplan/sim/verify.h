@@ -9,6 +9,7 @@
 //     operands) exists; a view lies inside its parent and is never allocated or freed itself;
 //   - a buffer is allocated once before it is freed, and freed only while live; every buffer an
 //     op reads or writes is live there (a view: its parent), setup buffers from the start;
+//   - a buffer's allocation pieces (Buffer::pieces) tile it exactly, and a view has none;
 //   - the setup ops come before the step's (the memory walk reads the program in order, the
 //     caching-allocator model setup first: the two must see the same program);
 //   - every explicit dependency names an earlier op;
@@ -40,8 +41,9 @@ enum class Rule : std::uint8_t {
   collective_group,  // a collective over fewer than one rank, or a total the group cannot split
   copy_direction,    // a copy whose source or destination lies on the wrong side
   setup_order,       // a setup op after the step's first op
+  pieces,            // allocation pieces that do not sum to the buffer's bytes, or on a view
 };
-inline constexpr int kNumRules = 11;
+inline constexpr int kNumRules = 12;
 std::string_view name_of(Rule r);
 
 struct Violation {
