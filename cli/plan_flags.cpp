@@ -28,6 +28,7 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
   cmd->add_option("--gpus", f.gpus, "data-parallel ranks (alone: N GPUs of the default kind on one node)");
   cmd->add_option("--cluster", f.cluster, "preset, spelling like 2x8xH100-SXM-NDR, or a cluster JSON file");
   cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard or fsdp-hybrid-shard")->capture_default_str();
+  cmd->add_option("--fsdp-version", f.fsdp_version, "1 (FSDP1, flat parameters) or 2 (FSDP2 fully_shard, per-parameter shards: fsdp-full-shard or fsdp-shard-grad-op)");
   cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
   cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
   cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)");
@@ -106,11 +107,20 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   in.strategy.stage = pick("--strategy", f.strategy, planner::kStages);
   // HYBRID_SHARD shards within a node and replicates across nodes.
   if (in.strategy.stage == Stage::fsdp_hybrid_shard) in.strategy.shard_group = std::min(r.cluster.gpus_per_node, in.strategy.ranks);
+  if (f.fsdp_version) {
+    if (*f.fsdp_version != 1 && *f.fsdp_version != 2) throw input_error("--fsdp-version", "", "must be 1 or 2", std::to_string(*f.fsdp_version));
+    if (!planner::is_fsdp(in.strategy.stage))
+      throw InputError(fmt::format("--fsdp-version {} with --strategy {}: the FSDP version applies to the fsdp-* strategies", *f.fsdp_version, f.strategy));
+    in.strategy.fsdp.version = *f.fsdp_version;
+  }
   in.strategy.offload_optimizer = pick("--offload-optimizer", f.offload_optimizer, planner::kOffloadDevices);
   in.strategy.offload_param = pick("--offload-param", f.offload_param, planner::kOffloadDevices);
   if (!f.ds_config.empty() && planner::is_fsdp(in.strategy.stage))
     throw InputError(fmt::format("--ds-config {} with --strategy {}: a DeepSpeed config runs ZeRO, not FSDP (give FSDP's settings "
                                  "with --accelerate-config)", f.ds_config, f.strategy));
+  if (!f.accelerate_config.empty() && f.fsdp_version)
+    throw InputError(fmt::format("--accelerate-config {} with --fsdp-version: the accelerate config's fsdp_version sets it; drop --fsdp-version",
+                                 f.accelerate_config));
   if (!f.accelerate_config.empty() && f.strategy != "ddp")
     throw InputError(fmt::format("--accelerate-config {} with --strategy {}: the accelerate config sets the strategy; drop --strategy",
                                  f.accelerate_config, f.strategy));

@@ -20,6 +20,7 @@ struct PlanFlags {
   std::optional<std::int32_t> gpus;
   std::string cluster;
   std::string strategy = "ddp";
+  std::optional<std::int32_t> fsdp_version;
   std::string offload_optimizer = "none";
   std::string offload_param = "none";
   std::string ds_config;

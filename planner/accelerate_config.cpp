@@ -85,12 +85,28 @@ void read_fsdp(const YAML::Node& f, const Reader& r, AccelerateConfig& out) {
   if (!f.IsMap()) throw input_error(r.source, "fsdp_config", "must be a mapping of fsdp_* keys");
   Strategy& s = out.strategy;
   s.stage = Stage::fsdp_full_shard;  // FullyShardedDataParallelPlugin's default
+  // The version first: it decides what the other keys mean.
+  if (const YAML::Node v = f["fsdp_version"]) s.fsdp.version = static_cast<std::int32_t>(r.integer(v, "fsdp_config.fsdp_version", 1, 2));
+  const bool v2 = s.fsdp.version == 2;
   for (const auto& kv : f) {
     if (!kv.first.IsScalar()) throw input_error(r.source, "fsdp_config", "has a key that is not a plain name");
     const std::string key = kv.first.as<std::string>();
     const std::string path = "fsdp_config." + key;
     const YAML::Node& v = kv.second;
-    if (key == "fsdp_sharding_strategy") {
+    // accelerate (utils/dataclasses.py FullyShardedDataParallelPlugin, >= 1.6): under FSDP2 these
+    // FSDP1 options are set to None with a warning (fsdp_sharding_strategy is read only for
+    // version 1; fsdp_reshard_after_forward is FSDP2's).
+    if (v2 && (key == "fsdp_sharding_strategy" || key == "fsdp_backward_prefetch" || key == "fsdp_backward_prefetch_policy" ||
+               key == "fsdp_forward_prefetch" || key == "fsdp_use_orig_params" || key == "fsdp_sync_module_states")) {
+      r.warn(fmt::format("{}: {} is an FSDP1 option; accelerate ignores it with fsdp_version 2", r.source, path));
+      continue;
+    }
+    if (key == "fsdp_reshard_after_forward" && v2) {
+      // FSDP2: a boolean (str_to_bool): true = FULL_SHARD, false = SHARD_GRAD_OP.
+      s.stage = r.boolean(v, path) ? Stage::fsdp_full_shard : Stage::fsdp_shard_grad_op;
+      continue;
+    }
+    if (key == "fsdp_sharding_strategy" || key == "fsdp_reshard_after_forward") {  // FSDP1 (newer accelerate: the second name)
       const std::string x = r.scalar(v, path);
       bool found = false;
       for (std::size_t i = 0; i < kShardingNames.size(); ++i)
@@ -130,9 +146,7 @@ void read_fsdp(const YAML::Node& f, const Reader& r, AccelerateConfig& out) {
     } else if (key == "fsdp_state_dict_type") {
       s.fsdp.state_dict_type = r.one_of(v, path, {"FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"});
     } else if (key == "fsdp_version") {
-      const std::int64_t version = r.integer(v, path, 1, 2);
-      if (version == 2)
-        throw input_error(r.source, path, "FSDP2 (per-parameter DTensor shards) is not planned yet; use fsdp_version 1", "2");
+      // read above
     } else if (key == "fsdp_transformer_layer_cls_to_wrap" || key == "fsdp_min_num_params") {
       // The unit is the model's decoder layer (_no_split_modules) whatever class it names.
     } else {
@@ -215,19 +229,33 @@ std::string write_accelerate_config(const Strategy& s, const TrainingSpec& t, st
   if (is_fsdp(s.stage)) {
     const FsdpKnobs& k = s.fsdp;
     y << YAML::Key << "fsdp_config" << YAML::Value << YAML::BeginMap;
-    y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << k.activation_checkpointing;
-    y << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << k.auto_wrap_policy;
-    y << YAML::Key << "fsdp_backward_prefetch" << YAML::Value
-      << (k.backward_prefetch == FsdpPrefetch::backward_pre ? "BACKWARD_PRE" : k.backward_prefetch == FsdpPrefetch::backward_post ? "BACKWARD_POST" : "NO_PREFETCH");
-    y << YAML::Key << "fsdp_cpu_ram_efficient_loading" << YAML::Value << k.cpu_ram_efficient_loading;
-    y << YAML::Key << "fsdp_forward_prefetch" << YAML::Value << k.forward_prefetch;
-    y << YAML::Key << "fsdp_offload_params" << YAML::Value << (s.offload_param == OffloadDevice::cpu);
-    y << YAML::Key << "fsdp_sharding_strategy" << YAML::Value << std::string(sharding_name(s.stage));
-    y << YAML::Key << "fsdp_state_dict_type" << YAML::Value << k.state_dict_type;
-    y << YAML::Key << "fsdp_sync_module_states" << YAML::Value << k.sync_module_states;
-    y << YAML::Key << "fsdp_use_orig_params" << YAML::Value << k.use_orig_params;
-    y << YAML::Key << "fsdp_version" << YAML::Value << 1;
-    y << YAML::EndMap;
+    if (k.version == 2) {  // accelerate's FSDP2 keys (commands/config/cluster.py asks only these)
+      if (s.stage != Stage::fsdp_full_shard && s.stage != Stage::fsdp_shard_grad_op)
+        throw input_error(where, "fsdp_config.fsdp_reshard_after_forward",
+                          fmt::format("FSDP2 has fsdp-full-shard and fsdp-shard-grad-op, not --strategy {}", name_of(s.stage)));
+      y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << k.activation_checkpointing;
+      y << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << k.auto_wrap_policy;
+      y << YAML::Key << "fsdp_cpu_ram_efficient_loading" << YAML::Value << k.cpu_ram_efficient_loading;
+      y << YAML::Key << "fsdp_offload_params" << YAML::Value << (s.offload_param == OffloadDevice::cpu);
+      y << YAML::Key << "fsdp_reshard_after_forward" << YAML::Value << (s.stage == Stage::fsdp_full_shard);
+      y << YAML::Key << "fsdp_state_dict_type" << YAML::Value << k.state_dict_type;
+      y << YAML::Key << "fsdp_version" << YAML::Value << 2;
+      y << YAML::EndMap;
+    } else {
+      y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << k.activation_checkpointing;
+      y << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << k.auto_wrap_policy;
+      y << YAML::Key << "fsdp_backward_prefetch" << YAML::Value
+        << (k.backward_prefetch == FsdpPrefetch::backward_pre ? "BACKWARD_PRE" : k.backward_prefetch == FsdpPrefetch::backward_post ? "BACKWARD_POST" : "NO_PREFETCH");
+      y << YAML::Key << "fsdp_cpu_ram_efficient_loading" << YAML::Value << k.cpu_ram_efficient_loading;
+      y << YAML::Key << "fsdp_forward_prefetch" << YAML::Value << k.forward_prefetch;
+      y << YAML::Key << "fsdp_offload_params" << YAML::Value << (s.offload_param == OffloadDevice::cpu);
+      y << YAML::Key << "fsdp_sharding_strategy" << YAML::Value << std::string(sharding_name(s.stage));
+      y << YAML::Key << "fsdp_state_dict_type" << YAML::Value << k.state_dict_type;
+      y << YAML::Key << "fsdp_sync_module_states" << YAML::Value << k.sync_module_states;
+      y << YAML::Key << "fsdp_use_orig_params" << YAML::Value << k.use_orig_params;
+      y << YAML::Key << "fsdp_version" << YAML::Value << 1;
+      y << YAML::EndMap;
+    }
   }
   y << YAML::Key << "machine_rank" << YAML::Value << 0;
   y << YAML::Key << "main_training_function" << YAML::Value << "main";

@@ -90,6 +90,7 @@ void explain(Plan& p) {
   PlanInput ddp_in = p.input;
   const bool fsdp_plan = is_fsdp(s.stage);
   ddp_in.strategy.stage = fsdp_plan ? Stage::fsdp_no_shard : Stage::ddp;
+  ddp_in.strategy.fsdp.version = 1;  // FSDP2 has no NO_SHARD: the flat-parameter one is the reference
   ddp_in.strategy.offload_optimizer = OffloadDevice::none;
   ddp_in.strategy.offload_param = OffloadDevice::none;
   const sim::MemoryProfile ddp = sim::walk_memory(build_program(ddp_in, BuildOptions{false}).program);
@@ -109,7 +110,12 @@ void explain(Plan& p) {
                                                : "FSDP FULL_SHARD shards every parameter, gradient and optimizer state; one decoder unit is "
                                                  "gathered at a time, the root unit (embedding, final norm, head) from forward to the end of backward";
     p.explanation.push_back(std::string(what));
-    if (peft && p.input.training.checkpointing != Checkpointing::none && p.input.training.checkpoint_reentrant)
+    if (s.fsdp.version == 2)
+      p.explanation.push_back("FSDP2 (fully_shard) shards each parameter's rows (ceil(d0 / N) per rank) instead of flat units; each "
+                              "all-gather's flat output is copied out into the unsharded parameters (both live for the copy; in forward "
+                              "the flat output is held until the next unit's copy-out) and each unit's gradients are copied into a "
+                              "reduce-scatter input held until the next unit's; no record_stream, so no block waits for the GPU");
+    if (peft && s.fsdp.version == 1 && p.input.training.checkpointing != Checkpointing::none && p.input.training.checkpoint_reentrant)
       p.explanation.push_back("with reentrant checkpointing, FSDP's hook on each frozen unit's input keeps that input and its gradient "
                               "until backward ends (torch 2.4): the peak is in the first layer's backward");
   }

@@ -148,6 +148,11 @@ struct Unit {
   std::int64_t persistent_numel = 0;      // tensors below the persistence threshold: kept whole
   std::uint64_t persistent_bytes = 0;
   std::int64_t trainable_numel = 0;       // adapter (or all, in full fine-tuning) elements
+  // FSDP2 (fully_shard): this rank's padded shard of the unit, parameter by parameter: each
+  // parameter's ceil(d0 / N) dim-0 rows (torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+  // _init_sharded_param: _chunk_with_empty on dim 0, every rank's buffer padded to chunk 0).
+  std::uint64_t fsdp2_frozen_shard_bytes = 0;
+  std::int64_t fsdp2_trainable_shard_numel = 0;
   std::int32_t frozen_shard = -1, trainable_shard = -1;  // ZeRO-3 shard buffers
   std::int64_t flat_offset = -1;          // first element of its adapters in the flat trainable
                                           // layout (-1: unknown or not contiguous)
@@ -334,6 +339,32 @@ class Builder {
   // Parameters sharded at rest and gathered for compute: ZeRO-3 and FSDP's sharding strategies.
   bool zero3() const { return shards_params(s_.stage); }
   bool fsdp() const { return is_fsdp(s_.stage); }
+  bool fsdp2() const { return fsdp() && s_.fsdp.version == 2; }
+  // FSDP2: a full-precision parameter's shard elements, ceil(d0 / N) of its dim-0 rows.
+  std::int64_t dim0_rows_shard(const models::TensorInfo& t) const {
+    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    return shard(rows) * (t.numel() / rows);
+  }
+  // This rank's shard of a unit: its frozen bytes and trainable elements (FSDP1 and ZeRO-3: the
+  // flattened unit padded to a multiple of N; FSDP2: parameter by parameter).
+  std::uint64_t frozen_shard_bytes(const Unit& un) const {
+    return fsdp2() ? un.fsdp2_frozen_shard_bytes : ceil_div(un.frozen_bytes, static_cast<std::uint64_t>(group()));
+  }
+  std::int64_t trainable_shard_numel(const Unit& un) const { return fsdp2() ? un.fsdp2_trainable_shard_numel : shard(un.trainable_numel); }
+  // This rank's trainable elements in all (the gradient and optimizer partition), and a
+  // gradient bucket's.
+  std::int64_t trainable_shard_total() const {
+    if (!fsdp2()) return shard(trainable_numel_);
+    std::int64_t n = 0;
+    for (const Unit& un : units_) n += un.fsdp2_trainable_shard_numel;
+    return n;
+  }
+  std::int64_t bucket_shard_numel(const GradBucket& bk) const {
+    if (!fsdp2()) return shard(bk.numel);
+    std::int64_t n = 0;
+    for (std::size_t u : bk.units) n += units_[u].fsdp2_trainable_shard_numel;
+    return n;
+  }
   // The optimizer steps on the host: ZeRO-Offload, or FSDP's CPUOffload(offload_params=True),
   // which moves the sharded gradients there and steps the parameters on the CPU
   // (torch/distributed/fsdp/api.py CPUOffload).
@@ -482,7 +513,7 @@ class Builder {
   std::vector<std::int32_t> retained_;    // FSDP: checkpoint inputs and gradients its hooks hold
   // FSDP with reentrant checkpointing on a frozen decoder unit (see layer_backward).
   bool fsdp_retains(std::int64_t l) const {
-    return fsdp() && rules_.fsdp_hook_retains_checkpoint_grads && !in_.peft.adapters.empty() && checkpointed(l) &&
+    return fsdp() && !fsdp2() && rules_.fsdp_hook_retains_checkpoint_grads && !in_.peft.adapters.empty() && checkpointed(l) &&
            t_.checkpoint_reentrant;
   }
   std::int32_t trainable_shard_ = -1;  // ZeRO-3, executor profile: this rank's adapter partition
@@ -508,6 +539,12 @@ class Builder {
   std::vector<std::int32_t> resid_;          // residual stream: resid_[l] is layer l's input
   std::vector<std::vector<std::int32_t>> saved_;  // per layer saved buffers (freed in backward)
   std::vector<std::int32_t> gathered_;       // ZeRO-3: gathered buffers per unit (-1 when not)
+  // FSDP2: a unit's flat all-gather output until its copy-out (-1: none waiting), the forward's
+  // last copied-out one (held until the next unit's copy-out), and the last reduce-scatter input
+  // (held until the next unit's post-backward).
+  std::vector<std::int32_t> ag_out_;
+  std::int32_t ag_held_ = -1, rs_held_ = -1;
+  void fsdp2_copy_out(std::size_t u, Phase phase);
   std::vector<std::int32_t> gather_op_;      // ZeRO-3: the all_gather op per unit
   std::vector<GradBucket> buckets_;          // ZeRO-2/3 with several ranks
   std::vector<std::int32_t> bucket_of_, flush_of_;  // per unit: its bucket, the bucket it flushes
@@ -616,6 +653,7 @@ void Builder::plan_linears() {
     f_.base_params += trains && full ? 0 : t.numel();
     if (trains && full) {
       units_[u].trainable_numel += t.numel();
+      if (fsdp2()) units_[u].fsdp2_trainable_shard_numel += dim0_rows_shard(t);
       continue;
     }
     std::uint64_t bytes = frozen(t);
@@ -639,16 +677,32 @@ void Builder::plan_linears() {
     } else {
       units_[u].frozen_numel += t.numel();
       units_[u].frozen_bytes += bytes;
+      if (fsdp2()) {  // a packed 4-bit weight is a [n / 4, 1] tensor of bf16 storage elements
+        const bool packed = bytes != frozen(t) || (q && t.role == models::ParamRole::linear_weight && bits_of(q->dtype) < 8);
+        const std::uint64_t rows = packed ? std::max<std::uint64_t>(1, bytes / 2) : static_cast<std::uint64_t>(t.shape.empty() ? 1 : t.shape[0]);
+        units_[u].fsdp2_frozen_shard_bytes += ceil_div(rows, static_cast<std::uint64_t>(group())) * (bytes / rows);
+      }
     }
   }
+  auto dim0_shard = [&](std::int64_t rows, std::int64_t numel) {  // FSDP2: ceil(d0 / N) rows
+    if (rows <= 0) return shard(numel);
+    return shard(rows) * (numel / rows);
+  };
   if (full) {
     for (const auto& t : tensors) trainable_numel_ += t.numel();
   } else {
     for (const auto& [path, a] : adapters) {
       const LinearPlan* lp = by_path_.at(std::string_view(path));
-      units_[lp->mod->layer >= 0 ? static_cast<std::size_t>(lp->mod->layer) + 1 : units_.size() - 1].trainable_numel += a.params;
+      Unit& un = units_[lp->mod->layer >= 0 ? static_cast<std::size_t>(lp->mod->layer) + 1 : units_.size() - 1];
+      un.trainable_numel += a.params;
+      // lora_A [r, in] and lora_B [out, r]; IA3's vector [out] (or [in]) as one tensor.
+      if (fsdp2())
+        un.fsdp2_trainable_shard_numel += a.r > 0 && a.params == a.r * (lp->mod->in + lp->mod->out)
+                                              ? dim0_shard(a.r, a.r * lp->mod->in) + dim0_shard(lp->mod->out, lp->mod->out * a.r)
+                                              : shard(a.params);
     }
     units_[0].trainable_numel += extra_trainable_numel_;  // prompt embeddings, biases, copies
+    if (fsdp2()) units_[0].fsdp2_trainable_shard_numel += shard(extra_trainable_numel_);
   }
   f_.trainable_params = trainable_numel_;
   for (const auto& u : units_) f_.largest_layer_params = std::max(f_.largest_layer_params, u.frozen_numel + u.trainable_numel);
@@ -676,7 +730,7 @@ void Builder::setup() {
     for (std::size_t u = 0; u < units_.size(); ++u) {
       Unit& un = units_[u];
       if (un.frozen_numel > 0) {
-        const std::uint64_t shard_bytes = ceil_div(un.frozen_bytes, static_cast<std::uint64_t>(N));
+        const std::uint64_t shard_bytes = frozen_shard_bytes(un);
         if (s_.offload_param == OffloadDevice::cpu)
           un.frozen_shard = alloc([&] { return un.name + ".frozen.shard"; }, Cat::host_weights, shard_bytes, S);
         else
@@ -692,7 +746,7 @@ void Builder::setup() {
         part_numel_ += shard(un.trainable_numel);
       } else if (un.trainable_numel > 0)
         un.trainable_shard = alloc([&] { return un.name + ".trainable.shard"; }, s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
-                                   tw * static_cast<std::uint64_t>(shard(un.trainable_numel)), S);
+                                   tw * static_cast<std::uint64_t>(trainable_shard_numel(un)), S);
     }
   } else {
     const bool full = in_.peft.adapters.empty();
@@ -759,10 +813,10 @@ void Builder::setup() {
       un.grad_shard_view = p_.add_view(names_ ? un.name + ".grad.shard" : std::string(), grad_shard_, off, bytes);
     }
   } else if (zero3()) {
-    grad_shard_ = grad_buffer("grad.shard", tw * static_cast<std::uint64_t>(shard(trainable_numel_)));
+    grad_shard_ = grad_buffer("grad.shard", tw * static_cast<std::uint64_t>(trainable_shard_total()));
   }
   // Optimizer states for this rank's partition (all of it for DDP), on the device or the host.
-  const std::int64_t opt_numel = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
+  const std::int64_t opt_numel = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? trainable_shard_total() : trainable_numel_;
   const bool host_opt = host_optimizer();
   const Cat opt_cat = host_opt ? Cat::host_optimizer_states : Cat::optimizer_states;
   double state_bytes = 0.0;
@@ -846,6 +900,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     if (use) {
       while (pending_next_ < pending_.size()) issue_chunk(last_compute_);  // needed now
       if (gather_op_[u] >= 0) wait_ = gather_op_[u];
+      if (fsdp2() && ag_out_[u] >= 0) fsdp2_copy_out(u, phase);
     }
     return;
   }
@@ -854,8 +909,8 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   // FSDP's MixedPrecision gathers the trainable units in the compute dtype (param_dtype).
   const bool mp = fsdp() && (t_.precision == Precision::bf16_mixed || t_.precision == Precision::fp16_mixed);
   const std::uint64_t tw = mp ? bytes_of(f_.compute_dtype) : bytes_of(f_.trainable_dtype);
-  const std::uint64_t frozen_full = ceil_div(un.frozen_bytes, static_cast<std::uint64_t>(N)) * static_cast<std::uint64_t>(N);
-  const std::uint64_t train_full = tw * static_cast<std::uint64_t>(shard(un.trainable_numel) * N);
+  const std::uint64_t frozen_full = frozen_shard_bytes(un) * static_cast<std::uint64_t>(N);
+  const std::uint64_t train_full = tw * static_cast<std::uint64_t>(trainable_shard_numel(un) * N);
   if (frozen_full + train_full == 0) return;
   // A prefetch never runs further ahead than max_live_parameters allows.
   if (!use && !fsdp() && un.frozen_numel + un.trainable_numel > s_.ds.stage3_max_live_parameters) return;
@@ -889,12 +944,15 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   gathered_[u] = alloc([&] { return fmt::format("{}.gathered.{}", un.name, name_of(phase)); }, Cat::gathered_weights, frozen_full + train_full, phase);
   // FSDP allocates the unsharded parameter on its unshard stream (_runtime_utils.py _unshard:
   // `with state._device_handle.stream(unshard_stream)`): the caching allocator then caches that
-  // block for that stream only.
+  // block for that stream only. FSDP2 allocates its flat all-gather output there too
+  // (_fsdp_collectives.py foreach_all_gather, on all_gather_copy_in_stream).
   if (fsdp()) p_.ops.back().stream = Stream::comm;
-  // ... and frees it in reshard after record_stream on the compute stream that read it
+  // FSDP1 frees it in reshard after record_stream on the compute stream that read it
   // (flat_param.py _free_unsharded_flat_param): its block is reused only once the GPU is past
-  // the free, which the rate limiter bounds to one reshard behind (program.h).
-  if (fsdp() && in_.profile != RuntimeProfile::executor) p_.buffers[static_cast<std::size_t>(gathered_[u])].reuse_after_next_recorded_free = true;
+  // the free, which the rate limiter bounds to one reshard behind (program.h). FSDP2 records no
+  // stream: it holds references until the streams have waited on an event.
+  if (fsdp() && !fsdp2() && in_.profile != RuntimeProfile::executor) p_.buffers[static_cast<std::size_t>(gathered_[u])].reuse_after_next_recorded_free = true;
+  if (fsdp2()) ag_out_[u] = gathered_[u];
   const auto layer = static_cast<std::int32_t>(u) - 1;
   // Executor profile: the gathered buffer is the unit's flattened adapter (padded to a multiple
   // of N elements, unit inventory order) then its flattened frozen tensors (padded to a multiple
@@ -949,6 +1007,25 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
   }
   if (staged >= 0) free(staged, phase);
   if (use) wait_ = gather_op_[u];
+  if (use && fsdp2()) fsdp2_copy_out(u, phase);
+}
+
+// FSDP2 (_fsdp_collectives.py foreach_all_gather_copy_out, on the default stream): the flat
+// all-gather output is split into each parameter's unsharded tensor (split_with_sizes_copy), the
+// two live together for the copy. In forward the flat output is then held in
+// comm_ctx.all_gather_state until the next unit's copy-out (or the root's post-forward); in
+// backward it is freed at once (_fsdp_param_group.py wait_for_unshard).
+void Builder::fsdp2_copy_out(std::size_t u, Phase phase) {
+  const std::int32_t flat = ag_out_[u];
+  const std::uint64_t bytes = p_.buffers[static_cast<std::size_t>(flat)].bytes;
+  const std::int32_t unsharded = alloc([&] { return fmt::format("{}.unsharded.{}", units_[u].name, name_of(phase)); }, Cat::gathered_weights, bytes, phase);
+  compute(Kernel::accumulate, "fsdp_copy_out", static_cast<std::int32_t>(u) - 1, phase, elementwise(2 * bytes), {flat, unsharded});  // waits for the gather (wait_)
+  if (ag_held_ >= 0) free(ag_held_, phase);
+  ag_held_ = -1;
+  if (phase == Phase::forward) ag_held_ = flat;
+  else free(flat, phase);
+  ag_out_[u] = -1;
+  gathered_[u] = unsharded;
 }
 
 void Builder::release_unit(std::size_t u, Phase phase, bool end_of_backward) {
@@ -957,6 +1034,9 @@ void Builder::release_unit(std::size_t u, Phase phase, bool end_of_backward) {
   // SHARD_GRAD_OP (reshard_after_forward=False) keeps every unit gathered from its forward to
   // its backward.
   if (s_.stage == Stage::fsdp_shard_grad_op && phase != Phase::backward) return;
+  if (fsdp2() && ag_out_[u] >= 0) {  // gathered but never used: no copy-out was made
+    ag_out_[u] = -1;
+  }
   free(gathered_[u], phase);
   gathered_[u] = -1;
   gather_op_[u] = -1;
@@ -1467,7 +1547,7 @@ void Builder::begin_unit_gradients(std::size_t u) {
   if (bk.units.front() != u || bucket_buf_[b] >= 0) return;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
   bucket_buf_[b] = alloc([&] { return fmt::format("grad.bucket{}.mb{}", b, mb_); }, Cat::gradients,
-                         tw * static_cast<std::uint64_t>(shard(bk.numel) * group()), Phase::backward);
+                         tw * static_cast<std::uint64_t>(bucket_shard_numel(bk) * group()), Phase::backward);
   if (bk.flat_lo < 0) return;
   auto views = [&](LinearPlan& lp) {
     if (!lp.adapter || lp.adapter->a_off < 0) return;
@@ -1497,19 +1577,33 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     const std::int32_t b = flush_of_[u];
     if (b < 0) return;
     const GradBucket& bk = buckets_[static_cast<std::size_t>(b)];
-    const std::int64_t padded = shard(bk.numel) * group();
+    const std::int64_t padded = bucket_shard_numel(bk) * group();
+    std::int32_t payload = bucket_buf_[static_cast<std::size_t>(b)];
+    if (fsdp2()) {
+      // FSDP2's foreach_reduce (_fsdp_collectives.py): the unsharded gradients are copied into
+      // one padded reduce-scatter input (_chunk_cat, on the default stream) and freed; that input
+      // is held in comm_ctx.reduce_scatter_state until the next unit's post-backward (the root's
+      // final callback drops the last).
+      const std::int32_t rs_in = alloc([&] { return fmt::format("grad.reduce_scatter_input{}.mb{}", b, mb_); }, Cat::comm_buffers,
+                                       tw * static_cast<std::uint64_t>(padded), Phase::backward);
+      after_op = compute(Kernel::accumulate, "fsdp_chunk_cat", -1, Phase::backward, elementwise(2 * tw * static_cast<std::uint64_t>(padded)), {payload, rs_in}, {after_op});
+      free(payload, Phase::backward);
+      bucket_buf_[static_cast<std::size_t>(b)] = -1;
+      if (rs_held_ >= 0) free(rs_held_, Phase::backward);
+      rs_held_ = payload = rs_in;
+    }
     std::int32_t rs = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(padded), -1,
-                                 Phase::backward, bucket_buf_[static_cast<std::size_t>(b)], {after_op});
+                                 Phase::backward, payload, {after_op});
     p_.ops[static_cast<std::size_t>(rs)].group_size = group();
     if (group() < s_.ranks) {  // HYBRID_SHARD: the shard is then all-reduced across the groups
-      rs = collective(Collective::all_reduce, "all_reduce_grads", tw * static_cast<std::uint64_t>(shard(bk.numel)), -1, Phase::backward, -1, {rs});
+      rs = collective(Collective::all_reduce, "all_reduce_grads", tw * static_cast<std::uint64_t>(bucket_shard_numel(bk)), -1, Phase::backward, -1, {rs});
       p_.ops[static_cast<std::size_t>(rs)].group_size = s_.ranks / group();
       p_.ops[static_cast<std::size_t>(rs)].group_stride = group();  // one member per node
     }
     p_.ops[static_cast<std::size_t>(rs)].buffer_out = exec_z3() ? un.grad_shard_view : exec_z2() ? bk.grad_view : grad_shard_;
     p_.ops[static_cast<std::size_t>(rs)].accumulate = mb_ > 0;
     reduce_ops_.push_back(rs);
-    free(bucket_buf_[static_cast<std::size_t>(b)], Phase::backward);
+    free(bucket_buf_[static_cast<std::size_t>(b)], Phase::backward);  // FSDP2: freed at the copy-in
     bucket_buf_[static_cast<std::size_t>(b)] = -1;
     return;
   }
@@ -1648,6 +1742,10 @@ void Builder::micro_batch(std::int32_t mb) {
   const bool tied = m_.tie_embeddings;
   gather_unit(head, F, true);
   if (tied) gather_unit(0, F, true);
+  if (ag_held_ >= 0) {  // FSDP2: the root's post-forward drops the last all-gather state
+    free(ag_held_, F);
+    ag_held_ = -1;
+  }
   std::int32_t xl = resid_.back();
   const std::int32_t rstd = alloc([&] { return fmt::format("final_norm.mb{}.stats", mb); }, Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
   const std::int32_t hf = alloc([&] { return fmt::format("final_norm.mb{}.out", mb); }, Cat::workspace, bytes(stream_dtype(), M_ * H), F);
@@ -1751,6 +1849,10 @@ void Builder::micro_batch(std::int32_t mb) {
   wait_ = -1;
   release_unit(0, B, true);
   release_unit(head, B, true);
+  if (rs_held_ >= 0) {  // FSDP2: the root's final callback drops the last reduce-scatter state
+    free(rs_held_, B);
+    rs_held_ = -1;
+  }
   unit_gradients_done(0, last_compute_);
   for (std::int32_t b : retained_) free(b, B);  // FSDP's final callback removes its hooks
   retained_.clear();
@@ -1764,7 +1866,7 @@ void Builder::optimizer_step() {
   mb_ = -1;
   const Phase O = Phase::optimizer;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
-  const std::int64_t part = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? shard(trainable_numel_) : trainable_numel_;
+  const std::int64_t part = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? trainable_shard_total() : trainable_numel_;
   const std::int32_t N = s_.ranks;
   const std::int32_t params = exec_z3() ? trainable_shard_ : trainable_flat_;
   const bool exec = in_.profile == RuntimeProfile::executor;
@@ -2014,6 +2116,7 @@ BuiltProgram Builder::build() {
   p_.deps.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) / 2);
   gathered_.assign(units_.size(), -1);
   gather_op_.assign(units_.size(), -1);
+  ag_out_.assign(units_.size(), -1);
   plan_buckets();
   setup();
   adapter_views();
@@ -2096,6 +2199,9 @@ std::vector<std::string> validate(const PlanInput& in) {
   if (s.offload_param == OffloadDevice::cpu && !can_offload_params(s.stage))
     throw InputError("--offload-param cpu: parameter offload needs sharded parameters (--strategy zero3, fsdp-full-shard, "
                      "fsdp-shard-grad-op or fsdp-hybrid-shard), got --strategy " + std::string(name_of(s.stage)));
+  if (is_fsdp(s.stage) && s.fsdp.version == 2 && s.stage != Stage::fsdp_full_shard && s.stage != Stage::fsdp_shard_grad_op)
+    throw InputError(fmt::format("--fsdp-version 2 with --strategy {}: FSDP2's fully_shard plans fsdp-full-shard "
+                                 "(reshard_after_forward true) and fsdp-shard-grad-op (false)", name_of(s.stage)));
   if (s.stage == Stage::fsdp_hybrid_shard && s.shard_group > 0 && s.ranks % s.shard_group != 0)
     throw InputError(fmt::format("--strategy fsdp-hybrid-shard: {} ranks do not divide into shard groups of {} (the GPUs per node)",
                                  s.ranks, s.shard_group));

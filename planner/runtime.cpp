@@ -94,6 +94,12 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   // torch 2.4.1: the Trainer's training_step in eager PyTorch.
   model_side(r);
   r.versions = "torch 2.4.1, transformers 4.48.1, peft 0.13.2, trl 0.13.0, accelerate 1.0.1, bitsandbytes 0.43.3";
+  // FSDP2 needs accelerate >= 1.6 (fsdp_version: 2; FSDP2_PYTORCH_VERSION 2.6.0 from 1.7) and
+  // so a newer torch: its sharding, all-gather and reduce-scatter buffers are read from torch
+  // 2.6's torch/distributed/fsdp/_fully_shard (Builder::fsdp2_copy_out, unit_gradients_done).
+  if (is_fsdp(in.strategy.stage) && in.strategy.fsdp.version == 2)
+    r.versions = "torch 2.6 (FSDP2 fully_shard; the model side as torch 2.4.1), transformers 4.48.1, peft 0.13.2, trl 0.13.0, "
+                 "accelerate 1.7 (fsdp_version 2), bitsandbytes 0.43.3";
   const bool mixed = in.training.precision == Precision::bf16_mixed || in.training.precision == Precision::fp16_mixed;
   // PEFT get_peft_model(autocast_adapter_dtype=True) (mapping.py, the default) upcasts bf16 and
   // fp16 adapters to fp32 (tuners_utils.py _cast_adapter_dtype); on a 4-bit base they are created

@@ -92,6 +92,44 @@ TEST(AccelerateConfig, WriteThenReadIsTheSameStrategy) {
   }
 }
 
+// accelerate >= 1.6 (utils/dataclasses.py FullyShardedDataParallelPlugin): fsdp_version 2 is
+// torch's fully_shard; fsdp_reshard_after_forward is a boolean there (true = FULL_SHARD, false =
+// SHARD_GRAD_OP), and the FSDP1-only options are ignored with a warning. Under version 1 the
+// same key holds the sharding strategy (its newer name).
+TEST(AccelerateConfig, Fsdp2ReadsReshardAfterForwardAndWarnsOnFsdp1Options) {
+  const auto a = read_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: false\n  fsdp_version: 2\n"
+                                        "  fsdp_backward_prefetch: BACKWARD_PRE\n  fsdp_use_orig_params: true\n", "v2.yaml");
+  EXPECT_EQ(a.strategy.fsdp.version, 2);
+  EXPECT_EQ(a.strategy.stage, Stage::fsdp_shard_grad_op);
+  ASSERT_EQ(a.warnings.size(), 2u);
+  EXPECT_NE(a.warnings[0].find("fsdp_config.fsdp_backward_prefetch is an FSDP1 option"), std::string::npos) << a.warnings[0];
+  const auto b = read_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n", "v2.yaml");
+  EXPECT_EQ(b.strategy.stage, Stage::fsdp_full_shard);
+  EXPECT_TRUE(b.warnings.empty());
+  const auto c = read_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: SHARD_GRAD_OP\n", "v1.yaml");
+  EXPECT_EQ(c.strategy.fsdp.version, 1);
+  EXPECT_EQ(c.strategy.stage, Stage::fsdp_shard_grad_op);
+  // Written and read back, FSDP2's file holds only FSDP2's keys.
+  for (Stage stage : {Stage::fsdp_full_shard, Stage::fsdp_shard_grad_op}) {
+    Strategy s;
+    s.stage = stage;
+    s.ranks = 8;
+    s.fsdp.version = 2;
+    const std::string yaml = write_accelerate_config(s, TrainingSpec{}, 1);
+    SCOPED_TRACE(yaml);
+    EXPECT_EQ(yaml.find("fsdp_sharding_strategy"), std::string::npos);
+    EXPECT_EQ(yaml.find("fsdp_use_orig_params"), std::string::npos);
+    const AccelerateConfig back = read_accelerate_config(yaml, "written.yaml");
+    EXPECT_TRUE(back.warnings.empty());
+    EXPECT_EQ(back.strategy.stage, stage);
+    EXPECT_EQ(back.strategy.fsdp.version, 2);
+  }
+  Strategy hybrid;
+  hybrid.stage = Stage::fsdp_hybrid_shard;
+  hybrid.fsdp.version = 2;
+  EXPECT_THROW(write_accelerate_config(hybrid, TrainingSpec{}, 1), InputError);
+}
+
 TEST(AccelerateConfig, BadFilesNameTheFileAndTheKey) {
   const std::pair<std::string, std::string> cases[] = {
       {"[1, 2", "cfg.yaml: not a valid YAML file"},
@@ -101,7 +139,9 @@ TEST(AccelerateConfig, BadFilesNameTheFileAndTheKey) {
       {"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 5\n", "fsdp_config.fsdp_sharding_strategy HYBRID_SHARD_ZERO2 (5) is not planned"},
       {"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: QUARTER\n", "fsdp_config.fsdp_sharding_strategy must be FULL_SHARD"},
       {"distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: maybe\n", "fsdp_config.fsdp_offload_params must be true or false, got \"maybe\""},
-      {"distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n", "fsdp_config.fsdp_version FSDP2"},
+      {"distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 3\n", "fsdp_config.fsdp_version must be an integer in [1, 2], got \"3\""},
+      {"distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: FULL_SHARD\n",
+       "fsdp_config.fsdp_reshard_after_forward must be true or false, got \"FULL_SHARD\""},
       {"distributed_type: FSDP\nnum_processes: -3\n", "cfg.yaml: num_processes must be an integer in [1, 1000000], got \"-3\""},
       {"distributed_type: FSDP\nnum_processes: 3\nnum_machines: 2\n", "num_processes must be a multiple of num_machines (2)"},
       {"distributed_type: FSDP\nmixed_precision: fp8\n", "mixed_precision fp8 is not planned"},

@@ -124,6 +124,9 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       {"plan --gpus 2 --profile hf --strategy zero3", "--strategy zero3 is DeepSpeed's ZeRO: plan it with --profile deepspeed"},
       {"plan --headroom 120", "--headroom: must be a percentage in [0, 100), got 120"},
       {"plan --alloc-conf garbage_collection_threshold:0.6", "garbage_collection_threshold"},
+      {"plan --gpus 2 --strategy zero3 --fsdp-version 2", "--fsdp-version 2 with --strategy zero3: the FSDP version applies to the fsdp-* strategies"},
+      {"plan --gpus 2 --profile hf --strategy fsdp-no-shard --fsdp-version 2", "--fsdp-version 2 with --strategy fsdp-no-shard: FSDP2's fully_shard plans"},
+      {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --fsdp-version 3", "--fsdp-version: must be 1 or 2, got 3"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.args);

@@ -13,6 +13,7 @@
 #include "peftplan/planner/closed_forms.h"
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/plan.h"
+#include "peftplan/sim/verify.h"
 #include "peftplan/sim/cluster.h"
 
 using namespace peftplan;
@@ -319,6 +320,93 @@ TEST(Fsdp, FullShardModelStatesAreAShardOfEveryUnit) {
       EXPECT_EQ(bytes_named(p, "optimizer.states"), 2 * tw * sh(trainable));
     }
   }
+}
+
+// FSDP2 (fully_shard) shards each parameter on dim 0: ceil(d0 / N) rows on every rank, padded
+// (torch/distributed/fsdp/_fully_shard/_fsdp_param.py _init_sharded_param, _chunk_with_empty),
+// so a unit's shard is the sum over its parameters, not ceil(unit numel / N). With Mistral's
+// dims the two agree at 2 and 8 ranks; at 3 ranks the rows of k_proj (1024), the norms (4096)
+// and lora_A (r = 16) do not divide and each parameter pads on its own.
+TEST(Fsdp, Fsdp2ShardsEveryParameterOnItsFirstDimension) {
+  using namespace fsdp_hand;
+  for (std::int32_t n : {2, 8, 3}) {
+    for (bool adapter : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} ranks, {}", n, adapter ? "LoRA" : "full fine-tuning"));
+      PlanInput in = mistral(n, adapter);
+      in.strategy.fsdp.version = 2;
+      const sim::Program p = build_program(in).program;
+      EXPECT_TRUE(sim::verify(p).empty());
+      auto rows = [&](std::int64_t d0) { return (d0 + n - 1) / n; };
+      std::vector<std::int64_t> frozen(static_cast<std::size_t>(in.model.layers) + 2, 0), trainable = frozen;
+      const auto tensors = models::parameter_tensors(in.model);
+      for (const auto& t : tensors) {
+        const std::size_t i = t.layer >= 0 ? static_cast<std::size_t>(t.layer) + 1 : t.role == models::ParamRole::embedding ? 0 : frozen.size() - 1;
+        (adapter ? frozen : trainable)[i] += rows(t.shape[0]) * (t.numel() / t.shape[0]);
+      }
+      if (adapter) {
+        const auto linears = models::linear_modules(in.model, tensors);
+        for (const auto& t : models::trainable_tensors(in.model, in.peft, tensors, linears))
+          trainable[static_cast<std::size_t>(t.layer) + 1] += rows(t.shape[0]) * (t.numel() / t.shape[0]);  // [16, in], [out, 16]
+      }
+      const std::uint64_t tw = adapter ? 4 : 2;
+      std::int64_t total = 0;
+      for (std::size_t i = 0; i < frozen.size(); ++i) {
+        const std::string name = i == 0 ? "embedding" : i + 1 == frozen.size() ? "head" : fmt::format("layers.{}", i - 1);
+        if (frozen[i] > 0) {
+          EXPECT_EQ(bytes_named(p, name + ".frozen.shard"), 2 * static_cast<std::uint64_t>(frozen[i])) << name;
+        }
+        if (trainable[i] > 0) {
+          EXPECT_EQ(bytes_named(p, name + ".trainable.shard"), tw * static_cast<std::uint64_t>(trainable[i])) << name;
+        }
+        total += trainable[i];
+      }
+      EXPECT_EQ(bytes_named(p, "grad.shard"), tw * static_cast<std::uint64_t>(total));
+      EXPECT_EQ(bytes_named(p, "optimizer.states"), 2 * tw * static_cast<std::uint64_t>(total));
+      // Against FSDP1's flat shards: equal where every dim-0 divides, more at 3 ranks.
+      PlanInput v1 = in;
+      v1.strategy.fsdp.version = 1;
+      const sim::Program p1 = build_program(v1).program;
+      if (n == 3) {
+        const std::string layer0 = adapter ? "layers.0.frozen.shard" : "layers.0.trainable.shard";
+        EXPECT_GT(bytes_named(p, layer0), bytes_named(p1, layer0));
+      } else {
+        EXPECT_EQ(bytes_named(p, "grad.shard"), bytes_named(p1, "grad.shard"));
+      }
+    }
+  }
+}
+
+// FSDP2's buffers around one unit: the flat all-gather output beside the unsharded parameters it
+// is copied into, and in backward a reduce-scatter input per unit; no record_stream flag, and no
+// FSDP1 input-hook retention.
+TEST(Fsdp, Fsdp2CopiesOutEachAllGatherAndHoldsOneReduceScatterInput) {
+  using namespace fsdp_hand;
+  PlanInput in = mistral(2, false);
+  in.strategy.fsdp.version = 2;
+  const sim::Program p = build_program(in).program;
+  int copy_outs = 0, chunk_cats = 0;
+  for (const auto& op : p.ops) {
+    if (op.kind != sim::OpKind::compute) continue;
+    if (op.label == "fsdp_copy_out") {
+      ++copy_outs;
+      const auto& flat = p.buffers[static_cast<std::size_t>(op.args[0])];
+      const auto& unsharded = p.buffers[static_cast<std::size_t>(op.args[1])];
+      EXPECT_EQ(flat.bytes, unsharded.bytes);
+      EXPECT_FALSE(flat.reuse_after_next_recorded_free);
+    }
+    if (op.label == "fsdp_chunk_cat") ++chunk_cats;
+  }
+  // Each decoder layer: forward, the recompute and backward; the root's two units (the
+  // embedding, the final norm and head) once, gathered from forward to the end of backward.
+  EXPECT_EQ(copy_outs, 3 * static_cast<int>(in.model.layers) + 2);
+  EXPECT_EQ(chunk_cats, static_cast<int>(in.model.layers) + 1);  // each layer's gradients, then the root's
+  for (const auto& b : p.buffers) EXPECT_EQ(b.name.find("retained"), std::string::npos) << b.name;
+  PlanInput lora_in = mistral(2, true);
+  lora_in.strategy.fsdp.version = 2;
+  for (const auto& b : build_program(lora_in).program.buffers) EXPECT_EQ(b.name.find("retained"), std::string::npos) << b.name;
+  // FSDP2 has no NO_SHARD or HYBRID_SHARD.
+  lora_in.strategy.stage = Stage::fsdp_no_shard;
+  EXPECT_THROW(validate(lora_in), peftplan::InputError);
 }
 
 TEST(Fsdp, ShardedQloraKeepsTheQuantStateWholeOnEveryRank) {

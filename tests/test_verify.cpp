@@ -106,6 +106,7 @@ std::vector<PlanInput> every_kind_of_input() {
     Checkpointing ckpt = Checkpointing::none;
     bool quant = false, full = false;
     std::int64_t accum = 1;
+    std::int32_t fsdp_version = 1;
   };
   const std::vector<Case> cases = {
       {Stage::ddp, 1, RuntimeProfile::executor},
@@ -127,6 +128,9 @@ std::vector<PlanInput> every_kind_of_input() {
       {Stage::fsdp_shard_grad_op, 8, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::full, false, true},
       {Stage::fsdp_no_shard, 4, RuntimeProfile::hf},
       {Stage::fsdp_hybrid_shard, 16, RuntimeProfile::hf},
+      {Stage::fsdp_full_shard, 8, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::full, false, false, 2, 2},
+      {Stage::fsdp_full_shard, 2, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::full, true, false, 1, 2},
+      {Stage::fsdp_shard_grad_op, 4, RuntimeProfile::hf, OffloadDevice::none, OffloadDevice::none, Checkpointing::none, false, true, 1, 2},
   };
   std::vector<PlanInput> out;
   for (const Case& c : cases) {
@@ -148,6 +152,7 @@ std::vector<PlanInput> every_kind_of_input() {
     in.strategy.offload_optimizer = c.opt;
     in.strategy.offload_param = c.param;
     if (c.stage == Stage::fsdp_hybrid_shard) in.strategy.shard_group = 8;
+    in.strategy.fsdp.version = c.fsdp_version;
     if (is_fsdp(c.stage) && c.ckpt == Checkpointing::full && c.quant) {  // FSDP's own checkpoint_wrapper
       in.strategy.fsdp.activation_checkpointing = true;
       in.training.checkpoint_reentrant = false;
@@ -159,7 +164,7 @@ std::vector<PlanInput> every_kind_of_input() {
 }
 
 std::string describe(const PlanInput& in) {
-  return fmt::format("{} x{} profile {} opt {} param {} ckpt {} quant {} full {}", name_of(in.strategy.stage), in.strategy.ranks,
+  return fmt::format("{} v{} x{} profile {} opt {} param {} ckpt {} quant {} full {}", name_of(in.strategy.stage), in.strategy.fsdp.version, in.strategy.ranks,
                      name_of(in.profile), name_of(in.strategy.offload_optimizer), name_of(in.strategy.offload_param),
                      name_of(in.training.checkpointing), in.peft.quantization.has_value(), in.peft.adapters.empty());
 }

@@ -123,6 +123,10 @@ struct FsdpKnobs {
   bool activation_checkpointing = false;  // FSDP's checkpoint_wrapper (non-reentrant)
   std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";
   std::string state_dict_type = "SHARDED_STATE_DICT";
+  // 1: FSDP1, FullyShardedDataParallel's flat parameters; 2: FSDP2, fully_shard's per-parameter
+  // DTensor shards (accelerate fsdp_version: 2, where fsdp_reshard_after_forward true / false is
+  // FULL_SHARD / SHARD_GRAD_OP).
+  std::int32_t version = 1;
   bool operator==(const FsdpKnobs&) const = default;
 };
 
