@@ -86,6 +86,8 @@ void print_text(const planner::Plan& p) {
                human_bytes(l.load_host_per_node_bytes), human_bytes(l.load_device_bytes), l.load_how);
     fmt::print("  {:<26} {:>14} host on rank 0, +{} device   {}\n", "saving", human_bytes(l.save_host_bytes), human_bytes(l.save_device_bytes),
                l.save_how);
+    if (l.eval_device_bytes > 0)
+      fmt::print("  {:<26} {:>14} device allocated   {}\n", "evaluation", human_bytes(l.eval_device_bytes), l.eval_how);
   }
   if (p.time) {
     const auto& tm = *p.time;

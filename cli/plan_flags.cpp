@@ -37,6 +37,8 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
   cmd->add_option("--micro-batch", f.micro_batch, "sequences per GPU per micro-step")->capture_default_str();
   cmd->add_option("--seq-len", f.seq_len, "tokens per sequence")->capture_default_str();
   cmd->add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step")->capture_default_str();
+  cmd->add_option("--eval-batch", f.eval_batch, "evaluation sequences per GPU (the Trainer's per_device_eval_batch_size; 0: no evaluation), for the evaluation peak (--profile hf)")
+      ->capture_default_str();
   cmd->add_option("--precision", f.precision, "fp32, fp16, bf16 (mixed) or bf16-pure")->capture_default_str();
   cmd->add_option("--checkpointing", f.checkpointing, "none, full, or every-K")->capture_default_str();
   cmd->add_option("--attention", f.attention, "eager or flash")->capture_default_str();
@@ -61,6 +63,8 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   t.micro_batch = f.micro_batch;
   t.seq_len = f.seq_len;
   t.grad_accum = f.grad_accum;
+  if (f.eval_batch < 0) throw input_error("--eval-batch", "", "must be 0 (no evaluation) or a positive integer", std::to_string(f.eval_batch));
+  t.eval_batch = f.eval_batch;
   t.full_finetune = f.peft.full_finetune;
   using planner::Precision, planner::Checkpointing, planner::Attention, planner::Optimizer, planner::Stage;
   t.precision = pick("--precision", f.precision, planner::kPrecisions);

@@ -28,6 +28,7 @@ struct PlanFlags {
   std::int64_t micro_batch = 1;
   std::int64_t seq_len = 2048;
   std::int64_t grad_accum = 1;
+  std::int64_t eval_batch = 8;
   std::string precision = "bf16";
   std::string checkpointing = "none";
   std::string attention = "flash";

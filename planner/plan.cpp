@@ -181,7 +181,26 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
       if (b.category == MemCategory::base_weights || b.category == MemCategory::trainable_weights) weights += b.bytes;
     }
     p.lifecycle = lifecycle_peaks(p.input, cluster, weights);
+    if (p.input.training.eval_batch > 0) {
+      // Trainer.evaluate: prediction_step runs the model under torch.no_grad on
+      // per_device_eval_batch_size sequences with labels, and keeps only the loss when there are
+      // no compute_metrics (evaluation_loop's prediction_loss_only). Between optimizer steps: the
+      // weights and the optimizer states are live, the gradients are not (zero_grad).
+      PlanInput ev = p.input;
+      ev.training.micro_batch = p.input.training.eval_batch;
+      ev.training.grad_accum = 1;
+      ev.training.checkpointing = Checkpointing::full;  // no_grad: what reentrant checkpointing's forward does
+      ev.training.checkpoint_reentrant = true;
+      const sim::Program eval_program = build_program(ev, BuildOptions{.names = false, .evaluation = true}).program;
+      p.lifecycle->eval_device_bytes = sim::walk_memory(eval_program).device_peak_bytes;
+      p.lifecycle->eval_how = fmt::format("Trainer.evaluate at per_device_eval_batch_size {} (no_grad forward and loss, the logits' fp32 "
+                                          "copies at the eval batch)", ev.training.micro_batch);
+    }
     const auto& l = *p.lifecycle;
+    if (l.eval_device_bytes > p.memory.device_peak_bytes)
+      p.warnings.push_back(fmt::format("evaluation peaks at {:.2f} GiB allocated, above the step's {:.2f} GiB ({}): lower "
+                                       "per_device_eval_batch_size (--eval-batch) if it does not fit",
+                                       to_gib(l.eval_device_bytes), to_gib(p.memory.device_peak_bytes), l.eval_how));
     const std::uint64_t node_ram = cluster.host_ram_bytes_per_node;
     if (node_ram > 0 && l.load_host_per_node_bytes > node_ram)
       p.warnings.push_back(fmt::format("loading needs {:.1f} GiB of host RAM per node, the node has {:.1f} GiB ({}): the load, not the step, "
@@ -265,7 +284,8 @@ nlohmann::json plan_to_json(const Plan& p) {
     const auto& l = *p.lifecycle;
     j["lifecycle"] = {{"load_host_per_rank_bytes", l.load_host_per_rank_bytes}, {"load_host_per_node_bytes", l.load_host_per_node_bytes},
                       {"load_device_bytes", l.load_device_bytes},           {"save_host_bytes", l.save_host_bytes},
-                      {"save_device_bytes", l.save_device_bytes},           {"load", l.load_how},
+                      {"save_device_bytes", l.save_device_bytes},           {"eval_device_bytes", l.eval_device_bytes},
+                      {"eval", l.eval_how},                                 {"load", l.load_how},
                       {"save", l.save_how}};
   }
   j["fits"] = p.fits;

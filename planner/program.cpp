@@ -185,7 +185,8 @@ struct GradBucket {
 class Builder {
  public:
   Builder(const PlanInput& in, const BuildOptions& options)
-      : in_(in), rules_(runtime_rules(in)), m_(in.model), t_(in.training), s_(in.strategy), names_(options.names) {}
+      : in_(in), rules_(runtime_rules(in)), m_(in.model), t_(in.training), s_(in.strategy), names_(options.names),
+        eval_(options.evaluation) {}
 
   BuiltProgram build();
 
@@ -473,6 +474,8 @@ class Builder {
   sim::Program p_;
   ProgramFacts f_;
   bool names_;
+  // BuildOptions::evaluation: the forward and the loss under torch.no_grad, nothing after.
+  bool eval_ = false;
   std::int32_t mb_ = -1;
   std::int32_t last_compute_ = -1;
   std::int32_t wait_ = -1;  // ZeRO-3: gather the next compute op must wait for
@@ -1397,6 +1400,11 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
     free(resid_[static_cast<std::size_t>(l)], P);
     resid_[static_cast<std::size_t>(l)] = -1;
   }
+  // Under no_grad nothing keeps the layer's input once the layer has run (no checkpoint).
+  if (eval_ && !recompute && resid_[static_cast<std::size_t>(l)] >= 0) {
+    free(resid_[static_cast<std::size_t>(l)], P);
+    resid_[static_cast<std::size_t>(l)] = -1;
+  }
   if (!recompute) release_unit(unit, P);
 }
 
@@ -1655,6 +1663,10 @@ std::int32_t Builder::hf_loss(std::int32_t logits, std::int32_t tokens) {
   free(shifted, L);
   if (upcast) free(up, L);
   free(logits, L);
+  if (eval_) {  // no_grad: log_softmax's result is a temporary of the loss
+    free(lsm, L);
+    return -1;
+  }
   const std::int32_t g_nll = alloc([&] { return pre + ".d_nll"; }, Cat::workspace, f32(Tv * V), B);
   compute(Kernel::cross_entropy_bwd, "nll_loss_backward", -1, B, elementwise(f32(Tv * V)), {lsm, tokens, g_nll});
   const std::int32_t g_lsm = alloc([&] { return pre + ".d_log_softmax"; }, Cat::workspace, f32(Tv * V), B);
@@ -1767,6 +1779,13 @@ void Builder::micro_batch(std::int32_t mb) {
     if (in_.peft.adapters.empty())
       head_saved.push_back(alloc([&] { return fmt::format("final_norm.mb{}.normed", mb); }, Cat::activations, bytes(xd, M_ * H), F));
   }
+  if (eval_) {  // no_grad: the norm's copies and statistics die with it, and so does its input
+    for (std::int32_t b : head_saved) free(b, F);
+    head_saved.clear();
+    free(rstd, F);
+    if (xl >= 0) free(xl, F);
+    resid_.back() = -1;
+  }
   LinearPlan* lm = nullptr;
   for (auto& lp : head_linears_)
     if (lp.mod->is_output) lm = &lp;
@@ -1788,6 +1807,7 @@ void Builder::micro_batch(std::int32_t mb) {
     }
   } else if (rules_.loss == LossChain::hf_shift_copy) {
     dlogits = hf_loss(logits, tokens);
+    if (eval_) return;  // evaluation: the loss is all that runs
     free(autocast_cache, Phase::loss);
     // The model's outputs are gone once forward returns: the final norm's output stays only
     // when the LM head saves it (a trainable head).
@@ -2149,6 +2169,7 @@ BuiltProgram Builder::build() {
   }
   for (std::int32_t mb = 0; mb < p_.micro_batches; ++mb) micro_batch(mb);
   mb_ = -1;
+  if (eval_) return BuiltProgram{std::move(p_), f_};
   free(rope_, Phase::backward);
   rope_ = -1;
   optimizer_step();

@@ -493,6 +493,45 @@ TEST(Lifecycle, LoadAndSavePeaksAgainstHandSizes) {
   EXPECT_EQ(p.lifecycle->save_device_bytes, 2ull * (2 * 32000 * 4096 + 4096));
 }
 
+// The evaluation loop (transformers Trainer.evaluate -> prediction_step under torch.no_grad, with
+// labels and prediction_loss_only when there are no compute_metrics): the model states the step
+// keeps between steps, plus the forward's last live tensors at the cross-entropy, which at a
+// 32,000-token vocabulary are the loss chain of transformers 4.48.1's ForCausalLMLoss at the
+// eval batch: the bf16 logits, their fp32 upcast, the shifted .contiguous() copy and
+// log_softmax's result, with the final norm's output (the head's input) and the batch.
+TEST(Lifecycle, EvaluationPeakIsTheStatesPlusTheLossChainAtTheEvalBatch) {
+  PlanInput in = fsdp_hand::mistral(1, true);  // the published A3 run: Mistral-7B LoRA, one A100
+  in.strategy.stage = Stage::ddp;
+  in.training.micro_batch = 4;
+  in.training.seq_len = 4096;
+  in.training.eval_batch = 8;  // the Trainer's default per_device_eval_batch_size
+  const Plan p = make_plan(in, sim::resolve_cluster("1x1xA100-80GB"));
+  ASSERT_TRUE(p.lifecycle.has_value());
+  PlanInput ev = in;
+  ev.training.micro_batch = 8;
+  ev.training.checkpointing = Checkpointing::full;
+  const sim::Program e = build_program(ev, BuildOptions{.names = true, .evaluation = true}).program;
+  std::uint64_t states = 0;  // what lives between steps: weights, adapters, AdamW states, cuBLAS
+  for (const auto& op : e.ops)
+    if (op.kind == sim::OpKind::alloc && op.phase == sim::Phase::setup && !sim::on_host(e.buffers[static_cast<std::size_t>(op.buffer)].category))
+      states += e.buffers[static_cast<std::size_t>(op.buffer)].bytes;
+  // A3's memory still allocated after train() (the CSV's mem_torch_mem_alloc_in_bytes,
+  // 14,664,493,056 B) is these states to within 1 MiB.
+  EXPECT_NEAR(static_cast<double>(states), 14'664'493'056.0, 1048576.0);
+  const std::uint64_t T = 8 * 4096, Tv = T - 8, V = 32000, H = 4096, head_dim = 128;
+  const std::uint64_t chain = 2 * T * V + 4 * T * V + 4 * Tv * V + 4 * Tv * V;  // logits, .float(), shift, log_softmax
+  const std::uint64_t around = 2 * T * H + 24 * T + 2 * (2 * head_dim) * 4096;  // final norm out, batch, RoPE cos/sin
+  EXPECT_EQ(p.lifecycle->eval_device_bytes, states + chain + around);
+  EXPECT_NE(std::find_if(p.warnings.begin(), p.warnings.end(), [](const std::string& w) { return w.find("evaluation peaks at") != std::string::npos; }),
+            p.warnings.end());
+  // The eval program is well-formed and stops at the loss: no backward, no optimizer step.
+  EXPECT_TRUE(sim::verify(e).empty());
+  for (const auto& op : e.ops) EXPECT_TRUE(op.phase != sim::Phase::backward && op.phase != sim::Phase::optimizer);
+  // --eval-batch 0: no evaluation, no figure.
+  in.training.eval_batch = 0;
+  EXPECT_EQ(make_plan(in, sim::resolve_cluster("1x1xA100-80GB")).lifecycle->eval_device_bytes, 0u);
+}
+
 TEST(Lifecycle, QloraQuantisesTheLargestLinearOnTheDevice) {
   PlanInput in = fsdp_hand::mistral(1, true);
   in.strategy.stage = Stage::ddp;

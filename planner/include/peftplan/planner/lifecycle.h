@@ -20,7 +20,9 @@ struct LifecyclePeaks {
   std::uint64_t load_device_bytes = 0;          // device memory while weights arrive
   std::uint64_t save_host_bytes = 0;            // rank 0's host RAM while it saves
   std::uint64_t save_device_bytes = 0;          // device memory saving adds on top of the states
-  std::string load_how, save_how;               // one line each: what the rule was
+  std::uint64_t eval_device_bytes = 0;          // allocated peak of the evaluation loop's forward
+                                                //   (0: no evaluation, TrainingSpec::eval_batch)
+  std::string load_how, save_how, eval_how;     // one line each: what the rule was
 };
 
 // The peaks for `in` on `cluster`; `weights_device_bytes` is the model's weights on the device as

@@ -87,6 +87,11 @@ struct BuiltProgram {
 
 struct BuildOptions {
   bool names = true;  // name every buffer ("layers.3.mb0.attn.probs"); searches turn it off
+  // The evaluation loop's forward instead of a training step: every layer under torch.no_grad
+  // (nothing saved, each layer's input freed once it has run), the loss, and nothing after it
+  // (no backward, no optimizer step). Only the hf loss chain stops there; the input's training
+  // spec gives the batch.
+  bool evaluation = false;
 };
 
 // Throws InputError for combinations no engine supports (offload_param without ZeRO-3, ...).

@@ -59,6 +59,9 @@ struct TrainingSpec {
   std::optional<DType> base_storage;   // frozen weights' dtype; default: the compute dtype
                                        // (nf4/int8 when PeftSpec::quantization is set)
   bool full_finetune = false;          // every weight trains (no adapter)
+  // The evaluation loop's sequences per rank (the Trainer's per_device_eval_batch_size, 8 by
+  // default); 0: the job does not evaluate. Only the evaluation peak reads it.
+  std::int64_t eval_batch = 8;
   // Optimisation hyper-parameters: carried to the executor and to ds_config.json.
   double lr = 1e-4;
   double weight_decay = 0.0;
