@@ -99,6 +99,9 @@ void print_text(const planner::Plan& p) {
     if (tm.sync_wait_s > 0) fmt::print("  {:<26} {:>10.4f} s    (calibrated skew)\n", "waiting for the last rank", tm.sync_wait_s);
     fmt::print("  {:<26} {:>10.4f} s\n", "optimizer", tm.optimizer_s);
     if (tm.offload_s > 0) fmt::print("  {:<26} {:>10.4f} s\n", "offload (copies + host)", tm.offload_s);
+    if (tm.host_floor_s > 0)
+      fmt::print("  {:<26} {:>10.4f} s    {} FSDP unit passes of hooks the GPU waits for{}\n", "host (FSDP1 hooks)", tm.host_floor_s,
+                 p.facts.fsdp_unit_passes, tm.host_bound ? ": host-bound, the step's floor (a larger micro-batch adds no host time)" : "");
     fmt::print("communication per step per rank\n");
     for (int c = 0; c < sim::kNumCollectives; ++c)
       if (tm.collective_count[static_cast<std::size_t>(c)] > 0)

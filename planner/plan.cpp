@@ -221,6 +221,7 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
     sim::SimOptions so;
     so.compute_dtype = p.facts.compute_dtype;
     so.sustained = cluster.efficiency.sustained.value_or(rules.sustained);
+    so.host_floor_s = static_cast<double>(p.facts.fsdp_unit_passes) * rules.fsdp_unit_pass_host_s;
     p.time = sim::simulate(p.program, cluster, so);
   }
   judge(p);
@@ -238,7 +239,8 @@ nlohmann::json plan_to_json(const Plan& p) {
   j["profile"] = name_of(p.input.profile);
   j["runtime_versions"] = p.runtime_versions;
   j["cluster"] = p.cluster.name;
-  j["params"] = {{"base_params", p.facts.base_params}, {"trainable_params", p.facts.trainable_params}};
+  j["params"] = {{"base_params", p.facts.base_params}, {"trainable_params", p.facts.trainable_params},
+                 {"fsdp_unit_passes", p.facts.fsdp_unit_passes}};
   json dev, host;
   for (int c = 0; c < sim::kNumCategories; ++c) {
     const auto cc = static_cast<MemCategory>(c);
@@ -268,7 +270,8 @@ nlohmann::json plan_to_json(const Plan& p) {
     j["time"] = {{"step_s", t.step_s},       {"compute_s", t.compute_s},       {"comm_s", t.comm_s},
                  {"exposed_comm_s", t.exposed_comm_s}, {"sync_wait_s", t.sync_wait_s}, {"optimizer_s", t.optimizer_s}, {"offload_s", t.offload_s},
                  {"tokens_per_s", t.tokens_per_s},     {"tokens_per_s_per_gpu", t.tokens_per_s / std::max(1, p.input.strategy.ranks)},
-                 {"mfu", t.mfu}};
+                 {"mfu", t.mfu}, {"host_floor_s", t.host_floor_s}, {"host_bound", t.host_bound},
+                 {"device_step_s", t.device_step_s}};
     json comm;
     for (int c = 0; c < sim::kNumCollectives; ++c) {
       comm[std::string(sim::name_of(static_cast<sim::Collective>(c))) + "_bytes"] = t.collective_bytes[static_cast<std::size_t>(c)];

@@ -709,6 +709,15 @@ void Builder::plan_linears() {
   }
   f_.trainable_params = trainable_numel_;
   for (const auto& u : units_) f_.largest_layer_params = std::max(f_.largest_layer_params, u.frozen_numel + u.trainable_numel);
+  // FSDP1's units as accelerate wraps a PEFT model: the root, each decoder layer, and (PEFT's
+  // fsdp_auto_wrap_policy, peft/utils/other.py: a leaf module whose weight trains) each adapter
+  // Linear; each runs its hooks in forward and backward, and again in a checkpointed layer's
+  // recompute.
+  if (fsdp() && s_.fsdp.version == 1) {
+    f_.fsdp_unit_passes = 2;  // the root
+    for (std::int64_t l = 0; l < m_.layers; ++l) f_.fsdp_unit_passes += checkpointed(l) ? 3 : 2;
+    for (const auto& t : inv_->trainables) f_.fsdp_unit_passes += t.layer >= 0 && checkpointed(t.layer) ? 3 : 2;
+  }
 }
 
 // Library buffers inside the caching allocator (they count in torch.cuda.memory_allocated):

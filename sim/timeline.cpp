@@ -203,6 +203,12 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
                 t.busy_s[static_cast<std::size_t>(Stream::host)];
   t.peak_flops_per_s =
       peak_flops_per_s(cluster.gpu, options.compute_dtype, options.allow_tf32);
+  t.host_floor_s = options.host_floor_s;
+  t.device_step_s = t.step_s;
+  if (options.host_floor_s > t.step_s) {
+    t.step_s = options.host_floor_s;
+    t.host_bound = true;
+  }
   if (t.step_s > 0.0) {
     t.tokens_per_s = static_cast<double>(program.tokens_per_step) * program.ranks / t.step_s;
     t.mfu = program.model_flops_per_step / (t.step_s * t.peak_flops_per_s);

@@ -409,6 +409,19 @@ TEST(Fsdp, Fsdp2CopiesOutEachAllGatherAndHoldsOneReduceScatterInput) {
   EXPECT_THROW(validate(lora_in), peftplan::InputError);
 }
 
+// FSDP1's units as accelerate wraps a PEFT model, each running its hooks per pass: A5's root,
+// 32 decoder layers and 256 adapter Linears (lora_A and lora_B on q, k, v, o), each layer
+// checkpointed (forward, recompute, backward), the root twice; FSDP2 and DDP count none.
+TEST(Fsdp, UnitPassesCountTheHooksThatRunPerStep) {
+  using namespace fsdp_hand;
+  PlanInput in = mistral(2, true);
+  EXPECT_EQ(build_program(in).facts.fsdp_unit_passes, 2 + 32 * 3 + 256 * 3);
+  in.training.checkpointing = Checkpointing::none;
+  EXPECT_EQ(build_program(in).facts.fsdp_unit_passes, 2 + 32 * 2 + 256 * 2);
+  in.strategy.fsdp.version = 2;
+  EXPECT_EQ(build_program(in).facts.fsdp_unit_passes, 0);
+}
+
 TEST(Fsdp, ShardedQloraKeepsTheQuantStateWholeOnEveryRank) {
   using namespace fsdp_hand;
   PlanInput in = mistral(2, true);

@@ -114,10 +114,11 @@ TEST(Published, UsedMemoryIsWhatNvidiaSmiShowed) {
 }
 
 // tokens/s per GPU (the Trainer's train_tokens_per_second). The model side's sustained fraction
-// (planner/runtime.cpp) is fitted on A1, A3 and A4 by tools/fit_sustained.py, so those three
-// must come back within 5%; the seven others are predictions from it. Today seven of the ten are
-// within the 15% (A7, A8, A9 are 19-25% high: README, "Published measurements"), and
-// none is low by more than that.
+// (planner/runtime.cpp) is fitted on A1, A3 and A4 by tools/fit_sustained.py, and FSDP1's host
+// time per unit pass on the FSDP rows by tools/fit_fsdp_host.py, which makes the host-bound A5
+// and A7 its floor: those five must come back within 5%. Eight of the ten are within the
+// issue's 15% (A8 and A9, Mixtral, are 19-25% high: README, "Published measurements"), and none
+// is low by more than that.
 TEST(Published, TokensPerSecondPerGpuOfTheFittedRowsAndOfTheOthers) {
   int judged = 0, within = 0;
   for (const auto& p : rows()) {
@@ -129,7 +130,7 @@ TEST(Published, TokensPerSecondPerGpuOfTheFittedRowsAndOfTheOthers) {
     const double measured = row.at("measured").at("tokens_per_s_per_gpu").get<double>();
     const double predicted = j.at("time").at("tokens_per_s_per_gpu").get<double>();
     const double err = (predicted - measured) / measured;
-    if (id == "A1" || id == "A3" || id == "A4") {
+    if (id == "A1" || id == "A3" || id == "A4" || id == "A5" || id == "A7") {
       EXPECT_LE(std::abs(err), 0.05) << fmt::format("{:+.1f}%", 100 * err);
     }
     EXPECT_GE(err, -0.15) << fmt::format("tokens/s {:.0f} vs measured {:.0f}", predicted, measured);
@@ -137,7 +138,7 @@ TEST(Published, TokensPerSecondPerGpuOfTheFittedRowsAndOfTheOthers) {
     ++judged;
   }
   EXPECT_GE(judged, 10);
-  EXPECT_GE(within, 7);
+  EXPECT_GE(within, 8);
 }
 
 TEST(Published, ModelledOutOfMemoryPointsDoNotFit) {

@@ -577,6 +577,30 @@ TEST(Timeline, SustainedFractionStretchesDeviceComputeOnly) {
   EXPECT_NEAR(slow.compute_s, 2 * full.compute_s - 5e-6, 1e-15);
 }
 
+// SimOptions::host_floor_s: host time the device waits for (FSDP1's hooks) is a floor under the
+// step; below the device's critical path it changes nothing.
+TEST(Timeline, HostFloorIsTheStepWhenItIsLonger) {
+  const Cluster c = round_cluster();
+  Program p;
+  p.ranks = 1;
+  p.tokens_per_step = 1000;
+  p.add_op(compute_op(1'000'000'000));  // 1 ms at 1 TB/s
+  const Timeline dev = simulate(p, c);
+  SimOptions slow_host;
+  slow_host.host_floor_s = 5e-3;
+  const Timeline host = simulate(p, c, slow_host);
+  EXPECT_TRUE(host.host_bound);
+  EXPECT_DOUBLE_EQ(host.step_s, 5e-3);
+  EXPECT_DOUBLE_EQ(host.device_step_s, dev.step_s);
+  EXPECT_DOUBLE_EQ(host.tokens_per_s, 1000 / 5e-3);
+  EXPECT_DOUBLE_EQ(host.compute_s, dev.compute_s);  // the device's work is the same
+  SimOptions fast_host;
+  fast_host.host_floor_s = 1e-4;
+  const Timeline fast = simulate(p, c, fast_host);
+  EXPECT_FALSE(fast.host_bound);
+  EXPECT_DOUBLE_EQ(fast.step_s, dev.step_s);
+}
+
 // A calibrated arrival skew and load (HostCalibration::collective_skew_* / collective_load_*) in
 // the timeline: the wait sits at the start of the collective's interval, the transfer after it;
 // comm_s counts the transfers, sync_wait_s the waits, and an op that needs the collective starts

@@ -78,6 +78,9 @@ struct ProgramFacts {
   DType base_dtype = DType::bf16;      // frozen weight storage
   DType trainable_dtype = DType::bf16; // trainable weights and their gradients
   bool master_weights = false;         // fp32 master copy in the optimizer
+  std::int64_t fsdp_unit_passes = 0;   // FSDP1: Σ over its units (the root, each decoder layer,
+                                       //   each PEFT adapter Linear) of the forward, recompute
+                                       //   and backward passes that run its hooks, per step
 };
 
 struct BuiltProgram {

@@ -71,6 +71,8 @@ struct RuntimeRules {
                                        // (its device code, channels, proxy), outside the allocator
   std::uint64_t nccl_bytes = 0;        // ... and for each further communicator
   // --- time ---
+  double fsdp_unit_pass_host_s = 0.0;  // FSDP1: host seconds per unit pass the device waits
+                                       // for (ProgramFacts::fsdp_unit_passes; the step's floor)
   double sustained = 1.0;              // fraction of the GPU roofline's rates (the GEMM curve at
                                        // the MAMF plateau, the streaming bandwidth) the device's
                                        // compute kernels sustain over a whole step (sim

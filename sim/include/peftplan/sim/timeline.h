@@ -28,6 +28,9 @@ struct SimOptions {
   // device compute op takes (roofline time) / sustained, plus its launch. Collectives, copies
   // and host ops are not scaled (they have their own measured efficiencies).
   double sustained = 1.0;
+  // The host's own time per step, which the GPU cannot hide (a runtime's Python hooks that wait
+  // for the device): the step takes at least this long (0: none).
+  double host_floor_s = 0.0;
 };
 
 struct OpTime {
@@ -54,6 +57,9 @@ struct Timeline {
                                 //   hidden behind compute, comm_s when none of it is
   double optimizer_s = 0.0;     // duration of optimizer-phase compute ops (device or host)
   double offload_s = 0.0;       // busy time of the copy stream plus the host stream
+  double host_floor_s = 0.0;    // SimOptions::host_floor_s
+  double device_step_s = 0.0;   // the ops' critical path (step_s before the host floor)
+  bool host_bound = false;      // the host floor, not the device, sets step_s
   double tokens_per_s = 0.0;    // program.tokens_per_step × program.ranks / step_s
   double mfu = 0.0;             // program.model_flops_per_step / (step_s × peak_flops_per_s)
   double peak_flops_per_s = 0.0;  // the per-GPU peak MFU is measured against
