@@ -21,26 +21,27 @@ E pick(const std::string& flag, const std::string& value, const std::array<E, N>
 
 }  // namespace
 
-void add_plan_flags(CLI::App* cmd, PlanFlags& f) {
+void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
+  const bool one = set == PlanFlagSet::one_plan;
   cmd->add_option("--model", f.model, "zoo name, config.json, or a folder holding one")->capture_default_str();
   add_peft_flags(cmd, f.peft);
   cmd->add_flag("--full-finetune", f.peft.full_finetune, "train every weight (no adapter)");
-  cmd->add_option("--gpus", f.gpus, "data-parallel ranks (alone: N GPUs of the default kind on one node)");
+  if (one) cmd->add_option("--gpus", f.gpus, "data-parallel ranks (alone: N GPUs of the default kind on one node)");
   cmd->add_option("--cluster", f.cluster, "preset, spelling like 2x8xH100-SXM-NDR, or a cluster JSON file");
-  cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard or fsdp-hybrid-shard")->capture_default_str();
-  cmd->add_option("--fsdp-version", f.fsdp_version, "1 (FSDP1, flat parameters) or 2 (FSDP2 fully_shard, per-parameter shards: fsdp-full-shard or fsdp-shard-grad-op)");
-  cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
-  cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
-  cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)");
-  cmd->add_option("--accelerate-config", f.accelerate_config,
+  if (one) cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard or fsdp-hybrid-shard")->capture_default_str();
+  if (one) cmd->add_option("--fsdp-version", f.fsdp_version, "1 (FSDP1, flat parameters) or 2 (FSDP2 fully_shard, per-parameter shards: fsdp-full-shard or fsdp-shard-grad-op)");
+  if (one) cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
+  if (one) cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
+  if (one) cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)");
+  if (one) cmd->add_option("--accelerate-config", f.accelerate_config,
                   "accelerate launch config YAML with FSDP or MULTI_GPU (overrides strategy flags; implies --profile hf)");
-  cmd->add_option("--micro-batch", f.micro_batch, "sequences per GPU per micro-step")->capture_default_str();
+  if (one) cmd->add_option("--micro-batch", f.micro_batch, "sequences per GPU per micro-step")->capture_default_str();
   cmd->add_option("--seq-len", f.seq_len, "tokens per sequence")->capture_default_str();
-  cmd->add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step")->capture_default_str();
+  if (one) cmd->add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step")->capture_default_str();
   cmd->add_option("--eval-batch", f.eval_batch, "evaluation sequences per GPU (the Trainer's per_device_eval_batch_size; 0: no evaluation), for the evaluation peak (--profile hf)")
       ->capture_default_str();
   cmd->add_option("--precision", f.precision, "fp32, fp16, bf16 (mixed) or bf16-pure")->capture_default_str();
-  cmd->add_option("--checkpointing", f.checkpointing, "none, full, or every-K")->capture_default_str();
+  if (one) cmd->add_option("--checkpointing", f.checkpointing, "none, full, or every-K")->capture_default_str();
   cmd->add_option("--attention", f.attention, "eager or flash")->capture_default_str();
   cmd->add_option("--cross-entropy", f.cross_entropy,
                   "standard (the logits materialised) or chunked (a fused linear cross-entropy, Liger's)")->capture_default_str();

@@ -40,7 +40,11 @@ struct PlanFlags {
   std::string alloc_conf;
 };
 
-void add_plan_flags(CLI::App* cmd, PlanFlags& flags);
+// Which flags a command takes: `plan` all of them; a search (`recommend`) registers its own list
+// spellings of --gpus, --strategy and --checkpointing, and searches micro-batch, accumulation and
+// offload, so those (and the launcher configs that would fix them) are not registered.
+enum class PlanFlagSet { one_plan, search };
+void add_plan_flags(CLI::App* cmd, PlanFlags& flags, PlanFlagSet set = PlanFlagSet::one_plan);
 
 struct ResolvedPlan {
   planner::PlanInput input;

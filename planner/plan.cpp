@@ -20,7 +20,13 @@ using sim::MemCategory;
 
 std::uint64_t cat(const sim::MemoryProfile& m, MemCategory c) { return m.at_peak_bytes[static_cast<std::size_t>(c)]; }
 
-std::string suggestion(MemCategory c, const PlanInput& in) {
+}  // namespace
+
+std::string fit_suggestion(MemCategory c, const PlanInput& in) {
+  const bool fsdp_stack = in.profile == RuntimeProfile::hf;  // the hf profile shards with FSDP
+  const Stage s = in.strategy.stage;
+  const bool quantised = in.peft.quantization.has_value();
+  const std::string quant = quantised || in.peft.adapters.empty() ? "" : " or --quant nf4";
   switch (c) {
     case MemCategory::activations:
       if (in.training.checkpointing == Checkpointing::none) return "try activation checkpointing (--checkpointing full)";
@@ -29,18 +35,37 @@ std::string suggestion(MemCategory c, const PlanInput& in) {
       if (in.training.attention == Attention::eager) return "try --attention flash (no [B, nh, S, S] scores)";
       return "try a smaller --micro-batch (logits and backward temporaries scale with it)";
     case MemCategory::base_weights:
-      if (in.strategy.stage != Stage::zero3) return "try --strategy zero3 (shards the frozen base) or --quant nf4";
-      return "try more GPUs, --offload-param cpu, or --quant nf4";
-    case MemCategory::gathered_weights: return "try a smaller stage3_prefetch_bucket_size / stage3_max_live_parameters";
+      if (!shards_params(s))
+        return fmt::format("try --strategy {} (shards the frozen base){}", fsdp_stack ? "fsdp-full-shard" : "zero3", quant);
+      return fmt::format("try more GPUs, --offload-param cpu{}", quant);
+    case MemCategory::gathered_weights:
+      return fsdp_stack ? "try --strategy fsdp-full-shard (one unit gathered at a time) or smaller wrap units"
+                        : "try a smaller stage3_prefetch_bucket_size / stage3_max_live_parameters";
     case MemCategory::optimizer_states:
     case MemCategory::gradients:
-      if (in.strategy.stage == Stage::ddp || in.strategy.stage == Stage::zero1) return "try --strategy zero2 or zero3";
+      if (fsdp_stack) return shards_grads(s) ? "try --offload-param cpu (FSDP's CPUOffload)" : "try --strategy fsdp-shard-grad-op or fsdp-full-shard";
+      if (s == Stage::ddp || s == Stage::zero1) return "try --strategy zero2 or zero3";
       return "try --offload-optimizer cpu";
-    case MemCategory::trainable_weights: return "try --strategy zero3 or a smaller adapter";
+    case MemCategory::trainable_weights:
+      return fmt::format("try --strategy {} or a smaller adapter", fsdp_stack ? "fsdp-full-shard" : "zero3");
     case MemCategory::comm_buffers: return "try a smaller reduce_bucket_size";
     default: return "try a larger GPU";
   }
 }
+
+std::string largest_categories(const std::array<std::uint64_t, sim::kNumCategories>& at_peak, int n) {
+  std::vector<MemCategory> order;
+  for (int c = 0; c < sim::kNumDeviceCategories; ++c) order.push_back(static_cast<MemCategory>(c));
+  auto bytes = [&](MemCategory c) { return at_peak[static_cast<std::size_t>(c)]; };
+  std::stable_sort(order.begin(), order.end(), [&](MemCategory a, MemCategory b) { return bytes(a) > bytes(b); });
+  std::string s;
+  for (int i = 0; i < n && i < static_cast<int>(order.size()); ++i)
+    if (bytes(order[static_cast<std::size_t>(i)]) > 0)
+      s += fmt::format("{}{} {:.1f} GiB", i ? ", " : "", sim::name_of(order[static_cast<std::size_t>(i)]), to_gib(bytes(order[static_cast<std::size_t>(i)])));
+  return s;
+}
+
+namespace {
 
 void judge(Plan& p) {
   const auto& m = p.memory;
@@ -48,21 +73,16 @@ void judge(Plan& p) {
   const auto headroom = static_cast<std::uint64_t>(p.headroom_fraction * static_cast<double>(p.device_capacity_bytes));
   if (p.used_peak_bytes + headroom > p.device_capacity_bytes || p.allocator_oom) {
     p.fits = false;
-    // The two largest categories at the peak.
-    std::vector<MemCategory> order;
-    for (int c = 0; c < sim::kNumDeviceCategories; ++c) order.push_back(static_cast<MemCategory>(c));
-    std::sort(order.begin(), order.end(), [&](MemCategory a, MemCategory b) { return cat(m, a) > cat(m, b); });
-    std::string top;
-    for (int i = 0; i < 2; ++i)
-      if (cat(m, order[static_cast<std::size_t>(i)]) > 0)
-        top += fmt::format("{}{} {:.1f} GiB", i ? ", " : "", sim::name_of(order[static_cast<std::size_t>(i)]),
-                           to_gib(cat(m, order[static_cast<std::size_t>(i)])));
+    const std::string top = largest_categories(m.at_peak_bytes);
+    MemCategory largest = MemCategory::activations;
+    for (int c = 0; c < sim::kNumDeviceCategories; ++c)
+      if (cat(m, static_cast<MemCategory>(c)) > cat(m, largest)) largest = static_cast<MemCategory>(c);
     p.reasons.push_back(fmt::format("needs {:.1f} GiB per GPU in use ({:.1f} GiB allocated, {:.1f} GiB reserved) plus {:.0f}% "
                                     "headroom, has {:.1f} GiB{}: {} at micro-batch {}; {}",
                                     to_gib(p.used_peak_bytes), to_gib(m.device_peak_bytes), to_gib(p.reserved_peak_bytes),
                                     100.0 * p.headroom_fraction, to_gib(p.device_capacity_bytes),
                                     p.allocator_oom ? " (the caching allocator runs out)" : "", top,
-                                    p.input.training.micro_batch, suggestion(order[0], p.input)));
+                                    p.input.training.micro_batch, fit_suggestion(largest, p.input)));
   }
   if (p.host_capacity_bytes > 0 && m.host_peak_bytes > p.host_capacity_bytes) {
     p.fits = false;

@@ -78,6 +78,12 @@ const std::array<LinkSpec, 19> kLinks = {{
 // matmul_efficiency: measured max achievable matmul FLOPs / dense peak, stas00/ml-engineering
 // compute/accelerator/README.md "Maximum Achievable Matmul FLOPS comparison table"
 // (A100 SXM 267.9/312 = 85.9%, H100 SXM 792.1/989 = 80.1%, MI300X 781.9/1300 = 60.1%).
+// Price per GPU-hour (the recommender's --objective cost; a cluster file's gpu.cost_per_hour_USD
+// overrides it): RunPod's on-demand list prices, March 2026, as tabulated by deploybase.ai
+// ("RunPod GPU Pricing: 2026 Comprehensive Pricing Guide", 2026-03-10): A100 SXM 80GB $2.45,
+// H100 SXM $4.76, H100 PCIe $3.51, H200 $6.35, B200 $10.57, L40S $1.40, L4 $0.78, RTX 4090
+// $0.60. One provider's list for every row, so that rows compare; A100-40GB, A10G, V100 and
+// MI300X are not in it and have no price.
 // Compute capability: NVIDIA's CUDA GPUs list (developer.nvidia.com/cuda-gpus): A100 8.0, A10G
 // (A10) 8.6, L4 / L40S / RTX 4090 8.9, H100 / H200 9.0, B200 10.0, V100 7.0.
 const std::array<GpuSpec, 12> kGpus = {{
@@ -87,30 +93,30 @@ const std::array<GpuSpec, 12> kGpus = {{
      "NVLink3", "PCIe4", 0.859, std::nullopt, 80},
     // Same datasheet, 80 GB SXM: HBM2e 2,039 GB/s.
     {"A100-80GB", GiB(80), 2039 * kGiga, 312 * kTera, 312 * kTera, 156 * kTera, 19.5 * kTera,
-     "NVLink3", "PCIe4", 0.859, std::nullopt, 80},
+     "NVLink3", "PCIe4", 0.859, 2.45, 80},
     // NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB HBM3 3.35 TB/s; BF16/FP16 1,979
     // TFLOPS sparse = 989 dense; TF32 494.5 dense; FP32 67 (66.9); NVLink 900 GB/s; PCIe Gen5.
     {"H100-SXM", GiB(80), 3350 * kGiga, 989 * kTera, 989 * kTera, 494.5 * kTera, 66.9 * kTera,
-     "NVLink4", "PCIe5", 0.801, std::nullopt, 90},
+     "NVLink4", "PCIe5", 0.801, 4.76, 90},
     // Same datasheet, PCIe: 80 GB 2.0 TB/s; BF16/FP16 1,513 sparse = 756 dense; TF32 378; FP32
     // 51. Its NVLink bridge pairs only two GPUs, so the natural link in a node is PCIe Gen5.
     {"H100-PCIe", GiB(80), 2000 * kGiga, 756 * kTera, 756 * kTera, 378 * kTera, 51 * kTera,
-     "PCIe5", "PCIe5", std::nullopt, std::nullopt, 90},
+     "PCIe5", "PCIe5", std::nullopt, 3.51, 90},
     // NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e 4.8 TB/s; compute as H100 SXM.
     {"H200", GiB(141), 4800 * kGiga, 989 * kTera, 989 * kTera, 494.5 * kTera, 67 * kTera,
-     "NVLink4", "PCIe5", std::nullopt, std::nullopt, 90},
+     "NVLink4", "PCIe5", std::nullopt, 6.35, 90},
     // NVIDIA DGX B200 datasheet (8 GPUs: 1,440 GB, 64 TB/s HBM3e, 72 PFLOPS FP8 sparse) per GPU:
     // 180 GB, 8 TB/s, BF16 4.5 PFLOPS sparse = 2,250 dense, TF32 1,125 dense, FP32 80; NVLink 5.
     {"B200", GiB(180), 8000 * kGiga, 2250 * kTera, 2250 * kTera, 1125 * kTera, 80 * kTera,
-     "NVLink5", "PCIe5", std::nullopt, std::nullopt, 100},
+     "NVLink5", "PCIe5", std::nullopt, 10.57, 100},
     // NVIDIA L40S datasheet: 48 GB GDDR6 864 GB/s; BF16/FP16 733 sparse = 362 dense (362.05);
     // TF32 183 dense; FP32 91.6; no NVLink; PCIe Gen4 x16.
     {"L40S", GiB(48), 864 * kGiga, 362 * kTera, 362 * kTera, 183 * kTera, 91.6 * kTera, "PCIe4",
-     "PCIe4", std::nullopt, std::nullopt, 89},
+     "PCIe4", std::nullopt, 1.40, 89},
     // NVIDIA L4 datasheet: 24 GB GDDR6 300 GB/s; BF16/FP16 242 sparse = 121 dense; TF32 60
     // dense; FP32 30.3; PCIe Gen4 x16.
     {"L4", GiB(24), 300 * kGiga, 121 * kTera, 121 * kTera, 60 * kTera, 30.3 * kTera, "PCIe4",
-     "PCIe4", std::nullopt, std::nullopt, 89},
+     "PCIe4", std::nullopt, 0.78, 89},
     // A10G (AWS g5): NVIDIA publishes no datasheet. Memory 24 GB GDDR6 600 GB/s (AWS EC2 G5
     // instance page). Compute: NVIDIA A10 datasheet figures (BF16 250 sparse = 125 dense, TF32
     // 62.5, FP32 31.2), an upper bound: the A10G's tensor throughput is reported below the A10's.
@@ -120,7 +126,7 @@ const std::array<GpuSpec, 12> kGpus = {{
     // 1,008 GB/s; FP16/BF16 tensor with FP32 accumulate 165.2 dense (330.3 with FP16
     // accumulate; frameworks accumulate in FP32); TF32 82.6; FP32 82.6; PCIe Gen4; no NVLink.
     {"RTX4090", GiB(24), 1008 * kGiga, 165.2 * kTera, 165.2 * kTera, 82.6 * kTera, 82.6 * kTera,
-     "PCIe4", "PCIe4", std::nullopt, std::nullopt, 89},
+     "PCIe4", "PCIe4", std::nullopt, 0.60, 89},
     // NVIDIA V100 Tensor Core GPU datasheet, SXM2 32 GB: HBM2 900 GB/s; FP16 tensor 125; FP32
     // 15.7; no BF16 or TF32 tensor cores; NVLink 300 GB/s bidirectional (NVLink 2); PCIe Gen3.
     {"V100", GiB(32), 900 * kGiga, std::nullopt, 125 * kTera, 0.0, 15.7 * kTera, "NVLink2",

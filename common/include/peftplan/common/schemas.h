@@ -16,6 +16,8 @@ inline constexpr std::string_view kMeasurementTotals = "peftplan.measurement-tot
 inline constexpr std::string_view kValidation = "peftplan.validation/2";          // validation.json
 inline constexpr std::string_view kRunSummary = "peftplan.run-summary/2";         // peftplan run's summary.json
 inline constexpr std::string_view kSpeedProbe = "peftplan.speed-probe/1";         // peftplan-exec probe
+inline constexpr std::string_view kRecommendation = "peftplan.recommendation/1";  // peftplan recommend --json
+inline constexpr std::string_view kSweep = "peftplan.sweep/1";                   // peftplan sweep (CSV comment, JSON lines)
 inline constexpr std::string_view kCheckpoint = "peftplan.checkpoint/1";          // a training checkpoint's state.json
 
 }  // namespace peftplan::schemas

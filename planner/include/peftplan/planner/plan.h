@@ -54,6 +54,13 @@ struct PlanOptions {
   bool names = true;     // buffer names (peak_op, traces); off for searches
 };
 
+// What shrinks a category that does not fit ("try --strategy zero3 (shards the frozen base) or
+// --quant nf4"): the verdict's and the recommender's suggestion.
+std::string fit_suggestion(sim::MemCategory category, const PlanInput& input);
+
+// The n largest device categories at the peak, "base_weights 64.2 GiB, activations 9.1 GiB".
+std::string largest_categories(const std::array<std::uint64_t, sim::kNumCategories>& at_peak, int n = 2);
+
 Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOptions& options = {});
 
 // `plan --json`: memory.device.<category>_bytes, memory.device.peak_bytes, memory.device.peak_op,

@@ -85,6 +85,18 @@ constexpr bool shards_grads(Stage s) { return s == Stage::zero2 || shards_params
 constexpr bool is_zero_stage(Stage s) { return s == Stage::zero1 || s == Stage::zero2 || s == Stage::zero3; }
 // Optimizer states sharded.
 constexpr bool shards_optimizer(Stage s) { return s != Stage::ddp && s != Stage::fsdp_no_shard; }
+// How many kinds of model state a stage shards: 0 DDP and FSDP NO_SHARD, 1 ZeRO-1 (optimizer
+// states), 2 ZeRO-2 and SHARD_GRAD_OP (+ gradients), 3 ZeRO-3, FULL_SHARD and HYBRID_SHARD
+// (+ parameters at rest). The recommender orders strategies by it.
+constexpr int sharding_level(Stage s) {
+  switch (s) {
+    case Stage::ddp: case Stage::fsdp_no_shard: return 0;
+    case Stage::zero1: return 1;
+    case Stage::zero2: case Stage::fsdp_shard_grad_op: return 2;
+    case Stage::zero3: case Stage::fsdp_full_shard: case Stage::fsdp_hybrid_shard: return 3;
+  }
+  return 0;
+}
 enum class OffloadDevice { none, cpu };
 // What a strategy can keep on the host: the one statement of the rule, which ds_config, the
 // builder, the closed forms, `estimate` and the executor all ask (each names its own field or

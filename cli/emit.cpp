@@ -1,0 +1,329 @@
+// The launch files of a recommended row (see emit.h).
+#include "emit.h"
+
+#include <filesystem>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/atomic_file.h"
+#include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
+#include "peftplan/planner/accelerate_config.h"
+#include "peftplan/planner/ds_config.h"
+#include "peftplan/planner/plan_file.h"
+
+namespace peftplan::cli {
+namespace {
+
+void replace_all(std::string& s, std::string_view key, std::string_view value) {
+  for (std::size_t at = s.find(key); at != std::string::npos; at = s.find(key, at + value.size())) s.replace(at, key.size(), value);
+}
+
+std::string py_bool(bool b) { return b ? "True" : "False"; }
+
+// The Hugging Face id (zoo) or the path the user gave: what from_pretrained loads.
+std::string model_id_for(const std::string& model_arg) {
+  for (const auto& z : models::zoo())
+    if (z.name == model_arg) return z.hf_id.empty() ? model_arg : z.hf_id;
+  std::filesystem::path p(model_arg);
+  if (p.filename() == "config.json") p = p.parent_path();
+  return p.string();
+}
+
+// The train.py template: @NAME@ fields are filled in by train_py().
+constexpr std::string_view kTrainPy = R"PY(#!/usr/bin/env python3
+"""Fine-tunes @MODEL_ID@ as `peftplan recommend` planned it: @FAMILY@, micro-batch @MB@ x
+accumulation @ACCUM@ per GPU on @GPUS@ GPU(s), checkpointing @CKPT@, @SEQ@-token sequences,
+precision @PRECISION@ (profile @PROFILE@).
+
+Launch it with a line of launch.sh. The data is a text file (--data FILE) or a Hugging Face
+dataset with a "text" column (--dataset NAME); it is tokenised, concatenated and cut into
+@SEQ@-token sequences, the shape the plan assumes. With peftplan_callback.py (tools/ in the
+peftplan tree) beside this file, rank 0 writes peftplan-measurement.json for
+`peftplan compare plan.json peftplan-measurement.json`.
+"""
+import argparse
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# What the plan fixed. Change it here and re-plan: plan.json and the launcher's config say the same.
+PLAN = {
+    "model": "@MODEL_ID@",
+    "seq_len": @SEQ@,
+    "micro_batch": @MB@,
+    "grad_accum": @ACCUM@,
+    "precision": "@PRECISION@",
+    "checkpointing": "@CKPT@",
+    "attention": "@ATTN@",
+    "deepspeed": @DS@,
+    "quantization": @QUANT@,
+    "full_finetune": @FULL@,
+    "learning_rate": @LR@,
+    "weight_decay": @WD@,
+}
+
+
+def packed_dataset(tokenizer, args):
+    """Token ids cut into seq_len blocks (labels = inputs: the Trainer's causal-LM loss shifts them)."""
+    from datasets import Dataset, load_dataset
+    if args.data:
+        with open(args.data, encoding="utf-8") as f:
+            texts = [f.read()]
+    else:
+        texts = [row["text"] for row in load_dataset(args.dataset, split=args.split)]
+    ids = []
+    for t in texts:
+        ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    n = PLAN["seq_len"]
+    blocks = [ids[i:i + n] for i in range(0, len(ids) - n + 1, n)]
+    if not blocks:
+        sys.exit(f"train.py: the data has {len(ids)} tokens, fewer than one {n}-token sequence")
+    return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+
+
+def dtype_of(precision):
+    return {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
+
+
+def checkpoint_every(model, k):
+    """Checkpoints decoder layers 0, k, 2k, ... (what the plan's every-k means); the Trainer's
+    gradient_checkpointing can only do all of them."""
+    from torch.utils.checkpoint import checkpoint
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
+    for i, layer in enumerate(layers):
+        if i % k:
+            continue
+        forward = layer.forward
+
+        def wrapped(*a, _forward=forward, **kw):
+            if not torch.is_grad_enabled():
+                return _forward(*a, **kw)
+            return checkpoint(_forward, *a, use_reentrant=False, **kw)
+        layer.forward = wrapped
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="a UTF-8 text file to train on")
+    src.add_argument("--dataset", help="a Hugging Face dataset with a text column")
+    ap.add_argument("--split", default="train")
+    ap.add_argument("--max-steps", type=int, default=20)
+    ap.add_argument("--output-dir", default=os.path.join(HERE, "output"))
+    ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    args = ap.parse_args()
+
+    tokenizer = AutoTokenizer.from_pretrained(PLAN["model"])
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    load = {"torch_dtype": dtype_of(PLAN["precision"]),
+            "attn_implementation": "flash_attention_2" if PLAN["attention"] == "flash" else "eager"}
+    if PLAN["quantization"]:
+        from transformers import BitsAndBytesConfig
+        q = PLAN["quantization"]
+        if q["quant_type"] == "int8":
+            load["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        else:
+            load["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type=q["quant_type"], bnb_4bit_use_double_quant=q["double_quant"],
+                bnb_4bit_compute_dtype=dtype_of(PLAN["precision"]), bnb_4bit_quant_storage=dtype_of(PLAN["precision"]))
+    model = AutoModelForCausalLM.from_pretrained(PLAN["model"], **load)
+    full = PLAN["checkpointing"] == "full"
+    if PLAN["quantization"]:
+        from peft import prepare_model_for_kbit_training
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=full)
+    if not PLAN["full_finetune"]:
+        from peft import PeftConfig, get_peft_model
+        if full and not PLAN["quantization"]:
+            model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
+        model = get_peft_model(model, PeftConfig.from_pretrained(HERE))  # adapter_config.json here
+        model.print_trainable_parameters()
+    if PLAN["checkpointing"].startswith("every-"):
+        checkpoint_every(model, int(PLAN["checkpointing"][len("every-"):]))
+
+    callbacks = []
+    sys.path.insert(0, HERE)
+    try:
+        from peftplan_callback import PeftplanCallback
+        callbacks.append(PeftplanCallback(path=os.path.join(HERE, "peftplan-measurement.json"), seq_len=PLAN["seq_len"]))
+    except ImportError:
+        print("train.py: peftplan_callback.py is not beside train.py; no measurement is written", file=sys.stderr)
+
+    targs = TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=PLAN["micro_batch"],
+        gradient_accumulation_steps=PLAN["grad_accum"],
+        max_steps=args.max_steps,
+        learning_rate=PLAN["learning_rate"],
+        weight_decay=PLAN["weight_decay"],
+        bf16=PLAN["precision"] == "bf16",
+        fp16=PLAN["precision"] == "fp16",
+        gradient_checkpointing=full,
+        deepspeed=os.path.join(HERE, PLAN["deepspeed"]) if PLAN["deepspeed"] else None,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=packed_dataset(tokenizer, args),
+                      data_collator=default_data_collator, callbacks=callbacks)
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
+)PY";
+
+// The executor's closest strategy to the row's (it runs DDP and ZeRO; FSDP's placements map to
+// the ZeRO stage that shards the same states).
+planner::Stage twin_stage(planner::Stage s) {
+  using planner::Stage;
+  switch (s) {
+    case Stage::fsdp_full_shard: case Stage::fsdp_hybrid_shard: return Stage::zero3;
+    case Stage::fsdp_shard_grad_op: return Stage::zero2;
+    case Stage::fsdp_no_shard: return Stage::ddp;
+    default: return s;
+  }
+}
+
+std::string twin_line(const planner::Candidate& row) {
+  const auto& in = row.input;
+  const auto& t = in.training;
+  const auto& s = in.strategy;
+  std::string line = fmt::format("peftplan run --model tiny-llama-4l --strategy {} --gpus {} --micro-batch {} --grad-accum {} --seq-len 128 --checkpointing {}",
+                                 name_of(twin_stage(s.stage)), std::min(s.ranks, 4), t.micro_batch, t.grad_accum,
+                                 planner::name_of(planner::CheckpointChoice{t.checkpointing, t.checkpoint_every}));
+  if (!in.peft.adapters.empty() && in.peft.adapters[0].type == models::PeftType::lora) {
+    const auto& l = in.peft.adapters[0].lora;
+    line += fmt::format(" --lora-r {} --lora-alpha {:g}", l.r, l.alpha);
+    if (l.targets.kind == models::ModuleSelector::Kind::list) line += fmt::format(" --lora-targets {}", fmt::join(l.targets.names, ","));
+    else if (l.targets.kind == models::ModuleSelector::Kind::all_linear) line += " --lora-targets all-linear";
+  }
+  if (s.offload_optimizer == planner::OffloadDevice::cpu || (planner::is_fsdp(s.stage) && s.offload_param == planner::OffloadDevice::cpu))
+    line += " --offload-optimizer cpu";
+  if (s.offload_param == planner::OffloadDevice::cpu) line += " --offload-param cpu";
+  return line;
+}
+
+}  // namespace
+
+std::string train_py(const planner::Candidate& row, const std::string& model_id, bool deepspeed) {
+  const auto& in = row.input;
+  const auto& t = in.training;
+  std::string s(kTrainPy);
+  const std::string precision = t.precision == planner::Precision::fp16_mixed ? "fp16" : std::string(name_of(t.precision));
+  std::string quant = "None";
+  if (in.peft.quantization)
+    quant = fmt::format("{{\"quant_type\": \"{}\", \"double_quant\": {}}}", name_of(in.peft.quantization->dtype), py_bool(in.peft.quantization->double_quant));
+  replace_all(s, "@MODEL_ID@", model_id);
+  replace_all(s, "@FAMILY@", row.family);
+  replace_all(s, "@MB@", std::to_string(t.micro_batch));
+  replace_all(s, "@ACCUM@", std::to_string(t.grad_accum));
+  replace_all(s, "@GPUS@", std::to_string(in.strategy.ranks));
+  replace_all(s, "@CKPT@", planner::name_of(planner::CheckpointChoice{t.checkpointing, t.checkpoint_every}));
+  replace_all(s, "@SEQ@", std::to_string(t.seq_len));
+  replace_all(s, "@PRECISION@", precision);
+  replace_all(s, "@PROFILE@", name_of(in.profile));
+  replace_all(s, "@ATTN@", name_of(t.attention));
+  replace_all(s, "@DS@", deepspeed ? "\"ds_config.json\"" : "None");
+  replace_all(s, "@QUANT@", quant);
+  replace_all(s, "@FULL@", py_bool(in.peft.adapters.empty()));
+  replace_all(s, "@LR@", fmt::format("{:g}", t.lr));
+  replace_all(s, "@WD@", fmt::format("{:g}", t.weight_decay));
+  return s;
+}
+
+void emit_launch_files(const std::filesystem::path& dir, const planner::Candidate& row, const ResolvedPlan& base, const std::string& model_arg) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw InputError(fmt::format("--emit {}: the folder cannot be made ({})", dir.string(), ec.message()));
+  planner::PlanInput in = row.input;
+  in.training.eval_batch = base.input.training.eval_batch;  // the search planned without the evaluation peak
+  const sim::Cluster cluster = planner::cluster_for_gpus(base.cluster, in.strategy.ranks);
+  const std::int32_t per_node = std::max(1, cluster.gpus_per_node);
+  const std::int32_t machines = (in.strategy.ranks + per_node - 1) / per_node;
+  const std::int32_t procs_per_machine = std::min(in.strategy.ranks, per_node);
+  const bool deepspeed = in.profile != planner::RuntimeProfile::hf;
+  const std::string model_id = model_id_for(model_arg);
+
+  planner::PlanFile pf;
+  pf.input = in;
+  pf.model_source = planner::model_source_for(model_arg);
+  pf.cluster = cluster;
+  planner::write_plan_file(dir / "plan.json", pf);
+  if (deepspeed) {
+    write_text_atomic(dir / "ds_config.json", planner::write_ds_config(in.strategy, in.training).dump(2) + "\n");
+    // accelerate's DeepSpeed launch config: the ds_config file carries every ZeRO setting.
+    write_text_atomic(dir / "accelerate_config.yaml",
+                      fmt::format("# accelerate launch --config_file accelerate_config.yaml train.py (written by peftplan recommend)\n"
+                                  "compute_environment: LOCAL_MACHINE\n"
+                                  "distributed_type: DEEPSPEED\n"
+                                  "deepspeed_config:\n"
+                                  "  deepspeed_config_file: ds_config.json\n"
+                                  "  zero3_init_flag: {}\n"
+                                  "machine_rank: 0\n"
+                                  "main_training_function: main\n"
+                                  "num_machines: {}\n"
+                                  "num_processes: {}\n"
+                                  "rdzv_backend: static\n"
+                                  "same_network: true\n"
+                                  "use_cpu: false\n",
+                                  in.strategy.stage == planner::Stage::zero3 ? "true" : "false", machines, in.strategy.ranks));
+  } else {
+    write_text_atomic(dir / "accelerate_config.yaml", planner::write_accelerate_config(in.strategy, in.training, machines));
+  }
+  if (!in.peft.adapters.empty() && in.peft.adapters[0].type == models::PeftType::lora) {
+    // PEFT's save_pretrained writes inference_mode true (the adapter as saved for inference);
+    // a config to train from says false, or get_peft_model would freeze the adapter.
+    nlohmann::json a = models::lora_adapter_config(in.peft.adapters[0], model_id);
+    a["inference_mode"] = false;
+    write_text_atomic(dir / "adapter_config.json", a.dump(2) + "\n");
+  }
+  write_text_atomic(dir / "train.py", train_py(row, model_id, deepspeed));
+
+  std::string sh = fmt::format(
+      "#!/bin/sh\n"
+      "# Launch lines for {family} on {gpus} GPU(s) ({machines} machine(s) x {ppm}), written by peftplan recommend.\n"
+      "# Run from this folder; pass the data to train.py (--data FILE or --dataset NAME). On several machines run the\n"
+      "# same line on each with MACHINE_RANK=0..{last} and MAIN_ADDR set to machine 0's address.\n"
+      "set -e\n"
+      "cd \"$(dirname \"$0\")\"\n"
+      "MACHINE_RANK=${{MACHINE_RANK:-0}}\n"
+      "MAIN_ADDR=${{MAIN_ADDR:-127.0.0.1}}\n"
+      "case \"${{1:-accelerate}}\" in\n"
+      "  accelerate) [ $# -gt 0 ] && shift\n"
+      "    exec accelerate launch --config_file accelerate_config.yaml --num_machines {machines} --num_processes {gpus} \\\n"
+      "      --machine_rank \"$MACHINE_RANK\" --main_process_ip \"$MAIN_ADDR\" --main_process_port 29500 train.py \"$@\" ;;\n",
+      fmt::arg("family", row.family), fmt::arg("gpus", in.strategy.ranks), fmt::arg("machines", machines), fmt::arg("ppm", procs_per_machine),
+      fmt::arg("last", machines - 1));
+  if (deepspeed)
+    sh += fmt::format("  deepspeed) shift\n"
+                      "    exec deepspeed --num_nodes {} --num_gpus {} --node_rank \"$MACHINE_RANK\" --master_addr \"$MAIN_ADDR\" --master_port 29500 \\\n"
+                      "      train.py \"$@\" ;;\n",
+                      machines, procs_per_machine);
+  sh += fmt::format("  torchrun) shift\n"
+                    "    exec torchrun --nnodes {} --nproc_per_node {} --node_rank \"$MACHINE_RANK\" --master_addr \"$MAIN_ADDR\" --master_port 29500 \\\n"
+                    "      train.py \"$@\" ;;\n",
+                    machines, procs_per_machine);
+  sh += fmt::format(
+      "  twin) shift\n"
+      "    # A scaled-down twin on this machine, run by peftplan's own executor: the same strategy family and offload, the\n"
+      "    # same micro-batch, accumulation and checkpointing, a tiny Llama of {} ranks, on the CPU over MPI. It checks that\n"
+      "    # the plan's memory walk and step program hold for this placement; it does not check the real model's size,\n"
+      "    # GPU kernels, NCCL, bf16, or what transformers, PEFT, DeepSpeed and FSDP add outside the program{}.\n"
+      "    exec {} \"$@\" ;;\n"
+      "  *) echo \"usage: $0 [accelerate|{}torchrun|twin] [train.py arguments]\" >&2; exit 2 ;;\n"
+      "esac\n",
+      std::min(in.strategy.ranks, 4), planner::is_fsdp(in.strategy.stage) ? " (an FSDP row runs as the ZeRO stage that shards the same states)" : "",
+      twin_line(row), deepspeed ? "deepspeed|" : "");
+  write_text_atomic(dir / "launch.sh", sh);
+  std::filesystem::permissions(dir / "launch.sh", std::filesystem::perms::owner_exec | std::filesystem::perms::group_exec | std::filesystem::perms::others_exec,
+                               std::filesystem::perm_options::add, ec);
+}
+
+}  // namespace peftplan::cli

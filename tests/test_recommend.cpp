@@ -1,0 +1,444 @@
+// The recommender: the seed's guidance (shared/seed/000_88f215ce6d2ee72f.txt, "Choosing a
+// strategy") as orderings and reasons, not magic numbers; every row equal to make_plan of its
+// input; the search's own rules (the largest micro-batch that fits, the global batch, the GPU
+// list, the Pareto front); and the CLI around it (ranges, --emit, bad input).
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cli_run.h"
+#include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
+#include "peftplan/planner/ds_config.h"
+#include "peftplan/planner/recommend.h"
+#include "peftplan/sim/cluster.h"
+
+namespace {
+
+using namespace peftplan;
+using namespace peftplan::planner;
+
+PlanInput lora(const std::string& model, std::int64_t r, std::int64_t seq, const std::string& targets = "") {
+  PlanInput in;
+  in.model = models::load_model(model);
+  models::AdapterSpec a;
+  a.type = models::PeftType::lora;
+  a.lora.r = r;
+  a.lora.alpha = static_cast<double>(r);
+  if (targets == "all-linear") a.lora.targets.kind = models::ModuleSelector::Kind::all_linear;
+  in.peft.adapters.push_back(a);
+  in.training.seq_len = seq;
+  in.training.precision = Precision::bf16_mixed;
+  in.training.attention = Attention::flash;
+  in.profile = RuntimeProfile::deepspeed;
+  return in;
+}
+
+Recommendation search(PlanInput in, const std::string& cluster, SearchSpace space = {}, Objective o = Objective::tokens_per_s) {
+  const sim::Cluster c = sim::resolve_cluster(cluster);
+  in.strategy.ranks = sim::total_gpus(c);
+  return recommend(in, c, space, Constraints{}, o);
+}
+
+bool shards_base(const Candidate& c) { return shards_params(c.input.strategy.stage); }
+
+const Rejection& rejected(const Recommendation& r, const std::string& family) {
+  for (const auto& x : r.rejected)
+    if (x.family == family) return x;
+  throw std::runtime_error("no rejection for " + family);
+}
+
+// Seed: "If the base model fits comfortably on each GPU: ZeRO-1 or ZeRO-2 are often the best
+// choices ... without the parameter-gathering communication overhead of ZeRO-3."
+TEST(Recommend, SevenBillionLoraOnEightA100sPrefersAnUnshardedBase) {
+  const Recommendation r = search(lora("llama-2-7b", 16, 4096), "8xA100-80GB");
+  ASSERT_FALSE(r.ranked.empty());
+  const Candidate& top = r.ranked.front();
+  EXPECT_FALSE(shards_base(top)) << top.family;
+  // The best ZeRO-3 row ranks below the best DDP / ZeRO-1 / ZeRO-2 row.
+  const auto first = [&](auto pred) {
+    return std::find_if(r.ranked.begin(), r.ranked.end(), pred) - r.ranked.begin();
+  };
+  const auto zero3 = first([](const Candidate& c) { return c.input.strategy.stage == Stage::zero3; });
+  const auto light = first([](const Candidate& c) { return !shards_params(c.input.strategy.stage); });
+  EXPECT_LT(light, zero3);
+  EXPECT_NE(top.reason.find("base (12.6 GiB) fits on every GPU"), std::string::npos) << top.reason;
+  EXPECT_NE(top.reason.find("zero3 would all-gather"), std::string::npos) << top.reason;
+  EXPECT_NE(top.reason.find("you do not need"), std::string::npos) << top.reason;
+}
+
+// Seed: "If the base model does not fit on a single GPU: ZeRO-3 becomes necessary."
+TEST(Recommend, SeventyBillionBf16NeedsZeroThree) {
+  const Recommendation r = search(lora("llama-2-70b", 16, 4096), "8xA100-80GB");
+  ASSERT_FALSE(r.ranked.empty());
+  EXPECT_EQ(r.ranked.front().input.strategy.stage, Stage::zero3) << r.ranked.front().family;
+  for (const char* f : {"ddp", "zero1", "zero2"}) {
+    const Rejection& x = rejected(r, f);
+    EXPECT_FALSE(x.fits) << f;
+    EXPECT_NE(x.reason.find("does not fit"), std::string::npos) << x.reason;
+    EXPECT_NE(x.reason.find("base_weights"), std::string::npos) << x.reason;
+    EXPECT_NE(x.reason.find("short by"), std::string::npos) << x.reason;
+    ASSERT_TRUE(x.best);
+    EXPECT_LT(x.best->spare_bytes, 0);  // the shortfall the reason names
+  }
+  EXPECT_NE(r.ranked.front().reason.find("forced by memory: ddp"), std::string::npos) << r.ranked.front().reason;
+}
+
+// Seed: "Slower networks (e.g., Ethernet) make ZeRO-3 less appealing unless absolutely necessary"
+// and ZeRO-3's "significant communication overhead ... especially on slower network interconnects".
+TEST(Recommend, SeventyBillionOverTenGigabitEthernetNamesTheCommunication) {
+  const Recommendation r = search(lora("llama-2-70b", 16, 4096), "2x8xA100-80GB-10GbE");
+  ASSERT_FALSE(r.ranked.empty());
+  const Candidate& top = r.ranked.front();
+  EXPECT_EQ(top.input.strategy.stage, Stage::zero3);
+  EXPECT_NE(top.reason.find("exposed communication is the dominant cost"), std::string::npos) << top.reason;
+  EXPECT_GT(top.exposed_comm_s, top.compute_s);
+  // Alternatives that move less over the slow link, each with its numbers.
+  auto offered = [&](const std::string& what) {
+    return std::any_of(r.alternatives.begin(), r.alternatives.end(), [&](const Alternative& a) { return a.what.find(what) != std::string::npos; });
+  };
+  EXPECT_TRUE(offered("a quantised base")) << r.summary;
+  EXPECT_TRUE(offered("fewer nodes"));
+  for (const auto& a : r.alternatives) EXPECT_NE(a.what.find("tokens/s"), std::string::npos) << a.what;
+  // A quantised base gathers a quarter of the bytes or less.
+  for (const auto& a : r.alternatives)
+    if (a.what.find("quantised") != std::string::npos) EXPECT_LT(a.candidate.gathered_bytes, top.gathered_bytes / 3);
+}
+
+// Seed: "Limited memory favors ZeRO stages, potentially with CPU offloading."
+TEST(Recommend, NineBillionOnFourRtx4090sSaysWhatForcedIt) {
+  const Recommendation r = search(lora("gemma-2-9b", 16, 2048), "4xRTX4090-PCIe");
+  ASSERT_FALSE(r.ranked.empty());
+  const Candidate& top = r.ranked.front();
+  const bool heavy = shards_base(top) || top.input.strategy.offload_optimizer == OffloadDevice::cpu ||
+                     top.input.training.checkpointing != Checkpointing::none;
+  EXPECT_TRUE(heavy) << top.family;
+  EXPECT_NE(top.reason.find("forced by memory"), std::string::npos) << top.reason;
+  EXPECT_FALSE(rejected(r, "ddp").fits);
+}
+
+// Seed: "ZeRO-1 ... reduce[s] memory from optimizer states"; with PEFT they are small, unless the
+// adapter is large: a rank-1024 adapter on every Linear makes the saving what decides.
+TEST(Recommend, LargeAdapterMakesOptimizerSharding) {
+  const Recommendation big = search(lora("llama-2-7b", 1024, 2048, "all-linear"), "8xA100-80GB");
+  ASSERT_FALSE(big.ranked.empty());
+  const Candidate& top = big.ranked.front();
+  EXPECT_NE(top.input.strategy.stage, Stage::ddp);
+  EXPECT_NE(top.reason.find("optimizer_states"), std::string::npos) << top.reason;
+  EXPECT_NE(rejected(big, "ddp").reason.find("optimizer_states"), std::string::npos) << rejected(big, "ddp").reason;
+  // With a rank-16 adapter on q and v the states are small and nothing says so.
+  const Recommendation small = search(lora("llama-2-7b", 16, 2048), "8xA100-80GB");
+  EXPECT_EQ(small.ranked.front().reason.find("optimizer_states"), std::string::npos) << small.ranked.front().reason;
+}
+
+// Every row is what `plan` says for its input: the same bytes per category and the same time.
+TEST(Recommend, RowsAreMakePlan) {
+  const sim::Cluster c = sim::resolve_cluster("8xA100-80GB");
+  PlanInput in = lora("llama-2-13b", 16, 2048);
+  in.strategy.ranks = 8;
+  const Recommendation r = recommend(in, c, {}, Constraints{}, Objective::tokens_per_s);
+  ASSERT_GT(r.ranked.size(), 10u);
+  for (std::size_t i = 0; i < r.ranked.size(); i += 7) {
+    const Candidate& row = r.ranked[i];
+    const Plan p = make_plan(row.input, c);
+    EXPECT_EQ(row.used_peak_bytes, p.used_peak_bytes) << row.family;
+    EXPECT_EQ(row.allocated_peak_bytes, p.memory.device_peak_bytes);
+    EXPECT_EQ(row.at_peak_bytes, p.memory.at_peak_bytes);
+    ASSERT_TRUE(p.time);
+    EXPECT_DOUBLE_EQ(row.step_s, p.time->step_s);
+    EXPECT_TRUE(p.fits);
+  }
+}
+
+// The micro-batch search finds the largest that fits: one more does not.
+TEST(Recommend, LargestMicroBatchIsTheLargestThatFits) {
+  const sim::Cluster c = sim::resolve_cluster("8xA100-80GB");
+  PlanInput in = lora("llama-2-7b", 16, 4096);
+  in.strategy.ranks = 8;
+  SearchSpace s;
+  s.stages = {Stage::ddp};
+  s.checkpointing = {{Checkpointing::none, 1}};
+  const Recommendation r = recommend(in, c, s, Constraints{}, Objective::tokens_per_s);
+  std::int64_t largest = 0;
+  for (const auto& row : r.ranked) largest = std::max(largest, row.input.training.micro_batch);
+  ASSERT_GT(largest, 0);
+  PlanInput more = r.ranked.front().input;
+  more.training.micro_batch = largest + 1;
+  EXPECT_FALSE(make_plan(more, c).fits);
+  // 1, 2, 4, ... up to it, and it.
+  std::vector<std::int64_t> mbs;
+  for (const auto& row : r.ranked) mbs.push_back(row.input.training.micro_batch);
+  std::sort(mbs.begin(), mbs.end());
+  EXPECT_EQ(mbs.front(), 1);
+  EXPECT_EQ(mbs.back(), largest);
+}
+
+TEST(Recommend, GlobalBatchSetsTheAccumulation) {
+  const sim::Cluster c = sim::resolve_cluster("8xA100-80GB");
+  PlanInput in = lora("llama-2-7b", 16, 2048);
+  in.strategy.ranks = 8;
+  SearchSpace s;
+  s.global_batch = 64;
+  s.gpus = {4, 8};
+  const Recommendation r = recommend(in, c, s, Constraints{}, Objective::tokens_per_s);
+  ASSERT_FALSE(r.ranked.empty());
+  for (const auto& row : r.ranked)
+    EXPECT_EQ(row.input.training.micro_batch * row.input.training.grad_accum * row.input.strategy.ranks, 64) << row.family;
+}
+
+TEST(Recommend, GpuListGrowsTheClusterByNodes) {
+  const sim::Cluster c = sim::resolve_cluster("2x8xH100-SXM-NDR");
+  EXPECT_EQ(cluster_for_gpus(c, 8).nodes, 2);  // fits in the cluster as it is
+  const sim::Cluster big = cluster_for_gpus(c, 64);
+  EXPECT_EQ(big.nodes, 8);
+  EXPECT_EQ(big.gpus_per_node, 8);
+  EXPECT_THROW(cluster_for_gpus(sim::resolve_cluster("8xA100-80GB"), 16), InputError);  // one node, no network
+}
+
+TEST(Recommend, ParetoFrontIsNotDominated) {
+  const Recommendation r = search(lora("llama-2-13b", 16, 2048), "8xA100-80GB");
+  std::size_t front = 0;
+  for (const auto& a : r.ranked) {
+    bool dominated = false;
+    for (const auto& b : r.ranked)
+      dominated |= b.used_peak_bytes <= a.used_peak_bytes && b.tokens_per_s >= a.tokens_per_s &&
+                   (b.used_peak_bytes < a.used_peak_bytes || b.tokens_per_s > a.tokens_per_s);
+    EXPECT_EQ(a.pareto, !dominated) << a.family << " mb " << a.input.training.micro_batch;
+    front += a.pareto;
+  }
+  EXPECT_GE(front, 2u);
+}
+
+TEST(Recommend, ObjectivesOrderTheRows) {
+  SearchSpace s;
+  s.gpus = {2, 4, 8};
+  const Recommendation g = search(lora("llama-2-7b", 16, 2048), "8xA100-80GB", s, Objective::gpus);
+  ASSERT_FALSE(g.ranked.empty());
+  EXPECT_EQ(g.ranked.front().input.strategy.ranks, 2);
+  const Recommendation m = search(lora("llama-2-7b", 16, 2048), "8xA100-80GB", s, Objective::memory);
+  for (std::size_t i = 1; i < m.ranked.size(); ++i) EXPECT_LE(m.ranked[i - 1].used_peak_bytes, m.ranked[i].used_peak_bytes);
+  // Cost per million tokens: the catalog's A100-80GB price, GPU-hours per token.
+  const Recommendation c = search(lora("llama-2-7b", 16, 2048), "8xA100-80GB", s, Objective::cost);
+  ASSERT_TRUE(c.ranked.front().cost_per_mtok_usd);
+  const Candidate& top = c.ranked.front();
+  EXPECT_NEAR(*top.cost_per_mtok_usd, 2.45 * top.input.strategy.ranks / 3600.0 / top.tokens_per_s * 1e6, 1e-9);
+  for (std::size_t i = 1; i < c.ranked.size(); ++i) EXPECT_LE(*c.ranked[i - 1].cost_per_mtok_usd, *c.ranked[i].cost_per_mtok_usd);
+}
+
+TEST(Recommend, NothingFitsNamesTheSmallestShortfall) {
+  SearchSpace s;
+  s.gpus = {1};
+  s.offload = false;
+  const Recommendation r = search(lora("llama-2-70b", 16, 4096), "8xA100-80GB", s);
+  EXPECT_TRUE(r.ranked.empty());
+  EXPECT_NE(r.summary.find("nothing fits: the closest is"), std::string::npos) << r.summary;
+  EXPECT_NE(r.summary.find("short by"), std::string::npos);
+  EXPECT_NE(r.summary.find("more GPUs"), std::string::npos);
+  EXPECT_NE(r.summary.find("--quant nf4"), std::string::npos);
+}
+
+TEST(Recommend, ContradictionsAreInputErrors) {
+  const sim::Cluster c = sim::resolve_cluster("8xA100-80GB");
+  PlanInput in = lora("llama-2-7b", 16, 2048);
+  in.strategy.ranks = 8;
+  SearchSpace s;
+  s.gpus = {8};
+  Constraints k;
+  k.max_gpus = 4;
+  EXPECT_THROW(recommend(in, c, s, k, Objective::tokens_per_s), InputError);  // --max-gpus below every count
+  SearchSpace g;
+  g.global_batch = 4;  // below one sequence per GPU on 8 GPUs
+  EXPECT_THROW(recommend(in, c, g, Constraints{}, Objective::tokens_per_s), InputError);
+  SearchSpace st;
+  st.stages = {Stage::fsdp_full_shard};  // the deepspeed profile plans no FSDP
+  EXPECT_THROW(recommend(in, c, st, Constraints{}, Objective::tokens_per_s), InputError);
+  sim::Cluster nop = c;
+  nop.gpu.cost_per_hour_usd.reset();
+  EXPECT_THROW(recommend(in, nop, {}, Constraints{}, Objective::cost), InputError);
+}
+
+// --- the command ------------------------------------------------------------------------------
+
+using peftplan::testing::run_cli;
+
+TEST(RecommendCli, RangesAndBadInput) {
+  struct Case {
+    std::string args, expect;
+  };
+  const std::string base = "recommend --model llama-2-7b --lora-r 16 --cluster 8xA100-80GB ";
+  const Case cases[] = {
+      {base + "--gpus 8..2", "--gpus: range 8..2 runs backwards"},
+      {base + "--gpus 1..8:x1", "--gpus: a range's factor xF must be at least 2"},
+      {base + "--gpus 2,,4", "--gpus: must be a comma list with no empty entries"},
+      {base + "--gpus abc", "--gpus: must be a comma list of positive integers or ranges"},
+      {base + "--gpus 16", "--gpus: must not exceed the cluster's 8 GPUs"},
+      {base + "--strategy zero4", "--strategy: must be a comma list of ddp, zero1"},
+      {base + "--checkpointing every-0", "--checkpointing: must be a comma list of none, full and every-K"},
+      {base + "--objective speed", "--objective: must be one of tokens-per-s, gpus, cost, memory"},
+      {base + "--max-gpus 4", "--max-gpus: leaves no GPU count of --gpus to search"},
+      {base + "--global-batch 4", "--global-batch 4 with --min-micro-batch 1"},
+      {base + "--strategy fsdp-full-shard", "the search space is empty"},
+  };
+  for (const auto& c : cases) {
+    const auto r = run_cli(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  }
+}
+
+TEST(RecommendCli, JsonAndExitCodes) {
+  auto r = run_cli("recommend --model llama-2-7b --lora-r 16 --cluster 8xA100-80GB --gpus 2,4..8:x2 --top 3 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["schema"], "peftplan.recommendation/1");
+  EXPECT_EQ(j["ranked"].size(), 3u);
+  for (const char* k : {"strategy", "micro_batch", "grad_accum", "checkpointing", "gpus", "used_peak_bytes", "spare_bytes", "step_s", "tokens_per_s",
+                        "exposed_comm_s", "mfu", "cost_per_million_tokens_usd", "pareto", "reason"})
+    EXPECT_TRUE(j["ranked"][0].contains(k)) << k;
+  EXPECT_FALSE(j["rejected"].empty());
+  // Nothing fits: exit code 1.
+  r = run_cli("recommend --model llama-2-70b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --gpus 1 --no-offload");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("nothing fits"), std::string::npos) << r.out;
+}
+
+// --emit: the files a user launches, consistent with the row.
+TEST(RecommendCli, EmitWritesLaunchFilesThatReadBack) {
+  const auto dir = std::filesystem::temp_directory_path() / ("peftplan-emit-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto r = run_cli("recommend --model llama-2-70b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --emit " + dir.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* f : {"plan.json", "ds_config.json", "accelerate_config.yaml", "adapter_config.json", "train.py", "launch.sh"})
+    EXPECT_TRUE(std::filesystem::exists(dir / f)) << f;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
+  // train.py compiles.
+  EXPECT_EQ(std::system(("python3 -m py_compile " + (dir / "train.py").string()).c_str()), 0);
+  // The ds_config reads back into the same plan: `plan --ds-config` gives #1's numbers.
+  auto j = nlohmann::json::parse(run_cli("recommend --model llama-2-70b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --top 1 --json").out);
+  const auto& top = j["ranked"][0];
+  auto p = run_cli("plan --model llama-2-70b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --eval-batch 0 --checkpointing " +
+                   top["checkpointing"].get<std::string>() + " --ds-config " + (dir / "ds_config.json").string() + " --json");
+  ASSERT_EQ(p.code, 0) << p.out;
+  const auto pj = nlohmann::json::parse(p.out);
+  EXPECT_EQ(pj["strategy"], top["strategy"]);
+  EXPECT_EQ(pj["memory"]["device"]["used_peak_bytes"], top["used_peak_bytes"]);
+  EXPECT_DOUBLE_EQ(pj["time"]["step_s"].get<double>(), top["step_s"].get<double>());
+  // adapter_config.json is PEFT's format, ready to train from.
+  std::ifstream a(dir / "adapter_config.json");
+  const auto aj = nlohmann::json::parse(a);
+  EXPECT_EQ(aj["peft_type"], "LORA");
+  EXPECT_EQ(aj["r"], 16);
+  EXPECT_EQ(aj["inference_mode"], false);
+  EXPECT_EQ(aj["base_model_name_or_path"], "meta-llama/Llama-2-70b-hf");
+  // launch.sh: a shell script with the three launchers and the twin.
+  std::ifstream l(dir / "launch.sh");
+  const std::string sh((std::istreambuf_iterator<char>(l)), std::istreambuf_iterator<char>());
+  for (const char* s : {"accelerate launch --config_file accelerate_config.yaml", "deepspeed --num_nodes 1 --num_gpus 8", "torchrun --nnodes 1",
+                        "peftplan run --model tiny-llama-4l --strategy zero3"})
+    EXPECT_NE(sh.find(s), std::string::npos) << s;
+  EXPECT_EQ(std::system(("sh -n " + (dir / "launch.sh").string()).c_str()), 0);
+  std::filesystem::remove_all(dir);
+}
+
+// An FSDP row (--profile hf) emits accelerate's FSDP YAML, which reads back as the same strategy.
+TEST(RecommendCli, EmitFsdpWritesTheAccelerateYaml) {
+  const auto dir = std::filesystem::temp_directory_path() / ("peftplan-emit-fsdp-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto r = run_cli("recommend --profile hf --model llama-2-70b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --strategy fsdp-full-shard "
+                   "--no-offload --emit " + dir.string() + " --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto top = nlohmann::json::parse(r.out)["ranked"][0];
+  EXPECT_FALSE(std::filesystem::exists(dir / "ds_config.json"));
+  auto p = run_cli("plan --model llama-2-70b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --eval-batch 0 --micro-batch " +
+                   std::to_string(top["micro_batch"].get<int>()) + " --checkpointing " + top["checkpointing"].get<std::string>() +
+                   " --accelerate-config " + (dir / "accelerate_config.yaml").string() + " --json");
+  ASSERT_EQ(p.code, 0) << p.out;
+  const auto pj = nlohmann::json::parse(p.out);
+  EXPECT_EQ(pj["strategy"], "fsdp-full-shard");
+  EXPECT_EQ(pj["memory"]["device"]["used_peak_bytes"], top["used_peak_bytes"]);
+  EXPECT_EQ(std::system(("python3 -m py_compile " + (dir / "train.py").string()).c_str()), 0);
+  std::filesystem::remove_all(dir);
+}
+
+// --- sweep ------------------------------------------------------------------------------------
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  for (std::size_t nl; (nl = text.find('\n', at)) != std::string::npos; at = nl + 1) out.push_back(text.substr(at, nl - at));
+  return out;
+}
+
+TEST(SweepCli, GridRowsAreThePlans) {
+  const auto r = run_cli("sweep --model llama-2-7b --lora-r 16 --strategy ddp,zero3 --micro-batch 1..4:x2 --offload-param none,cpu --format jsonl");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto lines = lines_of(r.out);
+  ASSERT_EQ(lines.size(), 2u * 3u * 2u);  // strategy x micro-batch x offload-param, the last varying fastest
+  const auto first = nlohmann::json::parse(lines[0]);
+  EXPECT_EQ(first["schema"], "peftplan.sweep/1");
+  EXPECT_EQ(first["--strategy"], "ddp");
+  EXPECT_EQ(first["--micro-batch"], "1");
+  EXPECT_EQ(first["--offload-param"], "none");
+  EXPECT_EQ(nlohmann::json::parse(lines[1])["--offload-param"], "cpu");
+  // ddp with parameter offload is refused by the planner: a row with its error, not a failed sweep.
+  EXPECT_NE(nlohmann::json::parse(lines[1])["error"].get<std::string>().find("--offload-param cpu: parameter offload needs sharded parameters"),
+            std::string::npos);
+  EXPECT_TRUE(nlohmann::json::parse(lines[1])["used_peak_bytes"].is_null());
+  // A row holds what plan --json says for the same flags.
+  const auto row = nlohmann::json::parse(lines[2 * 3 + 2 * 1 + 1]);  // zero3, micro-batch 2, offload cpu
+  EXPECT_EQ(row["--strategy"], "zero3");
+  EXPECT_EQ(row["--micro-batch"], "2");
+  const auto p = nlohmann::json::parse(run_cli("plan --model llama-2-7b --lora-r 16 --strategy zero3 --micro-batch 2 --offload-param cpu --json").out);
+  EXPECT_EQ(row["used_peak_bytes"], p["memory"]["device"]["used_peak_bytes"]);
+  EXPECT_EQ(row["activations_bytes"], p["memory"]["device"]["activations_bytes"]);
+  EXPECT_EQ(row["all_gather_bytes"], p["comm"]["all_gather_bytes"]);
+  EXPECT_DOUBLE_EQ(row["step_s"].get<double>(), p["time"]["step_s"].get<double>());
+}
+
+TEST(SweepCli, CsvHasASchemaCommentAndStableColumns) {
+  const auto dir = std::filesystem::temp_directory_path() / ("peftplan-sweep-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto out = dir / "grid.csv";
+  auto r = run_cli("sweep --model llama-2-7b --lora-r 8,16 --seq-len 1024..4096:x2 --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ifstream f(out);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto lines = lines_of(text);
+  ASSERT_EQ(lines.size(), 2u + 2u * 3u);
+  EXPECT_EQ(lines[0].rfind("# peftplan.sweep/1: ", 0), 0u) << lines[0];
+  EXPECT_EQ(lines[1].rfind("--lora-r,--seq-len,model,strategy,ranks,profile,cluster,fits,base_weights_bytes,", 0), 0u) << lines[1];
+  EXPECT_EQ(lines[2].rfind("8,1024,llama-2-7b,ddp,8,", 0), 0u) << lines[2];
+  EXPECT_EQ(lines.back().rfind("16,4096,", 0), 0u) << lines.back();
+  for (const auto& e : std::filesystem::directory_iterator(dir)) EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos);
+  std::filesystem::remove_all(dir);
+  // The same header whatever the values.
+  const auto again = lines_of(run_cli("sweep --model llama-2-13b --lora-r 4,32 --seq-len 512,8192").out);
+  EXPECT_EQ(again[1], lines[1]);
+}
+
+TEST(SweepCli, BadGridsAreInputErrors) {
+  struct Case {
+    std::string args, expect;
+  };
+  const Case cases[] = {
+      {"sweep --micro-batch 4..1", "--micro-batch: range 4..1 runs backwards"},
+      {"sweep --micro-batch 1..2:x", "--micro-batch: must be a comma list of positive integers or ranges"},
+      {"sweep --no-such-flag 3", "sweep: --no-such-flag is not a plan flag"},
+      {"sweep --strategy ddp,,zero3", "--strategy: must be a comma list with no empty entries"},
+      {"sweep --format xml", "--format: must be csv or jsonl"},
+      {"sweep --seq-len 1..2000000", "--seq-len: lists more than 4096 values"},
+      {"sweep --micro-batch", "sweep: --micro-batch needs a value"},
+  };
+  for (const auto& c : cases) {
+    const auto r = run_cli(c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
+  }
+}
+
+}  // namespace
