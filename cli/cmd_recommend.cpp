@@ -72,7 +72,7 @@ void print_text(const planner::Recommendation& r, const ResolvedPlan& rp, const 
                  c.input.strategy.ranks, to_gib(c.used_peak_bytes), static_cast<double>(c.spare_bytes) / static_cast<double>(1ull << 30), c.step_s,
                  with_commas(static_cast<std::int64_t>(c.tokens_per_s + 0.5)), c.exposed_comm_s, 100 * c.mfu, price(c.cost_per_mtok_usd));
     }
-    fmt::print("(* on the Pareto front of memory in use against tokens/s; GiB use: what nvidia-smi would show per GPU; spare: after the headroom)\n");
+    fmt::print("(* on the Pareto front: no other row is both smaller in use and faster; GiB use: what nvidia-smi would show per GPU; spare: after the headroom)\n");
     fmt::print("\nwhy #1: {}\n", r.ranked[0].reason);
     if (r.ranked.size() > 1) {
       fmt::print("the next rows:\n");

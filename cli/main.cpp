@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   peftplan::cli::add_plan_command(app, exit_code);
   peftplan::cli::add_recommend_command(app, exit_code);
   peftplan::cli::add_sweep_command(app, exit_code);
+  peftplan::cli::add_explain_command(app, exit_code);
   peftplan::cli::add_clusters_command(app, exit_code);
   peftplan::cli::add_estimate_command(app, exit_code);
   peftplan::cli::add_calibrate_command(app, exit_code);

@@ -648,8 +648,8 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
   for (std::size_t i = 1; i < r.ranked.size(); ++i) {
     Candidate& c = r.ranked[i];
     if (objective == Objective::tokens_per_s && tied(c, top, fastest)) {
-      c.reason = fmt::format("as fast as #1 (within 1% of the fastest row: {:+.2f}% against #1), ranked below as {}; {} to spare", 100 * (c.tokens_per_s / top.tokens_per_s - 1),
-                             complexity(c) > complexity(top) ? "it shards or offloads more" : "a tie ranked by tokens/s", gib_signed(c.spare_bytes));
+      c.reason = fmt::format("as fast as #1 ({:+.2f}%, within the 1% the time model resolves){}; {} to spare", 100 * (c.tokens_per_s / top.tokens_per_s - 1),
+                             complexity(c) > complexity(top) ? " but shards or offloads more" : "", gib_signed(c.spare_bytes));
     } else if (objective == Objective::tokens_per_s || c.tokens_per_s < top.tokens_per_s) {
       c.reason = fmt::format("{:.1f}% fewer tokens/s than #1: {}; {} to spare", 100 * (1 - c.tokens_per_s / top.tokens_per_s), slower_because(c, top),
                              gib_signed(c.spare_bytes));
@@ -657,7 +657,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
       c.reason = fmt::format("ranks below #1 on {}; {:.0f} tokens/s, {} to spare", name_of(objective), c.tokens_per_s, gib_signed(c.spare_bytes));
     }
     const std::uint64_t os = at_peak(c, MemCategory::optimizer_states), ot = at_peak(top, MemCategory::optimizer_states);
-    if (ot > os && ot - os > (top.used_peak_bytes / 20))
+    if (ot > os && ot - os > search.cluster().gpu.memory_bytes / 20)
       c.reason += fmt::format("; its optimizer_states are {} against #1's {} (sharded over {} ranks)", gib(os), gib(ot), c.input.strategy.ranks);
   }
 
@@ -676,9 +676,10 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
         rj.reason = fmt::format("dominated: its best row ({}) has {:.0f} tokens/s, {:.1f}% fewer than #1: {}", where(*b), b->tokens_per_s,
                                 100 * (1 - b->tokens_per_s / top.tokens_per_s), slower_because(*b, top));
       const std::uint64_t os = at_peak(*b, MemCategory::optimizer_states), ot = at_peak(top, MemCategory::optimizer_states);
-      if (ot > os && ot - os > (1ull << 20) * 64)
+      const std::uint64_t visible = search.cluster().gpu.memory_bytes / 20;  // 5% of the GPU: a saving worth a word
+      if (ot > os && ot - os > visible)
         rj.reason += fmt::format("; it saves {} of optimizer_states per GPU ({} against #1's {})", gib(ot - os), gib(os), gib(ot));
-      if (os > ot && os - ot > (1ull << 20) * 64)
+      if (os > ot && os - ot > visible)
         rj.reason += fmt::format("; its optimizer_states take {} per GPU against #1's {}", gib(os), gib(ot));
     } else if (const Candidate* c = by_family[f].closest) {
       rj.best = *c;

@@ -3,6 +3,7 @@
 // input; the search's own rules (the largest micro-batch that fits, the global batch, the GPU
 // list, the Pareto front); and the CLI around it (ranges, --emit, bad input).
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/ds_config.h"
+#include "peftplan/planner/explain.h"
 #include "peftplan/planner/recommend.h"
 #include "peftplan/sim/cluster.h"
 
@@ -439,6 +441,129 @@ TEST(SweepCli, BadGridsAreInputErrors) {
     EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
     EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
   }
+}
+
+}  // namespace
+
+// --- explain ----------------------------------------------------------------------------------
+
+using sim::MemCategory;
+
+namespace {
+
+// The formula's numbers, multiplied out: "3 × 2·4,096 × 8 B" -> 196,608.
+std::uint64_t evaluate(std::string numbers) {
+  std::uint64_t product = 1;
+  std::string digits;
+  auto flush = [&] {
+    if (!digits.empty()) product *= std::stoull(digits);
+    digits.clear();
+  };
+  for (char c : numbers) {
+    if (std::isdigit(static_cast<unsigned char>(c))) digits += c;
+    else if (c != ',') flush();
+  }
+  flush();
+  return product;
+}
+
+// Every line of explain adds up to the walk, category by category, and every formula shown
+// evaluates to its buffers' size, across profiles, strategies, checkpointing and quantisation.
+TEST(Explain, LinesAreTheWalk) {
+  struct Case {
+    std::string model;
+    Stage stage;
+    RuntimeProfile profile;
+    Checkpointing ckpt;
+    bool nf4;
+  };
+  const Case cases[] = {
+      {"llama-2-7b", Stage::ddp, RuntimeProfile::deepspeed, Checkpointing::none, false},
+      {"llama-2-7b", Stage::zero3, RuntimeProfile::deepspeed, Checkpointing::none, false},
+      {"llama-2-13b", Stage::zero2, RuntimeProfile::deepspeed, Checkpointing::full, false},
+      {"mistral-7b", Stage::fsdp_full_shard, RuntimeProfile::hf, Checkpointing::full, true},
+      {"mixtral-8x7b", Stage::zero3, RuntimeProfile::deepspeed, Checkpointing::full, false},
+      {"tiny-llama-4l", Stage::zero3, RuntimeProfile::executor, Checkpointing::none, false},
+  };
+  const sim::Cluster c = sim::resolve_cluster("8xA100-80GB");
+  for (const auto& k : cases) {
+    PlanInput in = lora(k.model, 16, 2048);
+    in.strategy.ranks = 8;
+    in.strategy.stage = k.stage;
+    in.profile = k.profile;
+    in.training.checkpointing = k.ckpt;
+    in.training.micro_batch = 2;
+    if (k.profile == RuntimeProfile::executor) in.training.attention = Attention::eager;
+    if (k.nf4) {
+      models::Quantization q;
+      q.dtype = DType::nf4;
+      q.double_quant = true;
+      in.peft.quantization = q;
+    }
+    const Plan p = make_plan(in, c);
+    const Explanation e = explain_plan(p);
+    std::uint64_t total = 0;
+    std::size_t with_formula = 0, terms = 0;
+    for (const auto& cat : e.categories) {
+      std::uint64_t sum = 0;
+      for (const auto& t : cat.terms) {
+        sum += t.bytes;
+        ++terms;
+        if (t.formula.empty()) continue;
+        ++with_formula;
+        EXPECT_EQ(evaluate(t.numbers), t.bytes_each) << k.model << " " << t.what << ": " << t.numbers;
+        EXPECT_EQ(t.bytes, t.bytes_each * static_cast<std::uint64_t>(t.count)) << t.what;
+      }
+      EXPECT_EQ(sum, cat.at_peak_bytes) << k.model << " " << sim::name_of(cat.category);
+      EXPECT_EQ(cat.at_peak_bytes, p.memory.at_peak_bytes[static_cast<std::size_t>(cat.category)]);
+      total += sum;
+    }
+    EXPECT_EQ(total, p.memory.device_peak_bytes) << k.model;
+    EXPECT_GT(with_formula * 2, terms) << k.model << ": most kinds of buffer get a formula";
+  }
+}
+
+TEST(Explain, NamesTheShapesAndTheirSources) {
+  const sim::Cluster c = sim::resolve_cluster("8xA100-80GB");
+  PlanInput in = lora("llama-2-7b", 16, 4096);
+  in.strategy.ranks = 8;
+  in.strategy.stage = Stage::zero3;
+  in.training.micro_batch = 2;
+  const Explanation e = explain_plan(make_plan(in, c));
+  auto term = [&](MemCategory cat, const std::string& what) -> const ExplainTerm& {
+    for (const auto& ec : e.categories)
+      if (ec.category == cat)
+        for (const auto& t : ec.terms)
+          if (t.what == what) return t;
+    throw std::runtime_error("no " + what);
+  };
+  // SwiGLU's saved SiLU: B·S·I in bf16 per layer, 32 layers (Llama-2-7B: I = 11,008).
+  const auto& silu = term(MemCategory::activations, "layers.N.mb0.mlp.silu");
+  EXPECT_EQ(silu.count, 32);
+  EXPECT_EQ(silu.formula, "B·S·I × 2 B (bf16)");
+  EXPECT_EQ(silu.numbers, "2·4,096·11,008 × 2 B");
+  EXPECT_NE(silu.source.find("SiLU"), std::string::npos);
+  // The fp32 logits of the loss: B·S·V × 4 B.
+  EXPECT_EQ(term(MemCategory::workspace, "loss.mb0.logits_fp32").formula, "B·S·V × 4 B (fp32)");
+  // ZeRO-3's optimizer states: K = 12 over 8 ranks, the paper's formula, equal to the walk.
+  for (const auto& ec : e.categories)
+    if (ec.category == MemCategory::optimizer_states) {
+      EXPECT_NE(ec.closed_form.find("12 B × 8,388,608 / 8 ranks = 12.0 MiB"), std::string::npos) << ec.closed_form;
+      EXPECT_NE(ec.closed_form.find("ZeRO paper §3.1"), std::string::npos);
+      EXPECT_NE(ec.closed_form.find("the walk holds exactly this"), std::string::npos);
+    }
+}
+
+TEST(ExplainCli, PrintsAndJson) {
+  auto r = run_cli("explain --model llama-2-7b --lora-r 16 --micro-batch 2 --seq-len 4096 --strategy zero3");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("optimizer_states = 12.0 MiB at the peak"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("32 × 172.0 MiB, each B·S·I × 2 B (bf16) = 2·4,096·11,008 × 2 B"), std::string::npos) << r.out;
+  r = run_cli("explain --model llama-2-7b --lora-r 16 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_FALSE(nlohmann::json::parse(r.out)["categories"].empty());
+  r = run_cli("explain --model llama-2-70b --lora-r 16 --seq-len 4096");  // does not fit: exit 1, as plan
+  EXPECT_EQ(r.code, 1);
 }
 
 }  // namespace
