@@ -7,6 +7,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/program.h"
+#include "peftplan/planner/recommend.h"
 #include "peftplan/sim/cluster.h"
 #include "peftplan/sim/memory.h"
 #include "peftplan/sim/timeline.h"
@@ -83,5 +84,26 @@ void BM_MakePlan(benchmark::State& state) {  // what `peftplan plan` does, expla
 BENCHMARK(BM_MakePlan)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
+
+// `peftplan recommend` for Llama-2-70B LoRA on 8 nodes x 8 H100 over NDR, at 8, 16, 32 and 64
+// GPUs: every family x checkpointing x GPU count, the micro-batch bisected on memory, then timed.
+// One thread (state.range(0) = 1) is the per-core rate; candidates/s counts every plan made.
+void BM_Recommend(benchmark::State& state) {
+  planner::PlanInput in = llama70b(planner::Stage::ddp, 1);
+  const sim::Cluster cluster = sim::resolve_cluster("8x8xH100-SXM-NDR");
+  planner::SearchSpace space;
+  space.gpus = {8, 16, 32, 64};
+  space.threads = static_cast<unsigned>(state.range(0));
+  std::int64_t plans = 0;
+  for (auto _ : state) {
+    const planner::Recommendation r = planner::recommend(in, cluster, space, planner::Constraints{}, planner::Objective::tokens_per_s);
+    plans += r.evaluated;
+    benchmark::DoNotOptimize(r.ranked.size());
+  }
+  state.counters["plans"] = benchmark::Counter(static_cast<double>(plans) / static_cast<double>(state.iterations()));
+  state.counters["plans_per_s"] = benchmark::Counter(static_cast<double>(plans), benchmark::Counter::kIsRate);
+  state.SetLabel(fmt::format("{} thread(s)", state.range(0)));
+}
+BENCHMARK(BM_Recommend)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

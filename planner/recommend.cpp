@@ -290,7 +290,8 @@ class Search {
         }
       }
     };
-    const unsigned n = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(), static_cast<unsigned>(cells.size())));
+    const unsigned cores = space_.threads > 0 ? space_.threads : std::thread::hardware_concurrency();
+    const unsigned n = std::max(1u, std::min<unsigned>(cores, static_cast<unsigned>(cells.size())));
     std::vector<std::thread> threads;
     for (unsigned t = 1; t < n; ++t) threads.emplace_back(worker);
     worker();
@@ -612,25 +613,33 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
                                                                     families[f].label, by_family[f].best->input.training.micro_batch)
                                                       : std::string()));
     }
-    // Checkpointing: did the family fit without it?
+    // Checkpointing: what the lighter choices (fewer layers recomputed) fit, and how fast.
     const auto& tt = top.input.training;
+    auto recomputes = [](const CheckpointChoice& c) {  // a share of the layers, for ordering
+      return c.kind == Checkpointing::none ? 0.0 : c.kind == Checkpointing::full ? 1.0 : 1.0 / static_cast<double>(c.every);
+    };
+    const CheckpointChoice top_ck{tt.checkpointing, tt.checkpoint_every};
     if (tt.checkpointing != Checkpointing::none) {
-      const Candidate* none_fit = nullptr;
-      const Candidate* none_closest = nullptr;
-      for (const auto& cell : cells) {
-        if (cell.family != top_family || cell.ckpt.kind != Checkpointing::none || cell.gpus != top.input.strategy.ranks) continue;
-        for (const auto& c : cell.timed)
-          if (!none_fit || better(c, *none_fit, objective)) none_fit = &c;
-        if (cell.closest) none_closest = &*cell.closest;
+      std::vector<std::string> lighter;
+      for (const auto& ck : space.checkpointing) {
+        if (recomputes(ck) >= recomputes(top_ck)) continue;
+        const Candidate* fit = nullptr;
+        const Candidate* closest = nullptr;
+        for (const auto& cell : cells) {
+          if (cell.family != top_family || !(cell.ckpt == ck) || cell.gpus != top.input.strategy.ranks) continue;
+          for (const auto& c : cell.timed)
+            if (!fit || better(c, *fit, objective)) fit = &c;
+          if (cell.closest) closest = &*cell.closest;
+        }
+        if (fit)
+          lighter.push_back(fmt::format("with {} at most micro-batch {} fits, {:.1f}% fewer tokens/s", name_of(ck), fit->input.training.micro_batch,
+                                        100 * (1 - fit->tokens_per_s / top.tokens_per_s)));
+        else if (closest)
+          lighter.push_back(fmt::format("with {} even micro-batch {} is short by {} (activations {} at the peak)", name_of(ck),
+                                        closest->input.training.micro_batch, gib_signed(closest->spare_bytes), gib(at_peak(*closest, MemCategory::activations))));
       }
-      if (!none_fit && none_closest)
-        parts.push_back(fmt::format("checkpointing {} because without it even micro-batch {} is short by {} (activations {} at the peak)",
-                                    name_of(CheckpointChoice{tt.checkpointing, tt.checkpoint_every}), none_closest->input.training.micro_batch,
-                                    gib_signed(none_closest->spare_bytes), gib(at_peak(*none_closest, MemCategory::activations))));
-      else if (none_fit)
-        parts.push_back(fmt::format("checkpointing {} lets micro-batch {} fit (without it at most {}), {:.0f}% more tokens/s despite the recompute",
-                                    name_of(CheckpointChoice{tt.checkpointing, tt.checkpoint_every}), tt.micro_batch,
-                                    none_fit->input.training.micro_batch, 100 * (top.tokens_per_s / none_fit->tokens_per_s - 1)));
+      if (!lighter.empty())
+        parts.push_back(fmt::format("checkpointing {} at micro-batch {}: {}", name_of(top_ck), tt.micro_batch, fmt::join(lighter, "; ")));
     }
     const Terms terms = per_token(top);
     if (terms.exposed > terms.compute && terms.exposed >= terms.rest)

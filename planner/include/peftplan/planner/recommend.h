@@ -46,6 +46,7 @@ struct SearchSpace {
   std::optional<std::int64_t> global_batch;  // sequences per optimizer step over all GPUs
   std::int64_t min_micro_batch = 1;
   std::int64_t max_micro_batch = 1024;  // the doubling stops here
+  unsigned threads = 0;                 // 0: every core
 };
 
 struct Constraints {
