@@ -2,9 +2,15 @@
 // `exit_code` (0 ok, 1 a negative result such as "does not fit", 2 bad input via InputError).
 #pragma once
 
+#include <string>
+
 #include <CLI/CLI.hpp>
 
 namespace peftplan::cli {
+
+// The command line peftplan was started with, shell-quoted (for reports' "reproduce with").
+void set_command_line(int argc, char** argv);
+const std::string& command_line();
 
 void add_models_command(CLI::App& app, int& exit_code);
 void add_params_command(CLI::App& app, int& exit_code);
@@ -17,5 +23,6 @@ void add_compare_command(CLI::App& app, int& exit_code);
 void add_recommend_command(CLI::App& app, int& exit_code);
 void add_sweep_command(CLI::App& app, int& exit_code);
 void add_explain_command(CLI::App& app, int& exit_code);
+void add_report_command(CLI::App& app, int& exit_code);
 
 }  // namespace peftplan::cli

@@ -15,12 +15,14 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "peftplan 0.1.0");
   int exit_code = 0;
+  peftplan::cli::set_command_line(argc, argv);
   peftplan::cli::add_models_command(app, exit_code);
   peftplan::cli::add_params_command(app, exit_code);
   peftplan::cli::add_plan_command(app, exit_code);
   peftplan::cli::add_recommend_command(app, exit_code);
   peftplan::cli::add_sweep_command(app, exit_code);
   peftplan::cli::add_explain_command(app, exit_code);
+  peftplan::cli::add_report_command(app, exit_code);
   peftplan::cli::add_clusters_command(app, exit_code);
   peftplan::cli::add_estimate_command(app, exit_code);
   peftplan::cli::add_calibrate_command(app, exit_code);

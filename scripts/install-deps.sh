@@ -16,6 +16,9 @@ packages=(
   libbenchmark-dev                               # bench/ programs
   openmpi-bin libopenmpi-dev                     # executor ranks and CPU collectives
   qt6-base-dev qt6-charts-dev libgl-dev          # peftplan-gui (Widgets, Charts, Test)
+  libqt6opengl6-dev libxkbcommon-dev             #   Qt6Charts' CMake config needs Qt6OpenGL, whose
+                                                 #   config needs XKB: without them Charts is "not found"
+  chromium                                       # renders and prints peftplan report's HTML in tests
   python3 python3-torch libopenblas0-pthread     # tools/peftplan_callback.py and its CPU test
                                                  #   (without OpenBLAS torch runs reference BLAS)
 )

@@ -1,0 +1,98 @@
+// `peftplan report --out DIR`: the comparison report (reports/report.h) of the seed's strategies
+// for the given model, adapter, training and cluster (or a saved plan.json), with the
+// recommendation of `recommend`'s search and the knob deltas of the configuration given.
+#include <chrono>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "plan_flags.h"
+#include "peftplan/common/error.h"
+#include "peftplan/common/units.h"
+#include "peftplan/planner/plan_file.h"
+#include "peftplan/planner/recommend.h"
+#include "peftplan/reports/report.h"
+
+namespace peftplan::cli {
+namespace {
+
+std::string adapter_words(const planner::PlanInput& in) {
+  if (in.peft.adapters.empty()) return "full fine-tuning";
+  std::string s;
+  for (const auto& a : in.peft.adapters) {
+    if (!s.empty()) s += " + ";
+    s += a.type == models::PeftType::lora ? fmt::format("LoRA r {} alpha {:g}", a.lora.r, a.lora.alpha) : std::string(models::name_of(a.type));
+  }
+  if (in.peft.quantization) s += fmt::format(", base {}", name_of(in.peft.quantization->dtype));
+  return s;
+}
+
+}  // namespace
+
+void add_report_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("report", "a shareable comparison report (HTML with inline SVG charts, and Markdown) of the strategies for one job");
+  cmd->footer(
+      "example: peftplan report --model llama-2-7b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --out report/\n"
+      "         peftplan report --plan out/run/ddp/plan.json --out report/");
+  struct Options {
+    PlanFlags plan;
+    std::string plan_file;
+    std::string out;
+    bool no_recommend = false;
+  };
+  auto o = std::make_shared<Options>();
+  add_plan_flags(cmd, o->plan);
+  cmd->add_option("--plan", o->plan_file, "a saved plan.json (peftplan plan --write-plan, recommend --emit, run) instead of the plan flags");
+  cmd->add_option("--out", o->out, "the report's folder (report.html, report.md, memory.svg, time.svg); replaced as a whole")->required();
+  cmd->add_flag("--no-recommend", o->no_recommend, "leave out the recommendation (no search)");
+  cmd->callback([&exit_code, o] {
+    const auto t0 = std::chrono::steady_clock::now();
+    ResolvedPlan r = resolve_plan_flags(o->plan);
+    std::string source = "the plan flags";
+    if (!o->plan_file.empty()) {
+      const planner::PlanFile pf = planner::read_plan_file(o->plan_file);
+      r.input = pf.input;
+      if (pf.cluster) r.cluster = *pf.cluster;
+      source = o->plan_file;
+    }
+    planner::PlanOptions po;
+    po.headroom_fraction = r.headroom_fraction;
+    const planner::Plan base = planner::make_plan(r.input, r.cluster, po);
+    reports::ReportInput ri;
+    const auto& t = r.input.training;
+    ri.title = fmt::format("{} · {} on {} ({} GPUs)", r.input.model.name, adapter_words(r.input), r.cluster.name, r.input.strategy.ranks);
+    ri.provenance.version = reports::version_string();
+    ri.provenance.command = command_line();
+    ri.provenance.inputs = {
+        {"inputs from", source},
+        {"model", fmt::format("{} ({} parameters, {} trainable)", r.input.model.name, with_commas(base.facts.base_params + base.facts.trainable_params),
+                              with_commas(base.facts.trainable_params))},
+        {"adapter", adapter_words(r.input)},
+        {"training", fmt::format("micro-batch {} × {} tokens × accumulation {}, {}, attention {}, checkpointing {}", t.micro_batch, t.seq_len, t.grad_accum,
+                                 name_of(t.precision), name_of(t.attention),
+                                 planner::name_of(planner::CheckpointChoice{t.checkpointing, t.checkpoint_every}))},
+        {"cluster", fmt::format("{}: {} node(s) × {} {} ({:.0f} GiB), {}{}", r.cluster.name, r.cluster.nodes, r.cluster.gpus_per_node, r.cluster.gpu.name,
+                                to_gib(r.cluster.gpu.memory_bytes), r.cluster.intra_node_link.name,
+                                r.cluster.inter_node_link ? ", " + r.cluster.inter_node_link->name + " between nodes" : std::string())},
+        {"runtime profile", fmt::format("{}{}", name_of(r.input.profile), base.runtime_versions.empty() ? "" : ": " + std::string(base.runtime_versions))},
+        {"headroom", fmt::format("{:.0f}% of the GPU kept free beyond the predicted peak in use", 100 * r.headroom_fraction)},
+    };
+    ri.strategies = reports::seed_strategies(r.input, r.cluster, r.headroom_fraction);
+    ri.base_label = fmt::format("{}{}{} at micro-batch {} (the configuration given)", name_of(r.input.strategy.stage),
+                                r.input.strategy.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "",
+                                r.input.strategy.offload_param == planner::OffloadDevice::cpu ? " + offload param" : "", t.micro_batch);
+    ri.knobs = reports::knob_deltas(base);
+    if (!o->no_recommend) {
+      planner::Constraints k;
+      k.headroom_fraction = r.headroom_fraction;
+      ri.recommendation = planner::recommend(r.input, r.cluster, {}, k, planner::Objective::tokens_per_s);
+    }
+    reports::write_report(o->out, ri);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    fmt::print("report of {} strategies written to {}/ (report.html, report.md, memory.svg, time.svg) in {:.2f} s\n", ri.strategies.size(), o->out, seconds);
+    exit_code = 0;
+  });
+}
+
+}  // namespace peftplan::cli

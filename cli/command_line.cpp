@@ -1,0 +1,32 @@
+// The process's command line, kept for reports (commands.h).
+#include <string>
+
+#include "commands.h"
+
+namespace peftplan::cli {
+namespace {
+std::string& line() {
+  static std::string s;
+  return s;
+}
+}  // namespace
+
+void set_command_line(int argc, char** argv) {
+  std::string s = "peftplan";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool plain = !a.empty() && a.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:,+@%") == std::string::npos;
+    if (plain) {
+      s += " " + a;
+      continue;
+    }
+    std::string q = " '";
+    for (char c : a) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    s += q + "'";
+  }
+  line() = s;
+}
+
+const std::string& command_line() { return line(); }
+
+}  // namespace peftplan::cli

@@ -1,0 +1,51 @@
+// A small SVG chart module: the report's charts as self-contained <svg> elements (no script, no
+// font fetched), with axes in units, legible labels and a <title> tooltip on every bar, segment
+// and point. Output is well-formed XML, so the report is too.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace peftplan::reports {
+
+std::string xml_escape(std::string_view s);
+
+struct Segment {
+  std::string label;    // legend entry ("activations")
+  double value = 0;     // in the chart's unit
+  std::string colour;   // "#59a14f"
+  std::string tooltip;  // the <title>: the segment's numbers
+};
+
+struct Bar {
+  std::string label;    // under the bar ("zero3")
+  std::vector<Segment> segments;  // bottom to top (stacked) or left to right (horizontal)
+  std::string note;     // above the bar ("does not fit"), optional
+};
+
+struct BarChart {
+  std::string title;
+  std::string unit;     // axis unit ("GiB", "s")
+  std::vector<Bar> bars;
+  // Horizontal reference lines (a GPU's memory, the headroom): value and label.
+  std::vector<std::pair<double, std::string>> lines;
+};
+
+// Vertical stacked bars, one per Bar, with a legend of the segment labels in first-seen order.
+std::string stacked_bars_svg(const BarChart& chart);
+// Horizontal stacked bars (step time split), one row per Bar.
+std::string horizontal_bars_svg(const BarChart& chart);
+
+struct Point {
+  double x = 0, y = 0;
+  std::string label, tooltip;
+};
+// Predicted (x) against measured (y) with the y = x diagonal.
+std::string scatter_svg(const std::string& title, const std::string& unit, const std::vector<Point>& points);
+
+// A "nice" axis maximum and step for values up to `max` (1, 2 or 5 times a power of ten).
+std::pair<double, double> nice_axis(double max);
+
+}  // namespace peftplan::reports
