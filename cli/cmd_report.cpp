@@ -83,6 +83,8 @@ void add_report_command(CLI::App& app, int& exit_code) {
                                 r.input.strategy.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "",
                                 r.input.strategy.offload_param == planner::OffloadDevice::cpu ? " + offload param" : "", t.micro_batch);
     ri.knobs = reports::knob_deltas(base);
+    ri.no_recommendation = !o->plan_file.empty() ? "No recommendation: the report was made from a saved plan (--no-recommend)."
+                                                 : "No recommendation (--no-recommend).";
     if (!o->no_recommend) {
       planner::Constraints k;
       k.headroom_fraction = r.headroom_fraction;

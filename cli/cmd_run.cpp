@@ -39,6 +39,7 @@
 #include "peftplan/sim/memory.h"
 #include "peftplan/sim/trace.h"
 #include "plan_flags.h"
+#include "peftplan/reports/report.h"
 #include "peftplan/common/atomic_file.h"
 #include "validation_text.h"
 
@@ -50,6 +51,19 @@ namespace fs = std::filesystem;
 std::string absolute(const std::string& p) { return p.empty() ? p : fs::absolute(p).lexically_normal().string(); }
 
 std::string shown(const fs::path& p) { return shown_path(p); }
+
+// The CPU's name (/proc/cpuinfo's "model name"), for "measured on"; the host name without it.
+std::string cpu_model_name() {
+  std::ifstream f("/proc/cpuinfo");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  return host;
+}
 
 // This machine's profile for N ranks: the file given, else the cached one for N ranks
 // (calibration.<N>.json beside the default calibration.json: a profile describes ranks sharing
@@ -435,6 +449,28 @@ void add_run_command(CLI::App& app, int& exit_code) {
         exit_code = 1;
       }
       std::fflush(stderr);
+    }
+    // One report of every strategy, predicted and measured (peftplan report's, reports/report.h).
+    {
+      reports::ReportInput ri;
+      ri.title = fmt::format("peftplan run: {}, {} rank(s), {} strateg{}", job_model, job_ranks, jobs.size(), jobs.size() == 1 ? "y" : "ies");
+      ri.provenance.version = reports::version_string();
+      ri.provenance.command = command_line();
+      const std::string machine = fmt::format("{} ({}, {} rank(s))", cpu_model_name(), jobs.front().rounds.front().value("backend", std::string("?")), job_ranks);
+      ri.provenance.inputs = {{"model", job_model},
+                              {"machine", machine},
+                              {"cluster profile", profile},
+                              {"rounds", fmt::format("{} per strategy, interleaved; times are their median", R)},
+                              {"tolerances", fmt::format("memory {:.4g}%, time {:.4g}%", 100.0 * tol.memory, 100.0 * tol.time)}};
+      for (const Job& job : jobs) {
+        reports::StrategyColumn c{job.strategy, "--strategy " + job.strategy, job.plan, job.v, machine};
+        ri.strategies.push_back(std::move(c));
+      }
+      ri.base_label = fmt::format("{} (the first strategy run)", jobs.front().strategy);
+      ri.knobs = reports::knob_deltas(jobs.front().plan);
+      ri.no_recommendation = "No recommendation: peftplan run measures the strategies it was given (peftplan recommend searches).";
+      reports::write_report(out / "report", ri);
+      fmt::print("wrote {}/ (report.html, report.md: every strategy, predicted and measured)\n", shown(out / "report"));
     }
     if (several) {
       const std::string what = fmt::format("{}, {} rank(s), {}, {} round(s)", job_model, job_ranks, profile, R);

@@ -41,7 +41,22 @@ using sim::MemCategory;
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-std::string gib(std::uint64_t b) { return fmt::format("{:.2f}", static_cast<double>(b) / kGiB); }
+// The report's memory unit: GiB, or MiB when every strategy's peak in use is under 2 GiB (a tiny
+// model on the CPU); chosen once per rendering (Scope below).
+struct Unit {
+  std::string_view name = "GiB";
+  double bytes = kGiB;
+};
+thread_local Unit g_unit;
+struct Scope {  // sets the unit for one rendering
+  explicit Scope(const ReportInput& r) {
+    std::uint64_t most = 0;
+    for (const auto& s : r.strategies) most = std::max(most, s.plan.used_peak_bytes);
+    g_unit = most < 2ull * (1ull << 30) ? Unit{"MiB", 1024.0 * 1024.0} : Unit{"GiB", kGiB};
+  }
+};
+std::string gib(std::uint64_t b) { return fmt::format("{:.2f}", static_cast<double>(b) / g_unit.bytes); }
+double in_unit(std::uint64_t b) { return static_cast<double>(b) / g_unit.bytes; }
 std::string esc(std::string_view s) { return xml_escape(s); }
 
 // A table cell with its raw value and the plan --json field it is.
@@ -57,13 +72,14 @@ std::string category_field(MemCategory c) { return fmt::format("memory.device.at
 
 constexpr std::string_view kCss = R"CSS(
 body{font-family:"DejaVu Sans",Arial,sans-serif;font-size:10.5pt;color:#222;max-width:190mm;margin:0 auto;padding:8mm}
-h1{font-size:17pt;margin:0 0 4pt}h2{font-size:13pt;margin:16pt 0 6pt;border-bottom:1px solid #ccc}
+h1{font-size:17pt;margin:0 0 4pt}h2{font-size:13pt;margin:16pt 0 6pt;border-bottom:1px solid #ccc}h3{font-size:11pt;margin:10pt 0 4pt}
 table{border-collapse:collapse;width:100%;table-layout:fixed;margin:4pt 0;font-size:8.5pt}
 th,td{border:1px solid #ccc;padding:2pt 3pt;text-align:right;overflow-wrap:anywhere}
 th:first-child,td:first-child{text-align:left}
 thead th{background:#f2f2f2}
 tr>:first-child{width:24%}
 #knob-table tr>:first-child,#summary tr>:first-child{width:auto}
+.measured-table tr>:first-child{width:30%}
 .label{display:inline-block;background:#eef3fa;border:1px solid #9db4d6;border-radius:3pt;padding:1pt 5pt;font-size:9pt}
 figure{margin:6pt 0;break-inside:avoid}figcaption{font-size:8.5pt;color:#555}
 svg.chart{width:100%;height:auto;display:block}
@@ -204,9 +220,10 @@ std::vector<KnobDelta> knob_deltas(const Plan& base) {
 }
 
 std::string memory_chart_svg(const ReportInput& r) {
+  const Scope scope(r);
   BarChart c;
-  c.title = fmt::format("Memory per GPU by category, {} (GiB)", r.provenance.label);
-  c.unit = "GiB per GPU";
+  c.title = fmt::format("Memory per GPU by category, {} ({})", r.provenance.label, g_unit.name);
+  c.unit = fmt::format("{} per GPU", g_unit.name);
   std::uint64_t capacity = 0;
   double headroom = 0;
   for (const auto& s : r.strategies) {
@@ -218,21 +235,31 @@ std::string memory_chart_svg(const ReportInput& r) {
     for (int i = 0; i < sim::kNumDeviceCategories; ++i) {
       const auto cat = static_cast<MemCategory>(i);
       const std::uint64_t v = p.memory.at_peak_bytes[static_cast<std::size_t>(i)];
-      b.segments.push_back({std::string(sim::name_of(cat)), static_cast<double>(v) / kGiB, std::string(colour_of(cat)),
-                            fmt::format("{}: {} GiB at the peak ({})", sim::name_of(cat), gib(v), s.label)});
+      b.segments.push_back({std::string(sim::name_of(cat)), in_unit(v), std::string(colour_of(cat)),
+                            fmt::format("{}: {} {} at the peak ({})", sim::name_of(cat), gib(v), g_unit.name, s.label)});
     }
     const std::uint64_t cache = p.reserved_peak_bytes - std::min(p.reserved_peak_bytes, p.memory.device_peak_bytes);
-    b.segments.push_back({"allocator cache (reserved - allocated)", static_cast<double>(cache) / kGiB, "#cfcfcf",
-                          fmt::format("the caching allocator's cached segments: {} GiB ({})", gib(cache), s.label)});
-    b.segments.push_back({"outside the allocator (CUDA context, NCCL)", static_cast<double>(p.outside_allocator_bytes) / kGiB, "#9a9a9a",
-                          fmt::format("outside the allocator: {} GiB ({}); the bar's top is what nvidia-smi shows, {} GiB", gib(p.outside_allocator_bytes),
-                                      s.label, gib(p.used_peak_bytes))});
+    b.segments.push_back({"allocator cache (reserved - allocated)", in_unit(cache), "#cfcfcf",
+                          fmt::format("the caching allocator's cached segments: {} {} ({})", gib(cache), g_unit.name, s.label)});
+    b.segments.push_back({"outside the allocator (CUDA context, NCCL)", in_unit(p.outside_allocator_bytes), "#9a9a9a",
+                          fmt::format("outside the allocator: {} {u} ({}); the bar's top is what nvidia-smi shows, {} {u}", gib(p.outside_allocator_bytes),
+                                      s.label, gib(p.used_peak_bytes), fmt::arg("u", g_unit.name))});
     b.note = p.fits ? "" : "does not fit";
     c.bars.push_back(std::move(b));
   }
-  c.lines.push_back({static_cast<double>(capacity) / kGiB, fmt::format("GPU memory {:.0f} GiB", static_cast<double>(capacity) / kGiB)});
-  if (headroom > 0)
-    c.lines.push_back({static_cast<double>(capacity) * (1 - headroom) / kGiB, fmt::format("{:.0f}% headroom kept", 100 * headroom)});
+  // The GPU's memory and the headroom, unless they are far off the bars' scale (a tiny model).
+  double tallest = 0;
+  for (const auto& b : c.bars) {
+    double sum = 0;
+    for (const auto& sg : b.segments) sum += sg.value;
+    tallest = std::max(tallest, sum);
+  }
+  if (in_unit(capacity) <= 3 * tallest) {
+    c.lines.push_back({in_unit(capacity), fmt::format("GPU memory {:.0f} {}", in_unit(capacity), g_unit.name)});
+    if (headroom > 0) c.lines.push_back({in_unit(capacity) * (1 - headroom), fmt::format("{:.0f}% headroom kept", 100 * headroom)});
+  } else {
+    c.subtitle = fmt::format("the device's {:.0f} {} is off this scale", in_unit(capacity), g_unit.name);
+  }
   return stacked_bars_svg(c);
 }
 
@@ -259,12 +286,17 @@ std::string time_chart_svg(const ReportInput& r) {
 }
 
 std::string render_html(const ReportInput& r) {
+  const std::string memory_chart = memory_chart_svg(r);
+  const Scope scope(r);
   std::string h;
   h += "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n";
   h += fmt::format("<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n", esc(r.title), kCss);
   // --- header and provenance ---
-  h += fmt::format("<header>\n<h1>{}</h1>\n<p><span class=\"label\">{}</span> Every figure here is {} by peftplan's model, not measured.</p>\n",
-                   esc(r.title), esc(r.provenance.label), esc(r.provenance.label));
+  bool any_measured = false;
+  for (const auto& s : r.strategies) any_measured |= s.validation.has_value();
+  h += fmt::format("<header>\n<h1>{}</h1>\n<p><span class=\"label\">{}</span> {}</p>\n", esc(r.title), esc(r.provenance.label),
+                   any_measured ? "Figures are predicted by peftplan's model, except those labelled \"measured on\" a machine, which a run measured."
+                                : fmt::format("Every figure here is {} by peftplan's model, not measured.", r.provenance.label));
   h += "<table class=\"prov\"><tbody>\n";
   h += fmt::format("<tr><th>peftplan</th><td>{}</td></tr>\n", esc(r.provenance.version));
   h += fmt::format("<tr><th>reproduce with</th><td><code>{}</code></td></tr>\n", esc(r.provenance.command));
@@ -298,7 +330,7 @@ std::string render_html(const ReportInput& r) {
       h += "</ul>\n";
     }
   } else {
-    h += "<p>No recommendation: the report was made from a saved plan, not from a search.</p>\n";
+    h += fmt::format("<p>{}</p>\n", esc(r.no_recommendation));
   }
   h += "</section>\n";
   // --- memory ---
@@ -306,8 +338,8 @@ std::string render_html(const ReportInput& r) {
   h += fmt::format("<figure id=\"memory-chart\">{}\n<figcaption>{}: each bar is one strategy at the user's training settings; the categories "
                    "stack to the allocated peak (torch.cuda.max_memory_allocated), the allocator's cache to reserved, and what lives outside "
                    "the allocator to what nvidia-smi shows; the red lines are the GPU's memory and the headroom the verdict keeps.</figcaption></figure>\n",
-                   memory_chart_svg(r), esc(r.provenance.label));
-  h += "<table id=\"memory-table\"><thead><tr><th>GiB per GPU</th>";
+                   memory_chart, esc(r.provenance.label));
+  h += fmt::format("<table id=\"memory-table\"><thead><tr><th>{} per GPU</th>", g_unit.name);
   for (const auto& s : r.strategies) h += fmt::format("<th data-strategy=\"{}\" data-plan-args=\"{}\">{}</th>", esc(s.label), esc(s.plan_args), esc(s.label));
   h += "</tr></thead><tbody>\n";
   for (int i = 0; i < sim::kNumDeviceCategories; ++i) {
@@ -364,7 +396,7 @@ std::string render_html(const ReportInput& r) {
   }
   h += "</tbody></table>\n";
   // --- communication ---
-  h += "<h2>Communication per step per rank</h2>\n<table id=\"comm-table\"><thead><tr><th>GiB</th>";
+  h += fmt::format("<h2>Communication per step per rank</h2>\n<table id=\"comm-table\"><thead><tr><th>{}</th>", g_unit.name);
   for (const auto& s : r.strategies) h += fmt::format("<th>{}</th>", esc(s.label));
   h += "</tr></thead><tbody>\n";
   for (int c = 0; c < sim::kNumCollectives; ++c) {
@@ -398,11 +430,58 @@ std::string render_html(const ReportInput& r) {
     h += "</tr>\n";
   }
   h += "</tbody></table>\n</section>\n";
+  // --- predicted versus measured ---
+  bool measured = false;
+  for (const auto& s : r.strategies) measured |= s.validation.has_value();
+  if (measured) {
+    h += "<section id=\"measured\">\n<h2>Predicted versus measured</h2>\n";
+    std::vector<Point> points;
+    for (const auto& s : r.strategies) {
+      if (!s.validation) continue;
+      for (const auto* figs : {&s.validation->memory, &s.validation->comm})
+        for (const auto& f : *figs)
+          if (f.predicted > 0 || f.measured > 0)
+            points.push_back({f.predicted / kGiB * 1024, f.measured / kGiB * 1024, f.name,
+                              fmt::format("{} {} ({}): predicted {:.3f} MiB, measured {:.3f} MiB", f.section, f.name, s.label, f.predicted / kGiB * 1024,
+                                          f.measured / kGiB * 1024)});
+    }
+    const std::string on = r.strategies.front().measured_on;
+    h += fmt::format("<figure id=\"measured-chart\">{}\n<figcaption>measured on {} against predicted: every memory category and collective of every "
+                     "strategy; on the diagonal the prediction is exact.</figcaption></figure>\n",
+                     scatter_svg(fmt::format("Predicted against measured on {} (MiB)", on), "MiB", points), esc(on));
+    for (const auto& s : r.strategies) {
+      if (!s.validation) continue;
+      const auto& v = *s.validation;
+      h += fmt::format("<h3>{} <span class=\"label\">measured on {}</span></h3>\n", esc(s.label), esc(s.measured_on));
+      h += fmt::format("<table class=\"measured-table\" data-strategy=\"{}\"><thead><tr><th>figure</th><th>predicted</th><th>measured</th><th>error</th>"
+                       "<th>spread</th><th>tolerance</th><th>verdict</th></tr></thead><tbody>\n", esc(s.label));
+      for (const auto* figs : {&v.memory, &v.comm, &v.time}) {
+        for (const auto& f : *figs) {
+          const bool bytes = f.section != "time";
+          auto shown = [&](double x) { return bytes ? fmt::format("{:.3f} MiB", x / kGiB * 1024) : fmt::format("{:.4f} s", x); };
+          const std::string base = fmt::format("validation.{}.{}", f.section, f.name);
+          const auto verdict = f.verdict();
+          h += fmt::format("<tr><td>{} {}</td>{}{}<td>{:+.2f}%</td><td>{}</td><td>{:.1f}%</td><td class=\"{}\">{}</td></tr>\n", esc(f.section), esc(f.name),
+                           cell(base + ".predicted", fmt::format("{:.17g}", f.predicted), shown(f.predicted)),
+                           cell(base + ".measured", fmt::format("{:.17g}", f.measured), shown(f.measured)), 100 * f.relative_error,
+                           f.has_spread ? fmt::format("{:.1f}%", 100 * f.spread / std::max(1e-300, f.measured)) : std::string("-"), 100 * f.tolerance,
+                           verdict == planner::Verdict::within ? "good" : verdict == planner::Verdict::outside ? "bad" : "", planner::name_of(verdict));
+        }
+      }
+      h += "</tbody></table>\n";
+      if (!v.notes.empty()) {
+        h += "<ul>\n";
+        for (const auto& n : v.notes) h += fmt::format("<li>{}</li>\n", esc(n));
+        h += "</ul>\n";
+      }
+    }
+    h += "</section>\n";
+  }
   // --- knobs ---
   h += fmt::format("<section id=\"knobs\">\n<h2>What moves if I change one knob</h2>\n<p>Against {}: memory in use, "
                    "step time and tokens/s after one change, {}.</p>\n",
                    esc(r.base_label), esc(r.provenance.label));
-  h += "<table id=\"knob-table\"><thead><tr><th>knob</th><th>change</th><th>in use (GiB)</th><th>step</th><th>tokens/s</th><th>verdict</th></tr></thead><tbody>\n";
+  h += fmt::format("<table id=\"knob-table\"><thead><tr><th>knob</th><th>change</th><th>in use ({})</th><th>step</th><th>tokens/s</th><th>verdict</th></tr></thead><tbody>\n", g_unit.name);
   for (const auto& k : r.knobs)
     h += fmt::format("<tr><td>{}</td><td>{}</td><td>{}{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td></tr>\n", esc(k.knob), esc(k.change),
                      k.used_delta_bytes >= 0 ? "+" : "-", gib(static_cast<std::uint64_t>(k.used_delta_bytes >= 0 ? k.used_delta_bytes : -k.used_delta_bytes)),
@@ -427,6 +506,7 @@ std::string render_html(const ReportInput& r) {
 }
 
 std::string render_markdown(const ReportInput& r) {
+  const Scope scope(r);
   std::string m = fmt::format("# {}\n\n**{}** — every figure here is {} by peftplan's model, not measured.\n\n", r.title, r.provenance.label, r.provenance.label);
   m += fmt::format("| | |\n|---|---|\n| peftplan | {} |\n| reproduce with | `{}` |\n", r.provenance.version, r.provenance.command);
   for (const auto& [k, v] : r.provenance.inputs) m += fmt::format("| {} | {} |\n", k, v);
@@ -438,9 +518,9 @@ std::string render_markdown(const ReportInput& r) {
     for (const auto& a : r.recommendation->alternatives) m += fmt::format("- outside the search: {}\n", a.what);
     m += "\n";
   } else {
-    m += "No recommendation: the report was made from a saved plan.\n\n";
+    m += r.no_recommendation + "\n\n";
   }
-  m += "## Memory per GPU\n\n![memory per GPU by category](memory.svg)\n\n| GiB per GPU |";
+  m += fmt::format("## Memory per GPU\n\n![memory per GPU by category](memory.svg)\n\n| {} per GPU |", g_unit.name);
   for (const auto& s : r.strategies) m += fmt::format(" {} |", s.label);
   m += "\n|---|";
   for (std::size_t i = 0; i < r.strategies.size(); ++i) m += "---:|";
@@ -468,11 +548,23 @@ std::string render_markdown(const ReportInput& r) {
   mrow("exposed communication (s)", [](const Plan& p) { return p.time ? fmt::format("{:.4f}", p.time->exposed_comm_s) : std::string("-"); });
   mrow("tokens/s", [](const Plan& p) { return p.time ? with_commas(static_cast<std::int64_t>(p.time->tokens_per_s + 0.5)) : std::string("-"); });
   mrow("MFU", [](const Plan& p) { return p.time ? fmt::format("{:.1f}%", 100 * p.time->mfu) : std::string("-"); });
+  for (const auto& s : r.strategies) {
+    if (!s.validation) continue;
+    m += fmt::format("\n## Predicted versus measured: {} (measured on {})\n\n| figure | predicted | measured | error | verdict |\n|---|---:|---:|---:|---|\n",
+                     s.label, s.measured_on);
+    for (const auto* figs : {&s.validation->memory, &s.validation->comm, &s.validation->time})
+      for (const auto& f : *figs) {
+        const bool bytes = f.section != "time";
+        auto shown = [&](double x) { return bytes ? fmt::format("{:.3f} MiB", x / kGiB * 1024) : fmt::format("{:.4f} s", x); };
+        m += fmt::format("| {} {} | {} | {} | {:+.2f}% | {} |\n", f.section, f.name, shown(f.predicted), shown(f.measured), 100 * f.relative_error,
+                         planner::name_of(f.verdict()));
+      }
+  }
   m += fmt::format("\n## What moves if I change one knob\n\nAgainst {}:\n\n| knob | change | in use | step | tokens/s | verdict |\n|---|---|---:|---:|---:|---|\n",
                    r.base_label);
   for (const auto& k : r.knobs)
-    m += fmt::format("| {} | {} | {}{} GiB | {} | {} | {} |\n", k.knob, k.change, k.used_delta_bytes >= 0 ? "+" : "-",
-                     gib(static_cast<std::uint64_t>(k.used_delta_bytes >= 0 ? k.used_delta_bytes : -k.used_delta_bytes)), signed_pct(k.step_delta),
+    m += fmt::format("| {} | {} | {}{} {} | {} | {} | {} |\n", k.knob, k.change, k.used_delta_bytes >= 0 ? "+" : "-",
+                     gib(static_cast<std::uint64_t>(k.used_delta_bytes >= 0 ? k.used_delta_bytes : -k.used_delta_bytes)), g_unit.name, signed_pct(k.step_delta),
                      signed_pct(k.tokens_delta), k.fits ? "fits" : "does not fit");
   m += "\n## Definitions\n\n";
   for (int i = 0; i < sim::kNumDeviceCategories; ++i)

@@ -150,8 +150,8 @@ std::string stacked_bars_svg(const BarChart& c) {
   const std::string legend = legend_svg(legend_of(c), legend_y, legend_h);
   const double height = legend_y + legend_h + 6;
   return fmt::format(R"(<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {:.0f} {:.0f}" role="img" class="chart"><title>{}</title>{})"
-                     "\n<text x=\"{:.1f}\" y=\"22\" class=\"title\">{}</text>\n{}{}</svg>",
-                     kWidth, height, xml_escape(c.title), kStyle, left, xml_escape(c.title), body, legend);
+                     "\n<text x=\"{:.1f}\" y=\"22\" class=\"title\">{}</text><text x=\"{:.1f}\" y=\"38\" class=\"value\">{}</text>\n{}{}</svg>",
+                     kWidth, height, xml_escape(c.title), kStyle, left, xml_escape(c.title), left, xml_escape(c.subtitle), body, legend);
 }
 
 std::string horizontal_bars_svg(const BarChart& c) {
@@ -162,7 +162,7 @@ std::string horizontal_bars_svg(const BarChart& c) {
     max = std::max(max, sum);
   }
   const auto [top, step] = nice_axis(max);
-  const double left = 270, right = kWidth - 30, plot_top = 40, row = 24;
+  const double left = 270, right = kWidth - 160, plot_top = 40, row = 24;
   const double plot_h = row * static_cast<double>(c.bars.size());
   auto x_of = [&](double v) { return left + (right - left) * v / top; };
   std::string body;
@@ -181,8 +181,8 @@ std::string horizontal_bars_svg(const BarChart& c) {
       acc += s.value;
     }
     body += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" class="label" text-anchor="end">{}</text>)", left - 6, y + row / 2, xml_escape(b.label)) + "\n";
-    if (!b.note.empty())
-      body += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" class="value">{}</text>)", std::min(x_of(acc) + 4, right - 60), y + row / 2, xml_escape(b.note)) + "\n";
+    if (!b.note.empty())  // in the right margin, beside the bar
+      body += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" class="value">{}</text>)", right + 8, y + row / 2, xml_escape(b.note)) + "\n";
   }
   double legend_h = 0;
   const std::string legend = legend_svg(legend_of(c), plot_top + plot_h + 40, legend_h);

@@ -13,6 +13,7 @@
 
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/recommend.h"
+#include "peftplan/planner/validate.h"
 
 namespace peftplan::reports {
 
@@ -20,6 +21,9 @@ struct StrategyColumn {
   std::string label;            // "zero3 + offload optimizer", "full FT ddp"
   std::string plan_args;        // the plan flags that make it from the report's inputs
   planner::Plan plan;
+  // A measurement of the same plan (peftplan run): predicted against measured, figure by figure.
+  std::optional<planner::Validation> validation;
+  std::string measured_on;      // "AMD EPYC (cpu: 2 threads ..., 2 ranks)"
 };
 
 // "What moves if I change one knob": the base plan against one change.
@@ -46,6 +50,7 @@ struct ReportInput {
   std::string base_label;       // the user's own configuration (the knobs' base)
   std::vector<KnobDelta> knobs;
   std::optional<planner::Recommendation> recommendation;
+  std::string no_recommendation = "No recommendation: the report was made without a search.";  // shown instead
 };
 
 // The seed's strategy set for a plan input: full fine-tuning with DDP beside PEFT with DDP,

@@ -27,6 +27,7 @@ struct Bar {
 
 struct BarChart {
   std::string title;
+  std::string subtitle;  // a second line under the title, optional
   std::string unit;     // axis unit ("GiB", "s")
   std::vector<Bar> bars;
   // Horizontal reference lines (a GPU's memory, the headroom): value and label.
