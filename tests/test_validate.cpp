@@ -17,6 +17,7 @@
 #include <string>
 
 #include <gmock/gmock.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "peftplan/common/error.h"
@@ -652,6 +653,20 @@ TEST(RunCli, SeveralStrategiesEndWithTheirComparison) {
     EXPECT_EQ(v["memory"]["peak"]["predicted_bytes"], v["memory"]["peak"]["measured_bytes"]) << s;
     EXPECT_TRUE(fs::exists(dir / "out" / s / "report.md")) << s;
   }
+  // One report of both strategies (reports/report.h): each measured figure is validation.json's.
+  std::ifstream html_file(dir / "out" / "report" / "report.html");
+  std::stringstream html;
+  html << html_file.rdbuf();
+  for (const char* s : {"ddp", "zero3"}) {
+    const json v = models::read_json_file((dir / "out" / s / "validation.json").string());
+    EXPECT_NE(html.str().find(fmt::format("<table class=\"measured-table\" data-strategy=\"{}\">", s)), std::string::npos) << s;
+    for (const char* k : {"peak", "activations"})
+      EXPECT_NE(html.str().find(fmt::format("data-field=\"validation.memory.{}.measured\" data-value=\"{}\"", k,
+                                            v["memory"][k]["measured_bytes"].get<std::uint64_t>())),
+                std::string::npos)
+          << s << " " << k;
+  }
+  EXPECT_TRUE(fs::exists(dir / "out" / "report" / "memory.svg"));
   const json sj = models::read_json_file((dir / "out" / "summary.json").string());
   ASSERT_EQ(sj.at("runs").size(), 2u);
   EXPECT_EQ(sj["runs"][0]["strategy"], "ddp");
