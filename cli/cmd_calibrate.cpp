@@ -34,6 +34,7 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand(
       "calibrate", "measure this machine (GEMM, memory bandwidth, MPI collectives) and write a "
                    "cluster profile");
+  cmd->footer("example: peftplan calibrate --ranks 2 --quick --out profile.json");
   struct Options {
     int ranks = static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
     std::string out;

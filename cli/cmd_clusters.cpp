@@ -11,6 +11,7 @@ namespace peftplan::cli {
 
 void add_clusters_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("clusters", "list GPU and link catalogs and cluster presets");
+  cmd->footer("example: peftplan clusters");
   auto json_out = std::make_shared<bool>(false);
   cmd->add_flag("--json", *json_out, "machine-readable output");
   cmd->callback([&exit_code, json_out] {

@@ -46,6 +46,7 @@ std::optional<std::string> plan_config_sha256(const planner::PlanFile& pf) {
 void add_compare_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("compare", "compare a plan with a measurement: peftplan-exec's measurement.json (several: rounds) or "
                                             "a training job's totals from tools/peftplan_callback.py");
+  cmd->footer("example: peftplan compare plan.json peftplan-measurement.json --out cmp/");
   struct Options {
     std::string plan;
     std::vector<std::string> measurements;

@@ -154,6 +154,7 @@ void run_zero_paper(const EstimateOptions& o) {
 
 void add_estimate_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("estimate", "model-states memory per GPU (ZeRO paper, or DeepSpeed's estimators)");
+  cmd->footer("example: peftplan estimate --model llama-2-7b --lora-r 16 --gpus 8");
   auto o = std::make_shared<EstimateOptions>();
   cmd->add_option("--params", o->params, "all parameters P (frozen + trainable)")->required();
   cmd->add_option("--trainable-params", o->trainable, "trainable parameters T (PEFT adapters); default: all of P");

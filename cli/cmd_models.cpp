@@ -17,6 +17,7 @@ namespace peftplan::cli {
 
 void add_models_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("models", "list the bundled model zoo with exact parameter counts");
+  cmd->footer("example: peftplan models");
   auto json_out = std::make_shared<bool>(false);
   cmd->add_flag("--json", *json_out, "machine-readable output");
   cmd->callback([&exit_code, json_out] {
@@ -44,6 +45,7 @@ void add_models_command(CLI::App& app, int& exit_code) {
 
 void add_params_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("params", "count base, trainable and all parameters as PEFT prints them");
+  cmd->footer("example: peftplan params --model llama-2-7b --lora-r 16 --lora-targets q_proj,v_proj");
   struct Options {
     std::string model;
     PeftFlags peft;

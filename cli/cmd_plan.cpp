@@ -127,6 +127,7 @@ void print_text(const planner::Plan& p) {
 
 void add_plan_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("plan", "memory by category, step time and verdict for one configuration");
+  cmd->footer("example: peftplan plan --model llama-2-7b --lora-r 16 --micro-batch 4 --seq-len 2048 --strategy zero2 --cluster 8xA100-80GB");
   struct Options {
     PlanFlags plan;
     bool json = false;

@@ -217,6 +217,7 @@ planner::PlanFile round_plan(const planner::PlanFile& pf, int round) {
 void add_run_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("run", "plan, run the executor for real, and compare predicted with measured (several strategies: one "
                                         "run each, then a comparison)");
+  cmd->footer("example: peftplan run --strategy ddp,zero2,zero3 --out out/run");
   struct Options {
     PlanFlags plan;
     planner::RunOptions run;
