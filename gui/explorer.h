@@ -1,0 +1,105 @@
+// The what-if explorer's window: inputs on the left, views on the right (memory per strategy,
+// step time, the recommendation, what moves when one knob changes), a verdict line at the
+// bottom. Presentation only: every number comes from the planner (reports::seed_strategies,
+// planner::recommend, reports::knob_deltas), re-planned off the GUI thread on every change, the
+// newest request winning.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <QMainWindow>
+
+#include "peftplan/planner/recommend.h"
+#include "peftplan/reports/report.h"
+
+class QComboBox;
+class QSpinBox;
+class QLabel;
+class QTabWidget;
+class QTextBrowser;
+class QTableWidget;
+class QCheckBox;
+
+class QChartView;
+
+namespace peftplan::gui {
+
+// Everything the views show for one scenario, computed off the GUI thread.
+struct Result {
+  std::uint64_t generation = 0;
+  std::string error;  // bad input: the message, and nothing else changes
+  std::vector<reports::StrategyColumn> strategies;
+  std::optional<planner::Recommendation> recommendation;
+  std::vector<reports::KnobDelta> knobs;
+  std::string verdict;
+};
+
+// The scenario's inputs, as the controls hold them.
+struct Scenario {
+  std::string model = "llama-2-7b";
+  int lora_r = 16;            // 0: full fine-tuning
+  std::string targets = "q_proj,v_proj";
+  bool qlora = false;
+  int micro_batch = 2;
+  int seq_len = 2048;
+  std::string precision = "bf16";
+  std::string checkpointing = "none";
+  std::string cluster = "8xA100-80GB";
+  int gpus = 8;
+  std::string profile = "deepspeed";
+  std::string strategy = "ddp";  // the configuration the verdict and the knobs are about
+};
+
+// Plans a scenario (the work of one re-plan; public for tests and the benchmark).
+Result plan_scenario(const Scenario& s, std::uint64_t generation);
+
+class Explorer : public QMainWindow {
+  Q_OBJECT
+ public:
+  explicit Explorer(QWidget* parent = nullptr);
+  ~Explorer() override;
+
+  Scenario scenario() const;
+  void set_scenario(const Scenario& s);  // sets the controls (each change re-plans; the newest wins)
+  const Result& result() const { return result_; }
+  QTabWidget* views() const { return tabs_; }
+  // What hovering a memory segment shows: the category's derivation for that strategy
+  // (planner::explain_plan, as `peftplan explain` prints it).
+  std::string segment_formula(sim::MemCategory category, int strategy) const;
+  QLabel* verdict_line() const { return verdict_; }
+
+ signals:
+  void planned();  // the views show a new result
+
+ private:
+  void request();                 // a control changed: plan it off the GUI thread
+  void show_result(Result r);     // on the GUI thread
+  void build_memory_view();
+  void build_time_view();
+
+  QComboBox *model_, *targets_, *precision_, *checkpointing_, *cluster_, *profile_, *strategy_;
+  QSpinBox *lora_r_, *micro_batch_, *seq_len_, *gpus_;
+  QCheckBox* qlora_;
+  QTabWidget* tabs_;
+  QChartView *memory_view_, *time_view_;
+  QTextBrowser* recommendation_;
+  QTableWidget* knobs_;
+  QLabel* verdict_;
+  Result result_;
+  bool loading_ = false;
+  // The worker: one thread, one pending request (a newer one replaces it), joined on close.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<std::pair<Scenario, std::uint64_t>> pending_;
+  bool stop_ = false;
+  std::atomic<std::uint64_t> generation_{0};
+  std::thread worker_;
+};
+
+}  // namespace peftplan::gui
