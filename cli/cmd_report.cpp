@@ -8,6 +8,7 @@
 
 #include "commands.h"
 #include "plan_flags.h"
+#include "run_report.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
 #include "peftplan/planner/plan_file.h"
@@ -38,16 +39,29 @@ void add_report_command(CLI::App& app, int& exit_code) {
   struct Options {
     PlanFlags plan;
     std::string plan_file;
+    std::string run;
     std::string out;
     bool no_recommend = false;
   };
   auto o = std::make_shared<Options>();
   add_plan_flags(cmd, o->plan);
   cmd->add_option("--plan", o->plan_file, "a saved plan.json (peftplan plan --write-plan, recommend --emit, run) instead of the plan flags");
+  cmd->add_option("--run", o->run, "a peftplan run folder (or a validation.json beside its plan.json): the report of its strategies, predicted and measured");
   cmd->add_option("--out", o->out, "the report's folder (report.html, report.md, memory.svg, time.svg); replaced as a whole")->required();
   cmd->add_flag("--no-recommend", o->no_recommend, "leave out the recommendation (no search)");
   cmd->callback([&exit_code, o] {
     const auto t0 = std::chrono::steady_clock::now();
+    if (!o->run.empty()) {
+      if (!o->plan_file.empty()) throw InputError("--run and --plan: give one source");
+      std::string machine;
+      const std::vector<MeasuredStrategy> runs = read_run(o->run, machine);
+      const auto& v = runs.front().validation;
+      reports::write_report(o->out, run_report(runs, machine, "as the run's plan.json", v.rounds, v.tolerances));
+      fmt::print("report of {} measured strateg{} written to {}/ (report.html, report.md, memory.svg, time.svg)\n", runs.size(),
+                 runs.size() == 1 ? "y" : "ies", o->out);
+      exit_code = 0;
+      return;
+    }
     ResolvedPlan r = resolve_plan_flags(o->plan);
     std::string source = "the plan flags";
     if (!o->plan_file.empty()) {

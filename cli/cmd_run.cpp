@@ -40,6 +40,7 @@
 #include "peftplan/sim/trace.h"
 #include "plan_flags.h"
 #include "peftplan/reports/report.h"
+#include "run_report.h"
 #include "peftplan/common/atomic_file.h"
 #include "validation_text.h"
 
@@ -451,26 +452,12 @@ void add_run_command(CLI::App& app, int& exit_code) {
       }
       std::fflush(stderr);
     }
-    // One report of every strategy, predicted and measured (peftplan report's, reports/report.h).
+    // One report of every strategy, predicted and measured (reports/report.h).
     {
-      reports::ReportInput ri;
-      ri.title = fmt::format("peftplan run: {}, {} rank(s), {} strateg{}", job_model, job_ranks, jobs.size(), jobs.size() == 1 ? "y" : "ies");
-      ri.provenance.version = reports::version_string();
-      ri.provenance.command = command_line();
+      std::vector<MeasuredStrategy> measured;
+      for (const Job& job : jobs) measured.push_back({job.strategy, job.plan, job.v});
       const std::string machine = fmt::format("{} ({}, {} rank(s))", cpu_model_name(), jobs.front().rounds.front().value("backend", std::string("?")), job_ranks);
-      ri.provenance.inputs = {{"model", job_model},
-                              {"machine", machine},
-                              {"cluster profile", profile},
-                              {"rounds", fmt::format("{} per strategy, interleaved; times are their median", R)},
-                              {"tolerances", fmt::format("memory {:.4g}%, time {:.4g}%", 100.0 * tol.memory, 100.0 * tol.time)}};
-      for (const Job& job : jobs) {
-        reports::StrategyColumn c{job.strategy, "--strategy " + job.strategy, job.plan, job.v, machine};
-        ri.strategies.push_back(std::move(c));
-      }
-      ri.base_label = fmt::format("{} (the first strategy run)", jobs.front().strategy);
-      ri.knobs = reports::knob_deltas(jobs.front().plan);
-      ri.no_recommendation = "No recommendation: peftplan run measures the strategies it was given (peftplan recommend searches).";
-      reports::write_report(out / "report", ri);
+      reports::write_report(out / "report", run_report(measured, machine, profile, R, tol));
       fmt::print("wrote {}/ (report.html, report.md: every strategy, predicted and measured)\n", shown(out / "report"));
     }
     if (several) {

@@ -598,4 +598,86 @@ json validation_to_json(const Validation& v) {
   return j;
 }
 
+Validation validation_from_json(const json& j, std::string_view source) {
+  auto fail = [&](const std::string& field, const std::string& problem) { return input_error(source, field, problem); };
+  if (!j.is_object()) throw fail("", "must hold a JSON object (a validation.json)");
+  if (!j.contains("schema") || j["schema"] != schemas::kValidation)
+    throw fail("schema", fmt::format("must be \"{}\" (a validation.json of peftplan run or compare), got {}", schemas::kValidation,
+                                     j.contains("schema") ? j["schema"].dump() : std::string("none")));
+  auto number = [&](const json& o, const char* key, const std::string& where) {
+    if (!o.is_object() || !o.contains(key) || !o[key].is_number()) throw fail(where + "." + key, "must be a number");
+    return o[key].get<double>();
+  };
+  Validation v;
+  if (j.contains("tolerances")) {
+    v.tolerances.memory = number(j["tolerances"], "memory", "tolerances");
+    v.tolerances.time = number(j["tolerances"], "time", "tolerances");
+  }
+  auto bytes_figures = [&](const char* section, std::vector<Figure>& into, double tol) {
+    if (!j.contains(section)) return;
+    if (!j[section].is_object()) throw fail(section, "must be an object of figures");
+    for (const auto& [name, f] : j[section].items()) {
+      const std::string where = std::string(section) + "." + name;
+      Figure x = figure(section, name, number(f, "predicted_bytes", where), number(f, "measured_bytes", where), tol);
+      if (std::string(section) == "memory" && j.contains("memory_rank") && j["memory_rank"].contains(name) && j["memory_rank"][name].is_number_integer())
+        x.rank = j["memory_rank"][name].get<std::int32_t>();
+      into.push_back(std::move(x));
+    }
+  };
+  bytes_figures("memory", v.memory, v.tolerances.memory);
+  bytes_figures("comm", v.comm, v.tolerances.memory);
+  auto timed_figures = [&](const char* section, std::vector<Figure>& into) {
+    if (!j.contains(section)) return;
+    if (!j[section].is_object()) throw fail(section, "must be an object of figures");
+    for (const auto& [name, f] : j[section].items()) {
+      const std::string where = std::string(section) + "." + name;
+      Figure x = figure(section, name, number(f, "predicted", where), number(f, "measured", where), v.tolerances.time);
+      x.relative_error = number(f, "relative_error", where);
+      if (f.contains("within_tolerance") && f["within_tolerance"].is_boolean()) x.within = f["within_tolerance"].get<bool>();
+      if (f.contains("verdict") && f["verdict"].is_string()) x.conclusive = f["verdict"] != name_of(Verdict::inconclusive);
+      if (f.contains("spread_s") && f["spread_s"].is_number()) {
+        x.spread = f["spread_s"].get<double>();
+        x.has_spread = true;
+      }
+      if (f.contains("rounds") && f["rounds"].is_array())
+        for (const auto& r : f["rounds"])
+          if (r.is_number()) x.rounds.push_back(r.get<double>());
+      if (f.contains("error_share_of_step") && f["error_share_of_step"].is_number()) x.share_of_step = f["error_share_of_step"].get<double>();
+      into.push_back(std::move(x));
+    }
+  };
+  timed_figures("time", v.time);
+  timed_figures("throughput", v.throughput);
+  // JSON objects come back sorted by name: restore the order validate() makes them in.
+  auto rank_of = [](const std::vector<std::string>& order, const std::string& name) {
+    const auto it = std::find(order.begin(), order.end(), name);
+    return it == order.end() ? order.size() : static_cast<std::size_t>(it - order.begin());
+  };
+  std::vector<std::string> memory_order;
+  for (int c = 0; c < sim::kNumCategories; ++c) memory_order.emplace_back(sim::name_of(static_cast<sim::MemCategory>(c)));
+  memory_order.emplace_back("peak");
+  const std::vector<std::string> time_order = {"step_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s", "sync_wait_s"};
+  auto order_by = [&](std::vector<Figure>& figs, const std::vector<std::string>& order) {
+    std::stable_sort(figs.begin(), figs.end(), [&](const Figure& a, const Figure& b) { return rank_of(order, a.name) < rank_of(order, b.name); });
+  };
+  std::vector<std::string> comm_order;
+  for (int c = 0; c < sim::kNumCollectives; ++c) comm_order.emplace_back(sim::name_of(static_cast<sim::Collective>(c)));
+  order_by(v.memory, memory_order);
+  order_by(v.comm, comm_order);
+  order_by(v.time, time_order);
+  if (j.contains("notes") && j["notes"].is_array())
+    for (const auto& n : j["notes"])
+      if (n.is_string()) v.notes.push_back(n.get<std::string>());
+  if (j.contains("rounds") && j["rounds"].is_number_integer()) v.rounds = j["rounds"].get<std::int32_t>();
+  if (j.contains("steps") && j["steps"].is_number_integer()) v.steps = j["steps"].get<std::int64_t>();
+  if (j.contains("sync_wait_s") && j["sync_wait_s"].is_number()) v.sync_wait_s = j["sync_wait_s"].get<double>();
+  for (const auto* section : {&v.memory, &v.time, &v.comm, &v.throughput})
+    for (const Figure& f : *section) {
+      if (!f.conclusive) v.inconclusive.push_back(f.key());
+      else if (!f.within) v.outside.push_back(f.key());
+    }
+  v.within_tolerance = v.outside.empty();
+  return v;
+}
+
 }  // namespace peftplan::planner

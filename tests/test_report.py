@@ -216,6 +216,33 @@ class BadInput(unittest.TestCase):
                 self.assertIn(needle, r.stderr)
             self.assertEqual(sorted(os.listdir(tmp)), ["ds_config.json", "plan.json"])
 
+    def test_from_a_run_folder(self):
+        """report --run remakes the report a run wrote: the same measured figures, cell by cell."""
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir = os.path.join(tmp, "run")
+            r = run(["run", "--strategy", "ddp,zero3", "--gpus", "2", "--steps", "2", "--rounds", "1", "--seq-len", "32",
+                     "--cluster", "8xA100-80GB", "--out", run_dir], env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
+                                                                                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
+            self.assertIn(r.returncode, (0, 1), r.stdout[-3000:] + r.stderr[-3000:])  # 1: a time figure outside tolerance
+            again = os.path.join(tmp, "again")
+            r = run(["report", "--run", run_dir, "--out", again])
+            self.assertEqual(r.returncode, 0, r.stderr)
+
+            def measured(path):
+                with open(os.path.join(path, "report.html"), encoding="utf-8") as f:
+                    root = ET.fromstring(f.read())
+                return [(c.attrib["data-field"], c.attrib["data-value"]) for c in root.iter("td")
+                        if c.attrib.get("data-field", "").startswith("validation.")]
+            cells = measured(os.path.join(run_dir, "report"))
+            self.assertGreater(len(cells), 40)
+            self.assertEqual(measured(again), cells)
+            with open(os.path.join(run_dir, "ddp", "validation.json")) as f:
+                v = json.load(f)
+            self.assertIn(("validation.memory.peak.measured", str(v["memory"]["peak"]["measured_bytes"])), cells)
+            r = run(["report", "--run", tmp, "--out", os.path.join(tmp, "nothing")])
+            self.assertEqual(r.returncode, 2)
+            self.assertIn("no validation.json or summary.json here", r.stderr)
+
     def test_from_a_saved_plan(self):
         with tempfile.TemporaryDirectory() as tmp:
             plan = os.path.join(tmp, "plan.json")

@@ -189,4 +189,10 @@ Validation validate_totals(const Plan& predicted, const nlohmann::json& measurem
 // figure), steps, op_time_source, most_different_op, ops, op_kinds.
 nlohmann::json validation_to_json(const Validation& v);
 
+// validation.json back into a Validation: its figures (memory, time, comm and throughput, with
+// errors, spreads and verdicts as written), tolerances, notes and counts; the per-op lists are
+// not read back. Throws InputError naming `source` and the field for a file of another kind
+// (schema) or a missing or malformed field.
+Validation validation_from_json(const nlohmann::json& j, std::string_view source);
+
 }  // namespace peftplan::planner
