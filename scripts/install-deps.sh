@@ -19,6 +19,7 @@ packages=(
   libqt6opengl6-dev libxkbcommon-dev             #   Qt6Charts' CMake config needs Qt6OpenGL, whose
                                                  #   config needs XKB: without them Charts is "not found"
   chromium                                       # renders and prints peftplan report's HTML in tests
+  xvfb xauth                                     # peftplan-gui in a real X window in tests
   python3 python3-torch libopenblas0-pthread     # tools/peftplan_callback.py and its CPU test
                                                  #   (without OpenBLAS torch runs reference BLAS)
 )
