@@ -7,10 +7,13 @@
 #include <fstream>
 #include <sstream>
 
+#include <limits>
+
 #include <fmt/format.h>
 #include <openssl/evp.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/units.h"
 
 namespace peftplan::models {
 namespace {
@@ -46,15 +49,38 @@ const json* find_field(const json& c, std::initializer_list<const char*> keys, c
   return nullptr;
 }
 
+// The largest value each count may take: well above every published model (Llama-3.1-405B:
+// 126 layers, hidden 16,384, 128 heads, vocab 128,256, intermediate 53,248; Gemma's 256,000-token
+// vocabulary), and small enough that the planner's products of them (layers x hidden^2 x 12, vocab
+// x hidden, batch x heads x sequence^2) stay inside 64 bits.
+struct Limit {
+  std::string_view key;
+  std::int64_t max;
+};
+constexpr Limit kLimits[] = {
+    {"hidden_size", 1 << 20},          {"n_embd", 1 << 20},          {"d_model", 1 << 20},
+    {"num_hidden_layers", 10'000},     {"n_layer", 10'000},          {"num_layers", 10'000},
+    {"num_attention_heads", 1 << 16},  {"n_head", 1 << 16},          {"num_key_value_heads", 1 << 16},
+    {"num_kv_heads", 1 << 16},         {"n_head_kv", 1 << 16},       {"head_dim", 1 << 16},
+    {"vocab_size", 1 << 24},           {"intermediate_size", 1 << 24}, {"n_inner", 1 << 24},
+    {"ffn_hidden_size", 1 << 24},      {"ffn_dim", 1 << 24},         {"max_position_embeddings", 1 << 26},
+    {"n_positions", 1 << 26},          {"sliding_window", 1 << 26},  {"num_local_experts", 1 << 12},
+    {"num_experts_per_tok", 1 << 12},  {"word_embed_proj_dim", 1 << 20}, {"num_ln_in_parallel_attn", 2},
+};
+
 std::optional<std::int64_t> get_int(const json& c, std::string_view src,
                                     std::initializer_list<const char*> keys) {
   const char* key = nullptr;
   const json* v = find_field(c, keys, &key);
   if (!v) return std::nullopt;
-  if (!v->is_number_integer())
-    throw input_error(src, key, "must be a positive integer", v->dump());
-  auto n = v->get<std::int64_t>();
-  if (n <= 0) throw input_error(src, key, "must be a positive integer", v->dump());
+  std::int64_t max = std::numeric_limits<std::int32_t>::max();
+  for (const auto& l : kLimits)
+    if (l.key == key) max = l.max;
+  const std::string range = fmt::format("must be an integer in [1, {}]", with_commas(max));
+  if (!v->is_number_integer()) throw input_error(src, key, range, v->dump());
+  if (v->is_number_unsigned() && v->get<std::uint64_t>() > static_cast<std::uint64_t>(max)) throw input_error(src, key, range, v->dump());
+  const auto n = v->get<std::int64_t>();
+  if (n <= 0 || n > max) throw input_error(src, key, range, v->dump());
   return n;
 }
 

@@ -164,8 +164,8 @@ std::vector<const LinearModule*> select_modules(const ModelSpec& model, const st
                                                 ModuleSelector targets, const ModuleSelector& exclude,
                                                 const std::optional<std::vector<std::int64_t>>& layers,
                                                 const std::optional<std::string>& layers_pattern,
-                                                const std::string& adapter) {
-  const std::string where = fmt::format("adapter \"{}\"", adapter);
+                                                const std::string& adapter, const std::string& source) {
+  const std::string where = source.empty() ? fmt::format("adapter \"{}\"", adapter) : fmt::format("{} (adapter \"{}\")", source, adapter);
   if (targets.kind == ModuleSelector::Kind::all_linear) {
     // _maybe_include_all_linear_layers: the leaf names of every Linear except the output layer.
     std::set<std::string> leaves;
@@ -211,7 +211,7 @@ std::vector<const LinearModule*> lora_selection(const ModelSpec& model, const st
     targets.names = default_lora_targets(model.arch);
   }
   return select_modules(model, linears, targets, a.lora.exclude, a.lora.layers_to_transform, a.lora.layers_pattern,
-                        a.name);
+                        a.name, a.source);
 }
 
 // modules_to_save: every module path that equals or ends with ".name" (ModulesToSaveWrapper).
@@ -252,6 +252,7 @@ std::string_view name_of(PeftType t) {
 AdapterSpec adapter_from_config(const json& c, std::string_view src) {
   if (!c.is_object()) throw input_error(src, "", "must hold a JSON object (a PEFT adapter_config.json)");
   AdapterSpec a;
+  a.source = std::string(src);
   auto pt = c.find("peft_type");
   std::string type = pt != c.end() && pt->is_string() ? pt->get<std::string>() : "";
   if (type.empty() && c.contains("r")) type = "LORA";
@@ -395,7 +396,7 @@ std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const Pef
           targets.names = t;
           if (ff.empty()) ff = f;
         }
-        for (const LinearModule* l : select_modules(model, linears, targets, {}, std::nullopt, std::nullopt, a.name)) {
+        for (const LinearModule* l : select_modules(model, linears, targets, {}, std::nullopt, std::nullopt, a.name, a.source)) {
           // IA3Layer: feedforward modules scale the input (1, in), others the output (out, 1).
           bool is_ff = list_match(ff, l->path);
           std::vector<std::int64_t> shape = is_ff ? std::vector<std::int64_t>{1, l->in} : std::vector<std::int64_t>{l->out, 1};

@@ -54,6 +54,10 @@ TEST(Cli, BadInputIsOneLineAndExitCodeTwo) {
       {"params --model " + kData + "/bad/missing_field_config.json",
        "missing_field_config.json: intermediate_size is required but missing"},
       {"params --model llama-2-7b --peft " + kData + "/bad/bad_target_adapter_config.json", "query_key_value"},
+      // The file is named beside the module (the adapter came from it).
+      {"params --model llama-2-7b --peft " + kData + "/bad/bad_target_adapter_config.json", "bad_target_adapter_config.json (adapter \"default\")"},
+      // A count beyond any model's: refused with its range, not planned as a model with no layers.
+      {"params --model " + kData + "/bad/huge_layers_config.json", "huge_layers_config.json: num_hidden_layers must be an integer in [1, 10,000], got 1000000000000000"},
       {"params --model llama-2-7b --peft " + kData + "/bad/negative_rank_adapter_config.json",
        "negative_rank_adapter_config.json: r must be a positive integer, got -4"},
       {"params --model llama-2-7b --lora-r 0", "--lora-r: must be a positive integer, got 0"},

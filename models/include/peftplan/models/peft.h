@@ -61,6 +61,8 @@ struct PromptConfig {
 
 struct AdapterSpec {
   std::string name = "default";                    // PEFT adapter name
+  std::string source;                              // the adapter_config.json it was read from
+                                                   //   ("": flags), named in its errors
   PeftType type = PeftType::lora;
   LoraConfig lora;                                 // type lora
   Ia3Config ia3;                                   // type ia3
