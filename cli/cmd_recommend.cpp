@@ -3,6 +3,7 @@
 // lost and why, alternatives outside the space, and with --emit the files to launch the winner.
 // Exit code 1 when nothing fits.
 #include <charconv>
+#include <cmath>
 #include <chrono>
 #include <memory>
 
@@ -81,7 +82,26 @@ void print_text(const planner::Recommendation& r, const ResolvedPlan& rp, const 
   }
   if (!r.rejected.empty()) {
     fmt::print("\n{}:\n", r.ranked.empty() ? "every strategy" : "the other strategies");
-    for (const auto& x : r.rejected) fmt::print("  {}: {}\n", x.family, x.reason);
+    // Families that do not fit for the same reason (the same category at the peak, shortfalls
+    // within 1 GiB) share one line; --json keeps one entry each.
+    std::vector<bool> done(r.rejected.size(), false);
+    for (std::size_t i = 0; i < r.rejected.size(); ++i) {
+      if (done[i]) continue;
+      const auto& x = r.rejected[i];
+      std::vector<std::string> names = {x.family};
+      if (!x.fits && x.best)
+        for (std::size_t j = i + 1; j < r.rejected.size(); ++j) {
+          const auto& y = r.rejected[j];
+          if (done[j] || y.fits || !y.best || y.best->binding != x.best->binding) continue;
+          if (std::abs(static_cast<double>(y.best->spare_bytes - x.best->spare_bytes)) > static_cast<double>(1ull << 30)) continue;
+          names.push_back(y.family);
+          done[j] = true;
+        }
+      std::string reason = x.reason;
+      if (names.size() > 1 && reason.rfind("does not fit: ", 0) == 0)
+        reason = fmt::format("none fits ({}'s figures): {}", x.family, reason.substr(14));
+      fmt::print("  {}: {}\n", fmt::format("{}", fmt::join(names, ", ")), reason);
+    }
   }
   if (!r.alternatives.empty()) {
     fmt::print("\noutside the search:\n");
