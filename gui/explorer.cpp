@@ -6,7 +6,9 @@
 #include <QComboBox>
 #include <QCursor>
 #include <QToolTip>
+#include <QFileDialog>
 #include <QFormLayout>
+#include <QMenuBar>
 #include <QHBoxLayout>
 #include <QHeaderView>
 #include <QLabel>
@@ -27,7 +29,9 @@
 
 #include <fmt/format.h>
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
+#include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/explain.h"
@@ -104,6 +108,54 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
   return r;
 }
 
+nlohmann::json scenario_to_json(const Scenario& s) {
+  return {{"schema", schemas::kScenario}, {"model", s.model},   {"lora_r", s.lora_r},         {"targets", s.targets},
+          {"qlora", s.qlora},             {"micro_batch", s.micro_batch}, {"seq_len", s.seq_len}, {"precision", s.precision},
+          {"checkpointing", s.checkpointing}, {"cluster", s.cluster}, {"gpus", s.gpus},       {"profile", s.profile},
+          {"strategy", s.strategy}};
+}
+
+Scenario scenario_from_json(const nlohmann::json& j, std::string_view source) {
+  if (!j.is_object()) throw input_error(source, "", "must hold a JSON object (a peftplan-gui scenario)");
+  if (!j.contains("schema") || j["schema"] != schemas::kScenario)
+    throw input_error(source, "schema", fmt::format("must be \"{}\"", schemas::kScenario), j.contains("schema") ? j["schema"].dump() : "none");
+  Scenario s;
+  auto text = [&](const char* k, std::string& into) {
+    if (!j.contains(k)) return;
+    if (!j[k].is_string()) throw input_error(source, k, "must be a string", j[k].dump());
+    into = j[k].get<std::string>();
+  };
+  auto integer = [&](const char* k, int& into, int lo, int hi) {
+    if (!j.contains(k)) return;
+    if (!j[k].is_number_integer() || j[k].get<std::int64_t>() < lo || j[k].get<std::int64_t>() > hi)
+      throw input_error(source, k, fmt::format("must be an integer in [{}, {}]", lo, hi), j[k].dump());
+    into = j[k].get<int>();
+  };
+  text("model", s.model);
+  integer("lora_r", s.lora_r, 0, 4096);
+  text("targets", s.targets);
+  if (j.contains("qlora")) {
+    if (!j["qlora"].is_boolean()) throw input_error(source, "qlora", "must be true or false", j["qlora"].dump());
+    s.qlora = j["qlora"].get<bool>();
+  }
+  integer("micro_batch", s.micro_batch, 1, 4096);
+  integer("seq_len", s.seq_len, 16, 1 << 20);
+  text("precision", s.precision);
+  if (!planner::from_name(s.precision, planner::kPrecisions))
+    throw input_error(source, "precision", "must be one of " + planner::names_of(planner::kPrecisions), "\"" + s.precision + "\"");
+  text("checkpointing", s.checkpointing);
+  if (s.checkpointing != "none" && s.checkpointing != "full") throw input_error(source, "checkpointing", "must be none or full", "\"" + s.checkpointing + "\"");
+  text("cluster", s.cluster);
+  integer("gpus", s.gpus, 1, 100000);
+  text("profile", s.profile);
+  if (!planner::from_name(s.profile, planner::kRuntimeProfiles))
+    throw input_error(source, "profile", "must be one of " + planner::names_of(planner::kRuntimeProfiles), "\"" + s.profile + "\"");
+  text("strategy", s.strategy);
+  if (!planner::from_name(s.strategy, planner::kStages))
+    throw input_error(source, "strategy", "must be one of " + planner::names_of(planner::kStages), "\"" + s.strategy + "\"");
+  return s;
+}
+
 Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
   setWindowTitle("peftplan explorer");
   auto* central = new QWidget(this);
@@ -168,6 +220,19 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
   outer->addWidget(verdict_);
   setCentralWidget(central);
   resize(1280, 760);
+  QMenu* file = menuBar()->addMenu("&File");
+  file->addAction("Open scenario…", this, [this] {
+    const QString f = QFileDialog::getOpenFileName(this, "Open scenario", {}, "scenario (*.json)");
+    if (!f.isEmpty()) load_scenario(f.toStdString());
+  });
+  file->addAction("Save scenario…", this, [this] {
+    const QString f = QFileDialog::getSaveFileName(this, "Save scenario", "scenario.json", "scenario (*.json)");
+    if (!f.isEmpty()) save_scenario(f.toStdString());
+  });
+  file->addAction("Export report…", this, [this] {
+    const QString d = QFileDialog::getSaveFileName(this, "Export report (a folder)", "report");
+    if (!d.isEmpty()) export_report(d.toStdString());
+  });
 
   worker_ = std::thread([this] {
     for (;;) {
@@ -237,6 +302,52 @@ void Explorer::set_scenario(const Scenario& s) {
   request();
 }
 
+void Explorer::show_error(const std::string& message) {
+  verdict_->setText(QString::fromStdString("error: " + message));
+  verdict_->setStyleSheet("color:#b00");
+}
+
+bool Explorer::save_scenario(const std::string& path) {
+  try {
+    write_text_atomic(path, scenario_to_json(scenario()).dump(2) + "\n");
+    return true;
+  } catch (const InputError& e) {
+    show_error(e.what());
+    return false;
+  }
+}
+
+bool Explorer::load_scenario(const std::string& path) {
+  try {
+    set_scenario(scenario_from_json(models::read_json_file(path), path));  // read whole before any control changes
+    return true;
+  } catch (const InputError& e) {
+    show_error(e.what());
+    return false;
+  }
+}
+
+bool Explorer::export_report(const std::string& dir) {
+  if (result_.strategies.empty()) return false;
+  try {
+    reports::ReportInput ri;
+    const Scenario s = scenario();
+    ri.title = fmt::format("{} on {} ({} GPUs), from peftplan-gui", s.model, s.cluster, s.gpus);
+    ri.provenance.version = reports::version_string();
+    ri.provenance.command = fmt::format("peftplan-gui scenario {}", scenario_to_json(s).dump());
+    ri.provenance.inputs = {{"model", s.model}, {"cluster", s.cluster}, {"runtime profile", s.profile}};
+    ri.strategies = result_.strategies;
+    ri.knobs = result_.knobs;
+    ri.recommendation = result_.recommendation;
+    ri.base_label = fmt::format("{} at micro-batch {} (the configuration given)", s.strategy, s.micro_batch);
+    reports::write_report(dir, ri);
+    return true;
+  } catch (const InputError& e) {
+    show_error(e.what());
+    return false;
+  }
+}
+
 void Explorer::request() {
   if (loading_) return;
   const std::uint64_t g = ++generation_;
@@ -250,8 +361,7 @@ void Explorer::request() {
 void Explorer::show_result(Result r) {
   if (r.generation != generation_.load()) return;  // a newer request is on its way
   if (!r.error.empty()) {  // bad input changes nothing but the verdict line
-    verdict_->setText(QString::fromStdString("error: " + r.error));
-    verdict_->setStyleSheet("color:#b00");
+    show_error(r.error);
     return;
   }
   result_ = std::move(r);

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include <QMainWindow>
+#include <nlohmann/json.hpp>
 
 #include "peftplan/planner/recommend.h"
 #include "peftplan/reports/report.h"
@@ -59,6 +60,11 @@ struct Scenario {
 // Plans a scenario (the work of one re-plan; public for tests and the benchmark).
 Result plan_scenario(const Scenario& s, std::uint64_t generation);
 
+// A scenario as JSON ("schema": "peftplan.scenario/1") and back; reading throws InputError
+// naming `source` and the field.
+nlohmann::json scenario_to_json(const Scenario& s);
+Scenario scenario_from_json(const nlohmann::json& j, std::string_view source);
+
 class Explorer : public QMainWindow {
   Q_OBJECT
  public:
@@ -74,11 +80,18 @@ class Explorer : public QMainWindow {
   std::string segment_formula(sim::MemCategory category, int strategy) const;
   QLabel* verdict_line() const { return verdict_; }
 
+  // File actions (the menu's, and the tests'): each writes atomically; a bad file shows its
+  // error in the verdict line and changes nothing. Return whether they succeeded.
+  bool save_scenario(const std::string& path);
+  bool load_scenario(const std::string& path);
+  bool export_report(const std::string& dir);  // `peftplan report`'s files for what is shown
+
  signals:
   void planned();  // the views show a new result
 
  private:
   void request();                 // a control changed: plan it off the GUI thread
+  void show_error(const std::string& message);
   void show_result(Result r);     // on the GUI thread
   void build_memory_view();
   void build_time_view();

@@ -3,6 +3,8 @@
 // ends showing the last one (how fast the loop answers is a benchmark's question, not a test's).
 // Each test saves a screenshot of the views it checks.
 #include <QDir>
+#include <QFile>
+#include <fstream>
 #include <QLabel>
 #include <QSignalSpy>
 #include <QTabWidget>
@@ -149,6 +151,44 @@ class TestGui : public QObject {
     QVERIFY(w.verdict_line()->text().contains("no-such-model"));
     QCOMPARE(w.result().strategies.front().plan.used_peak_bytes, before);
     shot(w, "bad-input");
+  }
+
+  void scenarios_save_load_and_export() {
+    gui::Explorer w;
+    w.show();
+    settle(w);
+    const QString dir = QString(PEFTPLAN_SCREENSHOT_DIR) + "/files";
+    QDir(dir).removeRecursively();
+    QDir().mkpath(dir);
+    gui::Scenario s = w.scenario();
+    s.model = "llama-2-13b";
+    s.micro_batch = 3;
+    s.strategy = "zero2";
+    w.set_scenario(s);
+    settle(w);
+    const std::string file = (dir + "/scenario.json").toStdString();
+    QVERIFY(w.save_scenario(file));
+    gui::Explorer other;
+    QVERIFY(other.load_scenario(file));
+    QCOMPARE(QString::fromStdString(other.scenario().model), QString("llama-2-13b"));
+    QCOMPARE(other.scenario().micro_batch, 3);
+    QCOMPARE(QString::fromStdString(other.scenario().strategy), QString("zero2"));
+    // A bad file: its error in the verdict line, naming the file and field; nothing changes.
+    {
+      std::ofstream bad((dir + "/bad.json").toStdString());
+      bad << R"({"schema": "peftplan.scenario/1", "micro_batch": -3})";
+    }
+    QVERIFY(!other.load_scenario((dir + "/bad.json").toStdString()));
+    QVERIFY2(other.verdict_line()->text().contains("bad.json: micro_batch must be an integer in [1, 4096], got -3"), qPrintable(other.verdict_line()->text()));
+    QCOMPARE(other.scenario().micro_batch, 3);
+    // Export: the report command's files, the memory table equal to what the window shows.
+    QVERIFY(w.export_report((dir + "/report").toStdString()));
+    for (const char* f : {"report.html", "report.md", "memory.svg", "time.svg"}) QVERIFY2(QFile::exists(dir + "/report/" + f), f);
+    QFile html(dir + "/report/report.html");
+    QVERIFY(html.open(QIODevice::ReadOnly));
+    const QString text = QString::fromUtf8(html.readAll());
+    const auto& ddp = w.result().strategies[1].plan;
+    QVERIFY(text.contains(QString("data-field=\"memory.device.at_peak.activations_bytes\" data-value=\"%1\"").arg(ddp.memory.at_peak_bytes[5])));
   }
 
   void a_burst_of_changes_ends_on_the_last() {

@@ -18,6 +18,7 @@ inline constexpr std::string_view kRunSummary = "peftplan.run-summary/2";       
 inline constexpr std::string_view kSpeedProbe = "peftplan.speed-probe/1";         // peftplan-exec probe
 inline constexpr std::string_view kRecommendation = "peftplan.recommendation/1";  // peftplan recommend --json
 inline constexpr std::string_view kSweep = "peftplan.sweep/1";                   // peftplan sweep (CSV comment, JSON lines)
+inline constexpr std::string_view kScenario = "peftplan.scenario/1";             // peftplan-gui's saved scenario
 inline constexpr std::string_view kCheckpoint = "peftplan.checkpoint/1";          // a training checkpoint's state.json
 
 }  // namespace peftplan::schemas
