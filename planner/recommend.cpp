@@ -413,6 +413,18 @@ std::string step_split(const Candidate& c) {
 
 bool lighter_stage(Stage a, Stage b) { return sharding_level(a) < sharding_level(b); }  // a keeps more on each GPU
 
+// The same input with QLoRA's base: bitsandbytes nf4 with double quantisation (what the
+// alternatives offer).
+PlanInput with_nf4_base(const PlanInput& in) {
+  PlanInput q = in;
+  models::Quantization qz;
+  qz.dtype = DType::nf4;
+  qz.double_quant = true;
+  q.peft.quantization = qz;
+  q.inventory.reset();
+  return q;
+}
+
 std::string shortfall_text(const Candidate& c, double headroom) {
   return fmt::format("needs {} in use plus {:.0f}% headroom, short by {} even at {} (at the peak: {})", gib(c.used_peak_bytes),
                      100 * headroom, gib_signed(c.spare_bytes), where(c), top_categories(c));
@@ -522,12 +534,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
                               gib(closest->used_peak_bytes), gib_signed(closest->spare_bytes), fmt::join(tries, ", "));
       // The alternative a user asks for first when nothing fits: QLoRA on the closest family.
       if (peft && !base.peft.quantization) {
-        PlanInput q = base;
-        models::Quantization qz;
-        qz.dtype = DType::nf4;
-        qz.double_quant = true;
-        q.peft.quantization = qz;
-        q.inventory.reset();
+        const PlanInput q = with_nf4_base(base);
         SearchSpace qs = space;
         qs.profiles = {closest->input.profile};
         qs.stages = {closest->input.strategy.stage};
@@ -711,13 +718,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
     same.stages = {top.input.strategy.stage};
     same.gpus = {top.input.strategy.ranks};
     if (peft && !base.peft.quantization) {
-      PlanInput q = base;
-      models::Quantization qz;
-      qz.dtype = DType::nf4;
-      qz.double_quant = true;
-      q.peft.quantization = qz;
-      q.inventory.reset();
-      Recommendation qr = recommend(q, cluster, same, constraints, objective);
+      Recommendation qr = recommend(with_nf4_base(base), cluster, same, constraints, objective);
       if (!qr.ranked.empty()) r.alternatives.push_back({"a quantised base (nf4, QLoRA: a quarter of the bytes to gather): " + describe(qr.ranked[0]), qr.ranked[0]});
     }
     const sim::Cluster cl = cluster_for_gpus(cluster, top.input.strategy.ranks);
