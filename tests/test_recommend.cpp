@@ -329,6 +329,9 @@ TEST(RecommendCli, EmitWritesLaunchFilesThatReadBack) {
   const auto pj = nlohmann::json::parse(p.out);
   EXPECT_EQ(pj["strategy"], top["strategy"]);
   EXPECT_EQ(pj["memory"]["device"]["used_peak_bytes"], top["used_peak_bytes"]);
+  // Every key is one of DeepSpeed's own (the reader's key lists are DeepSpeed's config models:
+  // deepspeed/runtime/config.py, runtime/zero/config.py), none set away from what the plan says.
+  for (const auto& w : pj["warnings"]) EXPECT_EQ(w.get<std::string>().find("ds_config"), std::string::npos) << w;
   EXPECT_DOUBLE_EQ(pj["time"]["step_s"].get<double>(), top["step_s"].get<double>());
   // adapter_config.json is PEFT's format, ready to train from.
   std::ifstream a(dir / "adapter_config.json");
