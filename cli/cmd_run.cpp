@@ -260,6 +260,10 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--out", o->out, "folder for plan.json, measurement.json, validation.json, traces and report.md (several "
                                    "strategies: one subfolder each)")
       ->capture_default_str();
+  cmd->add_option("--on-nonfinite", o->run.on_nonfinite,
+                  "a step whose gradient norm is not finite: stop (naming the first non-finite gradient, exit code 1) or skip its update")
+      ->check(CLI::IsMember({"stop", "skip"}))
+      ->capture_default_str();
   cmd->add_option("--checkpoint-every", o->run.checkpoint_every, "write a training checkpoint every K steps (0: never)")
       ->capture_default_str();
   cmd->add_option("--checkpoint-dir", o->run.checkpoint_dir, "folder for checkpoints (default: <out>/checkpoints)");
@@ -399,8 +403,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
         if (round > 1) args.push_back("--quiet");
         const int code = run_child(args);
         if (code != 0) {
-          fmt::print(stderr, "peftplan run: peftplan-exec exited with code {} ({}, round {})\n", code, job.strategy, round);
-          exit_code = code == 2 ? 2 : 3;
+          fmt::print(stderr, "peftplan run: peftplan-exec exited with code {} ({}, round {}){}\n", code, job.strategy, round,
+                     code == 1 ? ": the training went non-finite (see its message above; --on-nonfinite skip skips such steps)" : "");
+          exit_code = code == 1 ? 1 : code == 2 ? 2 : 3;
           return;
         }
         auto m = models::read_json_file((dir / "measurement.json").string());

@@ -51,6 +51,7 @@ nlohmann::json measurement_to_json(const Measurement& m) {
               {"tokens_per_step", m.tokens_per_step},
               {"losses", m.losses},
               {"grad_norms", m.grad_norms},
+              {"skipped_steps", m.skipped_steps},
               {"lrs", m.lrs},
               {"step_times_s", m.step_times_s},
               {"time", time},

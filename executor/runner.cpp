@@ -173,6 +173,7 @@ struct Session::Impl {
   std::int64_t step_index = 0;                  // the step being run (data, dropout)
   double loss_sum = 0.0, sumsq = 0.0;
   bool have_norm = false;
+  bool skipped = false;  // this step's update was skipped (a non-finite gradient norm)
   bool lr_logged = false;                       // the step's lr is recorded once (ZeRO-2 steps
                                                 // bucket by bucket)
   // Measurement.
@@ -240,6 +241,7 @@ struct Session::Impl {
   void alloc_op(std::size_t i, const sim::Op& op);
   void compute(const sim::Op& op);
   double finish_norm();
+  std::string first_nonfinite(std::int32_t grad, double norm);
 };
 
 void Session::Impl::setup() {
@@ -683,6 +685,14 @@ void Session::Impl::compute(const sim::Op& op) {
     case Kernel::optimizer_step: {
       const auto& t = plan.input.training;
       const double norm = finish_norm();
+      if (!std::isfinite(norm)) {  // the all-reduced norm: every rank takes the same branch
+        if (plan.run.on_nonfinite == "skip") {
+          if (!skipped) ++meas.skipped_steps;
+          skipped = true;
+          return;  // weights and optimizer states stay as they were
+        }
+        throw NonFiniteError(first_nonfinite(a[1], norm));
+      }
       const std::int64_t n = floats(a[1]);
       float* params = at(a[0]);
       if (floats(a[0]) != n) {  // this rank's block of trainable.flat
@@ -711,12 +721,36 @@ void Session::Impl::compute(const sim::Op& op) {
   throw InternalError(fmt::format("the executor has no kernel for {} ({})", sim::name_of(op.kernel), op.label));
 }
 
+// The message of a non-finite step: the norm, the loss so far and the first gradient element that
+// is not finite in this rank's gradient buffer, named by the program's view that holds it.
+std::string Session::Impl::first_nonfinite(std::int32_t grad, double norm) {
+  const float* g = at(grad);
+  const std::int64_t n = floats(grad);
+  std::int64_t bad = -1;
+  for (std::int64_t i = 0; i < n && bad < 0; ++i)
+    if (!std::isfinite(g[i])) bad = i;
+  std::string where = "no element of this rank's gradients (another rank's shard holds it)";
+  if (bad >= 0) {
+    where = fmt::format("element {} of {}", bad, program.buffers[static_cast<std::size_t>(grad)].name);
+    const std::uint64_t byte = static_cast<std::uint64_t>(bad) * sizeof(float);
+    for (const auto& b : program.buffers)
+      if (b.view_of == grad && b.offset <= byte && byte < b.offset + b.bytes) {
+        where = fmt::format("{} (element {} of {})", b.name, bad, program.buffers[static_cast<std::size_t>(grad)].name);
+        break;
+      }
+  }
+  return fmt::format("step {}: the gradient norm is {} (loss so far {}); the first non-finite gradient is {}. "
+                     "Lower the learning rate, clip gradients (run.clip), or run with --on-nonfinite skip",
+                     step_index + 1, norm, count > 0 ? loss_sum / count : loss_sum, where);
+}
+
 void Session::Impl::run_ops(bool update) {
   // optimizer.zero_grad()
   if (grad_flat >= 0) be.fill_zero(at(grad_flat), bytes(grad_flat));
   if (grad_shard >= 0) be.fill_zero(at(grad_shard), bytes(grad_shard));
   loss_sum = 0.0;
   have_norm = false;
+  skipped = false;
   lr_logged = false;
   if (op_runs > 0) {
     op_cur.assign(program.ops.size(), 0.0);

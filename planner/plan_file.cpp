@@ -99,6 +99,7 @@ json plan_file_to_json(const PlanFile& pf) {
               {"checkpoint_every", r.checkpoint_every},
               {"checkpoint_dir", r.checkpoint_dir},
               {"resume", r.resume},
+              {"on_nonfinite", r.on_nonfinite},
               {"scheduler", !fsdp && ds.contains("scheduler") ? ds["scheduler"] : json(nullptr)}};
   json j = {{"schema", kPlanSchema},
             {"model", pf.model_source.is_null() ? json(in.model.name) : pf.model_source},
@@ -254,6 +255,9 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   if (r.checkpoint_every > 0 && r.checkpoint_dir.empty())
     throw input_error(source, "run.checkpoint_dir", "must name a folder when run.checkpoint_every > 0", "\"\"");
   r.resume = get<std::string>(run, "resume", source, "run.", r.resume);
+  r.on_nonfinite = get<std::string>(run, "on_nonfinite", source, "run.", r.on_nonfinite);
+  if (r.on_nonfinite != "stop" && r.on_nonfinite != "skip")
+    throw input_error(source, "run.on_nonfinite", "must be stop or skip", "\"" + r.on_nonfinite + "\"");
   if (auto it = j.find("cluster"); it != j.end() && !it->is_null())
     pf.cluster = sim::cluster_from_json(*it, fmt::format("{}: cluster", source));
   if (auto it = j.find("program"); it != j.end() && !it->is_null()) {

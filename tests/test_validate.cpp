@@ -707,4 +707,35 @@ TEST(RunCli, TimeOutsideToleranceExitsOneNamingIt) {
   EXPECT_FALSE(v.at("within_tolerance").get<bool>());
   fs::remove_all(dir);
 }
+
+// A step whose gradient norm is not finite (a learning rate of 1e38 makes the weights overflow
+// after the first update): stop names the step and the first non-finite gradient, exit code 1;
+// skip leaves those updates out, counts them in measurement.json, and every rank ends.
+TEST(RunCli, NonFiniteGradientsStopOrSkip) {
+  const fs::path dir = temp_dir("nonfinite");
+  std::string args = common_args(dir);
+  args.replace(args.find("--steps 2"), 9, "--steps 4");
+  args += " --lr 1e38";
+  // DDP: the whole gradient is on each rank, and the first bad element is named by its adapter tensor.
+  std::string ddp = args;
+  ddp.replace(ddp.find("--strategy zero2"), 16, "--strategy ddp");
+  CliRun r = run_cli(ddp + " --out " + (dir / "stop").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("step 2: the gradient norm is"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("the first non-finite gradient is grad."), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("lora_A.weight (element 0 of grad.flat)"), std::string::npos) << r.out;
+  // ZeRO-2: this rank's shard is named.
+  r = run_cli(args + " --out " + (dir / "stop2").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("the first non-finite gradient is element 0 of grad.shard"), std::string::npos) << r.out;
+  r = run_cli(args + " --on-nonfinite skip --tolerance-time 1000 --out " + (dir / "skip").string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  const json m = models::read_json_file((dir / "skip" / "measurement.json").string());
+  EXPECT_EQ(m.at("skipped_steps").get<std::int64_t>(), 3);  // steps 2-4: the first update overflowed the weights
+  EXPECT_EQ(m.at("losses").size(), 4u);
+  r = run_cli(args + " --on-nonfinite maybe --out " + (dir / "bad").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--on-nonfinite"), std::string::npos) << r.out;
+  fs::remove_all(dir);
+}
 #endif

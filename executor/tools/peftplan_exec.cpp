@@ -161,6 +161,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     code = mpi->world_rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints
     if (code != 0) code = 2;
+  } catch (const executor::NonFiniteError& e) {
+    // Every rank stops at the same op (the norm is all-reduced): no peer waits; exit 1.
+    if (mpi->world_rank() == 0) fmt::print(stderr, "peftplan-exec: {}\n", e.what());
+    code = 1;
   } catch (const InputError& e) {
     fmt::print(stderr, "peftplan-exec: rank {}: error: {}\n", mpi->world_rank(), e.what());
     code = 2;

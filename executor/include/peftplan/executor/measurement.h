@@ -44,6 +44,8 @@ struct Measurement {
   double model_flops_per_step = 0.0;    // this rank's useful FLOPs (program, no recompute)
   std::vector<double> losses;           // mean over the step's G·S target tokens
   std::vector<double> grad_norms;       // global 2-norm before clipping
+  std::int64_t skipped_steps = 0;       // steps whose update was skipped: a non-finite gradient
+                                        //   norm under run.on_nonfinite "skip"
   std::vector<double> lrs;              // learning rate of each step
   std::vector<double> step_times_s;     // wall time of each step (setup excluded)
   double gemm_s = 0.0;                  // time in GEMM ops (linear, LoRA, attention), all steps

@@ -17,6 +17,8 @@
 // the program's scalar all_reduces ("loss", "grad_norm") combine the step's loss and norm.
 #pragma once
 
+#include <stdexcept>
+
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -34,6 +36,14 @@ namespace peftplan::executor {
 class Communicator;
 
 // Result of one optimizer step.
+// A step whose global gradient norm is not finite, under run.on_nonfinite "stop": what() names the
+// step, the norm and the first non-finite gradient. peftplan-exec exits with code 1 on it. Every
+// rank decides on the same all-reduced norm, so they all stop at the same op.
+class NonFiniteError : public std::runtime_error {
+ public:
+  explicit NonFiniteError(const std::string& message) : std::runtime_error(message) {}
+};
+
 struct StepStats {
   std::int64_t step = 0;     // 1-based optimizer step
   double loss = 0.0;         // mean over the step's G·S target tokens

@@ -45,6 +45,9 @@ struct RunOptions {
   std::string checkpoint_dir;         // where checkpoints go (step-<k>/ folders and "latest")
   std::string resume;                 // a checkpoint folder (or a checkpoint_dir with "latest")
                                       //   to continue from; empty: start at step 0
+  std::string on_nonfinite = "stop";  // a step whose gradient norm is not finite: "stop" the run
+                                      //   (naming the first non-finite gradient), or "skip" the
+                                      //   update (weights and optimizer states untouched, counted)
 };
 
 struct PlanFile {
