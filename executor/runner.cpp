@@ -69,6 +69,13 @@ LrSchedule schedule_of(const std::optional<planner::SchedulerSpec>& s, std::int6
 
 }  // namespace
 
+// A whole file's bytes (checkpoint checksums); throws InputError naming it when unreadable.
+static std::string read_file_bytes(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  if (!f) throw InputError(fmt::format("{}: cannot be read", p.string()));
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
 void check_executable(const planner::PlanFile& plan) {
   const planner::PlanInput& in = plan.input;
   auto refuse = [](const std::string& what) { throw InputError("the executor cannot run this plan: " + what); };
@@ -975,7 +982,13 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
   if (s.rank == 0) {
     save_adapter(tmp);
     const auto& t = s.plan.input.training;
+    // A checksum of every file (every rank's are written by now): resume verifies them, so a
+    // corrupt or partial checkpoint is refused rather than loaded.
+    nlohmann::json files = nlohmann::json::object();
+    for (const auto& e : fs::directory_iterator(tmp))
+      if (e.is_regular_file()) files[e.path().filename().string()] = models::sha256_hex(read_file_bytes(e.path()));
     const nlohmann::json state = {{"schema", schemas::kCheckpoint},
+                                  {"sha256", files},
                                   {"step", s.steps_done},
                                   {"next_sequence", s.steps_done * t.micro_batch * t.grad_accum * s.N},
                                   {"seed", s.plan.run.seed},
@@ -990,9 +1003,56 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
   if (s.comm) s.comm->barrier();
 }
 
-void Session::resume(const std::filesystem::path& where) {
+// A checkpoint folder's files against the checksums its trainer_state.json records: "" when they
+// all match, else what is wrong, naming the file.
+static std::string checkpoint_problem(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  if (!fs::exists(dir / "trainer_state.json")) return fmt::format("{}/trainer_state.json: missing (a partial checkpoint)", dir.string());
+  const nlohmann::json st = nlohmann::json::parse(std::ifstream(dir / "trainer_state.json"), nullptr, false);
+  if (st.is_discarded() || !st.contains("step")) return fmt::format("{}/trainer_state.json: not a peftplan checkpoint", dir.string());
+  if (!st.contains("sha256") || !st["sha256"].is_object())
+    return fmt::format("{}/trainer_state.json: sha256 is missing (a checkpoint without checksums cannot be verified)", dir.string());
+  for (const auto& [name, want] : st["sha256"].items()) {
+    const fs::path f = dir / name;
+    if (!fs::is_regular_file(f)) return fmt::format("{}: missing (the checkpoint is partial)", f.string());
+    if (!want.is_string() || models::sha256_hex(read_file_bytes(f)) != want.get<std::string>())
+      return fmt::format("{}: its SHA-256 differs from trainer_state.json's (the file is corrupt)", f.string());
+  }
+  return "";
+}
+
+void Session::resume(const std::filesystem::path& where_in) {
   namespace fs = std::filesystem;
   Impl& s = *impl_;
+  // "<dir>/latest-good": the newest step-<k> folder of <dir> whose files all verify.
+  fs::path where = where_in;
+  std::string skipped;
+  if (where.filename() == "latest-good") {
+    const fs::path base = where.parent_path();
+    std::vector<std::pair<std::int64_t, fs::path>> steps;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(base, ec)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && n.rfind("step-", 0) == 0 && n.find(".tmp") == std::string::npos) {
+        try {
+          steps.push_back({std::stoll(n.substr(5)), e.path()});
+        } catch (const std::exception&) {
+        }
+      }
+    }
+    std::sort(steps.rbegin(), steps.rend());
+    std::optional<fs::path> good;
+    for (const auto& [k, d] : steps) {
+      const std::string problem = checkpoint_problem(d);
+      if (problem.empty()) {
+        good = d;
+        break;
+      }
+      skipped += (skipped.empty() ? "" : "; ") + problem;
+    }
+    if (!good) throw InputError(fmt::format("{}: no checkpoint under {} verifies{}", where.string(), base.string(), skipped.empty() ? "" : ": " + skipped));
+    where = *good;
+  }
   fs::path dir = where;
   if (!fs::exists(dir / "trainer_state.json") && fs::exists(dir / "latest")) {
     std::ifstream f(dir / "latest");
@@ -1002,8 +1062,9 @@ void Session::resume(const std::filesystem::path& where) {
   }
   if (!fs::exists(dir / "trainer_state.json"))
     throw InputError(fmt::format("{}: no checkpoint here (no trainer_state.json, no latest)", where.string()));
+  if (const std::string problem = checkpoint_problem(dir); !problem.empty())
+    throw InputError(problem + "; resume from <checkpoint_dir>/latest-good to fall back to the newest checkpoint that verifies");
   const nlohmann::json st = nlohmann::json::parse(std::ifstream(dir / "trainer_state.json"), nullptr, false);
-  if (st.is_discarded() || !st.contains("step")) throw InputError(fmt::format("{}/trainer_state.json: not a peftplan checkpoint", dir.string()));
   auto same = [&](const char* key, const nlohmann::json& want) {
     if (st.value(key, nlohmann::json()) != want)
       throw InputError(fmt::format("{}/trainer_state.json: {} is {}, this run has {}", dir.string(), key, st.value(key, nlohmann::json()).dump(),

@@ -265,16 +265,19 @@ ModelSpec load_model(const std::string& name_or_path) {
   return model_from_config(read_json_file(p.string()), p.string(), stem);
 }
 
-std::string config_sha256(const nlohmann::json& config) {
-  // nlohmann::json keeps object keys sorted (std::map) and dump() without indent writes no
-  // whitespace and leaves UTF-8 as it is.
-  const std::string text = config.dump();
+std::string sha256_hex(std::string_view bytes) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
-  PEFTPLAN_CHECK_MSG(EVP_Digest(text.data(), text.size(), digest, &n, EVP_sha256(), nullptr) == 1, "OpenSSL SHA-256 failed");
+  PEFTPLAN_CHECK_MSG(EVP_Digest(bytes.data(), bytes.size(), digest, &n, EVP_sha256(), nullptr) == 1, "OpenSSL SHA-256 failed");
   std::string hex;
   for (unsigned int i = 0; i < n; ++i) hex += fmt::format("{:02x}", digest[i]);
   return hex;
+}
+
+std::string config_sha256(const nlohmann::json& config) {
+  // nlohmann::json keeps object keys sorted (std::map) and dump() without indent writes no
+  // whitespace and leaves UTF-8 as it is.
+  return sha256_hex(config.dump());
 }
 
 }  // namespace peftplan::models

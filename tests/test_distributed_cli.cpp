@@ -126,6 +126,40 @@ TEST(DistributedCli, Zero2OverTcpWithCheckpointsAndResume) {
   fs::remove_all(dir2);
 }
 
+// Checkpoints record a SHA-256 of every file: a corrupt one is refused naming the file, and
+// <checkpoint_dir>/latest-good falls back to the newest checkpoint that verifies.
+TEST(DistributedCli, CorruptCheckpointIsRefusedAndLatestGoodFallsBack) {
+  const fs::path dir = temp_dir("rot");
+  ASSERT_EQ(run(kCommon + " --gpus 2 --strategy zero2 --steps 4 --checkpoint-every 2 --out " + dir.string(), dir / "log"), 0)
+      << slurp(dir / "log");
+  const auto state = peftplan::models::read_json_file((dir / "checkpoints" / "step-4" / "trainer_state.json").string());
+  for (const char* f : {"optimizer.rank0.bin", "optimizer.rank1.bin", "adapter_model.safetensors", "adapter_config.json"})
+    EXPECT_EQ(state["sha256"][f].get<std::string>().size(), 64u) << f;
+  {  // one flipped byte in rank 1's optimizer states of the newest checkpoint
+    std::fstream f(dir / "checkpoints" / "step-4" / "optimizer.rank1.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(20);
+    f.put('\x7f');
+  }
+  const fs::path again = temp_dir("rot-again");
+  EXPECT_EQ(run(kCommon + " --gpus 2 --strategy zero2 --steps 6 --resume " + (dir / "checkpoints").string() + " --out " + again.string(),
+                again / "log"),
+            2)
+      << slurp(again / "log");
+  EXPECT_NE(slurp(again / "log").find("step-4/optimizer.rank1.bin: its SHA-256 differs from trainer_state.json's"), std::string::npos)
+      << slurp(again / "log");
+  const fs::path good = temp_dir("rot-good");
+  ASSERT_EQ(run(kCommon + " --gpus 2 --strategy zero2 --steps 6 --resume " + (dir / "checkpoints" / "latest-good").string() + " --out " +
+                    good.string(),
+                good / "log"),
+            0)
+      << slurp(good / "log");
+  EXPECT_NE(slurp(good / "log").find("resumed from"), std::string::npos);
+  EXPECT_NE(slurp(good / "log").find("at step 2"), std::string::npos) << slurp(good / "log");  // step-4 is corrupt: step-2
+  fs::remove_all(dir);
+  fs::remove_all(again);
+  fs::remove_all(good);
+}
+
 // A rank that throws in the middle of a step: every rank ends, non-zero, within 30 s, and the
 // message names the rank and the op.
 TEST(DistributedCli, FailingRankEndsTheJobWithItsRankAndOp) {

@@ -37,5 +37,7 @@ ModelSpec load_model(const std::string& name_or_path);
 // whitespace, UTF-8 unescaped — which is Python's json.dumps(obj, sort_keys=True,
 // separators=(",", ":"), ensure_ascii=False), so tools/peftplan_callback.py computes the same.
 std::string config_sha256(const nlohmann::json& config);
+// SHA-256 of bytes, lower-case hex (checkpoint files' checksums).
+std::string sha256_hex(std::string_view bytes);
 
 }  // namespace peftplan::models
