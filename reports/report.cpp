@@ -91,6 +91,9 @@ ul{margin:2pt 0 2pt 14pt;padding:0}li{margin:1pt 0}
 @media print{body{padding:0;max-width:none}h2{break-after:avoid}table,figure{break-inside:avoid}}
 )CSS";
 
+// A validation figure's value as the measured tables show it: bytes in MiB, times in seconds.
+std::string figure_text(bool bytes, double x) { return bytes ? fmt::format("{:.3f} MiB", x / kGiB * 1024) : fmt::format("{:.4f} s", x); }
+
 std::string fits_word(const Plan& p) { return p.fits ? "fits" : "does not fit"; }
 
 }  // namespace
@@ -248,12 +251,7 @@ std::string memory_chart_svg(const ReportInput& r) {
     c.bars.push_back(std::move(b));
   }
   // The GPU's memory and the headroom, unless they are far off the bars' scale (a tiny model).
-  double tallest = 0;
-  for (const auto& b : c.bars) {
-    double sum = 0;
-    for (const auto& sg : b.segments) sum += sg.value;
-    tallest = std::max(tallest, sum);
-  }
+  const double tallest = tallest_bar(c);
   if (in_unit(capacity) <= 3 * tallest) {
     c.lines.push_back({in_unit(capacity), fmt::format("GPU memory {:.0f} {}", in_unit(capacity), g_unit.name)});
     if (headroom > 0) c.lines.push_back({in_unit(capacity) * (1 - headroom), fmt::format("{:.0f}% headroom kept", 100 * headroom)});
@@ -458,7 +456,7 @@ std::string render_html(const ReportInput& r) {
       for (const auto* figs : {&v.memory, &v.comm, &v.time}) {
         for (const auto& f : *figs) {
           const bool bytes = f.section != "time";
-          auto shown = [&](double x) { return bytes ? fmt::format("{:.3f} MiB", x / kGiB * 1024) : fmt::format("{:.4f} s", x); };
+          auto shown = [&](double x) { return figure_text(bytes, x); };
           const std::string base = fmt::format("validation.{}.{}", f.section, f.name);
           const auto verdict = f.verdict();
           h += fmt::format("<tr><td>{} {}</td>{}{}<td>{:+.2f}%</td><td>{}</td><td>{:.1f}%</td><td class=\"{}\">{}</td></tr>\n", esc(f.section), esc(f.name),
@@ -555,7 +553,7 @@ std::string render_markdown(const ReportInput& r) {
     for (const auto* figs : {&s.validation->memory, &s.validation->comm, &s.validation->time})
       for (const auto& f : *figs) {
         const bool bytes = f.section != "time";
-        auto shown = [&](double x) { return bytes ? fmt::format("{:.3f} MiB", x / kGiB * 1024) : fmt::format("{:.4f} s", x); };
+        auto shown = [&](double x) { return figure_text(bytes, x); };
         m += fmt::format("| {} {} | {} | {} | {:+.2f}% | {} |\n", f.section, f.name, shown(f.predicted), shown(f.measured), 100 * f.relative_error,
                          planner::name_of(f.verdict()));
       }

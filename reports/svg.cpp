@@ -26,6 +26,16 @@ std::string xml_escape(std::string_view s) {
   return out;
 }
 
+double tallest_bar(const BarChart& c) {
+  double most = 0;
+  for (const auto& b : c.bars) {
+    double sum = 0;
+    for (const auto& s : b.segments) sum += s.value;
+    most = std::max(most, sum);
+  }
+  return most;
+}
+
 std::pair<double, double> nice_axis(double max) {
   if (!(max > 0)) return {1.0, 0.2};
   const double raw = max / 5.0;
@@ -85,12 +95,7 @@ std::string legend_svg(const std::vector<std::pair<std::string, std::string>>& e
 }  // namespace
 
 std::string stacked_bars_svg(const BarChart& c) {
-  double max = 0;
-  for (const auto& b : c.bars) {
-    double sum = 0;
-    for (const auto& s : b.segments) sum += s.value;
-    max = std::max(max, sum);
-  }
+  double max = tallest_bar(c);
   double line_max = 0;
   for (const auto& l : c.lines) line_max = std::max(line_max, l.first);
   max = std::max(max, line_max);
@@ -155,12 +160,7 @@ std::string stacked_bars_svg(const BarChart& c) {
 }
 
 std::string horizontal_bars_svg(const BarChart& c) {
-  double max = 0;
-  for (const auto& b : c.bars) {
-    double sum = 0;
-    for (const auto& s : b.segments) sum += s.value;
-    max = std::max(max, sum);
-  }
+  double max = tallest_bar(c);
   const auto [top, step] = nice_axis(max);
   const double left = 270, right = kWidth - 160, plot_top = 40, row = 24;
   const double plot_h = row * static_cast<double>(c.bars.size());

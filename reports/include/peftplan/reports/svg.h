@@ -34,6 +34,9 @@ struct BarChart {
   std::vector<std::pair<double, std::string>> lines;
 };
 
+// The largest bar's total (the sum of its segments).
+double tallest_bar(const BarChart& chart);
+
 // Vertical stacked bars, one per Bar, with a legend of the segment labels in first-seen order.
 std::string stacked_bars_svg(const BarChart& chart);
 // Horizontal stacked bars (step time split), one row per Bar.
