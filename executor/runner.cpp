@@ -31,6 +31,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/planner/validate.h"
 #include "peftplan/sim/compute.h"
+#include "peftplan/sim/ops.h"
 #include "peftplan/sim/verify.h"
 
 namespace peftplan::executor {
@@ -77,36 +78,11 @@ static std::string read_file_bytes(const std::filesystem::path& p) {
 }
 
 void check_executable(const planner::PlanFile& plan) {
-  const planner::PlanInput& in = plan.input;
-  auto refuse = [](const std::string& what) { throw InputError("the executor cannot run this plan: " + what); };
-  if (in.profile != planner::RuntimeProfile::executor)
-    refuse(fmt::format("profile is {}; plans for the executor use the executor profile", planner::name_of(in.profile)));
-  const auto arch = in.model.arch;
-  if (arch != models::Arch::llama && arch != models::Arch::mistral && arch != models::Arch::qwen2)
-    refuse(fmt::format("model_type {} (supported: llama, mistral, qwen2)", models::name_of(arch)));
-  if (in.model.is_moe()) refuse("mixture-of-experts models");
-  if (in.model.sliding_window && *in.model.sliding_window < in.training.seq_len)
-    refuse(fmt::format("sliding_window {} < seq_len {} (the executor attends over the whole sequence)", *in.model.sliding_window,
-                       in.training.seq_len));
-  if (in.model.out_bias || in.model.mlp_bias) refuse("bias on o_proj or the MLP");
-  const auto& st = in.strategy;
-  if (st.offload_param != planner::OffloadDevice::none && !planner::can_offload_params(st.stage))
-    refuse("parameter offload without ZeRO-3 (it needs --strategy zero3)");
-  if (st.offload_optimizer != planner::OffloadDevice::none && !planner::can_offload_optimizer(st.stage))
-    refuse("optimizer offload with ddp (it needs a ZeRO stage)");
-  const auto& t = in.training;
-  if (t.attention != planner::Attention::eager) refuse("flash attention (use eager)");
-  if (t.optimizer != planner::Optimizer::adamw) refuse(fmt::format("optimizer {} (supported: adamw)", planner::name_of(t.optimizer)));
-  if (t.full_finetune || in.peft.adapters.empty()) refuse("full fine-tuning (LoRA only)");
-  if (in.peft.quantization) refuse("quantised base weights");
-  if (t.base_storage && *t.base_storage != DType::fp32 && *t.base_storage != DType::bf16)
-    refuse(fmt::format("base storage {} (supported: fp32, bf16)", name_of(*t.base_storage)));
-  if (in.peft.adapters.size() != 1) refuse(fmt::format("{} adapters (one LoRA adapter)", in.peft.adapters.size()));
-  const auto& a = in.peft.adapters[0];
-  if (a.type != models::PeftType::lora) refuse(fmt::format("adapter type {} (LoRA only)", models::name_of(a.type)));
-  if (a.lora.use_dora || a.lora.lora_bias || a.lora.bias != "none" || !a.lora.modules_to_save.empty())
-    refuse("DoRA, LoRA bias, bias != \"none\" or modules_to_save");
-  if (plan.run.steps <= 0) refuse("run.steps must be positive");
+  // What the executor's kernels cover is one rule, the planner's (it marks such programs
+  // executable, and sim::verify then holds them to the operand contract).
+  if (const std::string why = planner::executor_limitation(plan.input); !why.empty())
+    throw InputError("the executor cannot run this plan: " + why);
+  if (plan.run.steps <= 0) throw InputError("the executor cannot run this plan: run.steps must be positive");
 }
 
 planner::PlanFile load_plan(const std::filesystem::path& path) {
@@ -124,11 +100,6 @@ TokenData load_data(const planner::PlanFile& plan) {
 
 // ------------------------------------------------------------------------------------- state
 
-struct LoraInfo {
-  std::int64_t in = 0, out = 0, r = 0;
-  double scale = 0.0, dropout = 0.0;
-};
-
 struct Session::Impl {
   planner::PlanFile plan;
   Backend& be;
@@ -138,10 +109,9 @@ struct Session::Impl {
   TrackedAllocator alloc;
   std::vector<void*> ptr;                       // by buffer id (views resolved on use)
   std::vector<std::int32_t> tokens_mb;          // by buffer id: micro-batch of a token buffer
-  std::vector<std::int32_t> lora_of;            // by buffer id of an A view: index into loras
-  std::vector<LoraInfo> loras;
   std::unordered_map<std::int32_t, const models::TrainableTensor*> adapter_views;  // view id -> tensor
   std::vector<models::TrainableTensor> trainables;
+  std::vector<models::TensorInfo> base_tensors;  // the inventory's (Buffer::tensor indexes them)
   std::size_t first_step_op = 0;                // ops before it are setup
   std::int32_t trainable_flat = -1, grad_flat = -1;
   // ZeRO-3: this rank's adapter partition, and what each shard an all_gather reads holds (its
@@ -216,7 +186,7 @@ struct Session::Impl {
     PEFTPLAN_CHECK(id >= 0);
     const sim::Buffer& buf = program.buffers[static_cast<std::size_t>(id)];
     if (buf.view_of >= 0) return reinterpret_cast<T*>(static_cast<std::byte*>(ptr[static_cast<std::size_t>(buf.view_of)]) + buf.offset);
-    PEFTPLAN_CHECK_MSG(ptr[static_cast<std::size_t>(id)] != nullptr, "buffer {} used while not allocated", buf.name);
+    PEFTPLAN_CHECK_MSG(ptr[static_cast<std::size_t>(id)] != nullptr, "{} used while not allocated", buffer_label(id));
     return static_cast<T*>(ptr[static_cast<std::size_t>(id)]);
   }
   template <typename T = float>
@@ -237,13 +207,16 @@ struct Session::Impl {
     return v >= 0 ? v : id;
   }
   std::string op_name(std::size_t i) const;
+  std::string buffer_label(std::int32_t id) const;
   // The mask of an adapter's dropout: a hash of the seed, the step, the GLOBAL micro-batch
   // (rank·A + a: the same sequences get the same mask on any number of ranks) and the adapter's
-  // place in the inventory (not its buffer id, which differs between strategies).
-  DropoutKey dropout_key(double p, std::int32_t a_view, std::int32_t micro_batch) const {
+  // place among the inventory's LoRA modules (the op's, sim/ops.h Dropout; not a buffer id,
+  // which differs between strategies).
+  DropoutKey dropout_key(double p, std::int32_t adapter, std::int32_t micro_batch) const {
+    PEFTPLAN_CHECK(adapter >= 0);
     const auto global_mb = static_cast<std::uint64_t>(rank) * static_cast<std::uint64_t>(A) + static_cast<std::uint64_t>(micro_batch);
-    const auto adapter = static_cast<std::uint64_t>(lora_of.at(static_cast<std::size_t>(a_view)));
-    return {p, mix(plan.run.seed ^ mix(static_cast<std::uint64_t>(step_index) * 0x100000001b3ull + global_mb) ^ mix(adapter + 0x51ed27ull))};
+    return {p, mix(plan.run.seed ^ mix(static_cast<std::uint64_t>(step_index) * 0x100000001b3ull + global_mb) ^
+                   mix(static_cast<std::uint64_t>(adapter) + 0x51ed27ull))};
   }
   void alloc_op(std::size_t i, const sim::Op& op);
   void compute(const sim::Op& op);
@@ -255,10 +228,12 @@ void Session::Impl::setup() {
   const planner::PlanInput& in = plan.input;
   planner::PlanInput pin = in;
   pin.inventory = nullptr;
-  program = planner::build_program(pin, {.names = true}).program;
+  // Built without names: the interpreter finds what it needs by role and slot (sim/ops.h).
+  program = planner::build_program(pin, {.names = false}).program;
   sim::verify_or_throw(program);  // what the interpreter loop below may assume (sim/verify.h)
   const auto inv = planner::make_inventory(in.model, in.peft);
   trainables = inv.trainables;
+  base_tensors = inv.tensors;
   const auto& t = in.training;
   B = t.micro_batch;
   S = t.seq_len;
@@ -275,7 +250,6 @@ void Session::Impl::setup() {
   const std::size_t nbuf = program.buffers.size();
   ptr.assign(nbuf, nullptr);
   tokens_mb.assign(nbuf, -1);
-  lora_of.assign(nbuf, -1);
   op_s.assign(program.ops.size(), 0.0);
   op_warm_s.assign(program.ops.size(), 0.0);
   coll_ordinal.assign(program.ops.size(), -1);
@@ -287,42 +261,31 @@ void Session::Impl::setup() {
   coll_cur.assign(coll_ops.size(), 0.0);
   last_start_s.assign(program.ops.size(), 0.0);
   last_dur_s.assign(program.ops.size(), -1.0);
-  // Name tables: base tensors (HF names), adapter tensors (PEFT names), LoRA modules.
-  std::unordered_map<std::string, const models::TensorInfo*> base;
-  for (const auto& ti : inv.tensors) base[ti.name] = &ti;
-  std::unordered_map<std::string, const models::TrainableTensor*> adapter;
-  for (const auto& tt : trainables) adapter[tt.name] = &tt;
-  std::unordered_map<std::string, const models::LoraModule*> lora_by_path;
-  for (const auto& lm : inv.loras) lora_by_path[lm.linear.path] = &lm;
-  // LoRA modules in inventory order: the index keys the dropout masks, the same on every
-  // strategy.
-  std::unordered_map<std::string, std::int32_t> lora_index;
-  for (const auto& tt : trainables)
-    if (tt.name.find(".lora_A") != std::string::npos && lora_index.count(tt.module) == 0) {
-      const models::LoraModule* lm = lora_by_path.at(tt.module);
-      lora_index[tt.module] = static_cast<std::int32_t>(loras.size());
-      loras.push_back({lm->linear.in, lm->linear.out, lm->r, lm->scale, lm->dropout});
-    }
+  // The state buffers by role; adapter tensors: views of trainable.flat, or (ZeRO-3) of a unit's
+  // gathered buffer, the latter filled through the shards the gathers read (below).
   zero3 = in.strategy.stage == planner::Stage::zero3;
+  auto tensor_of = [&](const sim::Buffer& buf) -> const models::TensorInfo* {
+    return buf.role == sim::BufferRole::base_tensor ? &base_tensors.at(static_cast<std::size_t>(buf.tensor)) : nullptr;
+  };
+  auto adapter_of = [&](const sim::Buffer& buf) -> const models::TrainableTensor* {
+    return buf.role == sim::BufferRole::adapter_tensor ? &trainables.at(static_cast<std::size_t>(buf.tensor)) : nullptr;
+  };
   for (std::size_t b = 0; b < nbuf; ++b) {
     const sim::Buffer& buf = program.buffers[b];
-    if (buf.name == "trainable.flat") trainable_flat = static_cast<std::int32_t>(b);
-    if (buf.name == "trainable.shard") trainable_shard = static_cast<std::int32_t>(b);
-    if (buf.name == "grad.flat") grad_flat = static_cast<std::int32_t>(b);
-    if (buf.name == "optimizer.states") opt_states = static_cast<std::int32_t>(b);
-    if (buf.name == "optimizer.params") host_params = static_cast<std::int32_t>(b);
-    if (buf.view_of < 0) continue;
-    // Adapter tensors: views of trainable.flat, or (ZeRO-3) of a unit's gathered buffer.
-    const bool flat_view = buf.view_of == trainable_flat;
-    const bool gathered_view = program.buffers[static_cast<std::size_t>(buf.view_of)].category == sim::MemCategory::gathered_weights;
-    if (!flat_view && !gathered_view) continue;
-    auto it = adapter.find(buf.name);
-    if (it == adapter.end()) {
-      PEFTPLAN_CHECK_MSG(!flat_view || buf.name.starts_with("trainable.flat["), "view {} is no adapter tensor", buf.name);
-      continue;
+    const auto id = static_cast<std::int32_t>(b);
+    switch (buf.role) {
+      case sim::BufferRole::trainable_flat: trainable_flat = id; break;
+      case sim::BufferRole::trainable_shard: trainable_shard = id; break;
+      case sim::BufferRole::grad_flat: grad_flat = id; break;
+      case sim::BufferRole::optimizer_states: opt_states = id; break;
+      case sim::BufferRole::optimizer_params: host_params = id; break;
+      default: break;
     }
-    if (flat_view) adapter_views[static_cast<std::int32_t>(b)] = it->second;
-    if (buf.name.find(".lora_A") != std::string::npos) lora_of[b] = lora_index.at(it->second->module);
+  }
+  for (std::size_t b = 0; b < nbuf; ++b) {
+    const sim::Buffer& buf = program.buffers[b];
+    if (buf.view_of == trainable_flat && trainable_flat >= 0 && adapter_of(buf) != nullptr)
+      adapter_views[static_cast<std::int32_t>(b)] = adapter_of(buf);
   }
   PEFTPLAN_CHECK((trainable_flat >= 0 || (zero3 && trainable_shard >= 0)) && opt_states >= 0);
   rank = comm ? comm->rank() : 0;
@@ -335,7 +298,8 @@ void Session::Impl::setup() {
     if (std::sscanf(f, "%lld:%lld:%lld", &fr, &fs, &fo) == 3 && fr == rank) fault = {{fs, static_cast<std::size_t>(fo)}};
   }
   for (const auto& op : program.ops)
-    if (op.kind == OpKind::compute && op.kernel == Kernel::embedding_fwd) tokens_mb[static_cast<std::size_t>(op.args[0])] = op.micro_batch;
+    if (op.kind == OpKind::compute && op.kernel == Kernel::embedding_fwd)
+      tokens_mb[static_cast<std::size_t>(sim::ops::read<sim::ops::EmbeddingFwd>(program, op).tokens)] = op.micro_batch;
   // Files: the base checkpoint and the adapter, opened once (validated on open).
   std::optional<SafetensorsFile> ckpt, adapter_file;
   if (!plan.run.weights.empty()) ckpt = SafetensorsFile::open(plan.run.weights);
@@ -349,10 +313,9 @@ void Session::Impl::setup() {
     alloc_op(i, op);
     const sim::Buffer& buf = program.buffers[static_cast<std::size_t>(op.buffer)];
     void* p = ptr[static_cast<std::size_t>(op.buffer)];
-    if (buf.category == sim::MemCategory::base_weights && !(zero3 && base.find(buf.name) == base.end())) {
-      auto it = base.find(buf.name);
-      PEFTPLAN_CHECK_MSG(it != base.end(), "base buffer {} is no model tensor", buf.name);
-      const models::TensorInfo& ti = *it->second;
+    if (const models::TensorInfo* tp = tensor_of(buf)) {
+      PEFTPLAN_CHECK_MSG(buf.category == sim::MemCategory::base_weights, "{} holds a model tensor outside base_weights", buffer_label(op.buffer));
+      const models::TensorInfo& ti = *tp;
       // Linear weights are stored in the base dtype; embeddings, norms and biases in fp32
       // (planner frozen_bytes).
       const DType dt = ti.role == models::ParamRole::linear_weight ? storage : DType::fp32;
@@ -377,7 +340,7 @@ void Session::Impl::setup() {
     for (std::size_t b = 0; b < nbuf; ++b) {
       const sim::Buffer& buf = program.buffers[b];
       if (buf.view_of < 0 || program.buffers[static_cast<std::size_t>(buf.view_of)].category != sim::MemCategory::base_weights) continue;
-      if (auto it = base.find(buf.name); it != base.end()) init_base(*it->second, at<std::byte>(static_cast<std::int32_t>(b)), buf.bytes);
+      if (const models::TensorInfo* tp = tensor_of(buf)) init_base(*tp, at<std::byte>(static_cast<std::int32_t>(b)), buf.bytes);
     }
     // Parameter offload: a gather reads a view of a staging buffer that a param_h2d copy fills
     // from the persistent (host) shard; that shard is the one to fill.
@@ -406,12 +369,12 @@ void Session::Impl::setup() {
         if (vb.offset < pay.offset || vb.offset >= pay.offset + pay.bytes) continue;
         const std::uint64_t off = vb.offset - pay.offset;
         PEFTPLAN_CHECK(off + vb.bytes <= pay.bytes);
-        if (auto it = base.find(vb.name); it != base.end()) {
-          init_base(*it->second, full.data() + off, vb.bytes);
-        } else if (auto at_ = adapter.find(vb.name); at_ != adapter.end()) {
-          init_adapter_tensor(*at_->second, {reinterpret_cast<float*>(full.data() + off), static_cast<std::size_t>(at_->second->numel())},
-                              plan.run.seed, adapter_file ? &*adapter_file : nullptr);
-          layout.adapters.emplace_back(at_->second, off);
+        if (const models::TensorInfo* tp = tensor_of(vb)) {
+          init_base(*tp, full.data() + off, vb.bytes);
+        } else if (const models::TrainableTensor* tt = adapter_of(vb)) {
+          init_adapter_tensor(*tt, {reinterpret_cast<float*>(full.data() + off), static_cast<std::size_t>(tt->numel())}, plan.run.seed,
+                              adapter_file ? &*adapter_file : nullptr);
+          layout.adapters.emplace_back(tt, off);
         }
       }
       be.copy_to_device(at<std::byte>(shard), full.data() + static_cast<std::uint64_t>(rank) * bytes(shard), bytes(shard));
@@ -419,7 +382,7 @@ void Session::Impl::setup() {
     }
   }
   for (std::size_t b = 0; b < nbuf; ++b)
-    if (program.buffers[b].name == "grad.shard" && ptr[b] != nullptr) grad_shard = static_cast<std::int32_t>(b);
+    if (program.buffers[b].role == sim::BufferRole::grad_shard && ptr[b] != nullptr) grad_shard = static_cast<std::int32_t>(b);
   for (const auto& [id, tt] : adapter_views)
     init_adapter_tensor(*tt, {at(id), static_cast<std::size_t>(tt->numel())}, plan.run.seed,
                         adapter_file ? &*adapter_file : nullptr);
@@ -438,7 +401,7 @@ void Session::Impl::setup() {
     }
   if (adapter_file)  // every tensor of the file must belong to the adapter
     for (const auto& st : adapter_file->tensors())
-      if (adapter.find(st.name) == adapter.end())
+      if (std::none_of(trainables.begin(), trainables.end(), [&](const models::TrainableTensor& tt) { return tt.name == st.name; }))
         throw InputError(fmt::format("{}: tensor {} is not part of the adapter the plan describes", adapter_file->path().string(), st.name));
   meas.backend = be.description();
   meas.ranks = in.strategy.ranks;
@@ -470,6 +433,22 @@ double Session::Impl::finish_norm() {
   return global_grad_norm(sumsq);
 }
 
+// A buffer as messages name it: the program's name when it was built with names, else what its
+// role says (a state buffer's conventional name, a tensor's checkpoint or PEFT name).
+std::string Session::Impl::buffer_label(std::int32_t id) const {
+  const sim::Buffer& b = program.buffers[static_cast<std::size_t>(id)];
+  if (!b.name.empty()) return b.name;
+  switch (b.role) {
+    case sim::BufferRole::base_tensor: return base_tensors.at(static_cast<std::size_t>(b.tensor)).name;
+    case sim::BufferRole::adapter_tensor: return trainables.at(static_cast<std::size_t>(b.tensor)).name;
+    case sim::BufferRole::adapter_grad: return "grad." + trainables.at(static_cast<std::size_t>(b.tensor)).name;
+    case sim::BufferRole::none:
+      if (b.view_of >= 0) return fmt::format("{}[bytes {}:{}]", buffer_label(b.view_of), b.offset, b.offset + b.bytes);
+      return fmt::format("buffer #{} ({}, {} B)", id, sim::name_of(b.category), b.bytes);
+    default: return std::string(sim::state_buffer_name(b.role));
+  }
+}
+
 std::string Session::Impl::op_name(std::size_t i) const {
   const sim::Op& op = program.ops[i];
   std::string what;
@@ -481,7 +460,7 @@ std::string Session::Impl::op_name(std::size_t i) const {
     case OpKind::copy: what = "copy"; break;
   }
   if (!op.label.empty()) what += " " + std::string(op.label);
-  if (op.buffer >= 0) what += " " + program.buffers[static_cast<std::size_t>(op.buffer)].name;
+  if (op.buffer >= 0) what += " " + buffer_label(op.buffer);
   return fmt::format("op {} ({}, {}{})", i, what, sim::name_of(op.phase),
                      op.layer >= 0 ? fmt::format(", layer {}", op.layer) : std::string());
 }
@@ -542,10 +521,9 @@ void Session::Impl::collective(std::size_t i, const sim::Op& op) {
     return;
   }
   PEFTPLAN_CHECK_MSG(comm != nullptr && comm->size() == N, "a {}-rank program needs a communicator of {} ranks", N, N);
-  if (op.buffer < 0) {
-    PEFTPLAN_CHECK(op.collective == sim::Collective::all_reduce && op.bytes == 8);
-    double* v = op.label == "loss" ? &loss_sum : op.label == "grad_norm" ? &sumsq : nullptr;
-    PEFTPLAN_CHECK_MSG(v != nullptr, "scalar collective {} names no scalar the executor knows", op.label);
+  if (op.buffer < 0) {  // a scalar reduction (sim::verify: an 8-byte all_reduce)
+    double* v = op.reduction == sim::ScalarReduction::loss_sum ? &loss_sum : op.reduction == sim::ScalarReduction::grad_sumsq ? &sumsq : nullptr;
+    PEFTPLAN_CHECK_MSG(v != nullptr, "{} reduces no scalar the executor knows", op_name(i));
     wait_through(i);
     auto req = comm->all_reduce_async(v, v, 1, CommDType::fp64, ReduceOp::sum);
     wait(*req, i);
@@ -607,89 +585,122 @@ void Session::Impl::copy(const sim::Op& op) {
   else be.copy_to_device(block(op.buffer_out), block(op.buffer), op.bytes);
 }
 
-// One compute op: the kernel its Op::kernel names on the buffers its Op::args name.
+// One compute op: the kernel its Op::kernel names on the operands, shape and scalars the op
+// carries (sim/ops.h). The shapes the backend gets are the op's; a few are also the session's
+// (the attention's batch and heads), which verify's size rule has tied to the buffers.
 void Session::Impl::compute(const sim::Op& op) {
-  const auto& a = op.args;
-  const auto& model = plan.input.model;
+  namespace ops = sim::ops;
   switch (op.kernel) {
-    case Kernel::embedding_fwd:
-      be.embedding_forward(at<std::int32_t>(a[0]), at(a[1]), at(a[2]), M, V, H);
-      return;
-    case Kernel::norm_fwd:
-      be.rmsnorm_forward(at(a[0]), at(a[1]), static_cast<float>(model.norm_eps), at(a[2]), at(a[3]), M, H);
-      return;
-    case Kernel::norm_bwd:
-      be.rmsnorm_backward(at(a[0]), at(a[1]), at(a[2]), at(a[3]), at(a[4]), M, H, op.accumulate);
-      return;
-    case Kernel::cast: {
-      const std::int64_t n = floats(a[1]);
-      if (bytes(a[0]) * 2 == bytes(a[1])) be.bf16_to_fp32(at<std::uint16_t>(a[0]), at(a[1]), n);
-      else be.copy_to_device(at(a[1]), at(a[0]), bytes(a[1]));
+    case Kernel::embedding_fwd: {
+      const auto o = ops::read<ops::EmbeddingFwd>(program, op);
+      be.embedding_forward(at<std::int32_t>(o.tokens), at(o.table), at(o.out), o.M, o.V, o.H);
       return;
     }
-    case Kernel::linear_fwd:  // gemm(M, out, in)
-      be.linear_forward(at(a[0]), at(a[1]), opt(a[3]), at(a[2]), op.work.gemm_m, op.work.gemm_k, op.work.gemm_n, op.accumulate);
+    case Kernel::norm_fwd: {
+      const auto o = ops::read<ops::NormFwd>(program, op);
+      be.rmsnorm_forward(at(o.x), at(o.w), static_cast<float>(o.eps), at(o.y), at(o.rstd), o.M, o.H);
       return;
-    case Kernel::linear_bwd_data:  // gemm(M, in, out)
-      be.linear_backward_input(at(a[0]), at(a[1]), at(a[2]), op.work.gemm_m, op.work.gemm_n, op.work.gemm_k, op.accumulate);
+    }
+    case Kernel::norm_bwd: {
+      const auto o = ops::read<ops::NormBwd>(program, op);
+      be.rmsnorm_backward(at(o.dy), at(o.x), at(o.w), at(o.rstd), at(o.dx), o.M, o.H, op.accumulate);
       return;
+    }
+    case Kernel::cast: {
+      const auto o = ops::read<ops::Cast>(program, op);
+      if (o.from == DType::bf16 && o.to == DType::fp32) be.bf16_to_fp32(at<std::uint16_t>(o.src), at(o.dst), o.n);
+      else if (o.from == o.to) be.copy_device(at<std::byte>(o.dst), at<std::byte>(o.src), storage_bytes(o.to, o.n));
+      else throw InternalError(fmt::format("the executor has no cast from {} to {} ({})", name_of(o.from), name_of(o.to), op.label));
+      return;
+    }
+    case Kernel::linear_fwd: {
+      const auto o = ops::read<ops::LinearFwd>(program, op);
+      be.linear_forward(at(o.x), at(o.w), opt(o.bias), at(o.y), o.M, o.K, o.N, op.accumulate);
+      return;
+    }
+    case Kernel::linear_bwd_data: {
+      const auto o = ops::read<ops::LinearBwdData>(program, op);
+      be.linear_backward_input(at(o.dy), at(o.w), at(o.dx), o.M, o.K, o.N, op.accumulate);
+      return;
+    }
     case Kernel::dropout: {
-      const LoraInfo& l = loras.at(static_cast<std::size_t>(lora_of.at(static_cast<std::size_t>(a[2]))));
-      be.dropout_forward(at(a[0]), at(a[1]), floats(a[1]), dropout_key(l.dropout, a[2], op.micro_batch));
+      const auto o = ops::read<ops::Dropout>(program, op);
+      be.dropout_forward(at(o.x), at(o.out), o.n, dropout_key(o.p, o.adapter, op.micro_batch));
       return;
     }
     case Kernel::lora_fwd: {
-      const LoraInfo& l = loras.at(static_cast<std::size_t>(lora_of.at(static_cast<std::size_t>(a[1]))));
-      be.lora_forward(at(a[0]), at(a[1]), at(a[2]), static_cast<float>(l.scale), at(a[3]), at(a[4]), M, l.in, l.out, l.r);
+      const auto o = ops::read<ops::LoraFwd>(program, op);
+      be.lora_forward(at(o.x_in), at(o.a), at(o.b), static_cast<float>(o.scale), at(o.u), at(o.y), o.M, o.K, o.N, o.r);
       return;
     }
     case Kernel::lora_bwd: {
-      const LoraInfo& l = loras.at(static_cast<std::size_t>(lora_of.at(static_cast<std::size_t>(a[2]))));
-      DropoutKey key{};
-      if (l.dropout > 0.0) key = dropout_key(l.dropout, a[2], op.micro_batch);
-      PEFTPLAN_CHECK(floats(a[5]) == M * (l.r + (l.dropout > 0.0 ? l.in : 0)));
-      be.lora_backward(at(a[0]), at(a[1]), at(a[2]), at(a[3]), at(a[4]), static_cast<float>(l.scale), key, at(a[7]), at(a[8]),
-                       opt(a[6]), at(a[5]), M, l.in, l.out, l.r);
+      const auto o = ops::read<ops::LoraBwd>(program, op);
+      const DropoutKey key = o.p > 0.0 ? dropout_key(o.p, o.adapter, op.micro_batch) : DropoutKey{};
+      be.lora_backward(at(o.dy), at(o.x_in), at(o.a), at(o.b), at(o.u), static_cast<float>(o.scale), key, at(o.da), at(o.db), opt(o.dx),
+                       at(o.scratch), o.M, o.K, o.N, o.r);
       return;
     }
-    case Kernel::rope_tables:
-      be.rope_tables(at(a[0]), S, d, model.rope_theta);
+    case Kernel::rope_tables: {
+      const auto o = ops::read<ops::RopeTables>(program, op);
+      be.rope_tables(at(o.tables), o.S, o.d, o.theta);
       return;
-    case Kernel::rope_fwd:
-      be.rope_forward(at(a[0]), at(a[2]), B, S, nh, d);
-      be.rope_forward(at(a[1]), at(a[2]), B, S, nkv, d);
+    }
+    case Kernel::rope_fwd: {
+      const auto o = ops::read<ops::RopeFwd>(program, op);
+      be.rope_forward(at(o.q), at(o.tables), o.B, o.S, o.nh, o.d);
+      be.rope_forward(at(o.k), at(o.tables), o.B, o.S, o.nkv, o.d);
       return;
-    case Kernel::rope_bwd:
-      be.rope_backward(at(a[0]), at(a[2]), B, S, nh, d);
-      be.rope_backward(at(a[1]), at(a[2]), B, S, nkv, d);
+    }
+    case Kernel::rope_bwd: {
+      const auto o = ops::read<ops::RopeBwd>(program, op);
+      be.rope_backward(at(o.q), at(o.tables), o.B, o.S, o.nh, o.d);
+      be.rope_backward(at(o.k), at(o.tables), o.B, o.S, o.nkv, o.d);
       return;
-    case Kernel::attention_fwd:
-      be.attention_forward(at(a[0]), at(a[1]), at(a[2]), at(a[3]), at(a[4]), B, S, nh, nkv, d);
+    }
+    case Kernel::attention_fwd: {
+      const auto o = ops::read<ops::AttentionFwd>(program, op);
+      be.attention_forward(at(o.q), at(o.k), at(o.v), at(o.probs), at(o.out), o.B, o.S, o.nh, o.nkv, o.d);
       return;
-    case Kernel::attention_bwd:
-      be.attention_backward(at(a[0]), at(a[2]), at(a[3]), at(a[4]), at(a[1]), at(a[5]), at(a[6]), at(a[7]), at(a[8]), floats(a[8]),
-                            B, S, nh, nkv, d);
+    }
+    case Kernel::attention_bwd: {
+      const auto o = ops::read<ops::AttentionBwd>(program, op);
+      be.attention_backward(at(o.d_out), at(o.q), at(o.k), at(o.v), at(o.probs), at(o.dq), at(o.dk), at(o.dv), at(o.scratch),
+                            floats(o.scratch), o.B, o.S, o.nh, o.nkv, o.d);
       return;
-    case Kernel::residual_add:
-      if (a[2] >= 0) be.add(at(a[0]), at(a[1]), at(a[2]), M * H);
+    }
+    case Kernel::residual_add: {
+      const auto o = ops::read<ops::ResidualAdd>(program, op);
+      if (o.out >= 0) be.add(at(o.a), at(o.b), at(o.out), o.n);
       return;
-    case Kernel::mlp_act_fwd:
-      be.swiglu_forward(at(a[0]), at(a[1]), at(a[2]), M * I);
+    }
+    case Kernel::mlp_act_fwd: {
+      const auto o = ops::read<ops::MlpActFwd>(program, op);
+      be.swiglu_forward(at(o.gate), at(o.up), at(o.act), o.n);
       return;
-    case Kernel::mlp_act_bwd:
-      be.swiglu_backward(at(a[0]), at(a[1]), at(a[2]), at(a[3]), at(a[4]), M * I);
+    }
+    case Kernel::mlp_act_bwd: {
+      const auto o = ops::read<ops::MlpActBwd>(program, op);
+      be.swiglu_backward(at(o.d_act), at(o.gate), at(o.up), at(o.d_gate), at(o.d_up), o.n);
       return;
-    case Kernel::cross_entropy_fwd:
-      loss_sum += be.cross_entropy_forward(at(a[0]), at<std::int32_t>(a[1]) + M, M, V);
+    }
+    case Kernel::cross_entropy_fwd: {  // the targets follow the ids in the tokens buffer
+      const auto o = ops::read<ops::CrossEntropyFwd>(program, op);
+      loss_sum += be.cross_entropy_forward(at(o.logits), at<std::int32_t>(o.tokens) + o.M, o.M, o.V);
       return;
-    case Kernel::cross_entropy_bwd:
-      be.cross_entropy_backward(at(a[0]), at<std::int32_t>(a[1]) + M, at(a[2]), count, M, V);
+    }
+    case Kernel::cross_entropy_bwd: {
+      const auto o = ops::read<ops::CrossEntropyBwd>(program, op);
+      be.cross_entropy_backward(at(o.logits), at<std::int32_t>(o.tokens) + o.M, at(o.d_logits), o.divisor, o.M, o.V);
       return;
-    case Kernel::grad_norm:  // this rank's partition; a "grad_norm" all_reduce may follow
-      sumsq = be.sum_squares(at(a[0]), floats(a[0]));
+    }
+    case Kernel::grad_norm: {  // this rank's partition; a grad_sumsq all_reduce may follow
+      const auto o = ops::read<ops::GradNorm>(program, op);
+      sumsq = be.sum_squares(at(o.grads), floats(o.grads));
       have_norm = true;
       return;
+    }
     case Kernel::optimizer_step: {
+      const auto o = ops::read<ops::OptimizerStep>(program, op);
       const auto& t = plan.input.training;
       const double norm = finish_norm();
       if (!std::isfinite(norm)) {  // the all-reduced norm: every rank takes the same branch
@@ -698,24 +709,23 @@ void Session::Impl::compute(const sim::Op& op) {
           skipped = true;
           return;  // weights and optimizer states stay as they were
         }
-        throw NonFiniteError(first_nonfinite(a[1], norm));
+        throw NonFiniteError(first_nonfinite(o.grads, norm));
       }
-      const std::int64_t n = floats(a[1]);
-      float* params = at(a[0]);
-      if (floats(a[0]) != n) {  // this rank's block of trainable.flat
-        PEFTPLAN_CHECK(floats(a[0]) == n * N);
+      const std::int64_t n = o.n;
+      float* params = at(o.params);
+      if (floats(o.params) != n) {  // this rank's block of trainable.flat
+        PEFTPLAN_CHECK(floats(o.params) == n * N);
         params += static_cast<std::int64_t>(rank) * n;
       }
-      PEFTPLAN_CHECK(floats(a[2]) == 2 * n);
       if (t.grad_clip > 0.0) {
         const double coef = clip_coefficient(norm, t.grad_clip);
-        if (coef < 1.0) be.scale(at(a[1]), static_cast<float>(coef), n);
+        if (coef < 1.0) be.scale(at(o.grads), static_cast<float>(coef), n);
       }
       const std::int64_t step1 = step_index + 1;
       const double lr = lr_for_step(schedule, t.lr, step1);
       if (!lr_logged) meas.lrs.push_back(lr);
       lr_logged = true;
-      be.adamw_step(params, at(a[1]), at(a[2]), at(a[2]) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
+      be.adamw_step(params, at(o.grads), at(o.states), at(o.states) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
                     t.weight_decay);
       return;
     }
@@ -738,13 +748,15 @@ std::string Session::Impl::first_nonfinite(std::int32_t grad, double norm) {
     if (!std::isfinite(g[i])) bad = i;
   std::string where = "no element of this rank's gradients (another rank's shard holds it)";
   if (bad >= 0) {
-    where = fmt::format("element {} of {}", bad, program.buffers[static_cast<std::size_t>(grad)].name);
+    where = fmt::format("element {} of {}", bad, buffer_label(grad));
     const std::uint64_t byte = static_cast<std::uint64_t>(bad) * sizeof(float);
-    for (const auto& b : program.buffers)
-      if (b.view_of == grad && b.offset <= byte && byte < b.offset + b.bytes) {
-        where = fmt::format("{} (element {} of {})", b.name, bad, program.buffers[static_cast<std::size_t>(grad)].name);
+    for (std::size_t v = 0; v < program.buffers.size(); ++v) {
+      const sim::Buffer& b = program.buffers[v];
+      if (b.view_of == grad && b.role == sim::BufferRole::adapter_grad && b.offset <= byte && byte < b.offset + b.bytes) {
+        where = fmt::format("{} (element {} of {})", buffer_label(static_cast<std::int32_t>(v)), bad, buffer_label(grad));
         break;
       }
+    }
   }
   return fmt::format("step {}: the gradient norm is {} (loss so far {}); the first non-finite gradient is {}. "
                      "Lower the learning rate, clip gradients (run.clip), or run with --on-nonfinite skip",
@@ -996,8 +1008,7 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
                                   {"strategy", planner::name_of(s.plan.input.strategy.stage)},
                                   {"offload_optimizer", s.host_params >= 0}};
     write_text_atomic(tmp / "trainer_state.json", state.dump(1) + "\n");
-    fs::remove_all(final_dir);
-    fs::rename(tmp, final_dir);
+    replace_directory(tmp, final_dir);
     write_text_atomic(dir / "latest", name + "\n");
   }
   if (s.comm) s.comm->barrier();
@@ -1110,7 +1121,7 @@ Measurement Session::measurement() const {
   auto op_name = [&](std::int32_t i) -> std::string {
     if (i < 0) return "";
     const auto& op = s.program.ops[static_cast<std::size_t>(i)];
-    return op.buffer >= 0 ? "alloc " + s.program.buffers[static_cast<std::size_t>(op.buffer)].name : std::string(op.label);
+    return op.buffer >= 0 ? "alloc " + s.buffer_label(op.buffer) : std::string(op.label);
   };
   m.device_peak_op = op_name(m.memory.device_peak_op);
   m.host_peak_op = op_name(m.memory.host_peak_op);

@@ -15,6 +15,7 @@
 #include "peftplan/common/error.h"
 #include "peftplan/models/parameters.h"
 #include "peftplan/planner/runtime.h"
+#include "peftplan/sim/ops.h"
 
 namespace peftplan::planner {
 namespace {
@@ -28,6 +29,7 @@ using sim::OpKind;
 using sim::Phase;
 using sim::Stream;
 using Cat = sim::MemCategory;
+namespace ops = sim::ops;
 
 std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
 
@@ -115,6 +117,9 @@ double lora_in_bwd(double a, double ad, bool dropout) { return (dropout ? 2 * ad
 struct Adapter {       // a LoRA (or IA3) branch on one linear module
   std::int64_t r = 0;  // 0 for IA3 (a scaling vector)
   double dropout = 0.0;
+  double scale = 0.0;  // alpha / r (rsLoRA: alpha / sqrt(r))
+  std::int32_t index = -1;  // the module's place among the inventory's LoRA modules, in the order
+                            // their first lora_A tensor comes (the key of its dropout masks)
   std::int32_t a_buf = -1, b_buf = -1;  // views of lora_A / lora_B in trainable.flat (-1 under
                                         // ZeRO-3, where they live in the gathered unit)
   std::int32_t ga_buf = -1, gb_buf = -1;  // views of their gradients in grad.flat, or (ZeRO-2/3
@@ -202,9 +207,9 @@ class Builder {
   }
   // A persistent gradient buffer: allocated in setup, or (runtime rule grads_only_in_backward)
   // when backward first reaches a gradient (micro_batch) and freed after the step.
-  std::int32_t grad_buffer(const char* name, std::uint64_t bytes) {
+  std::int32_t grad_buffer(std::string_view name, std::uint64_t bytes) {
     if (!rules_.grads_only_in_backward) return alloc([&] { return name; }, Cat::gradients, bytes, Phase::setup);
-    const std::int32_t b = p_.add_buffer(names_ ? name : std::string(), Cat::gradients, bytes);
+    const std::int32_t b = p_.add_buffer(names_ ? std::string(name) : std::string(), Cat::gradients, bytes);
     lazy_grads_.push_back(b);
     return b;
   }
@@ -241,6 +246,20 @@ class Builder {
     buf.pieces.back() += buf.bytes % e;
     return b;
   }
+  // The buffer of a state role (sim::BufferRole), named as every program names it.
+  std::int32_t state_buffer(sim::BufferRole r, Cat cat, std::uint64_t bytes, Phase phase) {
+    return role(alloc([&] { return sim::state_buffer_name(r); }, cat, bytes, phase), r);
+  }
+  std::int32_t state_grad(sim::BufferRole r, std::uint64_t bytes) {
+    return role(grad_buffer(sim::state_buffer_name(r), bytes), r);
+  }
+  // Marks buffer b as what an interpreter finds it as (sim::BufferRole); returns b.
+  std::int32_t role(std::int32_t b, sim::BufferRole r, std::int32_t tensor = -1) {
+    sim::Buffer& buf = p_.buffers[static_cast<std::size_t>(b)];
+    buf.role = r;
+    buf.tensor = tensor;
+    return b;
+  }
   // The alloc op of a buffer added earlier (its views exist before it does).
   void alloc_buffer(std::int32_t b, Phase phase) {
     Op op;
@@ -259,15 +278,14 @@ class Builder {
     op.micro_batch = mb_;
     p_.add_op(op);
   }
-  std::int32_t compute(Kernel k, std::string_view label, std::int32_t layer, Phase phase, sim::ComputeWork w,
-                       std::initializer_list<std::int32_t> args = {},
+  // A compute op of kernel K::kernel with the operands, shape and scalars of `k` (sim/ops.h).
+  template <class K>
+  std::int32_t compute(std::string_view label, std::int32_t layer, Phase phase, sim::ComputeWork w, const K& k,
                        std::initializer_list<std::int32_t> deps = {}, Stream stream = Stream::compute) {
     Op op;
-    PEFTPLAN_CHECK(args.size() <= op.args.size());
-    std::copy(args.begin(), args.end(), op.args.begin());
+    sim::ops::emit(p_, op, k);
     op.kind = OpKind::compute;
     op.stream = stream;
-    op.kernel = k;
     op.label = label;
     op.layer = layer;
     op.phase = phase;
@@ -320,6 +338,11 @@ class Builder {
   }
 
   // --- sizes ---
+  // What the loss's gradient is divided by: the target tokens of the whole step on all ranks.
+  double loss_divisor() const {
+    return static_cast<double>(t_.micro_batch) * static_cast<double>(t_.grad_accum) * static_cast<double>(s_.ranks) *
+           static_cast<double>(t_.seq_len);
+  }
   std::uint64_t act(std::int64_t elems) const { return storage_bytes(f_.compute_dtype, elems); }
   static std::uint64_t f32(std::int64_t elems) { return 4ull * static_cast<std::uint64_t>(elems); }
   static sim::ComputeWork gemm(std::int64_t m, std::int64_t n, std::int64_t k, std::uint64_t bytes) {
@@ -606,10 +629,14 @@ void Builder::plan_linears() {
       Adapter& a = adapters[lm.linear.path];
       a.r += lm.r;  // several adapters on one module: their ranks add up
       a.dropout = std::max(a.dropout, lm.dropout);
+      if (a.scale == 0.0) a.scale = lm.scale;  // (the first adapter's; the executor runs one)
     }
+    std::int32_t lora_modules = 0;
     for (const auto& t : trainables) {
       if (t.name.find(".lora_A") != std::string::npos || t.name.find(".lora_B") != std::string::npos) {
-        adapters[t.module].params += t.numel();
+        Adapter& a = adapters[t.module];
+        a.params += t.numel();
+        if (a.index < 0 && t.name.find(".lora_A") != std::string::npos) a.index = lora_modules++;
       } else if (t.name.find(".ia3_l") != std::string::npos) {
         Adapter& a = adapters[t.module];
         a.params += t.numel();
@@ -768,7 +795,7 @@ void Builder::setup() {
     }
     // Trainable weights, flat; padded to a multiple of N when an all_gather refills them.
     const std::int64_t padded = exec_z2() ? part_numel_ * N : sharded_optimizer() ? shard(trainable_numel_) * N : trainable_numel_;
-    trainable_flat_ = alloc([&] { return "trainable.flat"; }, Cat::trainable_weights, tw * static_cast<std::uint64_t>(padded), S);
+    trainable_flat_ = state_buffer(sim::BufferRole::trainable_flat, Cat::trainable_weights, tw * static_cast<std::uint64_t>(padded), S);
     if (full) {  // every weight lives in the flat trainable buffer
       embed_buf_ = trainable_flat_;
       for (auto& lv : layer_linears_)
@@ -777,7 +804,7 @@ void Builder::setup() {
     }
     // Gradients: full on every rank for DDP / ZeRO-1, a partition for ZeRO-2.
     if (exec_z2()) {
-      grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
+      grad_shard_ = state_buffer(sim::BufferRole::grad_shard, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         GradBucket& bk = buckets_[b];
         const std::uint64_t sb = static_cast<std::uint64_t>(shard(bk.numel));
@@ -785,9 +812,9 @@ void Builder::setup() {
         bk.param_view = p_.add_view(names_ ? fmt::format("trainable.flat[bucket{}]", b) : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(bk.region), tw * sb * static_cast<std::uint64_t>(N));
       }
     } else if (sharded_grads())
-      grad_shard_ = grad_buffer("grad.shard", tw * static_cast<std::uint64_t>(shard(trainable_numel_)));
+      grad_shard_ = state_grad(sim::BufferRole::grad_shard, tw * static_cast<std::uint64_t>(shard(trainable_numel_)));
     else if (rules_.grads_only_in_backward) {  // allocated when backward first reaches a gradient
-      grad_flat_ = grad_buffer("grad.flat", tw * static_cast<std::uint64_t>(padded));
+      grad_flat_ = state_grad(sim::BufferRole::grad_flat, tw * static_cast<std::uint64_t>(padded));
       per_tensor(grad_flat_, tw, 1);
       // Full fine-tuning: each weight's backward writes its own gradient (a view at the tensor's
       // inventory offset), so that the replay allocates it there, layer by layer.
@@ -806,7 +833,7 @@ void Builder::setup() {
       }
     }
     else
-      grad_flat_ = alloc([&] { return "grad.flat"; }, Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
+      grad_flat_ = state_buffer(sim::BufferRole::grad_flat, Cat::gradients, tw * static_cast<std::uint64_t>(padded), S);
   }
   if (exec_z3()) {
     // The executor's ZeRO-3 adapter partition is per unit: rank r holds block r of every unit's
@@ -815,9 +842,9 @@ void Builder::setup() {
     // element by element, and each unit's reduce_scatter delivers exactly its block.
     // Under parameter offload the partition lives on the host with the frozen shards (as the
     // other profiles place their trainable shards); each gather stages it on the device.
-    trainable_shard_ = alloc([&] { return "trainable.shard"; }, s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
-                             tw * static_cast<std::uint64_t>(part_numel_), S);
-    grad_shard_ = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
+    trainable_shard_ = state_buffer(sim::BufferRole::trainable_shard, s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
+                                  tw * static_cast<std::uint64_t>(part_numel_), S);
+    grad_shard_ = state_buffer(sim::BufferRole::grad_shard, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
     for (Unit& un : units_) {
       if (un.trainable_numel == 0) continue;
       const std::uint64_t off = tw * static_cast<std::uint64_t>(un.part_offset), bytes = tw * static_cast<std::uint64_t>(shard(un.trainable_numel));
@@ -825,7 +852,7 @@ void Builder::setup() {
       un.grad_shard_view = p_.add_view(names_ ? un.name + ".grad.shard" : std::string(), grad_shard_, off, bytes);
     }
   } else if (zero3()) {
-    grad_shard_ = grad_buffer("grad.shard", tw * static_cast<std::uint64_t>(trainable_shard_total()));
+    grad_shard_ = state_grad(sim::BufferRole::grad_shard, tw * static_cast<std::uint64_t>(trainable_shard_total()));
   }
   // Optimizer states for this rank's partition (all of it for DDP), on the device or the host.
   const std::int64_t opt_numel = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? trainable_shard_total() : trainable_numel_;
@@ -843,7 +870,7 @@ void Builder::setup() {
     case Optimizer::adamw_8bit: state_bytes = 2.0 + 8.0 / 256.0; break;
     case Optimizer::sgd_momentum: state_bytes = state; break;
   }
-  opt_states_ = alloc([&] { return "optimizer.states"; }, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
+  opt_states_ = state_buffer(sim::BufferRole::optimizer_states, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
   if (t_.optimizer == Optimizer::adamw && rules_.states_follow_params && !host_opt) per_tensor(opt_states_, tw, 2);
   if (exec_z2() && !host_opt)  // per bucket: its m then its v (the step runs bucket by bucket)
     for (GradBucket& bk : buckets_)
@@ -873,7 +900,7 @@ void Builder::setup() {
   // The executor's offloaded step updates a host copy of this rank's parameter partition (the
   // fp32 "master" DeepSpeed keeps on the CPU) and copies it back.
   if (host_opt && in_.profile == RuntimeProfile::executor)
-    host_params_ = alloc([&] { return "optimizer.params"; }, Cat::host_optimizer_states, tw * static_cast<std::uint64_t>(opt_numel), S);
+    host_params_ = state_buffer(sim::BufferRole::optimizer_params, Cat::host_optimizer_states, tw * static_cast<std::uint64_t>(opt_numel), S);
   if (exec_z2() && host_params_ >= 0)
     for (GradBucket& bk : buckets_)
       bk.host_view = p_.add_view(std::string(), host_params_, tw * static_cast<std::uint64_t>(bk.part_offset), tw * static_cast<std::uint64_t>(shard(bk.numel)));
@@ -882,6 +909,8 @@ void Builder::setup() {
 // The buffer kernels read a frozen tensor from: its own buffer, a ZeRO-3 persistent view, or a
 // view of its unit's gathered buffer.
 void Builder::bind_base(const models::TensorInfo& t, std::int32_t b) {
+  PEFTPLAN_CHECK(&t >= tensors_->data() && &t < tensors_->data() + tensors_->size());
+  role(b, sim::BufferRole::base_tensor, static_cast<std::int32_t>(&t - tensors_->data()));
   if (t.role == models::ParamRole::embedding) embed_buf_ = b;
   if (t.role == models::ParamRole::norm_weight) {  // Llama-family names (transformers)
     if (t.layer < 0) final_norm_ = b;
@@ -989,8 +1018,9 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
       if (!lp.adapter || lp.adapter->a_off < 0 || un.flat_offset < 0) return;
       Adapter& a = *lp.adapter;
       auto view = [&](std::int32_t tensor, std::int64_t off, std::int64_t numel) {
-        return p_.add_view(names_ ? inv_->trainables[static_cast<std::size_t>(tensor)].name : std::string(), g,
-                           tw * static_cast<std::uint64_t>(off - un.flat_offset), tw * static_cast<std::uint64_t>(numel));
+        return role(p_.add_view(names_ ? inv_->trainables[static_cast<std::size_t>(tensor)].name : std::string(), g,
+                                tw * static_cast<std::uint64_t>(off - un.flat_offset), tw * static_cast<std::uint64_t>(numel)),
+                    sim::BufferRole::adapter_tensor, tensor);
       };
       a.a_buf = view(a.a_tensor, a.a_off, a.a_numel);
       a.b_buf = view(a.b_tensor, a.b_off, a.b_numel);
@@ -1031,7 +1061,7 @@ void Builder::fsdp2_copy_out(std::size_t u, Phase phase) {
   const std::int32_t flat = ag_out_[u];
   const std::uint64_t bytes = p_.buffers[static_cast<std::size_t>(flat)].bytes;
   const std::int32_t unsharded = alloc([&] { return fmt::format("{}.unsharded.{}", units_[u].name, name_of(phase)); }, Cat::gathered_weights, bytes, phase);
-  compute(Kernel::accumulate, "fsdp_copy_out", static_cast<std::int32_t>(u) - 1, phase, elementwise(2 * bytes), {flat, unsharded});  // waits for the gather (wait_)
+  compute("fsdp_copy_out", static_cast<std::int32_t>(u) - 1, phase, elementwise(2 * bytes), ops::Accumulate{.in = flat, .out = unsharded});  // waits for the gather (wait_)
   if (ag_held_ >= 0) free(ag_held_, phase);
   ag_held_ = -1;
   if (phase == Phase::forward) ag_held_ = flat;
@@ -1080,7 +1110,8 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
   // The LM head is stored in the compute dtype like the embedding (frozen_bytes), so it is not.
   if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight && !mod.is_output) {
     cast = alloc([&] { return base + ".w_compute"; }, Cat::workspace, act(mod.in * mod.out), phase);
-    compute(Kernel::cast, "dequantize", layer, phase, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
+    compute("dequantize", layer, phase, elementwise(wbytes + act(mod.in * mod.out)),
+            ops::Cast{.src = w, .dst = cast, .n = mod.in * mod.out, .from = f_.base_dtype, .to = f_.compute_dtype});
     w = cast;
   }
   // A 16-bit GEMM fed an fp32 input (an fp32 norm's output) casts it, and bitsandbytes'
@@ -1088,12 +1119,12 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
   // two eager casts.
   const DType od = out_dtype.value_or(f_.compute_dtype);
   if (rules_.eager_elementwise && (lp.input_dtype != f_.compute_dtype || od != f_.compute_dtype))
-    compute(Kernel::cast, "cast_io", layer, phase,
+    compute("cast_io", layer, phase,
             elementwise((lp.input_dtype != f_.compute_dtype ? bytes(lp.input_dtype, rows * mod.in) + act(rows * mod.in) : 0) +
                         (od != f_.compute_dtype ? bytes(od, rows * mod.out) + act(rows * mod.out) : 0)),
-            {x, y});
-  compute(Kernel::linear_fwd, intern(mod.leaf), layer, phase,
-          gemm(rows, mod.out, mod.in, wbytes + act(rows * (mod.in + mod.out))), {x, w, y, lp.bias_buf});
+            ops::Cast{.src = x, .dst = y, .n = rows * mod.in, .from = lp.input_dtype, .to = f_.compute_dtype});
+  compute(intern(mod.leaf), layer, phase, gemm(rows, mod.out, mod.in, wbytes + act(rows * (mod.in + mod.out))),
+          ops::LinearFwd{.x = x, .w = w, .y = y, .bias = lp.bias_buf, .M = rows, .K = mod.in, .N = mod.out});
   free(cast, phase);
   if (lp.adapter) {
     Adapter& a = *lp.adapter;
@@ -1108,9 +1139,11 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
                                                                       static_cast<double>(rows * mod.in))
                                          : act(rows * mod.in) + bytes(ad, rows * mod.in);
       if (a.dropout > 0.0)
-        compute(Kernel::dropout, "lora_dropout", layer, phase, elementwise(in_bytes), {x, xin, a.a_buf});
+        compute("lora_dropout", layer, phase, elementwise(in_bytes),
+                ops::Dropout{.x = x, .out = xin, .n = rows * mod.in, .p = a.dropout, .adapter = a.index});
       else
-        compute(Kernel::cast, "lora_cast", layer, phase, elementwise(in_bytes), {x, xin});
+        compute("lora_cast", layer, phase, elementwise(in_bytes),
+                ops::Cast{.src = x, .dst = xin, .n = rows * mod.in, .from = lp.input_dtype, .to = ad});
       saved.push_back(xin);
       lp.xin_buf = xin;
       // torch's native_dropout saves its keep mask (bool, a byte per element) for backward.
@@ -1124,16 +1157,19 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
       w1.flops += w2.flops;
       w1.bytes_moved += w2.bytes_moved;
       w1.fp32_math = rules_.eager_elementwise && ad == DType::fp32 && f_.compute_dtype != DType::fp32;
-      compute(Kernel::lora_fwd, "lora", layer, phase, w1, {xin, a.a_buf, a.b_buf, u, y});
+      compute("lora", layer, phase, w1,
+              ops::LoraFwd{.x_in = xin, .a = a.a_buf, .b = a.b_buf, .u = u, .y = y, .M = rows, .K = mod.in, .N = mod.out, .r = a.r,
+                           .scale = a.scale, .adapter = a.index});
       if (rules_.eager_elementwise)  // the scaling, the add into the base output and its cast
-        compute(Kernel::accumulate, "lora_add", layer, phase,
+        compute("lora_add", layer, phase,
                 elementwise(static_cast<std::uint64_t>(eager::lora_out_fwd(static_cast<double>(bytes_of(f_.compute_dtype)), static_cast<double>(bytes_of(ad))) *
                                                        static_cast<double>(rows * mod.out))),
-                {y});
+                ops::Accumulate{.in = y});
       saved.push_back(u);
       lp.u_buf = u;
     } else {  // IA3: elementwise scaling
-      compute(Kernel::lora_fwd, "ia3", layer, phase, elementwise(act(rows * mod.out) * 2, static_cast<double>(rows * mod.out)), {y});
+      compute("ia3", layer, phase, elementwise(act(rows * mod.out) * 2, static_cast<double>(rows * mod.out)),
+              ops::LoraFwd{.y = y, .M = rows, .K = mod.in, .N = mod.out, .adapter = a.index});
     }
   }
   return y;
@@ -1159,25 +1195,26 @@ std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int3
   std::int32_t w = lp.weight_buf, cast = -1;
   if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight && !mod.is_output) {
     cast = alloc([&] { return base + ".w_compute_bwd"; }, Cat::workspace, act(mod.in * mod.out), B);
-    compute(Kernel::cast, "dequantize", layer, B, elementwise(wbytes + act(mod.in * mod.out)), {w, cast});
+    compute("dequantize", layer, B, elementwise(wbytes + act(mod.in * mod.out)),
+            ops::Cast{.src = w, .dst = cast, .n = mod.in * mod.out, .from = f_.base_dtype, .to = f_.compute_dtype});
     w = cast;
   }
   std::int32_t op = -1;
   // The backward of the two casts (see linear_forward).
   const DType od = lp.input_dtype == f_.compute_dtype ? f_.compute_dtype : lp.input_dtype;  // Linear4bit: out like x
   if (rules_.eager_elementwise && lp.input_dtype != f_.compute_dtype && !mod.is_output)
-    compute(Kernel::cast, "cast_io", layer, B,
+    compute("cast_io", layer, B,
             elementwise((dx >= 0 ? bytes(lp.input_dtype, rows * mod.in) + act(rows * mod.in) : 0) + bytes(od, rows * mod.out) + act(rows * mod.out)),
-            {dy});
+            ops::Cast{.src = dy, .n = rows * mod.out, .from = od, .to = f_.compute_dtype});
   if (dx >= 0) {
-    op = compute(Kernel::linear_bwd_data, intern(mod.leaf), layer, B, gemm(rows, mod.in, mod.out, wbytes + act(rows * (mod.in + mod.out))),
-                 {dy, w, dx});
+    op = compute(intern(mod.leaf), layer, B, gemm(rows, mod.in, mod.out, wbytes + act(rows * (mod.in + mod.out))),
+                 ops::LinearBwdData{.dy = dy, .w = w, .dx = dx, .M = rows, .K = mod.in, .N = mod.out});
     if (!dx_first) compute_acc(op);
   }
   free(cast, B);
   if (lp.trainable_weight)
-    op = compute(Kernel::linear_bwd_weight, intern(mod.leaf), layer, B, gemm(mod.out, mod.in, rows, act(rows * (mod.in + mod.out)) + wbytes),
-                 {dy, x, weight_grad_of(mod.path)});
+    op = compute(intern(mod.leaf), layer, B, gemm(mod.out, mod.in, rows, act(rows * (mod.in + mod.out)) + wbytes),
+                 ops::LinearBwdWeight{.dy = dy, .x = x, .dw = weight_grad_of(mod.path), .M = rows, .K = mod.in, .N = mod.out});
   if (lp.adapter && lp.adapter->r > 0) {
     const Adapter& a = *lp.adapter;
     // dB = s·dyᵀu, du = s·dy·B, dA = duᵀx, dx += du·A: four skinny GEMMs through a [M, r]
@@ -1195,17 +1232,20 @@ std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int3
     w1.fp32_math = rules_.eager_elementwise && ad == DType::fp32 && f_.compute_dtype != DType::fp32;
     if (rules_.eager_elementwise) {  // the branch's elementwise backward, kernels of their own
       const double o = static_cast<double>(bytes_of(f_.compute_dtype)), adb = static_cast<double>(bytes_of(ad));
-      compute(Kernel::accumulate, "lora_eager_bwd", layer, B,
+      compute("lora_eager_bwd", layer, B,
               elementwise(static_cast<std::uint64_t>(eager::lora_out_bwd(o, adb) * static_cast<double>(rows * mod.out) +
                                                      eager::lora_in_bwd(static_cast<double>(bytes_of(lp.input_dtype)), adb, a.dropout > 0.0) *
                                                          static_cast<double>(rows * mod.in))),
-              {dy});
+              ops::Accumulate{.in = dy});
     }
-    op = compute(Kernel::lora_bwd, "lora", layer, B, w1,
-                 {dy, lp.xin_buf >= 0 ? lp.xin_buf : x, a.a_buf, a.b_buf, lp.u_buf, du, dx, a.ga_buf, a.gb_buf});
+    op = compute("lora", layer, B, w1,
+                 ops::LoraBwd{.dy = dy, .x_in = lp.xin_buf >= 0 ? lp.xin_buf : x, .a = a.a_buf, .b = a.b_buf, .u = lp.u_buf, .scratch = du,
+                              .dx = dx, .da = a.ga_buf, .db = a.gb_buf, .M = rows, .K = mod.in, .N = mod.out, .r = a.r, .scale = a.scale,
+                              .p = a.dropout, .adapter = a.index});
     free(du, B);
   } else if (lp.adapter) {
-    op = compute(Kernel::lora_bwd, "ia3", layer, B, elementwise(act(rows * mod.out) * 3, static_cast<double>(2 * rows * mod.out)), {dy});
+    op = compute("ia3", layer, B, elementwise(act(rows * mod.out) * 3, static_cast<double>(2 * rows * mod.out)),
+                 ops::LoraBwd{.dy = dy, .M = rows, .K = mod.in, .N = mod.out, .adapter = lp.adapter->index});
   }
   return op;
 }
@@ -1276,8 +1316,9 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // --- attention block ---
   const std::int32_t rstd1 = alloc([&] { return pre + ".norm1.stats"; }, keep, stat_bytes, P);
   const std::int32_t h1 = alloc([&] { return pre + ".norm1.out"; }, cat_for(h1_needed), bytes(nd, M_ * H), P);
-  compute(Kernel::norm_fwd, "input_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
-          {x, norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], h1, rstd1});
+  compute("input_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
+          ops::NormFwd{.x = x, .w = norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], .y = h1, .rstd = rstd1, .M = M_, .H = H,
+                       .eps = m_.norm_eps});
   save(rstd1);
   lb.norm1_x = norm_saves("norm1", resid_dtype(l));
   lb.rstd1 = rstd1;
@@ -1290,14 +1331,15 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
     }
   keep_or_drop(h1, h1_needed);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
-    compute(Kernel::rope_fwd, "rope", l, P,
+    compute("rope", l, P,
             elementwise(eager_or(eager::rope_fwd(1), M_ * (m_.q_width() + m_.kv_width()), nd, act(M_ * (m_.q_width() + m_.kv_width())) * 2)),
-            {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, rope_});
+            ops::RopeFwd{{.q = qkv.empty() ? -1 : qkv[0], .k = qkv.size() > 1 ? qkv[1] : -1, .tables = rope_, .B = B, .S = S, .nh = m_.heads,
+                          .nkv = m_.kv_heads, .d = m_.head_dim}});
   if (nd != f_.compute_dtype)  // the attention kernel takes (and saves) compute-dtype copies
     for (std::int32_t& b : qkv) {
       const std::int64_t n = static_cast<std::int64_t>(p_.buffers[static_cast<std::size_t>(b)].bytes / bytes_of(nd));
       const std::int32_t c = alloc([&] { return p_.buffers[static_cast<std::size_t>(b)].name + "_compute"; }, keep, act(n), P);
-      compute(Kernel::cast, "to_compute_dtype", l, P, elementwise(bytes(nd, n) + act(n)), {b, c});
+      compute("to_compute_dtype", l, P, elementwise(bytes(nd, n) + act(n)), ops::Cast{.src = b, .dst = c, .n = n, .from = nd, .to = f_.compute_dtype});
       free(b, P);
       b = c;
     }
@@ -1322,8 +1364,9 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   }
   const bool out_saved = attn_out_needed || rules_.attention_saves_output;
   const std::int32_t attn_out = alloc([&] { return pre + ".attn.out"; }, cat_for(out_saved), act(M_ * m_.q_width()), P);
-  compute(Kernel::attention_fwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
-          {qkv.empty() ? -1 : qkv[0], qkv.size() > 1 ? qkv[1] : -1, qkv.size() > 2 ? qkv[2] : -1, probs, attn_out});
+  compute(t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
+          ops::AttentionFwd{.q = qkv.empty() ? -1 : qkv[0], .k = qkv.size() > 1 ? qkv[1] : -1, .v = qkv.size() > 2 ? qkv[2] : -1, .probs = probs,
+                            .out = attn_out, .B = B, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
   for (std::int32_t b : qkv) save(b);
   save(probs);
   if (probs32 >= 0) save(probs32);
@@ -1340,7 +1383,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // executor's norm backward), unless the norm saves an fp32 copy instead.
   const bool x_mid_saved = !norm_copies || resid_dtype(l) == DType::fp32;
   const std::int32_t x_mid = alloc([&] { return pre + ".resid_mid"; }, x_mid_saved ? keep : Cat::workspace, bytes(resid_dtype(l), M_ * H), P);
-  compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), {x, y_attn, x_mid});
+  compute("residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), ops::ResidualAdd{.a = x, .b = y_attn, .out = x_mid, .n = M_ * H});
   free(y_attn, P);
   if (!rules_.free_at_last_use) keep_or_drop(x_mid, x_mid_saved);  // freed with the layer's transients
   lb.x_mid = x_mid;
@@ -1348,8 +1391,9 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // --- MLP block ---
   const std::int32_t rstd2 = alloc([&] { return pre + ".norm2.stats"; }, keep, stat_bytes, P);
   const std::int32_t h2 = alloc([&] { return pre + ".norm2.out"; }, cat_for(h2_needed), bytes(nd, M_ * H), P);
-  compute(Kernel::norm_fwd, "post_attention_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
-          {x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], h2, rstd2});
+  compute("post_attention_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
+          ops::NormFwd{.x = x_mid, .w = norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], .y = h2, .rstd = rstd2, .M = M_, .H = H,
+                       .eps = m_.norm_eps});
   save(rstd2);
   lb.norm2_x = norm_saves("norm2", resid_dtype(l));
   lb.rstd2 = rstd2;
@@ -1374,9 +1418,9 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   if (rules_.unfused_swiglu && m_.gated_mlp())  // silu(gate), kept by the mul with up
     silu = per_expert(alloc([&] { return pre + ".mlp.silu"; }, keep, bytes(nd, rows * I), P));
   const std::int32_t a = per_expert(alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), bytes(nd, rows * I), P));
-  compute(Kernel::mlp_act_fwd, m_.gated_mlp() ? "swiglu" : "gelu", l, P,
+  compute(m_.gated_mlp() ? "swiglu" : "gelu", l, P,
           elementwise(m_.gated_mlp() ? eager_or(eager::swiglu_fwd(1), rows * I, nd, act(rows * I) * 3) : act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
-          {mlp_in.empty() ? -1 : mlp_in[0], mlp_in.size() > 1 ? mlp_in[1] : -1, a});
+          ops::MlpActFwd{.gate = mlp_in.empty() ? -1 : mlp_in[0], .up = mlp_in.size() > 1 ? mlp_in[1] : -1, .act = a, .n = rows * I});
   for (std::int32_t b : mlp_in) save(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
   if (silu >= 0) save(silu);
   std::int32_t y_mlp = -1;
@@ -1398,8 +1442,8 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // layer's backward under a runtime that materialises it.
   if (recompute && rules_.free_at_last_use)
     saved.push_back(alloc([&] { return fmt::format("layers.{}.mb{}.resid_out.recomputed", l, mb_); }, Cat::workspace, bytes(resid_dtype(l + 1), M_ * H), P));
-  compute(Kernel::residual_add, "residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
-          {x_mid, y_mlp, recompute ? -1 : x_out});
+  compute("residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
+          ops::ResidualAdd{.a = x_mid, .b = y_mlp, .out = recompute ? -1 : x_out, .n = M_ * H});
   free(y_mlp, P);
   if (rules_.free_at_last_use) keep_or_drop(x_mid, x_mid_saved);  // after its last use, the add above
   for (std::int32_t b : transient) free(b, P);
@@ -1460,10 +1504,11 @@ void Builder::layer_backward(std::int32_t l) {
   std::vector<std::int32_t> d_in;
   for (auto& lp : lin)
     if (lp.role == Role::mlp_in) d_in.push_back(alloc([&] { return pre + "." + lp.mod->leaf + ".d_out"; }, Cat::workspace, act(static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share)) * lp.mod->out), B));
-  compute(Kernel::mlp_act_bwd, m_.gated_mlp() ? "swiglu" : "gelu", l, B,
+  compute(m_.gated_mlp() ? "swiglu" : "gelu", l, B,
           elementwise(m_.gated_mlp() ? eager_or(eager::swiglu_bwd(1), rows * I, stream_dtype(), act(rows * I) * 5) : act(rows * I) * 5,
                       10.0 * static_cast<double>(rows * I)),
-          {d_act, lb.gate_up[0], lb.gate_up[1], d_in.empty() ? -1 : d_in[0], d_in.size() > 1 ? d_in[1] : -1});
+          ops::MlpActBwd{.d_act = d_act, .gate = lb.gate_up[0], .up = lb.gate_up[1], .d_gate = d_in.empty() ? -1 : d_in[0],
+                         .d_up = d_in.size() > 1 ? d_in[1] : -1, .n = rows * I});
   free(d_act, B);
   const std::int32_t d_h2 = alloc([&] { return pre + ".norm2.d_out"; }, Cat::workspace, act(M_ * H), B);
   {
@@ -1481,8 +1526,9 @@ void Builder::layer_backward(std::int32_t l) {
       }
   }
   for (std::int32_t b : d_in) free(b, B);
-  compute_acc(compute(Kernel::norm_bwd, "post_attention_norm", l, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(l)), 8.0 * static_cast<double>(M_ * H)),
-                      {d_h2, lb.norm2_x >= 0 ? lb.norm2_x : lb.x_mid, norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], lb.rstd2, dres_}));
+  compute_acc(compute("post_attention_norm", l, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(l)), 8.0 * static_cast<double>(M_ * H)),
+                      ops::NormBwd{.dy = d_h2, .x = lb.norm2_x >= 0 ? lb.norm2_x : lb.x_mid,
+                                   .w = norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], .rstd = lb.rstd2, .dx = dres_, .M = M_, .H = H}));
   free(d_h2, B);
   // Attention backward.
   const std::int32_t d_attn = alloc([&] { return pre + ".attn.d_out"; }, Cat::workspace, act(M_ * m_.q_width()), B);
@@ -1509,15 +1555,17 @@ void Builder::layer_backward(std::int32_t l) {
     aw.flops *= 1.25;  // FlashAttention-2 backward recomputes the scores (5 GEMMs instead of 4)
     aw.bytes_moved = act(M_ * (3 * m_.q_width() + 4 * m_.kv_width()));
   }
-  compute(Kernel::attention_bwd, t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, B, aw,
-          {d_attn, lb.probs, lb.qkv[0], lb.qkv[1], lb.qkv[2], d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1,
-           d_qkv.size() > 2 ? d_qkv[2] : -1, dprobs});
+  compute(t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, B, aw,
+          ops::AttentionBwd{.d_out = d_attn, .probs = lb.probs, .q = lb.qkv[0], .k = lb.qkv[1], .v = lb.qkv[2],
+                            .dq = d_qkv.empty() ? -1 : d_qkv[0], .dk = d_qkv.size() > 1 ? d_qkv[1] : -1,
+                            .dv = d_qkv.size() > 2 ? d_qkv[2] : -1, .scratch = dprobs, .B = Bm, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
   free(dprobs, B);
   free(d_attn, B);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)
-    compute(Kernel::rope_bwd, "rope", l, B,
+    compute("rope", l, B,
             elementwise(eager_or(eager::rope_bwd(1), M_ * (m_.q_width() + m_.kv_width()), stream_dtype(), act(M_ * (m_.q_width() + m_.kv_width())) * 2)),
-            {d_qkv.empty() ? -1 : d_qkv[0], d_qkv.size() > 1 ? d_qkv[1] : -1, rope_});
+            ops::RopeBwd{{.q = d_qkv.empty() ? -1 : d_qkv[0], .k = d_qkv.size() > 1 ? d_qkv[1] : -1, .tables = rope_, .B = Bm, .S = S, .nh = nh,
+                          .nkv = m_.kv_heads, .d = d}});
   const std::int32_t d_h1 = alloc([&] { return pre + ".norm1.d_out"; }, Cat::workspace, act(M_ * H), B);
   {
     std::size_t i = 0;
@@ -1529,8 +1577,10 @@ void Builder::layer_backward(std::int32_t l) {
       }
   }
   for (std::int32_t b : d_qkv) free(b, B);
-  last = compute_acc(compute(Kernel::norm_bwd, "input_norm", l, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(l)), 8.0 * static_cast<double>(M_ * H)),
-                             {d_h1, lb.norm1_x >= 0 ? lb.norm1_x : resid_[static_cast<std::size_t>(l)], norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], lb.rstd1, dres_}));
+  last = compute_acc(compute("input_norm", l, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(l)), 8.0 * static_cast<double>(M_ * H)),
+                             ops::NormBwd{.dy = d_h1, .x = lb.norm1_x >= 0 ? lb.norm1_x : resid_[static_cast<std::size_t>(l)],
+                                          .w = norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], .rstd = lb.rstd1, .dx = dres_, .M = M_,
+                                          .H = H}));
   free(d_h1, B);
   // Everything the layer saved is released, and so is its input (the previous layer's output).
   for (std::int32_t b : saved) free(b, B);
@@ -1570,10 +1620,12 @@ void Builder::begin_unit_gradients(std::size_t u) {
     if (!lp.adapter || lp.adapter->a_off < 0) return;
     Adapter& a = *lp.adapter;
     const std::string base = names_ ? fmt::format("grad.{}.mb{}", lp.mod->path, mb_) : std::string();
-    a.ga_buf = p_.add_view(names_ ? base + ".lora_A" : std::string(), bucket_buf_[b], tw * static_cast<std::uint64_t>(a.a_off - bk.flat_lo),
-                           tw * static_cast<std::uint64_t>(a.a_numel));
-    a.gb_buf = p_.add_view(names_ ? base + ".lora_B" : std::string(), bucket_buf_[b], tw * static_cast<std::uint64_t>(a.b_off - bk.flat_lo),
-                           tw * static_cast<std::uint64_t>(a.b_numel));
+    a.ga_buf = role(p_.add_view(names_ ? base + ".lora_A" : std::string(), bucket_buf_[b], tw * static_cast<std::uint64_t>(a.a_off - bk.flat_lo),
+                                tw * static_cast<std::uint64_t>(a.a_numel)),
+                    sim::BufferRole::adapter_grad, a.a_tensor);
+    a.gb_buf = role(p_.add_view(names_ ? base + ".lora_B" : std::string(), bucket_buf_[b], tw * static_cast<std::uint64_t>(a.b_off - bk.flat_lo),
+                                tw * static_cast<std::uint64_t>(a.b_numel)),
+                    sim::BufferRole::adapter_grad, a.b_tensor);
   };
   for (std::size_t v : bk.units) {
     if (v == units_.size() - 1) for (auto& lp : head_linears_) views(lp);
@@ -1603,7 +1655,8 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
       // final callback drops the last).
       const std::int32_t rs_in = alloc([&] { return fmt::format("grad.reduce_scatter_input{}.mb{}", b, mb_); }, Cat::comm_buffers,
                                        tw * static_cast<std::uint64_t>(padded), Phase::backward);
-      after_op = compute(Kernel::accumulate, "fsdp_chunk_cat", -1, Phase::backward, elementwise(2 * tw * static_cast<std::uint64_t>(padded)), {payload, rs_in}, {after_op});
+      after_op = compute("fsdp_chunk_cat", -1, Phase::backward, elementwise(2 * tw * static_cast<std::uint64_t>(padded)),
+                         ops::Accumulate{.in = payload, .out = rs_in}, {after_op});
       free(payload, Phase::backward);
       bucket_buf_[static_cast<std::size_t>(b)] = -1;
       if (rs_held_ >= 0) free(rs_held_, Phase::backward);
@@ -1664,11 +1717,14 @@ std::int32_t Builder::hf_loss(std::int32_t logits, std::int32_t tokens) {
   // .float() of fp32 logits is the tensor itself (and its backward the identity).
   const bool upcast = f_.compute_dtype != DType::fp32;
   const std::int32_t up = upcast ? alloc([&] { return pre + ".logits_fp32"; }, Cat::workspace, f32(T * V), L) : logits;
-  if (upcast) compute(Kernel::cast, "upcast_logits", -1, L, elementwise(act(T * V) + f32(T * V)), {logits, up});
+  if (upcast)
+    compute("upcast_logits", -1, L, elementwise(act(T * V) + f32(T * V)),
+            ops::Cast{.src = logits, .dst = up, .n = T * V, .from = f_.compute_dtype, .to = DType::fp32});
   const std::int32_t shifted = alloc([&] { return pre + ".shift_logits"; }, Cat::workspace, f32(Tv * V), L);
-  compute(Kernel::accumulate, "shift_logits", -1, L, elementwise(2 * f32(Tv * V)), {up, shifted});
+  compute("shift_logits", -1, L, elementwise(2 * f32(Tv * V)), ops::Accumulate{.in = up, .out = shifted});
   const std::int32_t lsm = alloc([&] { return pre + ".log_softmax"; }, Cat::workspace, f32(Tv * V), L);
-  compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, L, elementwise(2 * f32(Tv * V), 3.0 * static_cast<double>(Tv * V)), {shifted, tokens});
+  compute("cross_entropy", -1, L, elementwise(2 * f32(Tv * V), 3.0 * static_cast<double>(Tv * V)),
+          ops::CrossEntropyFwd{.logits = shifted, .tokens = tokens, .M = Tv, .V = V});
   free(shifted, L);
   if (upcast) free(up, L);
   free(logits, L);
@@ -1677,17 +1733,19 @@ std::int32_t Builder::hf_loss(std::int32_t logits, std::int32_t tokens) {
     return -1;
   }
   const std::int32_t g_nll = alloc([&] { return pre + ".d_nll"; }, Cat::workspace, f32(Tv * V), B);
-  compute(Kernel::cross_entropy_bwd, "nll_loss_backward", -1, B, elementwise(f32(Tv * V)), {lsm, tokens, g_nll});
+  compute("nll_loss_backward", -1, B, elementwise(f32(Tv * V)),
+          ops::CrossEntropyBwd{.logits = lsm, .tokens = tokens, .d_logits = g_nll, .M = Tv, .V = V, .divisor = loss_divisor()});
   const std::int32_t g_lsm = alloc([&] { return pre + ".d_log_softmax"; }, Cat::workspace, f32(Tv * V), B);
-  compute(Kernel::cross_entropy_bwd, "log_softmax_backward", -1, B, elementwise(3 * f32(Tv * V), 2.0 * static_cast<double>(Tv * V)), {lsm, tokens, g_lsm});
+  compute("log_softmax_backward", -1, B, elementwise(3 * f32(Tv * V), 2.0 * static_cast<double>(Tv * V)),
+          ops::CrossEntropyBwd{.logits = lsm, .tokens = tokens, .d_logits = g_lsm, .M = Tv, .V = V, .divisor = loss_divisor()});
   free(g_nll, B);
   free(lsm, B);
   const std::int32_t g_up = alloc([&] { return pre + ".d_logits_fp32"; }, Cat::workspace, f32(T * V), B);
-  compute(Kernel::accumulate, "slice_backward", -1, B, elementwise(f32(T * V) + f32(Tv * V)), {g_lsm, g_up});
+  compute("slice_backward", -1, B, elementwise(f32(T * V) + f32(Tv * V)), ops::Accumulate{.in = g_lsm, .out = g_up});
   free(g_lsm, B);
   if (!upcast) return g_up;
   const std::int32_t d = alloc([&] { return pre + ".d_logits"; }, Cat::workspace, act(T * V), B);
-  compute(Kernel::cast, "downcast_grad", -1, B, elementwise(f32(T * V) + act(T * V)), {g_up, d});
+  compute("downcast_grad", -1, B, elementwise(f32(T * V) + act(T * V)), ops::Cast{.src = g_up, .dst = d, .n = T * V, .from = DType::fp32, .to = f_.compute_dtype});
   free(g_up, B);
   return d;
 }
@@ -1713,11 +1771,15 @@ std::int32_t Builder::fused_loss(LinearPlan& lm, std::int32_t x, std::int32_t to
   for (std::int64_t lo = 0; lo < BT; lo += chunk) {
     const std::int64_t rows = std::min(chunk, BT - lo);
     const std::int32_t lc = alloc([&] { return pre + ".logits_chunk"; }, Cat::workspace, act(rows * V), L);
-    compute(Kernel::linear_fwd, intern(lm.mod->leaf), -1, L, gemm(rows, V, H, wbytes + act(rows * (H + V))), {x, lm.weight_buf, lc, -1});
-    compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, L, elementwise(2 * act(rows * V), 5.0 * static_cast<double>(rows * V)), {lc, tokens});
-    compute(Kernel::linear_bwd_data, intern(lm.mod->leaf), -1, L, gemm(rows, H, V, wbytes + act(rows * (H + V))), {lc, lm.weight_buf, grad_in});
+    compute(intern(lm.mod->leaf), -1, L, gemm(rows, V, H, wbytes + act(rows * (H + V))),
+            ops::LinearFwd{.x = x, .w = lm.weight_buf, .y = lc, .M = rows, .K = H, .N = V});
+    compute("cross_entropy", -1, L, elementwise(2 * act(rows * V), 5.0 * static_cast<double>(rows * V)),
+            ops::CrossEntropyFwd{.logits = lc, .tokens = tokens, .M = rows, .V = V});
+    compute(intern(lm.mod->leaf), -1, L, gemm(rows, H, V, wbytes + act(rows * (H + V))),
+            ops::LinearBwdData{.dy = lc, .w = lm.weight_buf, .dx = grad_in, .M = rows, .K = H, .N = V});
     if (lm.trainable_weight)
-      compute(Kernel::linear_bwd_weight, intern(lm.mod->leaf), -1, L, gemm(V, H, rows, wbytes + act(rows * (H + V))), {lc, x, weight_grad_of(lm.mod->path)});
+      compute(intern(lm.mod->leaf), -1, L, gemm(V, H, rows, wbytes + act(rows * (H + V))),
+              ops::LinearBwdWeight{.dy = lc, .x = x, .dw = weight_grad_of(lm.mod->path), .M = rows, .K = H, .N = V});
     free(lc, L);
   }
   free(loss1d, L);
@@ -1746,7 +1808,7 @@ void Builder::micro_batch(std::int32_t mb) {
   if (fsdp()) gather_unit(units_.size() - 1, F, true);  // the root unit: embedding and head
   else gather_unit(1, F, false);
   resid_[0] = alloc([&] { return fmt::format("embed.mb{}.out", mb); }, Cat::activations, act(M_ * H), F);
-  compute(Kernel::embedding_fwd, "embedding", -1, F, elementwise(act(M_ * H) * 2), {tokens, embed_buf_, resid_[0]});
+  compute("embedding", -1, F, elementwise(act(M_ * H) * 2), ops::EmbeddingFwd{.tokens = tokens, .table = embed_buf_, .out = resid_[0], .M = M_, .V = V, .H = H});
   const bool embed_trains = units_[0].trainable_numel > 0 && in_.peft.adapters.empty();
   release_unit(0, F);
   // Runtime rule: autocast keeps a compute-dtype copy of every fp32 adapter weight it casts
@@ -1770,8 +1832,8 @@ void Builder::micro_batch(std::int32_t mb) {
   std::int32_t xl = resid_.back();
   const std::int32_t rstd = alloc([&] { return fmt::format("final_norm.mb{}.stats", mb); }, Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
   const std::int32_t hf = alloc([&] { return fmt::format("final_norm.mb{}.out", mb); }, Cat::workspace, bytes(stream_dtype(), M_ * H), F);
-  compute(Kernel::norm_fwd, "final_norm", -1, F, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(m_.layers)), 4.0 * static_cast<double>(M_ * H)),
-          {xl, final_norm_, hf, rstd});
+  compute("final_norm", -1, F, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(m_.layers)), 4.0 * static_cast<double>(M_ * H)),
+          ops::NormFwd{.x = xl, .w = final_norm_, .y = hf, .rstd = rstd, .M = M_, .H = H, .eps = m_.norm_eps});
   std::vector<std::int32_t> head_saved;
   bool hf_freed = false;
   // The final norm under the runtime rule of the layers' norms: an fp32 copy of a
@@ -1828,17 +1890,20 @@ void Builder::micro_batch(std::int32_t mb) {
     std::int32_t logits32 = logits;
     if (f_.compute_dtype != DType::fp32) {
       logits32 = alloc([&] { return fmt::format("logits_fp32.mb{}", mb); }, Cat::workspace, f32(M_ * V), Phase::loss);
-      compute(Kernel::cast, "upcast_logits", -1, Phase::loss, elementwise(act(M_ * V) + f32(M_ * V)), {logits, logits32});
+      compute("upcast_logits", -1, Phase::loss, elementwise(act(M_ * V) + f32(M_ * V)),
+              ops::Cast{.src = logits, .dst = logits32, .n = M_ * V, .from = f_.compute_dtype, .to = DType::fp32});
       free(logits, Phase::loss);
     }
     free(autocast_cache, Phase::loss);
-    compute(Kernel::cross_entropy_fwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V), 3.0 * static_cast<double>(M_ * V)), {logits32, tokens});
-    compute(Kernel::cross_entropy_bwd, "cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V) * 2, 2.0 * static_cast<double>(M_ * V)),
-            {logits32, tokens, logits32});
+    compute("cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V), 3.0 * static_cast<double>(M_ * V)),
+            ops::CrossEntropyFwd{.logits = logits32, .tokens = tokens, .M = M_, .V = V});
+    compute("cross_entropy", -1, Phase::loss, elementwise(f32(M_ * V) * 2, 2.0 * static_cast<double>(M_ * V)),
+            ops::CrossEntropyBwd{.logits = logits32, .tokens = tokens, .d_logits = logits32, .M = M_, .V = V, .divisor = loss_divisor()});
     dlogits = logits32;
     if (f_.compute_dtype != DType::fp32) {
       dlogits = alloc([&] { return fmt::format("d_logits.mb{}", mb); }, Cat::workspace, act(M_ * V), B);
-      compute(Kernel::cast, "downcast_grad", -1, B, elementwise(act(M_ * V) + f32(M_ * V)), {logits32, dlogits});
+      compute("downcast_grad", -1, B, elementwise(act(M_ * V) + f32(M_ * V)),
+              ops::Cast{.src = logits32, .dst = dlogits, .n = M_ * V, .from = DType::fp32, .to = f_.compute_dtype});
       free(logits32, B);
     }
   }
@@ -1851,7 +1916,7 @@ void Builder::micro_batch(std::int32_t mb) {
   const bool hf_needed = lm->needs_input();
   std::int32_t d_hf = grad_in, last = -1;
   if (fused) {  // element_mul_kernel: grad_input *= grad_output, in place
-    last = compute(Kernel::accumulate, "scale_grad_input", -1, B, elementwise(2 * act(M_ * H), static_cast<double>(M_ * H)), {d_hf});
+    last = compute("scale_grad_input", -1, B, elementwise(2 * act(M_ * H), static_cast<double>(M_ * H)), ops::Accumulate{.in = d_hf});
   } else {
     d_hf = alloc([&] { return fmt::format("final_norm.mb{}.d_out", mb); }, Cat::workspace, act(M_ * H), B);
     last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1, true);
@@ -1860,8 +1925,8 @@ void Builder::micro_batch(std::int32_t mb) {
   if (!hf_freed) free(hf, B);
   for (std::int32_t b : head_saved) free(b, B);
   dres_ = alloc([&] { return fmt::format("d_resid.mb{}", mb); }, Cat::workspace, act(M_ * H), B);
-  last = compute(Kernel::norm_bwd, "final_norm", -1, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(m_.layers)), 8.0 * static_cast<double>(M_ * H)),
-                 {d_hf, xl, final_norm_, rstd, dres_});
+  last = compute("final_norm", -1, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(m_.layers)), 8.0 * static_cast<double>(M_ * H)),
+                 ops::NormBwd{.dy = d_hf, .x = xl, .w = final_norm_, .rstd = rstd, .dx = dres_, .M = M_, .H = H});
   free(d_hf, B);
   free(rstd, B);
   free(xl, B);
@@ -1874,7 +1939,8 @@ void Builder::micro_batch(std::int32_t mb) {
   gather_unit(0, B, true);
   begin_unit_gradients(0);
   if (embed_trains)
-    last = compute(Kernel::embedding_bwd, "embedding", -1, B, elementwise(act(M_ * H) * 2), {tokens, dres_, embed_grad_ >= 0 ? embed_grad_ : grad_flat_});
+    last = compute("embedding", -1, B, elementwise(act(M_ * H) * 2),
+                   ops::EmbeddingBwd{.tokens = tokens, .d_out = dres_, .d_table = embed_grad_ >= 0 ? embed_grad_ : grad_flat_, .M = M_, .V = V, .H = H});
   wait_ = -1;
   release_unit(0, B, true);
   release_unit(head, B, true);
@@ -1903,11 +1969,14 @@ void Builder::optimizer_step() {
   std::int32_t dep = deps.empty() ? last_compute_ : deps.back();
   // The executor reports the step's loss on every rank: the loss sums of the ranks (one fp64)
   // are all-reduced, a collective of the program like any other.
-  if (exec && N > 1) dep = collective(Collective::all_reduce, "loss", 8, -1, O, -1, {dep});
+  if (exec && N > 1) {
+    dep = collective(Collective::all_reduce, "loss", 8, -1, O, -1, {dep});
+    p_.ops[static_cast<std::size_t>(dep)].reduction = sim::ScalarReduction::loss_sum;
+  }
   // ZeRO-1: one reduce_scatter of the accumulated full gradients at the step, into this rank's
   // partition.
   if (s_.stage == Stage::zero1 && N > 1) {
-    const std::int32_t shard_buf = alloc([&] { return "grad.shard"; }, Cat::gradients, tw * static_cast<std::uint64_t>(part), O);
+    const std::int32_t shard_buf = state_buffer(sim::BufferRole::grad_shard, Cat::gradients, tw * static_cast<std::uint64_t>(part), O);
     dep = collective(Collective::reduce_scatter, "reduce_scatter_grads", tw * static_cast<std::uint64_t>(part * N), -1, O, grad_flat_, {dep});
     p_.ops[static_cast<std::size_t>(dep)].buffer_out = shard_buf;
     grad_shard_ = shard_buf;
@@ -1919,8 +1988,12 @@ void Builder::optimizer_step() {
   if (t_.grad_clip > 0.0 || exec) {  // the executor reports the norm even without clipping
     // grad_norm {grads}: sum of squares of this rank's gradient partition (all of it for DDP);
     // the partitions' sums are all-reduced as one fp64 (buffer -1)
-    dep = compute(Kernel::grad_norm, "grad_norm", -1, O, elementwise(tw * static_cast<std::uint64_t>(part), 2.0 * static_cast<double>(part)), {grad_shard_ >= 0 ? grad_shard_ : grad_flat_}, {dep});
-    if (N > 1 && s_.stage != Stage::ddp) dep = collective(Collective::all_reduce, "grad_norm", 8, -1, O, -1, {dep});
+    dep = compute("grad_norm", -1, O, elementwise(tw * static_cast<std::uint64_t>(part), 2.0 * static_cast<double>(part)),
+                  ops::GradNorm{.grads = grad_shard_ >= 0 ? grad_shard_ : grad_flat_}, {dep});
+    if (N > 1 && s_.stage != Stage::ddp) {
+      dep = collective(Collective::all_reduce, "grad_norm", 8, -1, O, -1, {dep});
+      p_.ops[static_cast<std::size_t>(dep)].reduction = sim::ScalarReduction::grad_sumsq;
+    }
   }
   if (host_opt) {
     // Copies name their source (Op::buffer) and, in the executor profile, their destination
@@ -1933,8 +2006,11 @@ void Builder::optimizer_step() {
     sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));
     w.params = part;
     // cpu_adam (executor) {host params, host.staging (the gradients), states}: as optimizer_step
-    if (exec) dep = compute(Kernel::optimizer_step, "cpu_adam", -1, O, w, {host_params_, staging_, opt_states_}, {d2h}, Stream::host);
-    else dep = compute(Kernel::optimizer_step, "cpu_adam", -1, O, w, {}, {d2h}, Stream::host);
+    if (exec)
+      dep = compute("cpu_adam", -1, O, w, ops::OptimizerStep{.params = host_params_, .grads = staging_, .states = opt_states_, .n = part}, {d2h},
+                    Stream::host);
+    else
+      dep = compute("cpu_adam", -1, O, w, ops::OptimizerStep{.n = part}, {d2h}, Stream::host);
     if (exec_z2()) {  // bucket by bucket: this rank's block of each bucket's region
       const std::int32_t step = dep;
       for (const GradBucket& bk : buckets_) {
@@ -1958,7 +2034,7 @@ void Builder::optimizer_step() {
         const std::int64_t sb = shard(bk.numel);
         sim::ComputeWork wb = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(sb)), 10.0 * static_cast<double>(sb));
         wb.params = sb;
-        dep = compute(Kernel::optimizer_step, "adamw", -1, O, wb, {bk.param_view, bk.grad_view, bk.state_view}, {before});
+        dep = compute("adamw", -1, O, wb, ops::OptimizerStep{.params = bk.param_view, .grads = bk.grad_view, .states = bk.state_view, .n = sb}, {before});
       }
     } else {
       // Runtime rule: torch's foreach AdamW holds sqrt(v) for the whole partition while it
@@ -1969,7 +2045,10 @@ void Builder::optimizer_step() {
                        (rules_.states_follow_params ? tw : 4) * static_cast<std::uint64_t>(part), O);
       if (rules_.states_follow_params) per_tensor(sqrt_v, tw, 1);
       // Operands: parameters, gradients, states, and the foreach temporary when there is one.
-      dep = compute(Kernel::optimizer_step, "adamw", -1, O, w, {params, grad_shard_ >= 0 ? grad_shard_ : grad_flat_, opt_states_, sqrt_v}, {dep});
+      dep = compute("adamw", -1, O, w,
+                    ops::OptimizerStep{.params = params, .grads = grad_shard_ >= 0 ? grad_shard_ : grad_flat_, .states = opt_states_, .sqrt_v = sqrt_v,
+                                       .n = part},
+                    {dep});
       free(sqrt_v, O);
     }
   }
@@ -2019,9 +2098,11 @@ void Builder::adapter_views() {
         (is_a ? a.a_numel : a.b_numel) = numel;
         (is_a ? a.a_tensor : a.b_tensor) = index;
         if (!zero3() && trainable_flat_ >= 0) {
-          (is_a ? a.a_buf : a.b_buf) = p_.add_view(names_ ? t.name : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(flat_position(offset)), bytes);
+          (is_a ? a.a_buf : a.b_buf) = role(p_.add_view(names_ ? t.name : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(flat_position(offset)), bytes),
+                                            sim::BufferRole::adapter_tensor, index);
           if (grad_flat_ >= 0)
-            (is_a ? a.ga_buf : a.gb_buf) = p_.add_view(names_ ? "grad." + t.name : std::string(), grad_flat_, tw * static_cast<std::uint64_t>(offset), bytes);
+            (is_a ? a.ga_buf : a.gb_buf) = role(p_.add_view(names_ ? "grad." + t.name : std::string(), grad_flat_, tw * static_cast<std::uint64_t>(offset), bytes),
+                                                sim::BufferRole::adapter_grad, index);
         }
       } else {
         contiguous = false;
@@ -2137,12 +2218,14 @@ BuiltProgram Builder::build() {
   plan_linears();
   p_.ranks = s_.ranks;
   p_.micro_batches = static_cast<std::int32_t>(t_.grad_accum);
+  p_.executable = executor_limitation(in_).empty();
   p_.tokens_per_step = t_.micro_batch * t_.seq_len * t_.grad_accum;
   // Reserve for the whole program at once: growing vectors of ~10^4 ops dominated build time.
   const auto per_mb = static_cast<std::size_t>(m_.layers) * (zero3() ? 200 : 160) + 64;
   p_.ops.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) + tensors_->size() + 64);
   p_.buffers.reserve(per_mb / 2 * static_cast<std::size_t>(t_.grad_accum) + tensors_->size() + 64);
   p_.deps.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) / 2);
+  p_.operands.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) * 5);  // about half the ops compute, ~10 values each
   gathered_.assign(units_.size(), -1);
   gather_op_.assign(units_.size(), -1);
   ag_out_.assign(units_.size(), -1);
@@ -2158,10 +2241,12 @@ BuiltProgram Builder::build() {
       auto views = [&](LinearPlan& lp) {
         if (!lp.adapter || lp.adapter->a_off < 0) return;
         Adapter& a = *lp.adapter;
-        a.ga_buf = p_.add_view(std::string(), grad_shard_, tw * static_cast<std::uint64_t>(un.part_offset + a.a_off - un.flat_offset),
-                               tw * static_cast<std::uint64_t>(a.a_numel));
-        a.gb_buf = p_.add_view(std::string(), grad_shard_, tw * static_cast<std::uint64_t>(un.part_offset + a.b_off - un.flat_offset),
-                               tw * static_cast<std::uint64_t>(a.b_numel));
+        a.ga_buf = role(p_.add_view(std::string(), grad_shard_, tw * static_cast<std::uint64_t>(un.part_offset + a.a_off - un.flat_offset),
+                                    tw * static_cast<std::uint64_t>(a.a_numel)),
+                        sim::BufferRole::adapter_grad, a.a_tensor);
+        a.gb_buf = role(p_.add_view(std::string(), grad_shard_, tw * static_cast<std::uint64_t>(un.part_offset + a.b_off - un.flat_offset),
+                                    tw * static_cast<std::uint64_t>(a.b_numel)),
+                        sim::BufferRole::adapter_grad, a.b_tensor);
       };
       if (u == units_.size() - 1) for (auto& lp : head_linears_) views(lp);
       else for (auto& lp : layer_linears_[u - 1]) views(lp);
@@ -2174,7 +2259,8 @@ BuiltProgram Builder::build() {
     const std::int64_t per_pos = rules_.rope_table_elems_per_pos > 0 ? static_cast<std::int64_t>(rules_.rope_table_elems_per_pos) * m_.head_dim
                                                                       : (m_.head_dim / 2) * 2;
     rope_ = alloc([&] { return "rope.tables"; }, Cat::workspace, act(kv_len_ * per_pos), Phase::forward);
-    compute(Kernel::rope_tables, "rope_tables", -1, Phase::forward, elementwise(act(kv_len_ * (m_.head_dim / 2) * 2)), {rope_});
+    compute("rope_tables", -1, Phase::forward, elementwise(act(kv_len_ * (m_.head_dim / 2) * 2)),
+            ops::RopeTables{.tables = rope_, .S = kv_len_, .d = m_.head_dim, .theta = m_.rope_theta});
   }
   for (std::int32_t mb = 0; mb < p_.micro_batches; ++mb) micro_batch(mb);
   mb_ = -1;
@@ -2261,6 +2347,37 @@ std::vector<std::string> validate(const PlanInput& in) {
   if (t.seq_len > in.model.max_positions && in.model.max_positions > 0)
     warnings.push_back(fmt::format("--seq-len {} exceeds max_position_embeddings {}", t.seq_len, in.model.max_positions));
   return warnings;
+}
+
+std::string executor_limitation(const PlanInput& in) {
+  if (in.profile != RuntimeProfile::executor)
+    return fmt::format("profile is {}; plans for the executor use the executor profile", name_of(in.profile));
+  const auto arch = in.model.arch;
+  if (arch != models::Arch::llama && arch != models::Arch::mistral && arch != models::Arch::qwen2)
+    return fmt::format("model_type {} (supported: llama, mistral, qwen2)", models::name_of(arch));
+  if (in.model.is_moe()) return "mixture-of-experts models";
+  if (in.model.sliding_window && *in.model.sliding_window < in.training.seq_len)
+    return fmt::format("sliding_window {} < seq_len {} (the executor attends over the whole sequence)", *in.model.sliding_window,
+                       in.training.seq_len);
+  if (in.model.out_bias || in.model.mlp_bias) return "bias on o_proj or the MLP";
+  const auto& st = in.strategy;
+  if (st.offload_param != OffloadDevice::none && !can_offload_params(st.stage)) return "parameter offload without ZeRO-3 (it needs --strategy zero3)";
+  if (st.offload_optimizer != OffloadDevice::none && !can_offload_optimizer(st.stage)) return "optimizer offload with ddp (it needs a ZeRO stage)";
+  if (is_fsdp(st.stage)) return fmt::format("strategy {} (supported: ddp, zero1, zero2, zero3)", name_of(st.stage));
+  const auto& t = in.training;
+  if (t.attention != Attention::eager) return "flash attention (use eager)";
+  if (t.optimizer != Optimizer::adamw) return fmt::format("optimizer {} (supported: adamw)", name_of(t.optimizer));
+  if (t.full_finetune || in.peft.adapters.empty()) return "full fine-tuning (LoRA only)";
+  if (in.peft.quantization) return "quantised base weights";
+  if (t.base_storage && *t.base_storage != DType::fp32 && *t.base_storage != DType::bf16)
+    return fmt::format("base storage {} (supported: fp32, bf16)", peftplan::name_of(*t.base_storage));
+  if (in.peft.adapters.size() != 1) return fmt::format("{} adapters (one LoRA adapter)", in.peft.adapters.size());
+  const auto& a = in.peft.adapters[0];
+  if (a.type != models::PeftType::lora) return fmt::format("adapter type {} (LoRA only)", models::name_of(a.type));
+  if (a.lora.use_dora || a.lora.lora_bias || a.lora.bias != "none" || !a.lora.modules_to_save.empty())
+    return "DoRA, LoRA bias, bias != \"none\" or modules_to_save";
+  if (t.cross_entropy != CrossEntropy::standard) return "the chunked cross-entropy (use standard)";
+  return {};
 }
 
 BuiltProgram build_program(const PlanInput& input, const BuildOptions& options) {

@@ -587,15 +587,8 @@ void write_report(const std::filesystem::path& out, const ReportInput& r) {
     write_text_atomic(tmp / "report.md", render_markdown(r));
     write_text_atomic(tmp / "memory.svg", "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n" + memory_chart_svg(r) + "\n");
     write_text_atomic(tmp / "time.svg", "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n" + time_chart_svg(r) + "\n");
-    // Into place: an existing folder is moved aside first and removed once the new one is there.
-    fs::path old;
-    if (fs::exists(target, ec)) {
-      if (!fs::is_directory(target, ec)) throw InputError(fmt::format("--out {}: is a file, not a folder", out.string()));
-      old = parent / fmt::format(".{}.old.{}", target.filename().string(), ::getpid());
-      fs::rename(target, old);
-    }
-    fs::rename(tmp, target);
-    if (!old.empty()) fs::remove_all(old, ec);
+    if (fs::exists(target, ec) && !fs::is_directory(target, ec)) throw InputError(fmt::format("--out {}: is a file, not a folder", out.string()));
+    replace_directory(tmp, target);
   } catch (const fs::filesystem_error& e) {
     fs::remove_all(tmp, ec);
     throw InputError(fmt::format("--out {}: cannot be written ({})", out.string(), e.code().message()));

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/sim/ops.h"
 
 namespace peftplan::sim {
 namespace caching_allocator {
@@ -690,7 +691,8 @@ AllocatorReplay replay_caching_allocator(const Program& program, const Allocator
         touch(i, op, op.buffer);
         touch(i, op, op.buffer_out);
         touch(i, op, op.buffer_in);
-        for (std::int32_t a : op.args) touch(i, op, a);
+        if (op.kind == OpKind::compute)
+          for (std::int64_t a : ops::slot_ids(program, op)) touch(i, op, static_cast<std::int32_t>(a));
         continue;
       }
       const auto b = static_cast<std::size_t>(op.buffer);

@@ -28,19 +28,6 @@ double kernel_overhead_s(const Cluster& cluster, Kernel k) {
 
 }  // namespace
 
-std::string_view name_of(Kernel k) {
-  constexpr std::array<std::string_view, 25> names = {
-      "none",          "embedding_fwd",    "embedding_bwd",     "norm_fwd",
-      "norm_bwd",      "linear_fwd",       "linear_bwd_data",   "linear_bwd_weight",
-      "lora_fwd",      "lora_bwd",         "rope_fwd",          "rope_bwd",
-      "attention_fwd", "attention_bwd",    "mlp_act_fwd",       "mlp_act_bwd",
-      "residual_add",  "cross_entropy_fwd", "cross_entropy_bwd", "cast",
-      "grad_norm",     "optimizer_step",   "accumulate",        "dropout",
-      "rope_tables"};
-  const auto i = static_cast<std::size_t>(k);
-  return i < names.size() ? names[i] : "unknown";
-}
-
 bool is_gemm_kernel(Kernel k) {
   switch (k) {
     case Kernel::linear_fwd:

@@ -3,6 +3,8 @@
 // inside the structs never enters it.
 #include "peftplan/sim/program_hash.h"
 
+#include "peftplan/sim/ops.h"
+
 #include <bit>
 #include <type_traits>
 
@@ -40,6 +42,7 @@ std::uint64_t program_hash(const Program& p) {
   h.add(p.micro_batches);
   h.add(p.tokens_per_step);
   h.add(p.model_flops_per_step);
+  h.add(p.executable);
   h.add(p.buffers.size());
   for (const Buffer& b : p.buffers) {
     h.add(b.category);
@@ -49,6 +52,8 @@ std::uint64_t program_hash(const Program& p) {
     h.add(b.pieces.size());
     for (std::uint64_t piece : b.pieces) h.add(piece);
     h.add(b.reuse_after_next_recorded_free);
+    h.add(b.role);
+    h.add(b.tensor);
   }
   h.add(p.ops.size());
   for (const Op& op : p.ops) {
@@ -75,7 +80,11 @@ std::uint64_t program_hash(const Program& p) {
     h.add(op.work.params);
     h.add(op.work.fp32_math);
     h.add(op.accumulate);
-    for (std::int32_t a : op.args) h.add(a);
+    h.add(op.reduction);
+    if (op.kind == OpKind::compute && ops::operands_in_range(p, op)) {  // its operands, shape and scalars
+      const std::size_t n = ops::values_of(op.kernel);
+      for (std::size_t k = 0; k < n; ++k) h.add(p.operands[static_cast<std::size_t>(op.operands) + k]);
+    }
     h.add(op.deps_count);
     for (std::int32_t d : p.deps_of(op)) h.add(d);
   }

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/sim/ops.h"
 
 namespace peftplan::sim {
 
@@ -14,7 +15,8 @@ std::string_view name_of(Rule r) {
   constexpr std::array<std::string_view, kNumRules> names = {
       "buffer_id",     "view_bounds", "view_alloc",  "double_alloc",     "free_not_live",
       "use_not_live",  "dep_order",   "kernel_none", "collective_group", "copy_direction",
-      "setup_order",   "pieces"};
+      "setup_order",   "pieces",      "scalar_reduction", "buffer_role",   "operand_missing",
+      "operand_size"};
   return names[static_cast<std::size_t>(r)];
 }
 
@@ -26,6 +28,7 @@ class Checker {
 
   std::vector<Violation> run() {
     check_views();
+    check_roles();
     bool in_step = false;
     for (std::size_t i = 0; i < p_.ops.size(); ++i) {
       const bool setup = p_.ops[i].phase == Phase::setup;
@@ -71,6 +74,42 @@ class Checker {
         add(Rule::view_bounds, -1, fmt::format("{} covers bytes [{}, {}) of {}, which has {}", label(id), b.offset,
                                                b.offset + b.bytes, label(b.view_of), parent.bytes));
     }
+  }
+
+  void check_roles() {
+    std::array<std::int32_t, kNumBufferRoles> holder;
+    holder.fill(-1);
+    for (std::size_t i = 0; i < p_.buffers.size(); ++i) {
+      const Buffer& b = p_.buffers[i];
+      if (b.role == BufferRole::none) continue;
+      const auto id = static_cast<std::int32_t>(i);
+      if (b.role == BufferRole::base_tensor || b.role == BufferRole::adapter_tensor || b.role == BufferRole::adapter_grad) {
+        if (b.tensor < 0) add(Rule::buffer_role, -1, fmt::format("{} is a {} without its inventory index", label(id), name_of(b.role)));
+        continue;
+      }
+      std::int32_t& h = holder[static_cast<std::size_t>(b.role)];
+      if (h >= 0) add(Rule::buffer_role, -1, fmt::format("{} and {} both hold the role {}", label(h), label(id), name_of(b.role)));
+      h = id;
+    }
+  }
+
+  // An executable program's compute op: required slots filled, sizes as the shape says.
+  [[gnu::noinline]] void check_operands(std::int32_t i, const Op& op) {
+    ops::for_each_slot(p_, op, [&](std::size_t slot, std::int32_t b, const ops::SlotSpec& spec) {
+      if (b < 0) {
+        if (spec.required)
+          add(Rule::operand_missing, i, fmt::format("{} leaves its required slot {} ({}) empty", name_of(op.kernel), slot, spec.name));
+        return;
+      }
+      if (!exists(b) || spec.elems < 0) return;
+      const std::uint64_t e = ops::elem_bytes(p_, op, spec.elem);
+      if (e == 0) return;
+      const std::uint64_t want = e * static_cast<std::uint64_t>(spec.elems);
+      const std::uint64_t have = p_.buffers[static_cast<std::size_t>(b)].bytes;
+      if (have != want)
+        add(Rule::operand_size, i, fmt::format("{} slot {} ({}) is {} with {} B; the op's shape says {} elements, {} B", name_of(op.kernel), slot,
+                                               spec.name, label(b), have, spec.elems, want));
+    });
   }
 
   [[gnu::noinline]] void check_pieces(std::int32_t id) {
@@ -126,12 +165,26 @@ class Checker {
       }
       case OpKind::compute:
         if (op.kernel == Kernel::none) add(Rule::kernel_none, i, "a compute op without a kernel");
-        for (std::size_t a = 0; a < op.args.size(); ++a) use(i, op.args[a], "operand", static_cast<int>(a));
+        if (!ops::operands_in_range(p_, op)) {
+          add(Rule::buffer_id, i, fmt::format("{}'s {} operand values from #{} lie outside the program's {}", name_of(op.kernel),
+                                              ops::values_of(op.kernel), op.operands, p_.operands.size()));
+          return;
+        }
+        {
+          const auto ids = ops::slot_ids(p_, op);
+          for (std::size_t a = 0; a < ids.size(); ++a) use(i, static_cast<std::int32_t>(ids[a]), "operand", static_cast<int>(a));
+        }
+        if (p_.executable && op.kernel != Kernel::none) check_operands(i, op);
         return;
       case OpKind::collective:
         use(i, op.buffer, "payload");
         use(i, op.buffer_out, "receive buffer");
         use(i, op.buffer_in, "contributed shard");
+        if (op.reduction != ScalarReduction::none && (op.buffer >= 0 || op.bytes != 8 || op.collective != Collective::all_reduce))
+          add(Rule::scalar_reduction, i, fmt::format("{} of {} B{} reducing a scalar: a scalar reduction is an 8-byte all_reduce of no buffer",
+                                                     name_of(op.collective), op.bytes, op.buffer >= 0 ? " of " + label(op.buffer) : std::string()));
+        else if (p_.executable && op.buffer < 0 && op.reduction == ScalarReduction::none)
+          add(Rule::scalar_reduction, i, fmt::format("{} of {} B names neither its buffer nor a scalar reduction", name_of(op.collective), op.bytes));
         if (op.group_size < 1 || op.group_stride < 1)
           add(Rule::collective_group, i, fmt::format("{} over a group of {} (stride {})", name_of(op.collective), op.group_size, op.group_stride));
         else if ((op.collective == Collective::all_gather || op.collective == Collective::reduce_scatter) &&

@@ -13,6 +13,7 @@
 
 #include "input_error_of.h"
 #include "peftplan/common/error.h"
+#include "peftplan/sim/ops.h"
 #include "peftplan/sim/caching_allocator.h"
 #include "peftplan/sim/verify.h"
 
@@ -688,9 +689,8 @@ struct ReplayBuilder {
   void touch(std::int32_t b, peftplan::sim::Phase ph) {
     peftplan::sim::Op o;
     o.kind = peftplan::sim::OpKind::compute;
-    o.kernel = peftplan::sim::Kernel::accumulate;
     o.phase = ph;
-    o.args[0] = b;
+    peftplan::sim::ops::emit(p, o, peftplan::sim::ops::Accumulate{.in = b});
     p.add_op(o);
   }
 };

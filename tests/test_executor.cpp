@@ -137,6 +137,51 @@ TEST(ExecutorMemory, MeasuredEqualsPredictedExactly) {
   }
 }
 
+// The executor interprets programs built without names (sim/ops.h: operands by slot, state
+// buffers by role, tensors by inventory index) for every strategy and offload it runs: on one
+// rank each is the same arithmetic as DDP, so the losses and gradient norms agree, and every
+// buffer of the program it ran is unnamed.
+TEST(ExecutorProgram, RunsProgramsBuiltWithoutNamesForEveryStrategy) {
+  struct Strategy {
+    planner::Stage stage;
+    planner::OffloadDevice opt = planner::OffloadDevice::none, param = planner::OffloadDevice::none;
+  };
+  const std::vector<Strategy> strategies = {
+      {planner::Stage::ddp},
+      {planner::Stage::zero1},
+      {planner::Stage::zero2},
+      {planner::Stage::zero3},
+      {planner::Stage::zero2, planner::OffloadDevice::cpu},
+      {planner::Stage::zero3, planner::OffloadDevice::cpu},
+      {planner::Stage::zero3, planner::OffloadDevice::cpu, planner::OffloadDevice::cpu},
+  };
+  Config c;
+  c.dropout = 0.1;
+  c.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  c.ckpt = planner::Checkpointing::full;
+  std::vector<double> ddp;
+  for (const Strategy& st : strategies) {
+    planner::PlanFile pf = make_plan(c);
+    pf.input.strategy.stage = st.stage;
+    pf.input.strategy.offload_optimizer = st.opt;
+    pf.input.strategy.offload_param = st.param;
+    SCOPED_TRACE(fmt::format("{} opt {} param {}", planner::name_of(st.stage), planner::name_of(st.opt), planner::name_of(st.param)));
+    Session s(pf, cpu_backend(), corpus(pf));
+    for (const sim::Buffer& b : s.program().buffers) EXPECT_TRUE(b.name.empty()) << b.name;
+    EXPECT_TRUE(s.program().executable);
+    std::vector<double> got;
+    for (int k = 0; k < 2; ++k) {
+      const StepStats st1 = s.step();
+      got.push_back(st1.loss);
+      got.push_back(st1.grad_norm);
+    }
+    if (ddp.empty()) ddp = got;
+    for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], ddp[i], 1e-5 * std::abs(ddp[i])) << i;
+    const sim::MemoryProfile want = sim::walk_memory(s.program());
+    EXPECT_EQ(s.memory().device_peak_bytes, want.device_peak_bytes);
+  }
+}
+
 // The op times a run reports are its steady step's (planner::steady_samples, the step validation
 // compares): one step, the fastest after the first, so they add up to no more than that step's
 // wall time — a mean over every step would carry the slow steps' share and could exceed it.

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "peftplan/sim/ops.h"
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
 #include "peftplan/models/parameters.h"
@@ -389,8 +390,8 @@ TEST(Fsdp, Fsdp2CopiesOutEachAllGatherAndHoldsOneReduceScatterInput) {
     if (op.kind != sim::OpKind::compute) continue;
     if (op.label == "fsdp_copy_out") {
       ++copy_outs;
-      const auto& flat = p.buffers[static_cast<std::size_t>(op.args[0])];
-      const auto& unsharded = p.buffers[static_cast<std::size_t>(op.args[1])];
+      const auto& flat = p.buffers[static_cast<std::size_t>(sim::ops::read<sim::ops::Accumulate>(p, op).in)];
+      const auto& unsharded = p.buffers[static_cast<std::size_t>(sim::ops::read<sim::ops::Accumulate>(p, op).out)];
       EXPECT_EQ(flat.bytes, unsharded.bytes);
       EXPECT_FALSE(flat.reuse_after_next_recorded_free);
     }

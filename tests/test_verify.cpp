@@ -10,6 +10,7 @@
 #include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/program.h"
 #include "peftplan/sim/cluster.h"
+#include "peftplan/sim/ops.h"
 #include "peftplan/sim/verify.h"
 
 using namespace peftplan;
@@ -59,9 +60,7 @@ struct Hand {
     p.add_op(alloc(act, Phase::forward));
     Op c;
     c.kind = OpKind::compute;
-    c.kernel = Kernel::linear_fwd;
-    c.args[0] = view;
-    c.args[1] = act;
+    sim::ops::emit(p, c, sim::ops::LinearFwd{.x = view, .w = act});
     compute = p.add_op(c);
     Op ar;
     ar.kind = OpKind::collective;
@@ -178,6 +177,8 @@ TEST(Verify, EveryBuiltProgramIsWellFormedWithNamesOnAndOff) {
     for (bool names : {true, false}) {
       SCOPED_TRACE(describe(in) + fmt::format(" names {}", names));
       const auto built = build_program(in, {.names = names});
+      // The executor's LoRA programs are executable: their operand slots and sizes are checked too.
+      EXPECT_EQ(built.program.executable, in.profile == RuntimeProfile::executor && !in.peft.adapters.empty());
       const auto v = sim::verify(built.program);
       EXPECT_TRUE(v.empty()) << (v.empty() ? "" : fmt::format("{} at op {}: {}", name_of(v[0].rule), v[0].op, v[0].detail));
     }
@@ -204,7 +205,7 @@ TEST(PlanFile, EveryKindOfInputReadsBackToTheProgramItsWriterBuilt) {
 
 TEST(Verify, RejectsAnUnknownBuffer) {
   Hand h;
-  h.p.ops[static_cast<std::size_t>(h.compute)].args[2] = 99;
+  sim::ops::value(h.p, h.p.ops[static_cast<std::size_t>(h.compute)], 5) = 99;  // LinearFwd::y (after M, K, N, x, w)
   EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::buffer_id));
 }
 
@@ -236,14 +237,13 @@ TEST(Verify, RejectsAUseOfWhatIsNotLiveAndSaysWhichParent) {
   Hand h;
   Op c;
   c.kind = OpKind::compute;
-  c.kernel = Kernel::linear_bwd_data;
-  c.args[0] = h.act;  // freed
+  sim::ops::emit(h.p, c, sim::ops::LinearBwdData{.dy = h.act});  // freed
   h.p.add_op(c);
   EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::use_not_live));
   Hand g;
   g.p.add_op(Hand::free(g.weight, Phase::optimizer));
   Op d = c;
-  d.args[0] = g.view;  // a view of the freed weight
+  sim::ops::emit(g.p, d, sim::ops::LinearBwdData{.dy = g.view});  // a view of the freed weight
   g.p.add_op(d);
   const auto v = sim::verify(g.p);
   ASSERT_EQ(v.size(), 1u);
@@ -310,4 +310,125 @@ TEST(Verify, ThrowsNamingTheRuleAndTheOp) {
     EXPECT_THAT(std::string(e.what()), HasSubstr("kernel_none at op 3"));
   }
   EXPECT_NO_THROW(sim::verify_or_throw(Hand().p));
+}
+
+// An executable program: tiny-llama-2l LoRA on q,v under the executor profile, two ranks of DDP.
+Program executable_program(Stage stage = Stage::ddp, std::int32_t ranks = 2) {
+  PlanInput in;
+  in.model = models::load_model("tiny-llama-2l");
+  in.peft = lora(4);
+  in.training.micro_batch = 2;
+  in.training.seq_len = 8;
+  in.training.precision = Precision::fp32;
+  in.training.attention = Attention::eager;
+  in.profile = RuntimeProfile::executor;
+  in.strategy.stage = stage;
+  in.strategy.ranks = ranks;
+  Program p = build_program(in, {.names = false}).program;
+  EXPECT_TRUE(p.executable);
+  EXPECT_TRUE(sim::verify(p).empty());
+  return p;
+}
+
+std::int32_t first_op(const Program& p, Kernel k) {
+  for (std::size_t i = 0; i < p.ops.size(); ++i)
+    if (p.ops[i].kind == OpKind::compute && p.ops[i].kernel == k) return static_cast<std::int32_t>(i);
+  ADD_FAILURE() << "no " << sim::name_of(k);
+  return 0;
+}
+
+TEST(Verify, RejectsAnExecutableOpWithARequiredSlotEmpty) {
+  Program p = executable_program();
+  Op& op = p.ops[static_cast<std::size_t>(first_op(p, Kernel::linear_fwd))];
+  sim::ops::value(p, op, 4) = -1;  // LinearFwd::w (after M, K, N, x)
+  const auto v = sim::verify(p);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0].rule, Rule::operand_missing);
+  EXPECT_THAT(v[0].detail, HasSubstr("slot 1 (w)"));
+  // The optional bias may stay empty; a cost-only program may leave any slot empty.
+  Program q = executable_program();
+  q.executable = false;
+  sim::ops::value(q, q.ops[static_cast<std::size_t>(first_op(q, Kernel::linear_fwd))], 4) = -1;
+  EXPECT_TRUE(sim::verify(q).empty());
+}
+
+// A wrong size in the builder is caught where both interpreters look, before either runs: the
+// attention's saved probabilities one element short of B·nh·S·S (the memory walk and the
+// executor would agree with each other on the wrong size; the shape does not).
+TEST(Verify, RejectsAnOperandWhoseSizeTheShapeDoesNotGive) {
+  Program p = executable_program();
+  const std::int32_t a = first_op(p, Kernel::attention_fwd);
+  const auto att = sim::ops::read<sim::ops::AttentionFwd>(p, p.ops[static_cast<std::size_t>(a)]);
+  p.buffers[static_cast<std::size_t>(att.probs)].bytes -= 4;
+  const auto v = sim::verify(p);
+  ASSERT_FALSE(v.empty());
+  EXPECT_EQ(v[0].rule, Rule::operand_size);
+  EXPECT_EQ(v[0].op, a);
+  EXPECT_THAT(v[0].detail, HasSubstr("slot 3 (P)"));
+  // So does a shape that disagrees with its buffers: LoRA's rank one too large.
+  Program q = executable_program();
+  Op& lo = q.ops[static_cast<std::size_t>(first_op(q, Kernel::lora_fwd))];
+  ++sim::ops::value(q, lo, 3);  // LoraFwd::r (M, K, N, r)
+  const auto w = sim::verify(q);
+  ASSERT_FALSE(w.empty());
+  EXPECT_EQ(w[0].rule, Rule::operand_size);
+  EXPECT_THAT(w[0].detail, HasSubstr("(A)"));
+}
+
+TEST(Verify, RejectsAScalarReductionThatIsNotOneAndAnUnnamedCollective) {
+  Hand h;
+  Op ar;
+  ar.kind = OpKind::collective;
+  ar.stream = Stream::comm;
+  ar.phase = Phase::optimizer;
+  ar.collective = Collective::all_reduce;
+  ar.group_size = 2;
+  ar.bytes = 16;  // two doubles: not a scalar
+  ar.reduction = sim::ScalarReduction::loss_sum;
+  h.p.add_op(ar);
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::scalar_reduction));
+  // In an executable program every collective of no buffer says what scalar it sums.
+  Program p = executable_program();
+  bool found = false;
+  for (Op& op : p.ops)
+    if (op.kind == OpKind::collective && op.reduction == sim::ScalarReduction::loss_sum) {
+      op.reduction = sim::ScalarReduction::none;
+      found = true;
+    }
+  ASSERT_TRUE(found);
+  EXPECT_THAT(rules_of(p), ::testing::ElementsAre(Rule::scalar_reduction));
+}
+
+TEST(Verify, RejectsAStateRoleHeldTwiceAndATensorRoleWithoutItsIndex) {
+  Hand h;
+  h.p.buffers[static_cast<std::size_t>(h.weight)].role = sim::BufferRole::trainable_flat;
+  h.p.buffers[static_cast<std::size_t>(h.act)].role = sim::BufferRole::trainable_flat;
+  EXPECT_THAT(rules_of(h.p), ::testing::ElementsAre(Rule::buffer_role));
+  Hand g;
+  g.p.buffers[static_cast<std::size_t>(g.view)].role = sim::BufferRole::base_tensor;  // tensor -1
+  EXPECT_THAT(rules_of(g.p), ::testing::ElementsAre(Rule::buffer_role));
+}
+
+// The operand structs write and read the same op: every slot, dim, scalar and parameter.
+TEST(Ops, EmitThenReadIsTheIdentity) {
+  Program p;
+  Op op;
+  sim::ops::emit(p, op, sim::ops::LoraBwd{.dy = 1, .x_in = 2, .a = 3, .b = 4, .u = 5, .scratch = 6, .dx = -1, .da = 8, .db = 9,
+                                       .M = 16, .K = 32, .N = 48, .r = 4, .scale = 2.0, .p = 0.1, .adapter = 7});
+  EXPECT_EQ(op.kernel, Kernel::lora_bwd);
+  op.kind = OpKind::compute;
+  const auto o = sim::ops::read<sim::ops::LoraBwd>(p, op);
+  EXPECT_EQ(o.dy, 1);
+  EXPECT_EQ(o.scratch, 6);
+  EXPECT_EQ(o.dx, -1);
+  EXPECT_EQ(o.db, 9);
+  EXPECT_EQ(o.K, 32);
+  EXPECT_EQ(o.r, 4);
+  EXPECT_DOUBLE_EQ(o.scale, 2.0);
+  EXPECT_DOUBLE_EQ(o.p, 0.1);
+  EXPECT_EQ(o.adapter, 7);
+  EXPECT_THROW(sim::ops::read<sim::ops::LoraFwd>(p, op), InternalError);  // another kernel's struct
+  std::vector<std::string> names;
+  sim::ops::for_each_slot(p, op, [&](std::size_t, std::int32_t, const sim::ops::SlotSpec& s) { names.emplace_back(s.name); });
+  EXPECT_THAT(names, ::testing::ElementsAre("dy", "x_in", "A", "B", "u", "scratch", "dx", "dA", "dB"));
 }

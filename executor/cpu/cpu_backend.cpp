@@ -59,6 +59,7 @@ class CpuBackend final : public Backend {
   MemoryResource& host_memory() override { return heap_memory(); }
   void copy_to_device(void* dst, const void* src, std::uint64_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_to_host(void* dst, const void* src, std::uint64_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy_device(void* dst, const void* src, std::uint64_t bytes) override { std::memmove(dst, src, bytes); }
   void fill_zero(void* dst, std::uint64_t bytes) override { std::memset(dst, 0, bytes); }
   void synchronize() override {}
 

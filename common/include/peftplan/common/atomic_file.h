@@ -3,8 +3,10 @@
 // path, so that a reader, a crash or a full disk never leaves half a file behind (rename(2) is
 // atomic within a file system). Every writer of plan.json, profiles, measurements, checkpoints,
 // adapters and reports goes through here.
-// Deliberately not here: what goes in the file, and folders (a checkpoint folder is renamed into
-// place by its writer once every file in it is whole).
+// A folder (a checkpoint, a report) is written whole under a temporary name beside its target
+// and put in place by replace_directory, so that the target is at every moment either the old
+// folder or the new one.
+// Deliberately not here: what goes in the files.
 #pragma once
 
 #include <fcntl.h>
@@ -66,5 +68,21 @@ inline void write_file_atomic(const std::filesystem::path& path, std::initialize
 }
 
 inline void write_text_atomic(const std::filesystem::path& path, std::string_view text) { write_file_atomic(path, {text}); }
+
+// Puts the finished folder `tmp` (beside `target`, on the same file system) in place of target:
+// an existing target is first renamed aside, then tmp is renamed to target and the old one
+// removed. Throws std::filesystem::filesystem_error; callers name their file or flag.
+inline void replace_directory(const std::filesystem::path& tmp, const std::filesystem::path& target) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path old;
+  if (fs::exists(target, ec)) {
+    old = target.parent_path() / fmt::format(".{}.old.{}", target.filename().string(), ::getpid());
+    fs::remove_all(old, ec);
+    fs::rename(target, old);
+  }
+  fs::rename(tmp, target);
+  if (!old.empty()) fs::remove_all(old, ec);
+}
 
 }  // namespace peftplan

@@ -51,6 +51,8 @@ class Backend {
   // Host <-> device copies (enqueued on the copy stream; ordered before later kernels).
   virtual void copy_to_device(void* dst, const void* src, std::uint64_t bytes) = 0;
   virtual void copy_to_host(void* dst, const void* src, std::uint64_t bytes) = 0;
+  // Device -> device (on the compute stream; the ranges may overlap).
+  virtual void copy_device(void* dst, const void* src, std::uint64_t bytes) = 0;
   virtual void fill_zero(void* dst, std::uint64_t bytes) = 0;
   // Waits until every enqueued kernel and copy has finished (for timing and host reads).
   virtual void synchronize() = 0;

@@ -97,6 +97,12 @@ struct BuildOptions {
   bool evaluation = false;
 };
 
+// What keeps the CPU executor from running this input, in words ("flash attention (use eager)"),
+// or empty when it can: an executor-profile program of such an input is marked
+// Program::executable (every operand named and sized, sim/ops.h). The executor refuses the
+// others with this text.
+std::string executor_limitation(const PlanInput& input);
+
 // Throws InputError for combinations no engine supports (offload_param without ZeRO-3, ...).
 BuiltProgram build_program(const PlanInput& input, const BuildOptions& options = {});
 

@@ -17,6 +17,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "peftplan/common/dtype.h"
+#include "peftplan/sim/program.h"
 
 namespace peftplan::sim {
 
@@ -105,6 +106,7 @@ struct SharedComputeRate {
 //   over calibration programs of two sizes; a kernel's shape dependence beyond the roofline and
 //   this constant is not modelled.
 inline constexpr std::size_t kKernelSlots = 32;  // >= the number of sim::Kernel values
+static_assert(kKernelSlots >= static_cast<std::size_t>(kNumKernels));
 //
 // CollectiveTable: one collective kind over `ranks` ranks as measured (nccl-tests sizes S and
 //   the slowest rank's mean seconds), ascending in bytes. sim interpolates linearly in bytes

@@ -28,9 +28,6 @@ struct ComputeCost {
   bool memory_bound = false; // memory_s > math_s
 };
 
-// The kernel's name as traces and reports print it ("linear_fwd").
-std::string_view name_of(Kernel k);
-
 // Kernels that run on tensor cores as GEMMs: linear_*, lora_*, attention_*.
 bool is_gemm_kernel(Kernel k);
 

@@ -77,8 +77,48 @@ constexpr std::string_view name_of(Collective c) {
 
 enum class CopyDir : std::uint8_t { device_to_host, host_to_device };
 
+// What a collective with no buffer reduces: a scalar the interpreter keeps itself (one fp64 per
+// rank, summed). `none` for a collective of a buffer.
+enum class ScalarReduction : std::uint8_t {
+  none,
+  loss_sum,    // the micro-batches' loss sums (the executor reports the step's loss on every rank)
+  grad_sumsq,  // the partitions' sums of squares of the gradients (global-norm clipping)
+};
+
+// Buffers an interpreter must find without reading names (a program may be built without them).
+enum class BufferRole : std::uint8_t {
+  none,
+  base_tensor,       // one frozen model tensor: Buffer::tensor is its index in the inventory's
+                     //   tensors (models::make_inventory, the order of the checkpoint's names)
+  adapter_tensor,    // one trainable adapter tensor: Buffer::tensor is its index in the
+                     //   inventory's trainables
+  adapter_grad,      // the gradient of one (a view of the gradients; Buffer::tensor as above)
+  trainable_flat,    // every trainable weight, flat in inventory order (replicated strategies)
+  trainable_shard,   // this rank's partition of them (ZeRO-3)
+  grad_flat,         // the gradients, flat like trainable_flat
+  grad_shard,        // this rank's gradient partition (ZeRO-1/2/3)
+  optimizer_states,  // the optimizer's moments (and master weights) of this rank's partition
+  optimizer_params,  // the host copy of the partition the offloaded optimizer steps
+};
+inline constexpr int kNumBufferRoles = 10;
+constexpr std::string_view name_of(BufferRole r) {
+  constexpr std::array<std::string_view, kNumBufferRoles> names = {
+      "none",           "base_tensor", "adapter_tensor", "adapter_grad",     "trainable_flat",
+      "trainable_shard", "grad_flat",  "grad_shard",     "optimizer_states", "optimizer_params"};
+  return names[static_cast<std::size_t>(r)];
+}
+// The name a program built with names gives the buffer of a state role (the builder names them
+// so, and an interpreter of a program built without names says them so); empty for the others.
+constexpr std::string_view state_buffer_name(BufferRole r) {
+  constexpr std::array<std::string_view, kNumBufferRoles> names = {
+      "", "", "", "", "trainable.flat", "trainable.shard", "grad.flat", "grad.shard", "optimizer.states", "optimizer.params"};
+  return names[static_cast<std::size_t>(r)];
+}
+static_assert(name_of(BufferRole::optimizer_params) == "optimizer_params" && state_buffer_name(BufferRole::optimizer_params) == "optimizer.params",
+              "the role tables follow the enum");
+
 // What a compute op does. The executor maps it to a kernel, the simulator to a cost class.
-// The meaning of Op::args for each kernel is documented where the planner emits it.
+// The meaning of each kernel's operands, shape and scalars is sim/ops.h.
 enum class Kernel : std::uint8_t {
   none,
   embedding_fwd, embedding_bwd,
@@ -97,6 +137,22 @@ enum class Kernel : std::uint8_t {
   dropout,         // inverted dropout of an adapter input (mask from a counter-based hash)
   rope_tables,     // fill the RoPE cos/sin tables for positions 0..S-1
 };
+inline constexpr int kNumKernels = 25;
+// The kernel's name as traces, measurements and reports print it ("linear_fwd").
+constexpr std::string_view name_of(Kernel k) {
+  constexpr std::array<std::string_view, kNumKernels> names = {
+      "none",          "embedding_fwd",    "embedding_bwd",     "norm_fwd",
+      "norm_bwd",      "linear_fwd",       "linear_bwd_data",   "linear_bwd_weight",
+      "lora_fwd",      "lora_bwd",         "rope_fwd",          "rope_bwd",
+      "attention_fwd", "attention_bwd",    "mlp_act_fwd",       "mlp_act_bwd",
+      "residual_add",  "cross_entropy_fwd", "cross_entropy_bwd", "cast",
+      "grad_norm",     "optimizer_step",   "accumulate",        "dropout",
+      "rope_tables"};
+  const auto i = static_cast<std::size_t>(k);
+  return i < names.size() ? names[i] : "unknown";
+}
+static_assert(static_cast<int>(Kernel::rope_tables) + 1 == kNumKernels && name_of(Kernel::rope_tables) == "rope_tables",
+              "the kernel name table follows the enum");
 
 // Cost-relevant description of a compute op: work and traffic, and the GEMM shape when it is one
 // (the simulator's efficiency depends on it). m, n, k follow BLAS: [m,k]·[k,n].
@@ -137,6 +193,8 @@ struct Buffer {
   // dequeued and synchronised in _runtime_utils.py _unshard). Only the allocator replay reads it;
   // allocated bytes drop at the free as PyTorch counts them.
   bool reuse_after_next_recorded_free = false;
+  BufferRole role = BufferRole::none;  // what an interpreter finds this buffer as
+  std::int32_t tensor = -1;            // base_tensor / adapter_tensor: the inventory index
 };
 
 struct Op {
@@ -170,10 +228,9 @@ struct Op {
   ComputeWork work;                    // compute ops
   bool accumulate = false;             // compute: add into the (first) output instead of
                                        //   overwriting it (several contributions to one grad)
-  std::array<std::int32_t, 10> args = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
-                                       // kernel operands (buffer ids, -1 when absent); the
-                                       //   convention per kernel is documented where the
-                                       //   planner emits it (planner/program.cpp)
+  ScalarReduction reduction = ScalarReduction::none;  // collective with no buffer: what it sums
+  std::int32_t operands = -1;          // compute ops: where its operands start in
+                                       //   Program::operands
   std::uint32_t deps_begin = 0;        // explicit cross-stream dependencies: indices into
   std::uint32_t deps_count = 0;        //   Program::deps, each an earlier op index
   std::string_view label;              // static text naming the op ("q_proj", "attention")
@@ -183,10 +240,19 @@ struct Program {
   std::vector<Buffer> buffers;
   std::vector<Op> ops;
   std::vector<std::int32_t> deps;      // flattened dependency lists (see Op::deps_begin)
+  // The compute ops' operands, one after another: each op's buffer ids (-1 when absent), shape,
+  // scalars and integer parameters, as many of each as its kernel has, in the order sim/ops.h
+  // names them (write and read them only through ops::emit and ops::read). Kept beside the ops,
+  // not in them: the memory walk and the timeline read every op and none of this.
+  std::vector<std::int64_t> operands;
   std::int32_t ranks = 1;              // data-parallel size N
   std::int32_t micro_batches = 1;      // gradient-accumulation steps in this program
   std::int64_t tokens_per_step = 0;    // tokens this rank processes in the step
   double model_flops_per_step = 0.0;   // useful model FLOPs (no recompute) for MFU, this rank
+  // Built for the executor: every required operand slot is filled and sized for fp32 compute,
+  // and sim::verify checks them (ops::SlotSpec); the cost-only profiles name only what their
+  // interpreters read (liveness and the caching-allocator replay).
+  bool executable = false;
 
   std::int32_t add_buffer(std::string name, MemCategory category, std::uint64_t bytes) {
     Buffer b;

@@ -15,7 +15,7 @@ namespace peftplan::sim {
 
 // The version of the program contract (program.h, verify.h): bumped when an interpreter would
 // read the same fields differently. plan.json records it beside the hash.
-inline constexpr int kProgramContractVersion = 2;
+inline constexpr int kProgramContractVersion = 3;
 
 // 64-bit FNV-1a over the program's interpreted fields, in program order.
 std::uint64_t program_hash(const Program& program);

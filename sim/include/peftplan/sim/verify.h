@@ -15,9 +15,17 @@
 //   - every explicit dependency names an earlier op;
 //   - a compute op names its kernel; a collective has a group of at least one rank, and an
 //     all_gather or reduce_scatter a total divisible by it; a copy's source lies where its
-//     direction starts, and a device-to-host copy lands on the host.
-// Deliberately not checked here: what each kernel's operand slots mean and their sizes (the
-// per-kernel convention lives with the builder, planner/program.cpp), and costs.
+//     direction starts, and a device-to-host copy lands on the host;
+//   - a scalar reduction (Op::reduction) is an 8-byte all_reduce of no buffer, and in an
+//     executable program a collective of no buffer is one;
+//   - at most one buffer holds each state role (trainable_flat ... optimizer_params), and a
+//     tensor role's buffer (base_tensor, adapter_tensor, adapter_grad) names its inventory index;
+//   - in an executable program (Program::executable), every required operand slot of a compute
+//     op is filled, and every filled slot's buffer has the bytes the op's shape says
+//     (sim/ops.h: SlotSpec). Cost-only programs name only the buffers their interpreters touch,
+//     so their slots are checked for liveness, not size.
+// Deliberately not checked here: costs, and whether an op's numbers are the right ones for the
+// model (the executor's results against PyTorch's say that).
 #pragma once
 
 #include <cstdint>
@@ -42,8 +50,13 @@ enum class Rule : std::uint8_t {
   copy_direction,    // a copy whose source or destination lies on the wrong side
   setup_order,       // a setup op after the step's first op
   pieces,            // allocation pieces that do not sum to the buffer's bytes, or on a view
+  scalar_reduction,  // a scalar reduction that is not an 8-byte all_reduce of no buffer, or an
+                     //   executable program's collective of no buffer that reduces no scalar
+  buffer_role,       // a state role held by two buffers, or a tensor role without its index
+  operand_missing,   // an executable program's compute op leaves a required slot empty
+  operand_size,      // an operand's bytes differ from what the op's shape says
 };
-inline constexpr int kNumRules = 12;
+inline constexpr int kNumRules = 16;
 std::string_view name_of(Rule r);
 
 struct Violation {
