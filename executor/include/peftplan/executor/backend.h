@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "peftplan/executor/allocator.h"
 
@@ -121,5 +122,10 @@ class Backend {
 
 // The CPU backend: Eigen GEMMs and OpenMP loops on `threads` threads (0: OpenMP's default).
 std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+
+// The backends this build has, by name ("cpu"; a CUDA build adds "cuda"), and a factory: the
+// backend-ops test runs every Backend method on each of them (tests/test_backend_ops.cpp).
+std::vector<std::string> backend_names();
+std::unique_ptr<Backend> make_backend(std::string_view name, int threads = 0);
 
 }  // namespace peftplan::executor

@@ -1,0 +1,422 @@
+// Every Backend method (executor/backend.h) on every backend this build has (backend_names()),
+// against plain double-precision loops written here from the formulas the header states: the
+// test a new backend inherits (ggml's test-backend-ops is the model). The references are naive
+// on purpose; the kernels' own tests (test_kernels) check the CPU kernels against finite
+// differences and PyTorch's formulas.
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/executor/backend.h"
+#include "peftplan/executor/kernels.h"
+
+using namespace peftplan;
+using namespace peftplan::executor;
+
+namespace {
+
+using Vec = std::vector<float>;
+
+Vec random_vec(std::size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  Vec v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// Device buffers of a backend, filled from and read back to the host through the Backend.
+class Dev {
+ public:
+  Dev(Backend& be, const Vec& host) : be_(be), n_(host.size()) {
+    p_ = static_cast<float*>(be.device_memory().allocate(std::max<std::size_t>(4, 4 * n_)));
+    if (n_ > 0) be.copy_to_device(p_, host.data(), 4 * n_);
+  }
+  Dev(Backend& be, std::size_t n) : Dev(be, Vec(n, 0.0f)) {}
+  ~Dev() { be_.device_memory().deallocate(p_, std::max<std::size_t>(4, 4 * n_)); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  float* get() { return p_; }
+  Vec host() {
+    Vec out(n_);
+    be_.synchronize();
+    if (n_ > 0) be_.copy_to_host(out.data(), p_, 4 * n_);
+    return out;
+  }
+
+ private:
+  Backend& be_;
+  std::size_t n_;
+  float* p_ = nullptr;
+};
+
+void expect_near(const Vec& got, const std::vector<double>& want, double tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << " element " << i;
+}
+
+class BackendOps : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { be_ = make_backend(GetParam(), 1); }
+  Backend& be() { return *be_; }
+  std::unique_ptr<Backend> be_;
+};
+
+constexpr Index M = 6, K = 5, N = 7, R = 3;
+
+TEST_P(BackendOps, CopiesAndFill) {
+  const Vec a = random_vec(33, 1);
+  Dev d(be(), a), e(be(), a.size());
+  be().copy_device(e.get(), d.get(), 4 * a.size());
+  EXPECT_EQ(e.host(), a);
+  be().fill_zero(d.get(), 4 * a.size());
+  EXPECT_EQ(d.host(), Vec(a.size(), 0.0f));
+}
+
+TEST_P(BackendOps, LinearForwardAndBackwardInput) {
+  const Vec x = random_vec(M * K, 2), W = random_vec(N * K, 3), b = random_vec(N, 4), y0 = random_vec(M * N, 5);
+  std::vector<double> y(M * N), yacc(M * N), dx(M * K);
+  for (Index m = 0; m < M; ++m)
+    for (Index n = 0; n < N; ++n) {
+      double s = b[n];
+      for (Index k = 0; k < K; ++k) s += double(x[m * K + k]) * W[n * K + k];
+      y[m * N + n] = s;
+      yacc[m * N + n] = s + y0[m * N + n];
+    }
+  for (Index m = 0; m < M; ++m)
+    for (Index k = 0; k < K; ++k) {
+      double s = 0;
+      for (Index n = 0; n < N; ++n) s += double(y0[m * N + n]) * W[n * K + k];
+      dx[m * K + k] = s;
+    }
+  Dev dxv(be(), x), dw(be(), W), db(be(), b), dy(be(), M * N), dacc(be(), y0), ddx(be(), M * K);
+  be().linear_forward(dxv.get(), dw.get(), db.get(), dy.get(), M, K, N, false);
+  be().linear_forward(dxv.get(), dw.get(), db.get(), dacc.get(), M, K, N, true);
+  Dev dy0(be(), y0);
+  be().linear_backward_input(dy0.get(), dw.get(), ddx.get(), M, K, N, false);
+  expect_near(dy.host(), y, 1e-5, "y");
+  expect_near(dacc.host(), yacc, 1e-5, "y accumulated");
+  expect_near(ddx.host(), dx, 1e-5, "dx");
+}
+
+TEST_P(BackendOps, Bf16ToFp32) {
+  const std::vector<std::uint16_t> bits = {0x3f80, 0xbf80, 0x4049, 0x0000, 0x7f80, 0x3e00};
+  void* src = be().device_memory().allocate(2 * bits.size());
+  be().copy_to_device(src, bits.data(), 2 * bits.size());
+  Dev out(be(), bits.size());
+  be().bf16_to_fp32(static_cast<const std::uint16_t*>(src), out.get(), static_cast<Index>(bits.size()));
+  const Vec got = out.host();
+  for (std::size_t i = 0; i < bits.size(); ++i) {
+    const std::uint32_t u = std::uint32_t(bits[i]) << 16;
+    float want;
+    std::memcpy(&want, &u, 4);
+    EXPECT_EQ(got[i], want) << i;
+  }
+  be().device_memory().deallocate(src, 2 * bits.size());
+}
+
+TEST_P(BackendOps, DropoutKeepsOneMinusPScaledAndRepeats) {
+  const Index n = 20000;
+  const Vec x = random_vec(n, 6);
+  Dev dx(be(), x), a(be(), n), b(be(), n), c(be(), n);
+  const DropoutKey key{0.25, 42}, other{0.25, 43};
+  be().dropout_forward(dx.get(), a.get(), n, key);
+  be().dropout_forward(dx.get(), b.get(), n, key);
+  be().dropout_forward(dx.get(), c.get(), n, other);
+  const Vec va = a.host(), vb = b.host(), vc = c.host();
+  EXPECT_EQ(va, vb);  // the same key, the same mask
+  Index kept = 0, differ = 0;
+  for (Index i = 0; i < n; ++i) {
+    if (va[i] != 0.0f) {
+      ++kept;
+      EXPECT_NEAR(va[i], x[i] / 0.75f, 1e-6 * (1 + std::abs(x[i])));
+    }
+    differ += (va[i] != 0.0f) != (vc[i] != 0.0f);
+  }
+  EXPECT_NEAR(double(kept) / n, 0.75, 0.02);
+  EXPECT_GT(differ, n / 10);
+}
+
+TEST_P(BackendOps, LoraForwardAndBackward) {
+  const Vec x = random_vec(M * K, 7), A = random_vec(R * K, 8), B = random_vec(N * R, 9), dy = random_vec(M * N, 10);
+  const Vec y0 = random_vec(M * N, 11);
+  const float s = 1.5f;
+  std::vector<double> u(M * R), y(M * N), du(M * R), dA(R * K), dB(N * R), dx(M * K);
+  for (Index m = 0; m < M; ++m)
+    for (Index j = 0; j < R; ++j) {
+      double t = 0;
+      for (Index k = 0; k < K; ++k) t += double(x[m * K + k]) * A[j * K + k];
+      u[m * R + j] = t;
+    }
+  for (Index m = 0; m < M; ++m)
+    for (Index n = 0; n < N; ++n) {
+      double t = 0;
+      for (Index j = 0; j < R; ++j) t += u[m * R + j] * B[n * R + j];
+      y[m * N + n] = y0[m * N + n] + s * t;
+    }
+  for (Index m = 0; m < M; ++m)
+    for (Index j = 0; j < R; ++j) {
+      double t = 0;
+      for (Index n = 0; n < N; ++n) t += double(dy[m * N + n]) * B[n * R + j];
+      du[m * R + j] = s * t;
+    }
+  for (Index n = 0; n < N; ++n)
+    for (Index j = 0; j < R; ++j) {
+      double t = 0;
+      for (Index m = 0; m < M; ++m) t += double(dy[m * N + n]) * u[m * R + j];
+      dB[n * R + j] = s * t;
+    }
+  for (Index j = 0; j < R; ++j)
+    for (Index k = 0; k < K; ++k) {
+      double t = 0;
+      for (Index m = 0; m < M; ++m) t += du[m * R + j] * x[m * K + k];
+      dA[j * K + k] = t;
+    }
+  for (Index m = 0; m < M; ++m)
+    for (Index k = 0; k < K; ++k) {
+      double t = 0;
+      for (Index j = 0; j < R; ++j) t += du[m * R + j] * A[j * K + k];
+      dx[m * K + k] = t;
+    }
+  Dev dxin(be(), x), dA_(be(), A), dB_(be(), B), du_(be(), M * R), dy_(be(), y0);
+  be().lora_forward(dxin.get(), dA_.get(), dB_.get(), s, du_.get(), dy_.get(), M, K, N, R);
+  expect_near(du_.host(), u, 1e-5, "u");
+  expect_near(dy_.host(), y, 1e-5, "y");
+  Dev g(be(), dy), gA(be(), R * K), gB(be(), N * R), gx(be(), M * K), scratch(be(), M * R);
+  be().lora_backward(g.get(), dxin.get(), dA_.get(), dB_.get(), du_.get(), s, DropoutKey{}, gA.get(), gB.get(), gx.get(), scratch.get(),
+                     M, K, N, R);
+  expect_near(gA.host(), dA, 1e-5, "dA");
+  expect_near(gB.host(), dB, 1e-5, "dB");
+  expect_near(gx.host(), dx, 1e-5, "dx");
+}
+
+TEST_P(BackendOps, RmsNormForwardAndBackward) {
+  const Index H = 8;
+  const Vec x = random_vec(M * H, 12), w = random_vec(H, 13), dy = random_vec(M * H, 14);
+  const double eps = 1e-5;
+  std::vector<double> y(M * H), rstd(M), dx(M * H);
+  for (Index m = 0; m < M; ++m) {
+    double ss = 0;
+    for (Index h = 0; h < H; ++h) ss += double(x[m * H + h]) * x[m * H + h];
+    const double r = 1.0 / std::sqrt(ss / H + eps);
+    rstd[m] = r;
+    double dot = 0;  // sum_h dy·w·x
+    for (Index h = 0; h < H; ++h) {
+      y[m * H + h] = w[h] * x[m * H + h] * r;
+      dot += double(dy[m * H + h]) * w[h] * x[m * H + h];
+    }
+    for (Index h = 0; h < H; ++h) dx[m * H + h] = r * dy[m * H + h] * w[h] - r * r * r * x[m * H + h] * dot / H;
+  }
+  Dev dxv(be(), x), dw(be(), w), dyv(be(), M * H), dr(be(), M), g(be(), dy), gx(be(), M * H);
+  be().rmsnorm_forward(dxv.get(), dw.get(), static_cast<float>(eps), dyv.get(), dr.get(), M, H);
+  be().rmsnorm_backward(g.get(), dxv.get(), dw.get(), dr.get(), gx.get(), M, H, false);
+  expect_near(dyv.host(), y, 1e-5, "y");
+  expect_near(dr.host(), rstd, 1e-5, "rstd");
+  expect_near(gx.host(), dx, 1e-4, "dx");
+}
+
+TEST_P(BackendOps, RopeRotatesAndItsBackwardIsTheTranspose) {
+  const Index Bb = 2, S = 4, nh = 2, d = 8;
+  const double theta = 10000.0;
+  Dev tables(be(), S * d);
+  be().rope_tables(tables.get(), S, d, theta);
+  const Vec t = tables.host();
+  for (Index s = 0; s < S; ++s)
+    for (Index i = 0; i < d / 2; ++i) {
+      const double ang = s * std::pow(theta, -2.0 * i / d);
+      EXPECT_NEAR(t[s * (d / 2) + i], std::cos(ang), 1e-5);
+      EXPECT_NEAR(t[S * (d / 2) + s * (d / 2) + i], std::sin(ang), 1e-5);
+    }
+  // rotate_half: x' = x·cos + rotate_half(x)·sin, rotate_half(x) = (−x2, x1) on the two halves.
+  const Vec x = random_vec(Bb * S * nh * d, 15);
+  std::vector<double> want(x.size());
+  for (Index b = 0; b < Bb; ++b)
+    for (Index s = 0; s < S; ++s)
+      for (Index h = 0; h < nh; ++h)
+        for (Index i = 0; i < d; ++i) {
+          const std::size_t base = ((b * S + s) * nh + h) * d;
+          const Index f = i % (d / 2);
+          const double c = t[s * (d / 2) + f], sn = t[S * (d / 2) + s * (d / 2) + f];
+          const double rot = i < d / 2 ? -x[base + i + d / 2] : x[base + i - d / 2];
+          want[base + i] = x[base + i] * c + rot * sn;
+        }
+  Dev dx(be(), x);
+  be().rope_forward(dx.get(), tables.get(), Bb, S, nh, d);
+  expect_near(dx.host(), want, 1e-5, "rope");
+  be().rope_backward(dx.get(), tables.get(), Bb, S, nh, d);  // a rotation's transpose undoes it
+  expect_near(dx.host(), std::vector<double>(x.begin(), x.end()), 1e-5, "rope backward of rope");
+}
+
+// Causal GQA attention, forward against a naive softmax; backward against central differences
+// of L = Σ dout ⊙ out.
+TEST_P(BackendOps, AttentionForwardAndBackward) {
+  const Index Bb = 1, S = 5, nh = 2, nkv = 1, d = 4;
+  const Vec q = random_vec(Bb * S * nh * d, 16), k = random_vec(Bb * S * nkv * d, 17), v = random_vec(Bb * S * nkv * d, 18);
+  const Vec dout = random_vec(Bb * S * nh * d, 19);
+  auto naive = [&](const Vec& qq, const Vec& kk, const Vec& vv) {
+    std::vector<double> out(qq.size(), 0.0);
+    for (Index h = 0; h < nh; ++h) {
+      const Index g = h / (nh / nkv);
+      for (Index i = 0; i < S; ++i) {
+        std::vector<double> sc(i + 1);
+        double mx = -1e300;
+        for (Index j = 0; j <= i; ++j) {
+          double t = 0;
+          for (Index e = 0; e < d; ++e) t += double(qq[(i * nh + h) * d + e]) * kk[(j * nkv + g) * d + e];
+          sc[j] = t / std::sqrt(double(d));
+          mx = std::max(mx, sc[j]);
+        }
+        double z = 0;
+        for (double& s : sc) z += (s = std::exp(s - mx));
+        for (Index j = 0; j <= i; ++j)
+          for (Index e = 0; e < d; ++e) out[(i * nh + h) * d + e] += sc[j] / z * vv[(j * nkv + g) * d + e];
+      }
+    }
+    return out;
+  };
+  const auto want = naive(q, k, v);
+  Dev dq(be(), q), dk(be(), k), dv(be(), v), P(be(), Bb * nh * S * S), out(be(), q.size());
+  be().attention_forward(dq.get(), dk.get(), dv.get(), P.get(), out.get(), Bb, S, nh, nkv, d);
+  expect_near(out.host(), want, 1e-5, "attention out");
+  Dev g(be(), dout), gq(be(), q.size()), gk(be(), k.size()), gv(be(), v.size()), scratch(be(), Bb * nh * S * S);
+  be().attention_backward(g.get(), dq.get(), dk.get(), dv.get(), P.get(), gq.get(), gk.get(), gv.get(), scratch.get(), Bb * nh * S * S, Bb, S,
+                          nh, nkv, d);
+  auto loss = [&](const Vec& qq, const Vec& kk, const Vec& vv) {
+    const auto o = naive(qq, kk, vv);
+    double l = 0;
+    for (std::size_t i = 0; i < o.size(); ++i) l += o[i] * dout[i];
+    return l;
+  };
+  auto fd = [&](int which) {
+    std::vector<double> grad;
+    const Vec& base = which == 0 ? q : which == 1 ? k : v;
+    for (std::size_t i = 0; i < base.size(); ++i) {
+      Vec a = base, b = base;
+      a[i] += 1e-2f;
+      b[i] -= 1e-2f;
+      const double la = which == 0 ? loss(a, k, v) : which == 1 ? loss(q, a, v) : loss(q, k, a);
+      const double lb = which == 0 ? loss(b, k, v) : which == 1 ? loss(q, b, v) : loss(q, k, b);
+      grad.push_back((la - lb) / (double(a[i]) - double(b[i])));
+    }
+    return grad;
+  };
+  expect_near(gq.host(), fd(0), 2e-3, "dq");
+  expect_near(gk.host(), fd(1), 2e-3, "dk");
+  expect_near(gv.host(), fd(2), 2e-3, "dv");
+}
+
+TEST_P(BackendOps, SwigluForwardAndBackward) {
+  const Index n = 50;
+  const Vec gte = random_vec(n, 20, 3.0f), up = random_vec(n, 21), da = random_vec(n, 22);
+  std::vector<double> a(n), dg(n), du(n);
+  for (Index i = 0; i < n; ++i) {
+    const double sg = 1.0 / (1.0 + std::exp(-double(gte[i])));
+    const double silu = gte[i] * sg;
+    a[i] = silu * up[i];
+    du[i] = da[i] * silu;
+    dg[i] = da[i] * up[i] * (sg + gte[i] * sg * (1 - sg));
+  }
+  Dev g(be(), gte), u(be(), up), out(be(), n), d(be(), da), gg(be(), n), gu(be(), n);
+  be().swiglu_forward(g.get(), u.get(), out.get(), n);
+  be().swiglu_backward(d.get(), g.get(), u.get(), gg.get(), gu.get(), n);
+  expect_near(out.host(), a, 1e-5, "act");
+  expect_near(gg.host(), dg, 1e-5, "d_gate");
+  expect_near(gu.host(), du, 1e-5, "d_up");
+}
+
+TEST_P(BackendOps, EmbeddingAndCrossEntropy) {
+  const Index V = 9, H = 4, Mr = 5;
+  const std::vector<std::int32_t> tokens = {3, 0, 8, 3, 5};
+  const Vec table = random_vec(V * H, 23), logits = random_vec(Mr * V, 24, 2.0f);
+  void* tk = be().device_memory().allocate(4 * tokens.size());
+  be().copy_to_device(tk, tokens.data(), 4 * tokens.size());
+  const auto* t = static_cast<const std::int32_t*>(tk);
+  Dev tab(be(), table), out(be(), Mr * H);
+  be().embedding_forward(t, tab.get(), out.get(), Mr, V, H);
+  std::vector<double> want(Mr * H);
+  for (Index m = 0; m < Mr; ++m)
+    for (Index h = 0; h < H; ++h) want[m * H + h] = table[tokens[m] * H + h];
+  expect_near(out.host(), want, 0, "embedding");
+  double loss = 0;
+  std::vector<double> dl(Mr * V);
+  const double count = 7.0;
+  for (Index m = 0; m < Mr; ++m) {
+    double mx = -1e300, z = 0;
+    for (Index j = 0; j < V; ++j) mx = std::max(mx, double(logits[m * V + j]));
+    for (Index j = 0; j < V; ++j) z += std::exp(logits[m * V + j] - mx);
+    loss += -(logits[m * V + tokens[m]] - mx - std::log(z));
+    for (Index j = 0; j < V; ++j) dl[m * V + j] = (std::exp(logits[m * V + j] - mx) / z - (j == tokens[m] ? 1.0 : 0.0)) / count;
+  }
+  Dev lg(be(), logits), dlg(be(), Mr * V);
+  EXPECT_NEAR(be().cross_entropy_forward(lg.get(), t, Mr, V), loss, 1e-4);
+  be().cross_entropy_backward(lg.get(), t, dlg.get(), count, Mr, V);
+  expect_near(dlg.host(), dl, 1e-5, "d_logits");
+  be().cross_entropy_backward(lg.get(), t, lg.get(), count, Mr, V);  // in place
+  expect_near(lg.host(), dl, 1e-5, "d_logits in place");
+  be().device_memory().deallocate(tk, 4 * tokens.size());
+}
+
+TEST_P(BackendOps, ElementwiseAndReductions) {
+  const Index n = 41;
+  const Vec a = random_vec(n, 25), b = random_vec(n, 26);
+  Dev da(be(), a), db(be(), b), out(be(), n);
+  be().add(da.get(), db.get(), out.get(), n);
+  std::vector<double> sum(n), scaled(n);
+  double ss = 0;
+  for (Index i = 0; i < n; ++i) {
+    sum[i] = double(a[i]) + b[i];
+    scaled[i] = 0.5 * a[i];
+    ss += double(a[i]) * a[i];
+  }
+  expect_near(out.host(), sum, 1e-6, "add");
+  be().add(da.get(), db.get(), da.get(), n);  // out aliasing a
+  expect_near(da.host(), sum, 1e-6, "add in place");
+  Dev dc(be(), a);
+  EXPECT_NEAR(be().sum_squares(dc.get(), n), ss, 1e-5 * ss);
+  be().scale(dc.get(), 0.5f, n);
+  expect_near(dc.host(), scaled, 1e-6, "scale");
+}
+
+// torch.optim.AdamW (decoupled weight decay, bias-corrected moments), two steps.
+TEST_P(BackendOps, AdamwStepIsTorchsAdamW) {
+  const Index n = 17;
+  const Vec p0 = random_vec(n, 27), g1 = random_vec(n, 28), g2 = random_vec(n, 29);
+  const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.1;
+  std::vector<double> p(p0.begin(), p0.end()), m(n, 0.0), v(n, 0.0);
+  for (int step = 1; step <= 2; ++step) {
+    const Vec& g = step == 1 ? g1 : g2;
+    for (Index i = 0; i < n; ++i) {
+      p[i] *= 1 - lr * wd;
+      m[i] = b1 * m[i] + (1 - b1) * g[i];
+      v[i] = b2 * v[i] + (1 - b2) * double(g[i]) * g[i];
+      const double mh = m[i] / (1 - std::pow(b1, step)), vh = v[i] / (1 - std::pow(b2, step));
+      p[i] -= lr * mh / (std::sqrt(vh) + eps);
+    }
+  }
+  Dev dp(be(), p0), dm(be(), n), dv(be(), n), dg1(be(), g1), dg2(be(), g2);
+  be().adamw_step(dp.get(), dg1.get(), dm.get(), dv.get(), n, 1, lr, b1, b2, eps, wd);
+  be().adamw_step(dp.get(), dg2.get(), dm.get(), dv.get(), n, 2, lr, b1, b2, eps, wd);
+  expect_near(dp.host(), p, 1e-5, "params");
+  expect_near(dm.host(), m, 1e-5, "exp_avg");
+  expect_near(dv.host(), v, 1e-5, "exp_avg_sq");
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryBackend, BackendOps, ::testing::ValuesIn(backend_names()),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+TEST(Backends, AnUnknownNameSaysWhichExist) {
+  try {
+    make_backend("tpu");
+    FAIL() << "no throw";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("this build has cpu"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
