@@ -1026,7 +1026,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   // Ranks share the cores: unless the user chose (OMP_NUM_THREADS), each rank gets cores / N
   // OpenMP threads, as when mpirun binds one rank per core. Oversubscribed OpenMP teams stall
   // whenever one thread is descheduled, which made 2-thread ranks on 2 shared cores 10x slower.
-  if (std::getenv("OMP_NUM_THREADS") == nullptr)
+  if (!options.threads_chosen)
     omp_set_num_threads(std::max(1, std::min(omp_get_max_threads(), cal.cores / N)));
   cal.omp_threads = omp_get_max_threads();
   say(log, fmt::format("peftplan calibrate: {} ({} CPUs, {:.1f} GiB), {} ranks, {} OpenMP "

@@ -177,8 +177,10 @@ struct Session::Impl {
   std::deque<std::vector<double>> coll_recent;  // the last steps' (after the first), at most 32
   Measurement meas;
 
-  Impl(const planner::PlanFile& p, Backend& b, TokenData tokens, Communicator* c)
-      : plan(p), be(b), data(std::move(tokens)), comm(c), alloc(b.device_memory(), b.host_memory()) {}
+  Impl(const planner::PlanFile& p, Backend& b, TokenData tokens, Communicator* c, const SessionOptions& o)
+      : plan(p), be(b), data(std::move(tokens)), comm(c), alloc(b.device_memory(), b.host_memory()), watchdog_s(o.watchdog_s),
+        options(o) {}
+  SessionOptions options;
 
   // Resolves a buffer id (view or not) to its memory.
   template <typename T = float>
@@ -290,13 +292,7 @@ void Session::Impl::setup() {
   PEFTPLAN_CHECK((trainable_flat >= 0 || (zero3 && trainable_shard >= 0)) && opt_states >= 0);
   rank = comm ? comm->rank() : 0;
   N = in.strategy.ranks;
-  if (const char* w = std::getenv("PEFTPLAN_WATCHDOG_S"); w && *w) watchdog_s = std::atof(w);
-  // Fault injection for the fault tests: PEFTPLAN_FAULT="RANK:STEP:OP" makes that rank throw
-  // when it reaches program op OP of optimizer step STEP (0-based).
-  if (const char* f = std::getenv("PEFTPLAN_FAULT"); f && *f) {
-    long long fr = -1, fs = -1, fo = -1;
-    if (std::sscanf(f, "%lld:%lld:%lld", &fr, &fs, &fo) == 3 && fr == rank) fault = {{fs, static_cast<std::size_t>(fo)}};
-  }
+  if (options.fault && options.fault->rank == rank) fault = {{options.fault->step, options.fault->op}};
   for (const auto& op : program.ops)
     if (op.kind == OpKind::compute && op.kernel == Kernel::embedding_fwd)
       tokens_mb[static_cast<std::size_t>(sim::ops::read<sim::ops::EmbeddingFwd>(program, op).tokens)] = op.micro_batch;
@@ -843,8 +839,8 @@ void Session::Impl::run_ops(bool update) {
   ++op_runs;
 }
 
-Session::Session(const planner::PlanFile& plan, Backend& backend, TokenData data, Communicator* comm)
-    : impl_(std::make_unique<Impl>(plan, backend, std::move(data), comm)) {
+Session::Session(const planner::PlanFile& plan, Backend& backend, TokenData data, Communicator* comm, const SessionOptions& options)
+    : impl_(std::make_unique<Impl>(plan, backend, std::move(data), comm, options)) {
   check_executable(plan);
   const int world = comm ? comm->size() : 1;
   if (world != plan.input.strategy.ranks)
@@ -1297,12 +1293,12 @@ void gather_ranks(Measurement& m, Communicator& comm) {
 }
 
 Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std::filesystem::path& out_dir,
-                     std::FILE* progress, Communicator* comm) {
+                     std::FILE* progress, Communicator* comm, const SessionOptions& options) {
   check_executable(plan);
   // The machine's speed as calibration measures it (calibrate.h), before the session: its
   // all_reduce is not the program's and must not reach the session's collective counters.
   const double probe = speed_probe(comm, kProbeWindowS);
-  Session session(plan, backend, load_data(plan), comm);
+  Session session(plan, backend, load_data(plan), comm, options);
   const bool root = !comm || comm->rank() == 0;
   if (!root) progress = nullptr;
   const auto& t = plan.input.training;

@@ -43,7 +43,8 @@ void calibrate(const std::string& out, bool quick, int rounds, int attempts) {
   double quietest = std::numeric_limits<double>::infinity();
   for (int attempt = 1; attempt <= attempts; ++attempt) {
     executor::Calibration c =
-        executor::run_calibration(*world, {.quick = quick, .rounds = rounds}, root ? stdout : nullptr);
+        executor::run_calibration(*world, {.quick = quick, .rounds = rounds, .threads_chosen = std::getenv("OMP_NUM_THREADS") != nullptr},
+                                  root ? stdout : nullptr);
     double noise = root ? executor::calibration_noise(c) : 0.0;
     world->all_reduce(&noise, &noise, 1, executor::CommDType::fp64, executor::ReduceOp::max);
     if (noise < quietest) {
@@ -92,6 +93,25 @@ int threads_per_rank() {
   return std::max(1, cores / ranks);
 }
 
+// The session's options from the environment, read here once (runner.h SessionOptions).
+executor::SessionOptions session_options_from_env() {
+  executor::SessionOptions o;
+  if (const char* w = std::getenv("PEFTPLAN_WATCHDOG_S"); w && *w) {
+    char* end = nullptr;
+    const double s = std::strtod(w, &end);
+    if (end == w || *end != '\0' || !(s > 0.0))
+      throw InputError(fmt::format("PEFTPLAN_WATCHDOG_S={}: must be a positive number of seconds", w));
+    o.watchdog_s = s;
+  }
+  if (const char* f = std::getenv("PEFTPLAN_FAULT"); f && *f) {
+    long long fr = -1, fs = -1, fo = -1;
+    if (std::sscanf(f, "%lld:%lld:%lld", &fr, &fs, &fo) != 3 || fr < 0 || fs < 0 || fo < 0)
+      throw InputError(fmt::format("PEFTPLAN_FAULT={}: must be RANK:STEP:OP (three non-negative integers)", f));
+    o.fault = executor::SessionOptions::Fault{static_cast<std::int32_t>(fr), fs, static_cast<std::size_t>(fo)};
+  }
+  return o;
+}
+
 // Runs a plan.json on every rank of the job: measurement.json and trace.json go to out_dir
 // (default: the plan's folder), written by rank 0 with every rank's measurement inside.
 void run_plan_file(const std::string& plan_path, std::string out_dir, bool quiet) {
@@ -102,7 +122,7 @@ void run_plan_file(const std::string& plan_path, std::string out_dir, bool quiet
                                  plan.input.strategy.ranks, world->size(), plan.input.strategy.ranks));
   if (out_dir.empty()) out_dir = std::filesystem::absolute(plan_path).parent_path().string();
   auto backend = executor::make_cpu_backend(threads_per_rank());
-  executor::run_plan(plan, *backend, out_dir, world->rank() == 0 && !quiet ? stdout : nullptr, world.get());
+  executor::run_plan(plan, *backend, out_dir, world->rank() == 0 && !quiet ? stdout : nullptr, world.get(), session_options_from_env());
   if (world->rank() == 0 && !quiet) {
     const std::filesystem::path dir(out_dir);
     fmt::print("wrote {} and {}\n", shown_path(dir / "measurement.json"), shown_path(dir / "trace.json"));

@@ -30,6 +30,9 @@ namespace peftplan::executor {
 struct CalibrateOptions {
   bool quick = false;  // fewer shapes, sizes and repetitions: seconds instead of about a minute
   int rounds = 5;      // rounds of the calibration step programs (at least 1; the fastest is kept)
+  // The user chose OpenMP's threads (OMP_NUM_THREADS, read by peftplan-exec's main): keep them;
+  // otherwise each rank gets cores / ranks.
+  bool threads_chosen = false;
 };
 
 // y[M,N] = x[M,K] · W[N,K]^T, the executor's linear layer (cpu::linear_forward).

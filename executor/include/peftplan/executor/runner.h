@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <filesystem>
 #include <memory>
 #include <span>
@@ -52,13 +53,27 @@ struct StepStats {
   double seconds = 0.0;      // wall time of the step
 };
 
+// What a session takes from its surroundings rather than from the plan: read from the
+// environment once, by peftplan-exec's main (session_options_from_env), never by library code.
+struct SessionOptions {
+  double watchdog_s = 30.0;  // a collective waiting longer is a failed peer (PEFTPLAN_WATCHDOG_S)
+  // Fault injection for the fault tests (PEFTPLAN_FAULT="RANK:STEP:OP"): that rank throws when it
+  // reaches program op `op` of optimizer step `step` (0-based).
+  struct Fault {
+    std::int32_t rank = 0;
+    std::int64_t step = 0;
+    std::size_t op = 0;
+  };
+  std::optional<Fault> fault;
+};
+
 class Session {
  public:
   // Checks that the executor can run the plan (check_executable), builds the step program,
   // opens the checkpoint and adapter files, and runs the setup ops. `comm` may be null (one
   // rank). Throws InputError for unsupported plans and bad files.
   Session(const planner::PlanFile& plan, Backend& backend, TokenData data,
-          Communicator* comm = nullptr);
+          Communicator* comm = nullptr, const SessionOptions& options = {});
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -111,7 +126,7 @@ void check_executable(const planner::PlanFile& plan);
 // steps; plan.run.resume continues from one.
 Measurement run_plan(const planner::PlanFile& plan, Backend& backend,
                      const std::filesystem::path& out_dir, std::FILE* progress,
-                     Communicator* comm = nullptr);
+                     Communicator* comm = nullptr, const SessionOptions& options = {});
 
 // Several ranks (a collective: every rank calls it): rank 0's `m` gets every rank's
 // measurement in per_rank and, from their collective_op_s_by_step, each collective's transfer
