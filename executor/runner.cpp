@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <deque>
 #include <limits>
@@ -181,6 +182,8 @@ struct Session::Impl {
       : plan(p), be(b), data(std::move(tokens)), comm(c), alloc(b.device_memory(), b.host_memory()), watchdog_s(o.watchdog_s),
         options(o) {}
   SessionOptions options;
+  mutable std::once_flag named_once;  // buffer_label's named twin of `program`
+  mutable sim::Program named;
 
   // Resolves a buffer id (view or not) to its memory.
   template <typename T = float>
@@ -431,9 +434,18 @@ double Session::Impl::finish_norm() {
 
 // A buffer as messages name it: the program's name when it was built with names, else what its
 // role says (a state buffer's conventional name, a tensor's checkpoint or PEFT name).
+// (The interpreter never reads names; messages are for people, so they take the name from the
+// same program built with names, made only when a message needs one: names change no buffer.)
 std::string Session::Impl::buffer_label(std::int32_t id) const {
   const sim::Buffer& b = program.buffers[static_cast<std::size_t>(id)];
   if (!b.name.empty()) return b.name;
+  std::call_once(named_once, [&] {
+    planner::PlanInput pin = plan.input;
+    pin.inventory = nullptr;
+    named = planner::build_program(pin, {.names = true}).program;
+  });
+  if (named.buffers.size() == program.buffers.size() && !named.buffers[static_cast<std::size_t>(id)].name.empty())
+    return named.buffers[static_cast<std::size_t>(id)].name;
   switch (b.role) {
     case sim::BufferRole::base_tensor: return base_tensors.at(static_cast<std::size_t>(b.tensor)).name;
     case sim::BufferRole::adapter_tensor: return trainables.at(static_cast<std::size_t>(b.tensor)).name;
