@@ -1,0 +1,128 @@
+// A Session's communication (session_impl.h): collectives issued to the communication thread
+// and waited for under the watchdog, scalar reductions, and the optimizer offload's copies.
+#include "session_impl.h"
+
+namespace peftplan::executor {
+
+// Waits for a collective with a watchdog: a peer that died or stopped calling collectives
+// leaves this rank waiting, and after watchdog_s the wait becomes an error naming the op (main
+// then ends the job with MPI_Abort).
+void Session::Impl::wait(CommRequest& req, std::size_t i) {
+  const auto t0 = Clock::now();
+  const bool was_done = req.done();
+  for (int spin = 0; !req.done(); ++spin) {
+    if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    if (std::chrono::duration<double>(Clock::now() - t0).count() > watchdog_s)
+      throw CommError(fmt::format("rank {}: {} waited more than {:.0f} s for its peers (a rank failed or stopped)", rank,
+                                  op_name(i), watchdog_s));
+  }
+  req.wait();  // rethrows the operation's error
+  if (op_runs > 0 && !was_done) {
+    const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+    exposed_warm_s += waited;
+    exposed_cur += waited;
+  }
+  if (const double t = req.seconds(); t >= 0.0 && op_runs > 0) {
+    op_warm_s[i] += t;
+    if (i < op_cur.size()) op_cur[i] += t;  // (a collective outside the step ops has no slot)
+    if (i < coll_ordinal.size() && coll_ordinal[i] >= 0) coll_cur[static_cast<std::size_t>(coll_ordinal[i])] = t;
+  }
+}
+
+void Session::Impl::wait_through(std::size_t i) {
+  while (!pending.empty() && pending.front().op <= i) {
+    Pending p = std::move(pending.front());
+    pending.pop_front();
+    wait(*p.req, p.op);
+    if (p.after) p.after();
+  }
+}
+
+void Session::Impl::wait_for_buffer(std::int32_t root) {
+  std::size_t last = 0;
+  bool any = false;
+  for (const Pending& p : pending)
+    if (p.root == root || p.root_in == root) {
+      last = p.op;
+      any = true;
+    }
+  if (any) wait_through(last);
+}
+
+// A collective of the program: the payload (Op::buffer, a view or a buffer) is the whole array
+// of nccl-tests "size" Op::bytes; buffer -1 names the step's scalars (the loss sum, the squared
+// gradient norm), all-reduced as one fp64. Array collectives run asynchronously; compute ops that
+// depend on them, and frees of their buffers, wait.
+void Session::Impl::collective(std::size_t i, const sim::Op& op) {
+  if (N == 1 && comm == nullptr) {  // one rank, no communicator: a ZeRO-3 gather is a copy of the shard
+    if (op.collective == sim::Collective::all_gather && op.buffer_in >= 0)
+      be.copy_to_device(at<std::byte>(op.buffer), at<std::byte>(op.buffer_in), bytes(op.buffer_in));
+    return;
+  }
+  PEFTPLAN_CHECK_MSG(comm != nullptr && comm->size() == N, "a {}-rank program needs a communicator of {} ranks", N, N);
+  if (op.buffer < 0) {  // a scalar reduction (sim::verify: an 8-byte all_reduce)
+    double* v = op.reduction == sim::ScalarReduction::loss_sum ? &loss_sum : op.reduction == sim::ScalarReduction::grad_sumsq ? &sumsq : nullptr;
+    PEFTPLAN_CHECK_MSG(v != nullptr, "{} reduces no scalar the executor knows", op_name(i));
+    wait_through(i);
+    auto req = comm->all_reduce_async(v, v, 1, CommDType::fp64, ReduceOp::sum);
+    wait(*req, i);
+    return;
+  }
+  PEFTPLAN_CHECK_MSG(bytes(op.buffer) == op.bytes, "{}: payload {} bytes, op {} bytes", op_name(i), bytes(op.buffer), op.bytes);
+  float* p = at(op.buffer);
+  const std::size_t n = op.bytes / 4;
+  Pending pd;
+  pd.op = i;
+  pd.root = root_of(op.buffer);
+  switch (op.collective) {
+    case sim::Collective::all_reduce:
+      pd.req = comm->all_reduce_async(p, p, n, CommDType::fp32, ReduceOp::sum);
+      break;
+    case sim::Collective::reduce_scatter: {
+      const std::size_t rc = n / static_cast<std::size_t>(N);
+      float* mine = p + static_cast<std::size_t>(rank) * rc;
+      if (op.buffer_out >= 0) PEFTPLAN_CHECK(static_cast<std::size_t>(floats(op.buffer_out)) == rc);
+      if (op.buffer_out >= 0 && !op.accumulate) {
+        pd.req = comm->reduce_scatter_async(p, at(op.buffer_out), rc, CommDType::fp32, ReduceOp::sum);
+      } else {
+        pd.req = comm->reduce_scatter_async(p, mine, rc, CommDType::fp32, ReduceOp::sum);
+        if (op.buffer_out >= 0) {
+          const std::int32_t out = op.buffer_out;
+          pd.after = [this, out, mine, rc] { be.add(at(out), mine, at(out), static_cast<std::int64_t>(rc)); };
+        }
+      }
+      break;
+    }
+    case sim::Collective::all_gather: {
+      if (op.buffer_in >= 0) {  // ZeRO-3: this rank's shard into block `rank` of the payload
+        PEFTPLAN_CHECK(bytes(op.buffer_in) * static_cast<std::uint64_t>(N) == op.bytes);
+        pd.root_in = root_of(op.buffer_in);
+        pd.req = comm->all_gather_async(at<std::byte>(op.buffer_in), at<std::byte>(op.buffer), bytes(op.buffer_in), CommDType::uint8);
+        break;
+      }
+      const std::size_t sc = n / static_cast<std::size_t>(N);
+      pd.req = comm->all_gather_async(p + static_cast<std::size_t>(rank) * sc, p, sc, CommDType::fp32);
+      break;
+    }
+    case sim::Collective::broadcast:
+      throw InternalError(fmt::format("the executor's programs have no broadcast ({})", op_name(i)));
+  }
+  pending.push_back(std::move(pd));
+}
+
+// A copy between device and host buffers (optimizer offload): Op::buffer to Op::buffer_out; a
+// side N times the copy's bytes contributes this rank's block.
+void Session::Impl::copy(const sim::Op& op) {
+  PEFTPLAN_CHECK_MSG(op.buffer >= 0 && op.buffer_out >= 0, "a copy of the executor's program names no source or destination");
+  auto block = [&](std::int32_t id) {
+    auto* p = at<std::byte>(id);
+    if (bytes(id) == op.bytes) return p;
+    PEFTPLAN_CHECK(bytes(id) == op.bytes * static_cast<std::uint64_t>(N));
+    return p + static_cast<std::uint64_t>(rank) * op.bytes;
+  };
+  if (op.copy_dir == sim::CopyDir::device_to_host) be.copy_to_host(block(op.buffer_out), block(op.buffer), op.bytes);
+  else be.copy_to_device(block(op.buffer_out), block(op.buffer), op.bytes);
+}
+
+
+}  // namespace peftplan::executor
