@@ -5,16 +5,16 @@
 namespace peftplan::executor {
 
 // Waits for a collective with a watchdog: a peer that died or stopped calling collectives
-// leaves this rank waiting, and after watchdog_s the wait becomes an error naming the op (main
+// leaves this rank waiting, and after options.watchdog_s the wait becomes an error naming the op (main
 // then ends the job with MPI_Abort).
 void Session::Impl::wait(CommRequest& req, std::size_t i) {
   const auto t0 = Clock::now();
   const bool was_done = req.done();
   for (int spin = 0; !req.done(); ++spin) {
     if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(200));
-    if (std::chrono::duration<double>(Clock::now() - t0).count() > watchdog_s)
+    if (std::chrono::duration<double>(Clock::now() - t0).count() > options.watchdog_s)
       throw CommError(fmt::format("rank {}: {} waited more than {:.0f} s for its peers (a rank failed or stopped)", rank,
-                                  op_name(i), watchdog_s));
+                                  op_name(i), options.watchdog_s));
   }
   req.wait();  // rethrows the operation's error
   if (op_runs > 0 && !was_done) {

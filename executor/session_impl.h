@@ -101,7 +101,6 @@ struct Session::Impl {
   };
   std::deque<Pending> pending;
   CommCounters base_counters;                   // the communicator's counters when setup ended
-  double watchdog_s = 30.0;                     // a collective waiting longer is a failed peer
   std::optional<std::pair<std::int64_t, std::size_t>> fault;  // injected failure (step, op)
   LrSchedule schedule;
   // Dimensions.
@@ -140,7 +139,7 @@ struct Session::Impl {
   Measurement meas;
 
   Impl(const planner::PlanFile& p, Backend& b, TokenData tokens, Communicator* c, const SessionOptions& o)
-      : plan(p), be(b), data(std::move(tokens)), comm(c), alloc(b.device_memory(), b.host_memory()), watchdog_s(o.watchdog_s),
+      : plan(p), be(b), data(std::move(tokens)), comm(c), alloc(b.device_memory(), b.host_memory()),
         options(o) {}
   SessionOptions options;
   mutable std::once_flag named_once;  // buffer_label's named twin of `program`

@@ -2218,7 +2218,7 @@ BuiltProgram Builder::build() {
   plan_linears();
   p_.ranks = s_.ranks;
   p_.micro_batches = static_cast<std::int32_t>(t_.grad_accum);
-  p_.executable = executor_limitation(in_).empty();
+  p_.executable = in_.profile == RuntimeProfile::executor && executor_limitation(in_).empty();
   p_.tokens_per_step = t_.micro_batch * t_.seq_len * t_.grad_accum;
   // Reserve for the whole program at once: growing vectors of ~10^4 ops dominated build time.
   const auto per_mb = static_cast<std::size_t>(m_.layers) * (zero3() ? 200 : 160) + 64;
