@@ -189,17 +189,39 @@ std::string slug(const std::string& s) {
 
 // --- measurements ---------------------------------------------------------------------------
 
-struct GemmBuffers {
-  std::vector<float> x, W, y;
-  explicit GemmBuffers(const GemmShape& s)
-      : x(static_cast<std::size_t>(s.M * s.K)), W(static_cast<std::size_t>(s.N * s.K)),
-        y(static_cast<std::size_t>(s.M * s.N)) {
+// The operands of one GEMM shape in the backend's device memory, filled through it.
+class GemmBuffers {
+ public:
+  GemmBuffers(Backend& be, const GemmShape& s) : be_(&be), s_(s) {
+    std::vector<float> x(static_cast<std::size_t>(s.M * s.K)), W(static_cast<std::size_t>(s.N * s.K));
     for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i % 17) * 0.01 - 0.08);
     for (std::size_t i = 0; i < W.size(); ++i) W[i] = static_cast<float>((i % 13) * 0.01 - 0.06);
+    x_ = place(x);
+    W_ = place(W);
+    y_ = place(std::vector<float>(static_cast<std::size_t>(s.M * s.N), 0.0f));
   }
-  void run(const GemmShape& s) {
-    cpu::linear_forward<float>(x.data(), W.data(), nullptr, y.data(), s.M, s.K, s.N);
+  ~GemmBuffers() {
+    for (auto& [p, n] : owned_) be_->device_memory().deallocate(p, n);
   }
+  GemmBuffers(GemmBuffers&& o) noexcept : be_(o.be_), s_(o.s_), x_(o.x_), W_(o.W_), y_(o.y_), owned_(std::move(o.owned_)) { o.owned_.clear(); }
+  GemmBuffers(const GemmBuffers&) = delete;
+  GemmBuffers& operator=(const GemmBuffers&) = delete;
+  GemmBuffers& operator=(GemmBuffers&&) = delete;
+  // Enqueues the product on the backend (Backend::linear_forward, the executor's linear layer).
+  void run() { be_->linear_forward(x_, W_, nullptr, y_, s_.M, s_.K, s_.N, false); }
+
+ private:
+  float* place(const std::vector<float>& host) {
+    const std::uint64_t n = std::max<std::uint64_t>(4, 4 * host.size());
+    auto* p = static_cast<float*>(be_->device_memory().allocate(n));
+    owned_.emplace_back(p, n);
+    if (!host.empty()) be_->copy_to_device(p, host.data(), 4 * host.size());
+    return p;
+  }
+  Backend* be_;
+  GemmShape s_;
+  float *x_ = nullptr, *W_ = nullptr, *y_ = nullptr;
+  std::vector<std::pair<void*, std::uint64_t>> owned_;
 };
 
 // Repeats `call` for at least `duration_s` and `min_calls` calls, in kBlocks timed blocks of
@@ -207,17 +229,20 @@ struct GemmBuffers {
 // (planner::steady_samples, the rule a run's steps are taken by): a slow spell of a shared
 // machine lands in some blocks and is left out, as a run's slow steps are, so calibration and
 // the runs it predicts measure the same thing. `calls` gets the number of timed calls.
+// `call` enqueues work on `be`; each block ends when the backend has drained it.
 template <class Call>
-double steady_seconds_per_call(Call&& call, double duration_s, int min_calls, int* calls = nullptr) {
+double steady_seconds_per_call(Backend& be, Call&& call, double duration_s, int min_calls, int* calls = nullptr) {
   constexpr int kBlocks = 16;
   auto t0 = Clock::now();
   call();  // sizes the blocks
+  be.synchronize();
   const double once = std::max(seconds_since(t0), 1e-9);
   const int per_block = std::max({1, static_cast<int>(std::ceil(duration_s / kBlocks / once)), (min_calls + kBlocks - 1) / kBlocks});
   std::array<double, kBlocks> block{};
   for (double& b : block) {
     t0 = Clock::now();
     for (int i = 0; i < per_block; ++i) call();
+    be.synchronize();
     b = seconds_since(t0) / per_block;
   }
   if (calls) *calls = kBlocks * per_block;
@@ -227,26 +252,29 @@ double steady_seconds_per_call(Call&& call, double duration_s, int min_calls, in
   return sum / static_cast<double>(steady.size());
 }
 
-GemmResult time_gemm(const GemmShape& s, double min_time_s, int min_calls) {
-  GemmBuffers b(s);
-  b.run(s);  // warm-up: page faults, Eigen's packing buffers
+GemmResult time_gemm(Backend& be, const GemmShape& s, double min_time_s, int min_calls) {
+  GemmBuffers b(be, s);
+  b.run();  // warm-up: page faults, Eigen's packing buffers
+  be.synchronize();
   GemmResult r;
   r.shape = s;
-  r.seconds = steady_seconds_per_call([&] { b.run(s); }, min_time_s, min_calls, &r.calls);
+  r.seconds = steady_seconds_per_call(be, [&] { b.run(); }, min_time_s, min_calls, &r.calls);
   r.flops_per_s = gemm_flops(s) / r.seconds;
   return r;
 }
 
 // GEMM rate over the mix while running for `duration_s` (every active rank for the same window).
-double gemm_mix_rate(std::span<const GemmShape> mix, double duration_s) {
+double gemm_mix_rate(Backend& be, std::span<const GemmShape> mix, double duration_s) {
   std::vector<GemmBuffers> bufs;
-  for (const auto& s : mix) bufs.emplace_back(s);
-  for (std::size_t i = 0; i < mix.size(); ++i) bufs[i].run(mix[i]);
+  for (const auto& s : mix) bufs.emplace_back(be, s);
+  for (auto& b : bufs) b.run();
+  be.synchronize();
   double flops = 0.0;
   for (const auto& s : mix) flops += gemm_flops(s);
   const double seconds = steady_seconds_per_call(
+      be,
       [&] {
-        for (std::size_t i = 0; i < mix.size(); ++i) bufs[i].run(mix[i]);
+        for (auto& b : bufs) b.run();
       },
       duration_s, 1);
   return flops / seconds;
@@ -265,18 +293,19 @@ double calibration_noise(const Calibration& cal) {
   return std::max(programs, moved);
 }
 
-double speed_probe(Communicator* world, double window_s) {
+double speed_probe(Backend& be, Communicator* world, double window_s) {
   // Timed as a step is: every rank runs the mix in blocks started together, a block lasts as long
   // as its slowest rank (a step waits for its slowest rank at every collective), and the steady
   // block (planner::steady_samples: the fastest) gives the rate. An interruption of either rank
   // slows a block as it slows a step, so a spell of them shows in the probe as in the steps.
   const std::vector<GemmShape> mix = gemm_mix(true);
   std::vector<GemmBuffers> bufs;
-  for (const auto& s : mix) bufs.emplace_back(s);
+  for (const auto& s : mix) bufs.emplace_back(be, s);
   double flops = 0.0;
   for (const auto& s : mix) flops += gemm_flops(s);
   const auto run_mix = [&] {
-    for (std::size_t i = 0; i < mix.size(); ++i) bufs[i].run(mix[i]);
+    for (auto& b : bufs) b.run();
+    be.synchronize();
   };
   const bool several = world && world->size() > 1;
   if (world) world->barrier();
@@ -300,7 +329,9 @@ double speed_probe(Communicator* world, double window_s) {
 
 namespace {
 
-// STREAM triad bandwidth: the best pass within `duration_s` (at least 3 passes).
+// STREAM triad bandwidth: the best pass within `duration_s` (at least 3 passes). The host's
+// memory, not a backend's: what the profile derives from it (host<->device copies, cpu_adam)
+// runs on the host whatever the backend, and it is the CPU backend's device memory too.
 double triad_bandwidth(std::size_t n, double duration_s) {
   std::vector<double> a(n), b(n, 1.0), c(n, 2.0);
   const double scalar = 3.0;
@@ -1035,16 +1066,17 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
                        static_cast<double>(cal.ram_bytes) / static_cast<double>(1ULL << 30), N,
                        cal.omp_threads, quick ? ", quick" : ""));
 
-  cal.probe_before_flops_per_s = speed_probe(&world, kLongProbeWindowS);
+  const std::unique_ptr<Backend> backend = make_backend(options.backend);
+  cal.probe_before_flops_per_s = speed_probe(*backend, &world, kLongProbeWindowS);
 
   // 1. GEMM shapes, rank 0 alone (the others wait in a sleeping barrier).
   say(log, "measuring GEMM shapes on one rank...\n");
   if (me == 0) {
     for (const auto& s : calibration_gemm_shapes(quick))
-      cal.gemm.push_back(time_gemm(s, quick ? 0.02 : 0.2, quick ? 2 : 3));
+      cal.gemm.push_back(time_gemm(*backend, s, quick ? 0.02 : 0.2, quick ? 2 : 3));
     double flops = 0.0, seconds = 0.0;
     for (const auto& s : gemm_mix(quick)) {
-      const GemmResult r = time_gemm(s, quick ? 0.02 : 0.2, quick ? 2 : 3);
+      const GemmResult r = time_gemm(*backend, s, quick ? 0.02 : 0.2, quick ? 2 : 3);
       flops += gemm_flops(s);
       seconds += r.seconds;
     }
@@ -1061,7 +1093,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     say(log, fmt::format("measuring {} rank(s) computing and streaming at once...\n", n));
     const bool active = me < n;
     world.barrier();
-    const double gemm = active ? gemm_mix_rate(mix, window_s) : 0.0;
+    const double gemm = active ? gemm_mix_rate(*backend, mix, window_s) : 0.0;
     world.barrier();
     const double bw = active ? triad_bandwidth(triad_n, window_s) : 0.0;
     double sums[2] = {gemm, bw};
@@ -1143,7 +1175,6 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     pf.run.seed = 1;
     std::vector<std::int32_t> tokens(static_cast<std::size_t>(in.training.seq_len * 64 + 1));
     for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7919u) % static_cast<std::size_t>(in.model.vocab));
-    auto backend = make_cpu_backend();
     Session session(pf, *backend, TokenData::from_tokens(std::move(tokens), in.model.vocab, in.training.seq_len, "calibration"),
                     N > 1 ? &world : nullptr);
     for (std::int64_t k = 0; k < pf.run.steps; ++k) session.step();
@@ -1193,7 +1224,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     // mostly slow ones), so one round's calls would fit a load another round does not show.
     for (const Kept& x : r) cal.step_collectives.insert(cal.step_collectives.end(), x.collectives.begin(), x.collectives.end());
   }
-  cal.probe_after_flops_per_s = speed_probe(&world, kLongProbeWindowS);
+  cal.probe_after_flops_per_s = speed_probe(*backend, &world, kLongProbeWindowS);
   return cal;
 }
 

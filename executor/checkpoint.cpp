@@ -40,14 +40,14 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
     std::string blob(16 + 4 * (ns + np), '\0');
     std::memcpy(blob.data(), &ns, 8);
     std::memcpy(blob.data() + 8, &np, 8);
-    std::memcpy(blob.data() + 16, s.at(s.opt_states), 4 * ns);
-    if (np) std::memcpy(blob.data() + 16 + 4 * ns, s.at(s.host_params), 4 * np);
+    s.read_bytes(s.opt_states, blob.data() + 16, 4 * ns);  // staged through the backend
+    if (np) s.read_bytes(s.host_params, blob.data() + 16 + 4 * ns, 4 * np);
     write_text_atomic(tmp / fmt::format("optimizer.rank{}.bin", s.rank), blob);
     if (s.zero3) {
       const std::uint64_t nt = static_cast<std::uint64_t>(s.floats(s.trainable_shard));
       std::string shard(8 + 4 * nt, '\0');
       std::memcpy(shard.data(), &nt, 8);
-      std::memcpy(shard.data() + 8, s.at(s.trainable_shard), 4 * nt);
+      s.read_bytes(s.trainable_shard, shard.data() + 8, 4 * nt);
       write_text_atomic(tmp / fmt::format("trainable.rank{}.bin", s.rank), shard);
     }
   }
@@ -147,8 +147,11 @@ void Session::resume(const std::filesystem::path& where_in) {
   same("seed", s.plan.run.seed);
   same("offload_optimizer", s.host_params >= 0);
   const SafetensorsFile adapter = SafetensorsFile::open(dir / "adapter_model.safetensors");
-  for (const auto& [id, tt] : s.adapter_views)
-    init_adapter_tensor(*tt, {s.at(id), static_cast<std::size_t>(tt->numel())}, s.plan.run.seed, &adapter);
+  for (const auto& [id, tt] : s.adapter_views) {
+    std::vector<float> host(static_cast<std::size_t>(tt->numel()));
+    init_adapter_tensor(*tt, host, s.plan.run.seed, &adapter);
+    s.write_bytes(id, host.data(), 4 * host.size());
+  }
   const fs::path opt = dir / fmt::format("optimizer.rank{}.bin", s.rank);
   std::ifstream f(opt, std::ios::binary);
   std::uint64_t ns = 0, np = 0;
@@ -157,8 +160,13 @@ void Session::resume(const std::filesystem::path& where_in) {
   const std::uint64_t want_np = s.host_params >= 0 ? static_cast<std::uint64_t>(s.floats(s.host_params)) : 0;
   if (!f || ns != static_cast<std::uint64_t>(s.floats(s.opt_states)) || np != want_np)
     throw InputError(fmt::format("{}: optimizer states of another shape (or missing)", opt.string()));
-  f.read(reinterpret_cast<char*>(s.at(s.opt_states)), static_cast<std::streamsize>(4 * ns));
-  if (np) f.read(reinterpret_cast<char*>(s.at(s.host_params)), static_cast<std::streamsize>(4 * np));
+  std::vector<char> host(4 * std::max(ns, np));  // read on the host, staged to the device
+  f.read(host.data(), static_cast<std::streamsize>(4 * ns));
+  if (f) s.write_bytes(s.opt_states, host.data(), 4 * ns);
+  if (f && np) {
+    f.read(host.data(), static_cast<std::streamsize>(4 * np));
+    if (f) s.write_bytes(s.host_params, host.data(), 4 * np);
+  }
   if (!f) throw InputError(fmt::format("{}: truncated", opt.string()));
   if (s.zero3) {  // this rank's adapter partition, padding included
     const fs::path tp = dir / fmt::format("trainable.rank{}.bin", s.rank);
@@ -167,8 +175,10 @@ void Session::resume(const std::filesystem::path& where_in) {
     tf.read(reinterpret_cast<char*>(&nt), 8);
     if (!tf || nt != static_cast<std::uint64_t>(s.floats(s.trainable_shard)))
       throw InputError(fmt::format("{}: adapter partition of another shape (or missing)", tp.string()));
-    tf.read(reinterpret_cast<char*>(s.at(s.trainable_shard)), static_cast<std::streamsize>(4 * nt));
+    std::vector<char> part(4 * nt);
+    tf.read(part.data(), static_cast<std::streamsize>(4 * nt));
     if (!tf) throw InputError(fmt::format("{}: truncated", tp.string()));
+    s.write_bytes(s.trainable_shard, part.data(), 4 * nt);
   }
   s.steps_done = st.at("step").get<std::int64_t>();
 }

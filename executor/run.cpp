@@ -172,7 +172,7 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
   check_executable(plan);
   // The machine's speed as calibration measures it (calibrate.h), before the session: its
   // all_reduce is not the program's and must not reach the session's collective counters.
-  const double probe = speed_probe(comm, kProbeWindowS);
+  const double probe = speed_probe(backend, comm, kProbeWindowS);
   Session session(plan, backend, load_data(plan), comm, options);
   const bool root = !comm || comm->rank() == 0;
   if (!root) progress = nullptr;

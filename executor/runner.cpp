@@ -13,15 +13,28 @@ void Session::Impl::alloc_op(std::size_t i, const sim::Op& op) {
   // must reduce to zero.
   if (buf.category == sim::MemCategory::gradients) be.fill_zero(ptr[b], buf.bytes);
   if (tokens_mb[b] >= 0) {  // the data loader fills a micro-batch's tokens and targets
-    auto* tok = static_cast<std::int32_t*>(ptr[b]);
     PEFTPLAN_CHECK(buf.bytes == 8ull * static_cast<std::uint64_t>(M));
-    data.micro_batch(step_index, rank, N, tokens_mb[b], A, B, {tok, static_cast<std::size_t>(M)},
-                     {tok + M, static_cast<std::size_t>(M)});
+    host_tokens.resize(2 * static_cast<std::size_t>(M));
+    data.micro_batch(step_index, rank, N, tokens_mb[b], A, B, {host_tokens.data(), static_cast<std::size_t>(M)},
+                     {host_tokens.data() + M, static_cast<std::size_t>(M)});
+    be.copy_to_device(ptr[b], host_tokens.data(), buf.bytes);
   }
+}
+
+// A device scalar (kLossSlot, kNormSlot) on the host: the queue drained, then one staged copy.
+double Session::Impl::read_scalar(std::size_t slot) {
+  double v = 0.0;
+  be.synchronize();
+  be.copy_to_host(&v, scalars + slot, sizeof v);
+  return v;
 }
 
 double Session::Impl::finish_norm() {
   PEFTPLAN_CHECK_MSG(have_norm, "the program computes no gradient norm before the optimizer step");
+  if (!norm_on_host) {  // one rank (or DDP): no grad_sumsq all_reduce has brought it over
+    sumsq = read_scalar(kNormSlot);
+    norm_on_host = true;
+  }
   return global_grad_norm(sumsq);
 }
 
@@ -48,9 +61,9 @@ void Session::Impl::compute(const sim::Op& op) {
     }
     case Kernel::cast: {
       const auto o = ops::read<ops::Cast>(program, op);
-      if (o.from == DType::bf16 && o.to == DType::fp32) be.bf16_to_fp32(at<std::uint16_t>(o.src), at(o.dst), o.n);
-      else if (o.from == o.to) be.copy_device(at<std::byte>(o.dst), at<std::byte>(o.src), storage_bytes(o.to, o.n));
-      else throw InternalError(fmt::format("the executor has no cast from {} to {} ({})", name_of(o.from), name_of(o.to), op.label));
+      if (!be.supports_storage(o.from) || !be.supports_storage(o.to))
+        throw InternalError(fmt::format("the {} backend has no cast from {} to {} ({})", be.name(), name_of(o.from), name_of(o.to), op.label));
+      be.convert(at<std::byte>(o.src), o.from, at<std::byte>(o.dst), o.to, o.n);
       return;
     }
     case Kernel::linear_fwd: {
@@ -125,7 +138,7 @@ void Session::Impl::compute(const sim::Op& op) {
     }
     case Kernel::cross_entropy_fwd: {  // the targets follow the ids in the tokens buffer
       const auto o = ops::read<ops::CrossEntropyFwd>(program, op);
-      loss_sum += be.cross_entropy_forward(at(o.logits), at<std::int32_t>(o.tokens) + o.M, o.M, o.V);
+      be.cross_entropy_forward(at(o.logits), at<std::int32_t>(o.tokens) + o.M, o.M, o.V, scalars + kLossSlot);
       return;
     }
     case Kernel::cross_entropy_bwd: {
@@ -135,8 +148,9 @@ void Session::Impl::compute(const sim::Op& op) {
     }
     case Kernel::grad_norm: {  // this rank's partition; a grad_sumsq all_reduce may follow
       const auto o = ops::read<ops::GradNorm>(program, op);
-      sumsq = be.sum_squares(at(o.grads), floats(o.grads));
+      be.sum_squares(at(o.grads), floats(o.grads), scalars + kNormSlot);
       have_norm = true;
+      norm_on_host = false;
       return;
     }
     case Kernel::optimizer_step: {
@@ -181,8 +195,8 @@ void Session::Impl::compute(const sim::Op& op) {
 // The message of a non-finite step: the norm, the loss so far and the first gradient element that
 // is not finite in this rank's gradient buffer, named by the program's view that holds it.
 std::string Session::Impl::first_nonfinite(std::int32_t grad, double norm) {
-  const float* g = at(grad);
-  const std::int64_t n = floats(grad);
+  const std::vector<float> g = read_floats(grad);
+  const auto n = static_cast<std::int64_t>(g.size());
   std::int64_t bad = -1;
   for (std::int64_t i = 0; i < n && bad < 0; ++i)
     if (!std::isfinite(g[i])) bad = i;
@@ -200,21 +214,28 @@ std::string Session::Impl::first_nonfinite(std::int32_t grad, double norm) {
   }
   return fmt::format("step {}: the gradient norm is {} (loss so far {}); the first non-finite gradient is {}. "
                      "Lower the learning rate, clip gradients (run.clip), or run with --on-nonfinite skip",
-                     step_index + 1, norm, count > 0 ? loss_sum / count : loss_sum, where);
+                     step_index + 1, norm, step_loss_sum() / count, where);
 }
 
 void Session::Impl::run_ops(bool update) {
   // optimizer.zero_grad()
   if (grad_flat >= 0) be.fill_zero(at(grad_flat), bytes(grad_flat));
   if (grad_shard >= 0) be.fill_zero(at(grad_shard), bytes(grad_shard));
+  be.fill_zero(scalars, kScalarSlots * sizeof(double));
   loss_sum = 0.0;
+  loss_on_host = false;
   have_norm = false;
+  norm_on_host = false;
   skipped = false;
   lr_logged = false;
   if (op_runs > 0) {
     op_cur.assign(program.ops.size(), 0.0);
     exposed_cur = 0.0;
   }
+  // Compute ops are timed by marks on the compute stream (backend.h), read once the step's
+  // queue has drained: no synchronize between ops, so a device overlaps them as it would.
+  timed.clear();
+  be.record_mark(kStartMark);
   const auto t0 = Clock::now();
   for (std::size_t i = first_step_op; i < program.ops.size(); ++i) {
     const sim::Op& op = program.ops[i];
@@ -254,27 +275,31 @@ void Session::Impl::run_ops(bool update) {
       case OpKind::compute: {
         for (std::int32_t dep : program.deps_of(op))
           if (program.ops[static_cast<std::size_t>(dep)].kind == OpKind::collective) wait_through(static_cast<std::size_t>(dep));
-        const auto s = Clock::now();
+        be.record_mark(begin_mark(i));
         compute(op);
-        be.synchronize();
-        const auto e = Clock::now();
-        const double dur = std::chrono::duration<double>(e - s).count();
-        op_s[i] += dur;
-        if (op_runs > 0) {
-          op_warm_s[i] += dur;
-          op_cur[i] += dur;
-        }
-        last_start_s[i] = std::chrono::duration<double>(s - t0).count();
-        last_dur_s[i] = dur;
-        if (sim::is_gemm_kernel(op.kernel)) {
-          meas.gemm_s += dur;
-          meas.gemm_flops += op.work.flops;
-        }
+        be.record_mark(end_mark(i));
+        timed.push_back(i);
         break;
       }
     }
   }
   if (!pending.empty()) wait_through(pending.back().op);
+  be.synchronize();
+  for (std::size_t i : timed) {
+    const double dur = be.seconds_between(begin_mark(i), end_mark(i));
+    op_s[i] += dur;
+    if (op_runs > 0) {
+      op_warm_s[i] += dur;
+      op_cur[i] += dur;
+    }
+    last_start_s[i] = be.seconds_between(kStartMark, begin_mark(i));
+    last_dur_s[i] = dur;
+    const sim::Op& op = program.ops[i];
+    if (sim::is_gemm_kernel(op.kernel)) {
+      meas.gemm_s += dur;
+      meas.gemm_flops += op.work.flops;
+    }
+  }
   if (op_runs > 0 && !coll_ops.empty()) {
     coll_recent.push_back(coll_cur);
     if (coll_recent.size() > planner::kSteadyWindow) coll_recent.pop_front();
@@ -285,14 +310,14 @@ void Session::Impl::run_ops(bool update) {
 
 StepStats Session::step() {
   Impl& s = *impl_;
-  const auto t0 = Clock::now();
+  const auto t0 = Clock::now();  // the step's wall time: run_ops ends with the queue drained
   s.step_index = s.steps_done;
   s.run_ops(true);
   StepStats st;
   st.step = ++s.steps_done;
   st.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  st.loss = s.loss_sum / s.count;
-  st.grad_norm = global_grad_norm(s.sumsq);
+  st.loss = s.step_loss_sum() / s.count;
+  st.grad_norm = s.have_norm ? s.finish_norm() : 0.0;
   st.lr = s.meas.lrs.empty() ? 0.0 : s.meas.lrs.back();
   s.meas.losses.push_back(st.loss);
   s.meas.grad_norms.push_back(st.grad_norm);
@@ -308,7 +333,7 @@ double Session::forward_backward(std::int64_t step_index) {
   Impl& s = *impl_;
   s.step_index = step_index;
   s.run_ops(false);
-  return s.loss_sum / s.count;
+  return s.step_loss_sum() / s.count;
 }
 
 

@@ -57,7 +57,9 @@ void Session::Impl::setup() {
   planner::PlanInput pin = in;
   pin.inventory = nullptr;
   // Built without names: the interpreter finds what it needs by role and slot (sim/ops.h).
-  program = planner::build_program(pin, {.names = false}).program;
+  planner::BuiltProgram built = planner::build_program(pin, {.names = false});
+  program = std::move(built.program);
+  const planner::ProgramFacts facts = built.facts;
   sim::verify_or_throw(program);  // what the interpreter loop below may assume (sim/verify.h)
   const auto inv = planner::make_inventory(in.model, in.peft);
   trainables = inv.trainables;
@@ -89,6 +91,7 @@ void Session::Impl::setup() {
   coll_cur.assign(coll_ops.size(), 0.0);
   last_start_s.assign(program.ops.size(), 0.0);
   last_dur_s.assign(program.ops.size(), -1.0);
+  be.reserve_marks(end_mark(program.ops.size()));
   // The state buffers by role; adapter tensors: views of trainable.flat, or (ZeRO-3) of a unit's
   // gathered buffer, the latter filled through the shards the gathers read (below).
   zero3 = in.strategy.stage == planner::Stage::zero3;
@@ -126,7 +129,7 @@ void Session::Impl::setup() {
   std::optional<SafetensorsFile> ckpt, adapter_file;
   if (!plan.run.weights.empty()) ckpt = SafetensorsFile::open(plan.run.weights);
   if (plan.run.adapter_init != "peft") adapter_file = SafetensorsFile::open(plan.run.adapter_init);
-  const DType storage = t.base_storage.value_or(DType::fp32);
+  const DType storage = facts.base_dtype;  // Linear weights' storage (fp32 unless base_storage says)
   // Setup ops: the persistent buffers, filled as they are allocated.
   std::size_t i = 0;
   for (; i < program.ops.size() && program.ops[i].phase == Phase::setup; ++i) {
@@ -138,10 +141,12 @@ void Session::Impl::setup() {
     if (const models::TensorInfo* tp = tensor_of(buf)) {
       PEFTPLAN_CHECK_MSG(buf.category == sim::MemCategory::base_weights, "{} holds a model tensor outside base_weights", buffer_label(op.buffer));
       const models::TensorInfo& ti = *tp;
-      // Linear weights are stored in the base dtype; embeddings, norms and biases in fp32
-      // (planner frozen_bytes).
-      const DType dt = ti.role == models::ParamRole::linear_weight ? storage : DType::fp32;
-      init_base_tensor(ti, dt, {static_cast<std::byte*>(p), buf.bytes}, plan.run.seed, ckpt ? &*ckpt : nullptr);
+      // Stored as the builder sized it (planner::frozen_storage_dtype). Made on the host,
+      // staged to the device.
+      const DType dt = planner::frozen_storage_dtype(ti, storage, facts.compute_dtype);
+      std::vector<std::byte> host(buf.bytes);
+      init_base_tensor(ti, dt, host, plan.run.seed, ckpt ? &*ckpt : nullptr);
+      be.copy_to_device(p, host.data(), buf.bytes);
     } else {
       be.fill_zero(p, buf.bytes);
     }
@@ -156,13 +161,16 @@ void Session::Impl::setup() {
     for (std::size_t b = 0; b < nbuf; ++b)
       if (program.buffers[b].view_of >= 0) views_of[static_cast<std::size_t>(program.buffers[b].view_of)].push_back(static_cast<std::int32_t>(b));
     auto init_base = [&](const models::TensorInfo& ti, std::byte* p, std::uint64_t n) {
-      const DType dt = ti.role == models::ParamRole::linear_weight ? storage : DType::fp32;
-      init_base_tensor(ti, dt, {p, n}, plan.run.seed, ckpt ? &*ckpt : nullptr);
+      init_base_tensor(ti, planner::frozen_storage_dtype(ti, storage, facts.compute_dtype), {p, n}, plan.run.seed, ckpt ? &*ckpt : nullptr);
     };
     for (std::size_t b = 0; b < nbuf; ++b) {
       const sim::Buffer& buf = program.buffers[b];
       if (buf.view_of < 0 || program.buffers[static_cast<std::size_t>(buf.view_of)].category != sim::MemCategory::base_weights) continue;
-      if (const models::TensorInfo* tp = tensor_of(buf)) init_base(*tp, at<std::byte>(static_cast<std::int32_t>(b)), buf.bytes);
+      if (const models::TensorInfo* tp = tensor_of(buf)) {
+        std::vector<std::byte> host(buf.bytes);
+        init_base(*tp, host.data(), buf.bytes);
+        write_bytes(static_cast<std::int32_t>(b), host.data(), buf.bytes);
+      }
     }
     // Parameter offload: a gather reads a view of a staging buffer that a param_h2d copy fills
     // from the persistent (host) shard; that shard is the one to fill.
@@ -205,9 +213,11 @@ void Session::Impl::setup() {
   }
   for (std::size_t b = 0; b < nbuf; ++b)
     if (program.buffers[b].role == sim::BufferRole::grad_shard && ptr[b] != nullptr) grad_shard = static_cast<std::int32_t>(b);
-  for (const auto& [id, tt] : adapter_views)
-    init_adapter_tensor(*tt, {at(id), static_cast<std::size_t>(tt->numel())}, plan.run.seed,
-                        adapter_file ? &*adapter_file : nullptr);
+  for (const auto& [id, tt] : adapter_views) {
+    std::vector<float> host(static_cast<std::size_t>(tt->numel()));
+    init_adapter_tensor(*tt, host, plan.run.seed, adapter_file ? &*adapter_file : nullptr);
+    write_bytes(id, host.data(), 4 * host.size());
+  }
   if (comm) base_counters = comm->counters();
   // The offloaded step's host copy of this rank's partition: the step's param_h2d copies run
   // backwards (ZeRO-2 has one per bucket, from a view of optimizer.params into its region).
@@ -219,6 +229,7 @@ void Session::Impl::setup() {
         auto* p = at<std::byte>(id);
         return bytes(id) == op.bytes ? p : p + static_cast<std::uint64_t>(rank) * op.bytes;
       };
+      be.synchronize();
       be.copy_to_host(block(op.buffer), block(op.buffer_out), op.bytes);
     }
   if (adapter_file)  // every tensor of the file must belong to the adapter
@@ -292,7 +303,7 @@ Session::~Session() = default;
 
 // ZeRO-3: the whole adapter, all_gathered from the ranks' shards (a collective outside the
 // step: its bytes are not counted in the step's measurement).
-std::span<float> Session::Impl::gather_adapter() {
+void Session::Impl::gather_adapter() {
   std::unordered_map<std::string, std::int64_t> flat_offset;
   std::int64_t total = 0;
   for (const auto& tt : trainables) {
@@ -302,9 +313,12 @@ std::span<float> Session::Impl::gather_adapter() {
   full_adapter.assign(static_cast<std::size_t>(total), 0.0f);
   const CommCounters before = comm ? comm->counters() : CommCounters{};
   for (const ShardLayout& l : shard_layouts) {
+    // This rank's shard staged to the host, then every rank's gathered there (a host
+    // collective outside the step).
     std::vector<std::byte> region(bytes(l.shard) * static_cast<std::uint64_t>(N));
-    if (N > 1) comm->all_gather(at<std::byte>(l.shard), region.data(), bytes(l.shard), CommDType::uint8);
-    else std::memcpy(region.data(), at<std::byte>(l.shard), bytes(l.shard));
+    std::byte* mine = region.data() + static_cast<std::uint64_t>(rank) * bytes(l.shard);
+    read_bytes(l.shard, mine, bytes(l.shard));
+    if (N > 1) comm->all_gather(mine, region.data(), bytes(l.shard), CommDType::uint8);
     for (const auto& [tt, off] : l.adapters)
       std::memcpy(full_adapter.data() + flat_offset.at(tt->name), region.data() + off, 4 * static_cast<std::size_t>(tt->numel()));
   }
@@ -316,35 +330,67 @@ std::span<float> Session::Impl::gather_adapter() {
       base_counters.by_kind[k].seconds += after.by_kind[k].seconds - before.by_kind[k].seconds;
     }
   }
-  return full_adapter;
 }
-std::span<float> Session::trainable_weights() {
+// The adapter tensors that are views of trainable.flat, in trainable-inventory order.
+std::vector<std::pair<std::int32_t, const models::TrainableTensor*>> Session::Impl::adapter_views_in_order() const {
+  std::vector<std::pair<std::int32_t, const models::TrainableTensor*>> out;
+  for (const auto& tt : trainables)
+    for (const auto& [id, t] : adapter_views)
+      if (t == &tt) out.emplace_back(id, t);
+  return out;
+}
+
+std::vector<float> Session::trainable_weights() {
   Impl& s = *impl_;
-  if (s.zero3) return s.gather_adapter();
-  // ZeRO-2's bucket-partitioned trainable.flat keeps padding between buckets: the adapter in
-  // inventory order is a copy.
-  std::int64_t natural = 0;
-  bool in_place = true;
-  for (const auto& tt : s.trainables) {
-    for (const auto& [id, t] : s.adapter_views)
-      if (t == &tt && s.program.buffers[static_cast<std::size_t>(id)].offset != 4 * static_cast<std::uint64_t>(natural)) in_place = false;
-    natural += tt.numel();
-  }
-  if (!in_place) {
-    s.full_adapter.assign(static_cast<std::size_t>(natural), 0.0f);
-    std::size_t off = 0;
-    for (const auto& tt : s.trainables) {
-      for (const auto& [id, t] : s.adapter_views)
-        if (t == &tt) std::memcpy(s.full_adapter.data() + off, s.at(id), 4 * static_cast<std::size_t>(tt.numel()));
-      off += static_cast<std::size_t>(tt.numel());
-    }
+  if (s.zero3) {
+    s.gather_adapter();
     return s.full_adapter;
   }
-  return {impl_->at(impl_->trainable_flat), static_cast<std::size_t>(impl_->floats(impl_->trainable_flat))};
+  // In inventory order: ZeRO-2's bucket-partitioned trainable.flat keeps padding between
+  // buckets, so each tensor is read from its own view.
+  std::vector<float> out;
+  for (const auto& [id, t] : s.adapter_views_in_order()) {
+    const std::size_t at = out.size();
+    out.resize(at + static_cast<std::size_t>(t->numel()));
+    s.read_bytes(id, out.data() + at, 4 * static_cast<std::uint64_t>(t->numel()));
+  }
+  return out;
 }
-std::span<const float> Session::gradients() const {
+
+void Session::set_trainable_weights(std::span<const float> w) {
+  Impl& s = *impl_;
+  std::int64_t total = 0;
+  for (const auto& tt : s.trainables) total += tt.numel();
+  if (static_cast<std::int64_t>(w.size()) != total)
+    throw InternalError(fmt::format("set_trainable_weights: {} values for an adapter of {}", w.size(), total));
+  if (s.zero3) {  // each rank writes what its shards hold of each tensor
+    std::unordered_map<const models::TrainableTensor*, std::int64_t> flat;
+    std::int64_t off = 0;
+    for (const auto& tt : s.trainables) {
+      flat[&tt] = off;
+      off += tt.numel();
+    }
+    for (const Impl::ShardLayout& l : s.shard_layouts) {
+      const std::uint64_t lo = static_cast<std::uint64_t>(s.rank) * s.bytes(l.shard), hi = lo + s.bytes(l.shard);
+      for (const auto& [tt, at] : l.adapters) {
+        const std::uint64_t a = std::max(lo, at), b = std::min(hi, at + 4 * static_cast<std::uint64_t>(tt->numel()));
+        if (a >= b) continue;
+        const auto* src = reinterpret_cast<const std::byte*>(w.data() + flat.at(tt)) + (a - at);
+        s.write_bytes(l.shard, src, b - a, a - lo);
+      }
+    }
+    return;
+  }
+  std::size_t at = 0;
+  for (const auto& [id, t] : s.adapter_views_in_order()) {
+    s.write_bytes(id, w.data() + at, 4 * static_cast<std::uint64_t>(t->numel()));
+    at += static_cast<std::size_t>(t->numel());
+  }
+}
+
+std::vector<float> Session::gradients() const {
   PEFTPLAN_CHECK_MSG(impl_->grad_flat >= 0, "this strategy keeps no full gradient buffer");
-  return {impl_->at(impl_->grad_flat), static_cast<std::size_t>(impl_->floats(impl_->grad_flat))};
+  return impl_->read_floats(impl_->grad_flat);
 }
 std::int64_t Session::steps_done() const { return impl_->steps_done; }
 
@@ -364,9 +410,11 @@ void Session::save_adapter(const std::filesystem::path& dir) const {
     executor::save_adapter(dir, s.plan.input.peft.adapters.at(0), s.plan.input.model.name, out);
     return;
   }
-  for (const auto& tt : s.trainables)
-    for (const auto& [id, t] : s.adapter_views)
-      if (t == &tt) out.push_back({t, {s.at(id), static_cast<std::size_t>(t->numel())}});
+  std::vector<std::vector<float>> host;  // each tensor staged to the host
+  for (const auto& [id, t] : s.adapter_views_in_order()) {
+    host.push_back(s.read_floats(id));
+    out.push_back({t, host.back()});
+  }
   executor::save_adapter(dir, s.plan.input.peft.adapters.at(0), s.plan.input.model.name, out);
 }
 

@@ -56,19 +56,25 @@ void Session::Impl::wait_for_buffer(std::int32_t root) {
 void Session::Impl::collective(std::size_t i, const sim::Op& op) {
   if (N == 1 && comm == nullptr) {  // one rank, no communicator: a ZeRO-3 gather is a copy of the shard
     if (op.collective == sim::Collective::all_gather && op.buffer_in >= 0)
-      be.copy_to_device(at<std::byte>(op.buffer), at<std::byte>(op.buffer_in), bytes(op.buffer_in));
+      be.copy_device(at<std::byte>(op.buffer), at<std::byte>(op.buffer_in), bytes(op.buffer_in));
     return;
   }
   PEFTPLAN_CHECK_MSG(comm != nullptr && comm->size() == N, "a {}-rank program needs a communicator of {} ranks", N, N);
-  if (op.buffer < 0) {  // a scalar reduction (sim::verify: an 8-byte all_reduce)
-    double* v = op.reduction == sim::ScalarReduction::loss_sum ? &loss_sum : op.reduction == sim::ScalarReduction::grad_sumsq ? &sumsq : nullptr;
-    PEFTPLAN_CHECK_MSG(v != nullptr, "{} reduces no scalar the executor knows", op_name(i));
+  if (op.buffer < 0) {  // a scalar reduction (sim::verify: an 8-byte all_reduce), on the host
+    const bool loss = op.reduction == sim::ScalarReduction::loss_sum;
+    PEFTPLAN_CHECK_MSG(loss || op.reduction == sim::ScalarReduction::grad_sumsq, "{} reduces no scalar the executor knows", op_name(i));
     wait_through(i);
+    double* v = loss ? &loss_sum : &sumsq;  // this rank's sum, staged from its device scalar
+    *v = read_scalar(loss ? kLossSlot : kNormSlot);
+    (loss ? loss_on_host : norm_on_host) = true;
     auto req = comm->all_reduce_async(v, v, 1, CommDType::fp64, ReduceOp::sum);
     wait(*req, i);
     return;
   }
   PEFTPLAN_CHECK_MSG(bytes(op.buffer) == op.bytes, "{}: payload {} bytes, op {} bytes", op_name(i), bytes(op.buffer), op.bytes);
+  // The payload is ready once the kernels before it have run: this communicator reads memory
+  // from its own thread, so the compute queue is drained first (a no-op on the CPU backend).
+  be.synchronize();
   float* p = at(op.buffer);
   const std::size_t n = op.bytes / 4;
   Pending pd;

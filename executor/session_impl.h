@@ -109,7 +109,13 @@ struct Session::Impl {
   // Step state.
   std::int64_t steps_done = 0;
   std::int64_t step_index = 0;                  // the step being run (data, dropout)
+  // The step's scalars live on the device (backend.h): the loss sum the cross-entropy kernels
+  // add to and the squared gradient norm, kScalarSlots fp64 at `scalars`, outside the program's
+  // categories (16 bytes). loss_sum and sumsq are their host copies, valid once *_on_host.
+  static constexpr std::size_t kLossSlot = 0, kNormSlot = 1, kScalarSlots = 2;
+  double* scalars = nullptr;
   double loss_sum = 0.0, sumsq = 0.0;
+  bool loss_on_host = false, norm_on_host = false;
   bool have_norm = false;
   bool skipped = false;  // this step's update was skipped (a non-finite gradient norm)
   bool lr_logged = false;                       // the step's lr is recorded once (ZeRO-2 steps
@@ -138,9 +144,22 @@ struct Session::Impl {
   std::deque<std::vector<double>> coll_recent;  // the last steps' (after the first), at most 32
   Measurement meas;
 
+  // Timing marks (Backend::record_mark): the step's start, then a begin and an end per op; the
+  // compute ops run_ops marked, whose times it reads after the step's synchronize.
+  static constexpr std::size_t kStartMark = 0;
+  static std::size_t begin_mark(std::size_t op) { return 1 + 2 * op; }
+  static std::size_t end_mark(std::size_t op) { return 2 + 2 * op; }
+  std::vector<std::size_t> timed;
+  std::vector<std::int32_t> host_tokens;        // a micro-batch's tokens and targets, staged
+
   Impl(const planner::PlanFile& p, Backend& b, TokenData tokens, Communicator* c, const SessionOptions& o)
       : plan(p), be(b), data(std::move(tokens)), comm(c), alloc(b.device_memory(), b.host_memory()),
-        options(o) {}
+        options(o) {
+    scalars = static_cast<double*>(be.device_memory().allocate(kScalarSlots * sizeof(double)));
+  }
+  ~Impl() { be.device_memory().deallocate(scalars, kScalarSlots * sizeof(double)); }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
   SessionOptions options;
   mutable std::once_flag named_once;  // buffer_label's named twin of `program`
   mutable sim::Program named;
@@ -160,7 +179,8 @@ struct Session::Impl {
   std::int64_t floats(std::int32_t id) const { return static_cast<std::int64_t>(bytes(id) / 4); }
 
   void setup();
-  std::span<float> gather_adapter();
+  void gather_adapter();  // ZeRO-3: the whole adapter into full_adapter
+  std::vector<std::pair<std::int32_t, const models::TrainableTensor*>> adapter_views_in_order() const;
   void run_ops(bool update);
   void collective(std::size_t i, const sim::Op& op);
   void copy(const sim::Op& op);
@@ -182,6 +202,28 @@ struct Session::Impl {
     const auto global_mb = static_cast<std::uint64_t>(rank) * static_cast<std::uint64_t>(A) + static_cast<std::uint64_t>(micro_batch);
     return {p, mix(plan.run.seed ^ mix(static_cast<std::uint64_t>(step_index) * 0x100000001b3ull + global_mb) ^
                    mix(static_cast<std::uint64_t>(adapter) + 0x51ed27ull))};
+  }
+  // Host access to device buffers, always staged through the Backend (synchronize, then a
+  // copy): a buffer's (or view's) bytes to and from host memory, and its fp32 elements.
+  void read_bytes(std::int32_t id, void* dst, std::uint64_t n, std::uint64_t offset = 0) const {
+    be.synchronize();
+    be.copy_to_host(dst, at<std::byte>(id) + offset, n);
+  }
+  void write_bytes(std::int32_t id, const void* src, std::uint64_t n, std::uint64_t offset = 0) const {
+    be.copy_to_device(at<std::byte>(id) + offset, src, n);
+  }
+  std::vector<float> read_floats(std::int32_t id) const {
+    std::vector<float> v(static_cast<std::size_t>(floats(id)));
+    read_bytes(id, v.data(), 4 * v.size());
+    return v;
+  }
+  double read_scalar(std::size_t slot);
+  double step_loss_sum() {  // this step's loss sum (all ranks' once the loss is all-reduced)
+    if (!loss_on_host) {
+      loss_sum = read_scalar(kLossSlot);
+      loss_on_host = true;
+    }
+    return loss_sum;
   }
   void alloc_op(std::size_t i, const sim::Op& op);
   void compute(const sim::Op& op);

@@ -49,8 +49,7 @@ std::string_view intern(const std::string& s) {
 // per parameter). LLM.int8 keeps one fp32 scale per output row (bitsandbytes Int8Params SCB).
 std::uint64_t frozen_bytes(const models::TensorInfo& t, DType base, DType compute,
                            const std::optional<models::Quantization>& q) {
-  const bool linear = t.role == models::ParamRole::linear_weight;
-  if (!linear || !q) return storage_bytes(linear ? base : compute, t.numel());
+  if (t.role != models::ParamRole::linear_weight || !q) return storage_bytes(frozen_storage_dtype(t, base, compute), t.numel());
   const std::int64_t n = t.numel();
   if (q->dtype == DType::int8) return static_cast<std::uint64_t>(n) + 4ull * static_cast<std::uint64_t>(t.shape[0]);
   const std::uint64_t blocks = ceil_div(static_cast<std::uint64_t>(n), static_cast<std::uint64_t>(q->block_size));
@@ -2272,6 +2271,10 @@ BuiltProgram Builder::build() {
 }
 
 }  // namespace
+
+DType frozen_storage_dtype(const models::TensorInfo& t, DType base, DType compute) {
+  return t.role == models::ParamRole::linear_weight ? base : compute;
+}
 
 ModelInventory make_inventory(const models::ModelSpec& model, const models::PeftSpec& peft) {
   ModelInventory inv;

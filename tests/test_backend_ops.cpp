@@ -105,20 +105,120 @@ TEST_P(BackendOps, LinearForwardAndBackwardInput) {
   expect_near(ddx.host(), dx, 1e-5, "dx");
 }
 
-TEST_P(BackendOps, Bf16ToFp32) {
+// A device fp64 scalar (the loss sum, the squared norm), read back through the backend.
+class DevScalar {
+ public:
+  explicit DevScalar(Backend& be, double v = 0.0) : be_(be) {
+    p_ = static_cast<double*>(be.device_memory().allocate(8));
+    be.copy_to_device(p_, &v, 8);
+  }
+  ~DevScalar() { be_.device_memory().deallocate(p_, 8); }
+  DevScalar(const DevScalar&) = delete;
+  DevScalar& operator=(const DevScalar&) = delete;
+  double* get() { return p_; }
+  double host() {
+    double v = 0;
+    be_.synchronize();
+    be_.copy_to_host(&v, p_, 8);
+    return v;
+  }
+
+ private:
+  Backend& be_;
+  double* p_ = nullptr;
+};
+
+// Raw device bytes, filled from and read back to the host.
+std::vector<std::uint16_t> convert_16(Backend& be, const void* src, DType from, std::size_t n, DType to) {
+  const std::uint64_t in = storage_bytes(from, static_cast<std::int64_t>(n)), out = storage_bytes(to, static_cast<std::int64_t>(n));
+  void* s = be.device_memory().allocate(in);
+  void* d = be.device_memory().allocate(out);
+  be.copy_to_device(s, src, in);
+  be.convert(s, from, d, to, static_cast<Index>(n));
+  std::vector<std::uint16_t> got(n);
+  be.synchronize();
+  be.copy_to_host(got.data(), d, out);
+  be.device_memory().deallocate(s, in);
+  be.device_memory().deallocate(d, out);
+  return got;
+}
+
+float from_bits(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// bf16 -> fp32 is exact: the 16 bits become the high half of the fp32 pattern.
+TEST_P(BackendOps, ConvertBf16ToFp32IsExact) {
   const std::vector<std::uint16_t> bits = {0x3f80, 0xbf80, 0x4049, 0x0000, 0x7f80, 0x3e00};
   void* src = be().device_memory().allocate(2 * bits.size());
   be().copy_to_device(src, bits.data(), 2 * bits.size());
   Dev out(be(), bits.size());
-  be().bf16_to_fp32(static_cast<const std::uint16_t*>(src), out.get(), static_cast<Index>(bits.size()));
+  be().convert(src, DType::bf16, out.get(), DType::fp32, static_cast<Index>(bits.size()));
   const Vec got = out.host();
-  for (std::size_t i = 0; i < bits.size(); ++i) {
-    const std::uint32_t u = std::uint32_t(bits[i]) << 16;
-    float want;
-    std::memcpy(&want, &u, 4);
-    EXPECT_EQ(got[i], want) << i;
-  }
+  for (std::size_t i = 0; i < bits.size(); ++i) EXPECT_EQ(got[i], from_bits(std::uint32_t(bits[i]) << 16)) << i;
   be().device_memory().deallocate(src, 2 * bits.size());
+}
+
+// fp32 -> bf16 rounds to nearest, ties to even (torch's .to(torch.bfloat16)): 1 + 2^-8 lies
+// halfway between 1 and 1 + 2^-7 and goes to the even 1.0; one ulp of fp32 above it goes up;
+// 1 + 3·2^-8 is halfway with an odd lower neighbour and goes up to 1 + 2^-6.
+TEST_P(BackendOps, ConvertFp32ToBf16RoundsToNearestEven) {
+  if (!be().supports_storage(DType::bf16)) GTEST_SKIP() << be().name() << " stores no bf16";
+  const std::vector<float> x = {1.0f, from_bits(0x3f808000), from_bits(0x3f808001), from_bits(0x3f818000), -2.5f, 0.0f};
+  const std::vector<std::uint16_t> want = {0x3f80, 0x3f80, 0x3f81, 0x3f82, 0xc020, 0x0000};
+  EXPECT_EQ(convert_16(be(), x.data(), DType::fp32, x.size(), DType::bf16), want);
+  // And back: every bf16 value survives the round trip (bf16 -> fp32 -> bf16).
+  const auto back = convert_16(be(), x.data(), DType::fp32, x.size(), DType::bf16);
+  Dev wide(be(), back.size());
+  void* s = be().device_memory().allocate(2 * back.size());
+  be().copy_to_device(s, back.data(), 2 * back.size());
+  be().convert(s, DType::bf16, wide.get(), DType::fp32, static_cast<Index>(back.size()));
+  const Vec w = wide.host();
+  EXPECT_EQ(convert_16(be(), w.data(), DType::fp32, w.size(), DType::bf16), back);
+  be().device_memory().deallocate(s, 2 * back.size());
+}
+
+// fp32 -> fp16 (IEEE binary16): 1 + 2^-11 is halfway and goes to the even 1.0; 65520 overflows
+// to +inf; bf16 -> fp16 goes through fp32 (one rounding).
+TEST_P(BackendOps, ConvertFp16BothWays) {
+  if (!be().supports_storage(DType::fp16)) GTEST_SKIP() << be().name() << " stores no fp16";
+  const std::vector<float> x = {1.0f, 1.0f + 0x1p-11f, -0.5f, 65520.0f};
+  const std::vector<std::uint16_t> want = {0x3c00, 0x3c00, 0xb800, 0x7c00};
+  EXPECT_EQ(convert_16(be(), x.data(), DType::fp32, x.size(), DType::fp16), want);
+  const std::vector<std::uint16_t> bf = {0x3f80, 0xbf00};  // 1.0, -0.5 in bf16
+  EXPECT_EQ(convert_16(be(), bf.data(), DType::bf16, bf.size(), DType::fp16), (std::vector<std::uint16_t>{0x3c00, 0xb800}));
+}
+
+TEST_P(BackendOps, ConvertRefusesQuantisedStorageNamingIt) {
+  EXPECT_FALSE(be().supports_storage(DType::nf4));
+  Dev a(be(), 4), b(be(), 4);
+  try {
+    be().convert(a.get(), DType::nf4, b.get(), DType::fp32, 4);
+    FAIL() << "no throw";
+  } catch (const InternalError& e) {
+    EXPECT_NE(std::string(e.what()).find("nf4"), std::string::npos) << e.what();
+  }
+}
+
+// Marks time what ran between them, read after one synchronize: a mark around a large GEMM is
+// later than one around nothing, and the intervals add up.
+TEST_P(BackendOps, MarksTimeTheWorkBetweenThem) {
+  const Index M = 192, K = 192, N = 192;
+  Dev x(be(), random_vec(M * K, 40)), w(be(), random_vec(N * K, 41)), y(be(), M * N);
+  be().reserve_marks(4);
+  be().record_mark(0);
+  be().record_mark(1);
+  for (int i = 0; i < 8; ++i) be().linear_forward(x.get(), w.get(), nullptr, y.get(), M, K, N, false);
+  be().record_mark(2);
+  be().record_mark(3);
+  be().synchronize();
+  const double empty = be().seconds_between(0, 1), gemms = be().seconds_between(1, 2), all = be().seconds_between(0, 3);
+  EXPECT_GE(empty, 0.0);
+  EXPECT_GT(gemms, 0.0);
+  EXPECT_GE(all, gemms);
+  EXPECT_NEAR(all, be().seconds_between(0, 1) + be().seconds_between(1, 2) + be().seconds_between(2, 3), 1e-9);
 }
 
 TEST_P(BackendOps, DropoutKeepsOneMinusPScaledAndRepeats) {
@@ -354,7 +454,9 @@ TEST_P(BackendOps, EmbeddingAndCrossEntropy) {
     for (Index j = 0; j < V; ++j) dl[m * V + j] = (std::exp(logits[m * V + j] - mx) / z - (j == tokens[m] ? 1.0 : 0.0)) / count;
   }
   Dev lg(be(), logits), dlg(be(), Mr * V);
-  EXPECT_NEAR(be().cross_entropy_forward(lg.get(), t, Mr, V), loss, 1e-4);
+  DevScalar sum(be(), 1.5);  // the kernel adds to what the scalar holds
+  be().cross_entropy_forward(lg.get(), t, Mr, V, sum.get());
+  EXPECT_NEAR(sum.host(), 1.5 + loss, 1e-4);
   be().cross_entropy_backward(lg.get(), t, dlg.get(), count, Mr, V);
   expect_near(dlg.host(), dl, 1e-5, "d_logits");
   be().cross_entropy_backward(lg.get(), t, lg.get(), count, Mr, V);  // in place
@@ -378,7 +480,9 @@ TEST_P(BackendOps, ElementwiseAndReductions) {
   be().add(da.get(), db.get(), da.get(), n);  // out aliasing a
   expect_near(da.host(), sum, 1e-6, "add in place");
   Dev dc(be(), a);
-  EXPECT_NEAR(be().sum_squares(dc.get(), n), ss, 1e-5 * ss);
+  DevScalar sq(be(), 99.0);  // overwritten
+  be().sum_squares(dc.get(), n, sq.get());
+  EXPECT_NEAR(sq.host(), ss, 1e-5 * ss);
   be().scale(dc.get(), 0.5f, n);
   expect_near(dc.host(), scaled, 1e-6, "scale");
 }

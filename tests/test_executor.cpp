@@ -90,7 +90,9 @@ Backend& cpu_backend() {
 void randomise_adapter(Session& s, unsigned seed, float scale) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-scale, scale);
-  for (float& w : s.trainable_weights()) w = u(rng);
+  std::vector<float> w = s.trainable_weights();
+  for (float& x : w) x = u(rng);
+  s.set_trainable_weights(w);
 }
 
 fs::path temp_dir(const std::string& name) {
@@ -141,6 +143,39 @@ TEST(ExecutorMemory, MeasuredEqualsPredictedExactly) {
 // buffers by role, tensors by inventory index) for every strategy and offload it runs: on one
 // rank each is the same arithmetic as DDP, so the losses and gradient norms agree, and every
 // buffer of the program it ran is unnamed.
+// The adapter goes to and from the device only through the Backend (set_trainable_weights,
+// trainable_weights): what is written is what is read, for every layout (trainable.flat, ZeRO-2's
+// bucket-partitioned flat with optimizer offload, ZeRO-3's shards), and it is what the step
+// trains: the same adapter written into every strategy gives DDP's loss and norm.
+TEST(ExecutorProgram, TheAdapterWrittenIsTheAdapterReadAndTrained) {
+  Config c;
+  c.targets = {"q_proj", "v_proj", "down_proj"};
+  std::vector<float> adapter;
+  std::vector<double> ddp;
+  for (const auto& [stage, opt] : {std::pair{planner::Stage::ddp, planner::OffloadDevice::none},
+                                   std::pair{planner::Stage::zero2, planner::OffloadDevice::cpu},
+                                   std::pair{planner::Stage::zero3, planner::OffloadDevice::none}}) {
+    planner::PlanFile pf = make_plan(c);
+    pf.input.strategy.stage = stage;
+    pf.input.strategy.offload_optimizer = opt;
+    SCOPED_TRACE(std::string(planner::name_of(stage)));
+    Session s(pf, cpu_backend(), corpus(pf));
+    if (adapter.empty()) {
+      adapter = s.trainable_weights();
+      std::mt19937 rng(5);
+      std::uniform_real_distribution<float> u(-0.1f, 0.1f);
+      for (float& w : adapter) w = u(rng);
+    }
+    s.set_trainable_weights(adapter);
+    EXPECT_EQ(s.trainable_weights(), adapter);
+    const StepStats st = s.step();
+    if (ddp.empty()) ddp = {st.loss, st.grad_norm};
+    EXPECT_NEAR(st.loss, ddp[0], 1e-6 * ddp[0]);
+    EXPECT_NEAR(st.grad_norm, ddp[1], 1e-5 * ddp[1]);
+    EXPECT_NE(s.trainable_weights(), adapter);  // the step moved it
+  }
+}
+
 TEST(ExecutorProgram, RunsProgramsBuiltWithoutNamesForEveryStrategy) {
   struct Strategy {
     planner::Stage stage;
@@ -221,8 +256,8 @@ TEST(ExecutorGradients, LoraGradientsMatchFiniteDifferences) {
     Session s(pf, cpu_backend(), corpus(pf));
     randomise_adapter(s, 3, 0.2f);
     const double loss = s.forward_backward(0);
-    const std::vector<float> g(s.gradients().begin(), s.gradients().end());
-    std::vector<float> w0(s.trainable_weights().begin(), s.trainable_weights().end());
+    const std::vector<float> g = s.gradients();
+    const std::vector<float> w0 = s.trainable_weights();
     double gnorm = 0;
     for (float x : g) gnorm += static_cast<double>(x) * x;
     ASSERT_GT(gnorm, 0.0);
@@ -240,23 +275,27 @@ TEST(ExecutorGradients, LoraGradientsMatchFiniteDifferences) {
       auto shifted = [&](double sign) {
         auto w = s.trainable_weights();
         for (std::size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(w0[i] + sign * h * v[i]);
+        s.set_trainable_weights(w);
         return s.forward_backward(0);
       };
       const double fd = (shifted(1) - shifted(-1)) / (2 * h);
       double an = 0;
       for (std::size_t i = 0; i < g.size(); ++i) an += g[i] * v[i];
       EXPECT_NEAR(fd, an, 2e-4 + 2e-2 * std::abs(an)) << c.model << " direction " << dir << " loss " << loss;
-      std::copy(w0.begin(), w0.end(), s.trainable_weights().begin());
+      s.set_trainable_weights(w0);
     }
     // And the single largest component on its own.
     const auto imax = static_cast<std::size_t>(std::max_element(g.begin(), g.end(), [](float a, float b) { return std::abs(a) < std::abs(b); }) - g.begin());
     const double h = 1e-2;
     auto w = s.trainable_weights();
     w[imax] = w0[imax] + static_cast<float>(h);
+    s.set_trainable_weights(w);
     const double up = s.forward_backward(0);
     w[imax] = w0[imax] - static_cast<float>(h);
+    s.set_trainable_weights(w);
     const double down = s.forward_backward(0);
     w[imax] = w0[imax];
+    s.set_trainable_weights(w);
     EXPECT_NEAR((up - down) / (2 * h), g[imax], 2e-4 + 2e-2 * std::abs(g[imax])) << c.model;
   }
 }

@@ -1,12 +1,14 @@
 // The CPU backend: the Backend interface over the CPU kernels of kernels.h (Eigen GEMMs with
 // Eigen's own OpenMP parallelism, OpenMP loops elsewhere). Device memory is the heap; copies
 // are memcpy; kernels run inline on the calling thread, so synchronize() has nothing to wait
-// for. The only code of its own is the dropout mask, generated on the fly from a counter-based
+// for and a timing mark is the host clock when it is recorded. The only code of its own is the dropout mask, generated on the fly from a counter-based
 // hash (the same bits as kernels.h dropout_mask) so that no mask buffer exists outside the
 // step program.
 #include <omp.h>
 
+#include <chrono>
 #include <cstring>
+#include <vector>
 
 #include <Eigen/Core>
 #include <fmt/format.h>
@@ -63,6 +65,36 @@ class CpuBackend final : public Backend {
   void fill_zero(void* dst, std::uint64_t bytes) override { std::memset(dst, 0, bytes); }
   void synchronize() override {}
 
+  void reserve_marks(std::size_t slots) override {
+    if (marks_.size() < slots) marks_.resize(slots);
+  }
+  void record_mark(std::size_t slot) override { marks_.at(slot) = Clock::now(); }
+  double seconds_between(std::size_t from, std::size_t to) override {
+    return std::chrono::duration<double>(marks_.at(to) - marks_.at(from)).count();
+  }
+
+  bool supports_storage(DType d) const override { return d == DType::fp32 || d == DType::bf16 || d == DType::fp16; }
+  void convert(const void* src, DType from, void* dst, DType to, Index n) override {
+    if (!supports_storage(from) || !supports_storage(to))
+      throw InternalError(fmt::format("the cpu backend converts fp32, bf16 and fp16, not {} to {}", name_of(from), name_of(to)));
+    if (from == to) {
+      std::memmove(dst, src, storage_bytes(to, n));
+      return;
+    }
+    const auto* h = static_cast<const std::uint16_t*>(src);
+    auto* o = static_cast<std::uint16_t*>(dst);
+    if (from == DType::bf16 && to == DType::fp32) return cpu::bf16_to_fp32(h, static_cast<float*>(dst), n);
+    if (from == DType::fp16 && to == DType::fp32) return cpu::fp16_to_fp32(h, static_cast<float*>(dst), n);
+    if (from == DType::fp32 && to == DType::bf16) return cpu::fp32_to_bf16(static_cast<const float*>(src), o, n);
+    if (from == DType::fp32 && to == DType::fp16) return cpu::fp32_to_fp16(static_cast<const float*>(src), o, n);
+    // Between the two 16-bit formats: through fp32, element by element (exact widening, one
+    // rounding), as torch's .to() does.
+    for (Index i = 0; i < n; ++i) {
+      const float f = from == DType::bf16 ? cpu::bf16_to_fp32(h[i]) : cpu::fp16_to_fp32(h[i]);
+      o[i] = to == DType::bf16 ? cpu::fp32_to_bf16(f) : cpu::fp32_to_fp16(f);
+    }
+  }
+
   void linear_forward(const float* x, const float* W, const float* bias, float* y, Index M,
                       Index K, Index N, bool accumulate) override {
     cpu::linear_forward(x, W, bias, y, M, K, N, mode(accumulate));
@@ -70,9 +102,6 @@ class CpuBackend final : public Backend {
   void linear_backward_input(const float* dy, const float* W, float* dx, Index M, Index K,
                              Index N, bool accumulate) override {
     cpu::linear_backward_input(dy, W, dx, M, K, N, mode(accumulate));
-  }
-  void bf16_to_fp32(const std::uint16_t* src, float* dst, Index n) override {
-    cpu::bf16_to_fp32(src, dst, n);
   }
   void dropout_forward(const float* x, float* out, Index n, const DropoutKey& key) override {
     const std::uint64_t mixed = splitmix64(key.seed);
@@ -148,16 +177,16 @@ class CpuBackend final : public Backend {
                          Index V, Index H) override {
     cpu::embedding_forward(tokens, table, out, M, V, H);
   }
-  double cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M,
-                               Index V) override {
-    return cpu::cross_entropy_forward(logits, targets, M, V);
+  void cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M, Index V,
+                             double* loss_sum) override {
+    *loss_sum += cpu::cross_entropy_forward(logits, targets, M, V);
   }
   void cross_entropy_backward(const float* logits, const std::int32_t* targets, float* dlogits,
                               double count, Index M, Index V) override {
     cpu::cross_entropy_backward(logits, targets, dlogits, count, M, V);
   }
   void add(const float* a, const float* b, float* out, Index n) override { cpu::add(a, b, out, n); }
-  double sum_squares(const float* x, Index n) override { return cpu::sum_squares(x, n); }
+  void sum_squares(const float* x, Index n, double* out) override { *out = cpu::sum_squares(x, n); }
   void scale(float* x, float s, Index n) override { cpu::scale_inplace(x, s, n); }
   void adamw_step(float* param, const float* grad, float* m, float* v, Index n, std::int64_t step,
                   double lr, double beta1, double beta2, double eps, double weight_decay) override {
@@ -166,7 +195,9 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
   int threads_ = 1;
+  std::vector<Clock::time_point> marks_;
 };
 
 }  // namespace

@@ -74,7 +74,7 @@ int threads_per_rank();
 void probe(const std::string& out, double window_s) {
   auto world = executor::make_mpi_communicator();
   auto backend = executor::make_cpu_backend(threads_per_rank());  // the OpenMP threads a run's rank has
-  const double rate = executor::speed_probe(world->size() > 1 ? world.get() : nullptr, window_s);
+  const double rate = executor::speed_probe(*backend, world->size() > 1 ? world.get() : nullptr, window_s);
   if (world->rank() != 0) return;
   const nlohmann::json j = {{"schema", schemas::kSpeedProbe}, {"flops_per_s", rate}, {"ranks", world->size()},
                             {"window_s", window_s}};

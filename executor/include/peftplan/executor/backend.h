@@ -6,8 +6,15 @@
 // host), fp32 unless the parameter says otherwise, row-major, with the dimension names of
 // kernels.h (M token rows, K in-features, N out-features, r LoRA rank, H hidden, I intermediate,
 // V vocab, nh/nkv heads, d head_dim). Kernels are enqueued in call order on the backend's
-// compute stream; synchronize() waits for them (the CPU backend runs them inline). Scratch is
-// always passed in: a kernel never allocates (the tracked allocator sees every byte).
+// compute stream and may still be running when the call returns; the host touches device
+// memory only through copy_to_host / copy_to_device after synchronize(), and results a host
+// decision needs (the loss, the gradient norm) are written to device scalars it copies back.
+// Scratch is always passed in: a kernel never allocates (the tracked allocator sees every byte).
+//
+// Dtypes: storage dtypes cross the interface in convert(); the kernels compute in fp32 (the
+// executor profile's compute dtype, planner ProgramFacts), and a backend says which storage
+// dtypes it converts (supports_storage). Timing is by marks on the compute stream (CUDA events
+// on a device), read after one synchronize() per step, not by a synchronize after every op.
 //
 // A CUDA backend (cuBLAS GEMMs, its own stream and device memory) adds a file pair and a
 // factory; nothing here changes. Collectives are not here: see communicator.h.
@@ -19,6 +26,7 @@
 #include <string_view>
 #include <vector>
 
+#include "peftplan/common/dtype.h"
 #include "peftplan/executor/allocator.h"
 
 namespace peftplan::executor {
@@ -58,6 +66,24 @@ class Backend {
   // Waits until every enqueued kernel and copy has finished (for timing and host reads).
   virtual void synchronize() = 0;
 
+  // --- timing marks ----------------------------------------------------------------------
+  // A mark records the point the compute stream has reached when it is recorded (a CUDA event;
+  // on the CPU, whose kernels run inline, the host clock). Slots are reused: recording a slot
+  // again replaces its point. seconds_between(a, b) is the time from mark a to mark b, valid
+  // after a synchronize() that follows both.
+  virtual void reserve_marks(std::size_t slots) = 0;
+  virtual void record_mark(std::size_t slot) = 0;
+  virtual double seconds_between(std::size_t from, std::size_t to) = 0;
+
+  // --- dtypes ----------------------------------------------------------------------------
+  // Whether convert() reads and writes `d` (fp32, and bf16 / fp16 on the CPU; quantised
+  // storage is not an executor dtype).
+  virtual bool supports_storage(DType d) const = 0;
+  // dst[n] (in `to`) = src[n] (in `from`): fp32 -> bf16 / fp16 round to nearest even, the
+  // widening conversions are exact, equal dtypes copy. An unsupported dtype is an InternalError
+  // naming both.
+  virtual void convert(const void* src, DType from, void* dst, DType to, Index n) = 0;
+
   // --- kernels (fp32 compute) ------------------------------------------------------------
   // y[M,N] (=|+=) x[M,K]·W[N,K]ᵀ (+ bias[N]).
   virtual void linear_forward(const float* x, const float* W, const float* bias, float* y,
@@ -65,8 +91,6 @@ class Backend {
   // dx[M,K] (=|+=) dy[M,N]·W[N,K].
   virtual void linear_backward_input(const float* dy, const float* W, float* dx, Index M,
                                      Index K, Index N, bool accumulate) = 0;
-  // bf16 bit patterns -> fp32 (a base weight stored in bf16, per GEMM).
-  virtual void bf16_to_fp32(const std::uint16_t* src, float* dst, Index n) = 0;
   // out[n] = x ⊙ keep / (1 − p) with the mask of `key`.
   virtual void dropout_forward(const float* x, float* out, Index n, const DropoutKey& key) = 0;
   // u[M,r] = x_in·Aᵀ; y[M,N] += scale·u·Bᵀ.
@@ -104,15 +128,17 @@ class Backend {
                                float* dgate, float* dup, Index n) = 0;
   virtual void embedding_forward(const std::int32_t* tokens, const float* table, float* out,
                                  Index M, Index V, Index H) = 0;
-  // Loss sum over the rows (targets already shifted).
-  virtual double cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M,
-                                       Index V) = 0;
+  // *loss_sum += the loss summed over the rows (targets already shifted); loss_sum is one
+  // device fp64.
+  virtual void cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M,
+                                     Index V, double* loss_sum) = 0;
   // dlogits = (softmax − onehot) / count; dlogits may alias logits.
   virtual void cross_entropy_backward(const float* logits, const std::int32_t* targets,
                                       float* dlogits, double count, Index M, Index V) = 0;
   // out = a + b (out may alias a or b).
   virtual void add(const float* a, const float* b, float* out, Index n) = 0;
-  virtual double sum_squares(const float* x, Index n) = 0;
+  // *out = Σ x² (accumulated in fp64); out is one device fp64.
+  virtual void sum_squares(const float* x, Index n, double* out) = 0;
   virtual void scale(float* x, float s, Index n) = 0;
   // torch.optim.AdamW over n elements (optim.h adamw_step).
   virtual void adamw_step(float* param, const float* grad, float* m, float* v, Index n,

@@ -33,6 +33,9 @@ struct CalibrateOptions {
   // The user chose OpenMP's threads (OMP_NUM_THREADS, read by peftplan-exec's main): keep them;
   // otherwise each rank gets cores / ranks.
   bool threads_chosen = false;
+  // The backend that runs the GEMM timings, the speed probe and the step programs (backend.h
+  // backend_names); the profile describes it.
+  std::string backend = "cpu";
 };
 
 // y[M,N] = x[M,K] · W[N,K]^T, the executor's linear layer (cpu::linear_forward).
@@ -195,7 +198,8 @@ inline constexpr int kCalibrationAttempts = 3;
 
 inline constexpr double kProbeWindowS = 0.2;       // before each run's steps (cheap: every round)
 inline constexpr double kLongProbeWindowS = 1.0;   // calibration's two and run's check before planning
-double speed_probe(Communicator* world, double window_s);
+class Backend;
+double speed_probe(Backend& backend, Communicator* world, double window_s);
 
 // Per collective kind and place, from the step programs' collectives: the load (transfer -
 // collective_cost on `profile`) as load_s + load_per_compute × overlapped_s and the skew (the

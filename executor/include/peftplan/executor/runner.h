@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "peftplan/executor/backend.h"
 #include "peftplan/executor/data.h"
@@ -84,12 +85,14 @@ class Session {
   // dropout masks) without the update; gradients are left in gradients(). Returns the loss.
   double forward_backward(std::int64_t step_index);
 
-  // trainable.flat and grad.flat (fp32, the adapter tensors in trainable-inventory order). With
-  // ZeRO-2's bucket-partitioned layout, a copy in inventory order; with ZeRO-3, the adapter
-  // all_gathered from the ranks' shards (a collective: every rank calls it; its bytes are not
-  // counted in the steps' measurement).
-  std::span<float> trainable_weights();
-  std::span<const float> gradients() const;
+  // The adapter (fp32, its tensors in trainable-inventory order), copied from the device. With
+  // ZeRO-3, all_gathered from the ranks' shards (a collective: every rank calls it; its bytes
+  // are not counted in the steps' measurement).
+  std::vector<float> trainable_weights();
+  // Writes the adapter back (the same layout; under ZeRO-3 each rank writes its shards' part).
+  void set_trainable_weights(std::span<const float> weights);
+  // grad.flat copied from the device (DDP and ZeRO-1 keep the full gradients).
+  std::vector<float> gradients() const;
   const sim::Program& program() const;
   const MemoryStats& memory() const;
   // Everything measured so far (memory, losses, op times, the last step's trace).

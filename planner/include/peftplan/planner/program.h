@@ -83,6 +83,12 @@ struct ProgramFacts {
                                        //   and backward passes that run its hooks, per step
 };
 
+// The dtype a frozen tensor is stored in, the one rule the builder's sizes and the executor's
+// weights both follow: Linear weights in the base storage dtype (`base`: bf16, or a quantised
+// dtype, which applies to Linear weights only since bitsandbytes replaces nn.Linear), every other
+// frozen tensor (embeddings, norms, biases) in the compute dtype (`compute`).
+DType frozen_storage_dtype(const models::TensorInfo& t, DType base, DType compute);
+
 struct BuiltProgram {
   sim::Program program;
   ProgramFacts facts;
