@@ -13,6 +13,7 @@
 #include <openssl/evp.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/common/units.h"
 
 namespace peftplan::models {
@@ -39,13 +40,11 @@ std::string valid_arch_list() {
 
 // Reads the first present key among `keys`; nullopt when all are absent or null.
 const json* find_field(const json& c, std::initializer_list<const char*> keys, const char** found) {
-  for (const char* k : keys) {
-    auto it = c.find(k);
-    if (it != c.end() && !it->is_null()) {
+  for (const char* k : keys)
+    if (const json* v = json_fields::find(c, k)) {
       *found = k;
-      return &*it;
+      return v;
     }
-  }
   return nullptr;
 }
 
@@ -94,13 +93,6 @@ std::int64_t require_int(const json& c, std::string_view src, std::initializer_l
   return *v;
 }
 
-bool get_bool(const json& c, std::string_view src, const char* key, bool fallback) {
-  auto it = c.find(key);
-  if (it == c.end() || it->is_null()) return fallback;
-  if (!it->is_boolean()) throw input_error(src, key, "must be true or false", it->dump());
-  return it->get<bool>();
-}
-
 double get_double(const json& c, std::string_view src, std::initializer_list<const char*> keys,
                   double fallback) {
   const char* key = nullptr;
@@ -142,7 +134,7 @@ ModelSpec model_from_config(const json& c, std::string_view src, std::string nam
   m.vocab = require_int(c, src, {"vocab_size"});
   m.max_positions = get_int(c, src, {"max_position_embeddings", "n_positions"}).value_or(2048);
   // PretrainedConfig: tie_word_embeddings defaults to true.
-  m.tie_embeddings = get_bool(c, src, "tie_word_embeddings", true);
+  m.tie_embeddings = json_fields::boolean(c, "tie_word_embeddings", src, true);
   if (auto hd = get_int(c, src, {"head_dim"})) {
     m.head_dim = *hd;
   } else {
@@ -159,7 +151,7 @@ ModelSpec model_from_config(const json& c, std::string_view src, std::string nam
   else if (auto it2 = c.find("dtype"); it2 != c.end() && it2->is_string())
     m.dtype = parse_dtype(it2->get<std::string>()).value_or(DType::fp32);
   if (auto sw = get_int(c, src, {"sliding_window"})) {
-    bool use = get_bool(c, src, "use_sliding_window", m.arch != Arch::qwen2);
+    bool use = json_fields::boolean(c, "use_sliding_window", src, m.arch != Arch::qwen2);
     if (use) m.sliding_window = *sw;
   }
 
@@ -174,9 +166,9 @@ ModelSpec model_from_config(const json& c, std::string_view src, std::string nam
       m.intermediate = require_int(c, src, {"intermediate_size"});
       // LlamaConfig attention_bias / mlp_bias (default false). Qwen2Attention hard-codes
       // q/k/v bias=True and o_proj bias=False (modeling_qwen2.py).
-      m.qkv_bias = m.arch == Arch::qwen2 || get_bool(c, src, "attention_bias", false);
-      m.out_bias = m.arch != Arch::qwen2 && get_bool(c, src, "attention_bias", false);
-      m.mlp_bias = get_bool(c, src, "mlp_bias", false);
+      m.qkv_bias = m.arch == Arch::qwen2 || json_fields::boolean(c, "attention_bias", src, false);
+      m.out_bias = m.arch != Arch::qwen2 && json_fields::boolean(c, "attention_bias", src, false);
+      m.mlp_bias = json_fields::boolean(c, "mlp_bias", src, false);
       if (m.arch == Arch::mixtral) {
         m.experts = get_int(c, src, {"num_local_experts"}).value_or(8);
         m.experts_per_token = get_int(c, src, {"num_experts_per_tok"}).value_or(2);
@@ -194,20 +186,20 @@ ModelSpec model_from_config(const json& c, std::string_view src, std::string nam
     case Arch::gpt_neox:
       m.intermediate = get_int(c, src, {"intermediate_size"}).value_or(4 * m.hidden);
       m.qkv_bias = m.out_bias = m.mlp_bias = m.norm_bias = true;
-      m.parallel_attn = get_bool(c, src, "use_parallel_residual", true);
+      m.parallel_attn = json_fields::boolean(c, "use_parallel_residual", src, true);
       m.rotary_pct = get_double(c, src, {"rotary_pct", "partial_rotary_factor"}, 0.25);
       // GPTNeoXConfig tie_word_embeddings defaults to false.
-      m.tie_embeddings = get_bool(c, src, "tie_word_embeddings", false);
+      m.tie_embeddings = json_fields::boolean(c, "tie_word_embeddings", src, false);
       break;
     case Arch::falcon: {
       // FalconConfig: ffn_hidden_size None => 4 * hidden; bias False; parallel_attn True.
       m.intermediate = get_int(c, src, {"ffn_hidden_size"}).value_or(4 * m.hidden);
-      bool bias = get_bool(c, src, "bias", false);
+      bool bias = json_fields::boolean(c, "bias", src, false);
       m.qkv_bias = m.out_bias = m.mlp_bias = bias;
       m.norm_bias = true;
-      m.parallel_attn = get_bool(c, src, "parallel_attn", true);
-      m.falcon_new_arch = get_bool(c, src, "new_decoder_architecture", false);
-      bool multi_query = get_bool(c, src, "multi_query", true);
+      m.parallel_attn = json_fields::boolean(c, "parallel_attn", src, true);
+      m.falcon_new_arch = json_fields::boolean(c, "new_decoder_architecture", src, false);
+      bool multi_query = json_fields::boolean(c, "multi_query", src, true);
       if (m.falcon_new_arch) {
         m.kv_heads = get_int(c, src, {"num_kv_heads", "n_head_kv"}).value_or(m.heads);
         // num_ln_in_parallel_attn: None => 2 for the new architecture (modeling_falcon.py).
@@ -220,13 +212,13 @@ ModelSpec model_from_config(const json& c, std::string_view src, std::string nam
     }
     case Arch::opt:
       m.intermediate = require_int(c, src, {"ffn_dim"});
-      m.qkv_bias = m.out_bias = m.mlp_bias = get_bool(c, src, "enable_bias", true);
-      m.norm_bias = get_bool(c, src, "layer_norm_elementwise_affine", true);
+      m.qkv_bias = m.out_bias = m.mlp_bias = json_fields::boolean(c, "enable_bias", src, true);
+      m.norm_bias = json_fields::boolean(c, "layer_norm_elementwise_affine", src, true);
       m.opt_proj_dim = get_int(c, src, {"word_embed_proj_dim"}).value_or(m.hidden);
       // OPTDecoder: final_layer_norm exists only when do_layer_norm_before and not
       // _remove_final_layer_norm.
-      m.opt_final_norm = get_bool(c, src, "do_layer_norm_before", true) &&
-                         !get_bool(c, src, "_remove_final_layer_norm", false);
+      m.opt_final_norm = json_fields::boolean(c, "do_layer_norm_before", src, true) &&
+                         !json_fields::boolean(c, "_remove_final_layer_norm", src, false);
       break;
   }
   if (m.heads % m.kv_heads != 0)

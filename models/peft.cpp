@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/common/units.h"
 
 namespace peftplan::models {
@@ -129,27 +130,6 @@ std::vector<std::string> string_list(const json& c, std::string_view src, const 
   return out;
 }
 
-std::int64_t positive_int(const json& c, std::string_view src, const char* field, std::int64_t fallback) {
-  auto it = c.find(field);
-  if (it == c.end() || it->is_null()) return fallback;
-  if (!it->is_number_integer() || it->get<std::int64_t>() <= 0)
-    throw input_error(src, field, "must be a positive integer", it->dump());
-  return it->get<std::int64_t>();
-}
-
-double number(const json& c, std::string_view src, const char* field, double fallback) {
-  auto it = c.find(field);
-  if (it == c.end() || it->is_null()) return fallback;
-  if (!it->is_number()) throw input_error(src, field, "must be a number", it->dump());
-  return it->get<double>();
-}
-
-bool boolean(const json& c, std::string_view src, const char* field, bool fallback) {
-  auto it = c.find(field);
-  if (it == c.end() || it->is_null()) return fallback;
-  if (!it->is_boolean()) throw input_error(src, field, "must be true or false", it->dump());
-  return it->get<bool>();
-}
 
 std::string leaf_names(const std::vector<LinearModule>& linears) {
   std::set<std::string> leaves;
@@ -259,9 +239,9 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
   if (type == "LORA") {
     a.type = PeftType::lora;
     LoraConfig& l = a.lora;
-    l.r = positive_int(c, src, "r", 8);
-    l.alpha = number(c, src, "lora_alpha", 8.0);
-    l.dropout = number(c, src, "lora_dropout", 0.0);
+    l.r = json_fields::positive_integer(c, "r", src, 8);
+    l.alpha = json_fields::number(c, "lora_alpha", src, 8.0);
+    l.dropout = json_fields::number(c, "lora_dropout", src, 0.0);
     if (l.dropout < 0.0 || l.dropout >= 1.0)
       throw input_error(src, "lora_dropout", "must be in [0, 1)", fmt::format("{}", l.dropout));
     if (c.contains("target_modules")) l.targets = parse_selector(c["target_modules"], src, "target_modules");
@@ -294,9 +274,9 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
         if (!v.is_number()) throw input_error(src, "alpha_pattern." + k, "must be a number", v.dump());
         l.alpha_pattern[k] = v.get<double>();
       }
-    l.use_rslora = boolean(c, src, "use_rslora", false);
-    l.use_dora = boolean(c, src, "use_dora", false);
-    l.lora_bias = boolean(c, src, "lora_bias", false);
+    l.use_rslora = json_fields::boolean(c, "use_rslora", src, false);
+    l.use_dora = json_fields::boolean(c, "use_dora", src, false);
+    l.lora_bias = json_fields::boolean(c, "lora_bias", src, false);
     if (auto it = c.find("bias"); it != c.end() && !it->is_null()) {
       std::string b = it->is_string() ? it->get<std::string>() : "";
       if (b != "none" && b != "all" && b != "lora_only")
@@ -311,10 +291,10 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
     a.ia3.modules_to_save = string_list(c, src, "modules_to_save");
   } else if (type == "PREFIX_TUNING" || type == "PROMPT_TUNING") {
     a.type = type == "PREFIX_TUNING" ? PeftType::prefix_tuning : PeftType::prompt_tuning;
-    a.prompt.num_virtual_tokens = positive_int(c, src, "num_virtual_tokens", 20);
-    a.prompt.num_transformer_submodules = positive_int(c, src, "num_transformer_submodules", 1);
-    a.prompt.prefix_projection = boolean(c, src, "prefix_projection", false);
-    a.prompt.encoder_hidden_size = positive_int(c, src, "encoder_hidden_size", 0);
+    a.prompt.num_virtual_tokens = json_fields::positive_integer(c, "num_virtual_tokens", src, 20);
+    a.prompt.num_transformer_submodules = json_fields::positive_integer(c, "num_transformer_submodules", src, 1);
+    a.prompt.prefix_projection = json_fields::boolean(c, "prefix_projection", src, false);
+    a.prompt.encoder_hidden_size = json_fields::positive_integer(c, "encoder_hidden_size", src, 0);
   } else {
     throw input_error(src, "peft_type", "must be one of LORA, IA3, PREFIX_TUNING, PROMPT_TUNING",
                       pt == c.end() ? std::string("nothing") : pt->dump());

@@ -7,6 +7,7 @@
 
 #include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/accelerate_config.h"
 #include "peftplan/sim/program_hash.h"
@@ -25,21 +26,22 @@ E parse_enum(const json& v, std::string_view source, std::string_view field, con
   return *e;
 }
 
+// One field of plan.json by its C++ type, through the shared reader (common/json_fields.h).
 template <typename T>
 T get(const json& obj, const char* key, std::string_view source, std::string_view prefix, T fallback) {
-  auto it = obj.find(key);
-  if (it == obj.end() || it->is_null()) return fallback;
-  try {
-    return it->get<T>();
-  } catch (const json::exception&) {
-    throw input_error(source, fmt::format("{}{}", prefix, key), "has the wrong type", it->dump());
+  namespace jf = json_fields;
+  if constexpr (std::is_same_v<T, bool>) return jf::boolean(obj, key, source, fallback, prefix);
+  else if constexpr (std::is_same_v<T, std::string>) return jf::string(obj, key, source, std::move(fallback), prefix);
+  else if constexpr (std::is_same_v<T, double>) return jf::number(obj, key, source, fallback, prefix);
+  else if constexpr (std::is_same_v<T, std::uint64_t>) return jf::unsigned_integer(obj, key, source, fallback, prefix);
+  else {
+    static_assert(std::is_same_v<T, std::int64_t>, "plan.json fields are bool, string, double or 64-bit integers");
+    return jf::integer(obj, key, source, fallback, prefix);
   }
 }
 
 std::int64_t positive(const json& obj, const char* key, std::string_view source, std::string_view prefix, std::int64_t fallback) {
-  const auto v = get<std::int64_t>(obj, key, source, prefix, fallback);
-  if (v <= 0) throw input_error(source, fmt::format("{}{}", prefix, key), "must be a positive integer", std::to_string(v));
-  return v;
+  return json_fields::positive_integer(obj, key, source, fallback, prefix);
 }
 
 // The hash of the program make_plan builds for this input on this cluster (it takes the GPU's

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/models/config.h"
 #include "peftplan/models/parameters.h"
 
@@ -179,4 +180,42 @@ TEST(ModelErrors, MalformedJsonFile) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("malformed_config.json: is not valid JSON"), std::string::npos) << e.what();
   }
+}
+
+// The shared JSON field reader (common/json_fields.h) every file parser uses: absent and null
+// take the default; a wrong type, a float where an integer belongs, a value out of range or past
+// 64 bits is an InputError naming the file, the field with its object path, what is valid and
+// the value.
+TEST(JsonFields, DefaultsTypesAndMessages) {
+  namespace jf = peftplan::json_fields;
+  const auto j = nlohmann::json::parse(R"({"r": 16, "alpha": 32.5, "on": true, "name": "x", "none": null, "f": 4.0,
+                                           "neg": -3, "big": 18446744073709551615, "s": "7"})");
+  EXPECT_EQ(jf::positive_integer(j, "r", "a.json", 8), 16);
+  EXPECT_EQ(jf::positive_integer(j, "missing", "a.json", 8), 8);
+  EXPECT_EQ(jf::positive_integer(j, "none", "a.json", 8), 8);
+  EXPECT_DOUBLE_EQ(jf::number(j, "alpha", "a.json", 0.0), 32.5);
+  EXPECT_DOUBLE_EQ(jf::number(j, "r", "a.json", 0.0), 16.0);  // an integer is a number
+  EXPECT_TRUE(jf::boolean(j, "on", "a.json", false));
+  EXPECT_EQ(jf::string(j, "name", "a.json", "d"), "x");
+  EXPECT_EQ(jf::unsigned_integer(j, "big", "a.json", 0), 18446744073709551615ull);
+  EXPECT_EQ(jf::integer(j, "neg", "a.json", 0), -3);
+  EXPECT_EQ(jf::find(nlohmann::json::array(), "r"), nullptr);  // not an object: nothing to find
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const peftplan::InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message([&] { jf::positive_integer(j, "f", "a.json", 1, "training."); }),
+            "a.json: training.f must be a positive integer, got 4.0");
+  EXPECT_EQ(message([&] { jf::positive_integer(j, "neg", "a.json", 1); }), "a.json: neg must be a positive integer, got -3");
+  EXPECT_EQ(message([&] { jf::integer(j, "big", "a.json", 1); }), "a.json: big must be an integer, got 18446744073709551615");
+  EXPECT_EQ(message([&] { jf::integer(j, "r", "a.json", 1, {}, 0, 8); }), "a.json: r must be an integer in [0, 8], got 16");
+  EXPECT_EQ(message([&] { jf::integer(j, "neg", "a.json", 1, {}, 0); }), "a.json: neg must be a non-negative integer, got -3");
+  EXPECT_EQ(message([&] { jf::number(j, "s", "a.json", 0.0); }), "a.json: s must be a number, got \"7\"");
+  EXPECT_EQ(message([&] { jf::boolean(j, "r", "a.json", false); }), "a.json: r must be true or false, got 16");
+  EXPECT_EQ(message([&] { jf::string(j, "on", "a.json", ""); }), "a.json: on must be a string, got true");
+  EXPECT_EQ(message([&] { jf::unsigned_integer(j, "neg", "a.json", 0); }), "a.json: neg must be a non-negative integer, got -3");
 }
