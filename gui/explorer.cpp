@@ -31,6 +31,7 @@
 
 #include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
@@ -119,25 +120,15 @@ Scenario scenario_from_json(const nlohmann::json& j, std::string_view source) {
   if (!j.is_object()) throw input_error(source, "", "must hold a JSON object (a peftplan-gui scenario)");
   if (!j.contains("schema") || j["schema"] != schemas::kScenario)
     throw input_error(source, "schema", fmt::format("must be \"{}\"", schemas::kScenario), j.contains("schema") ? j["schema"].dump() : "none");
-  Scenario s;
-  auto text = [&](const char* k, std::string& into) {
-    if (!j.contains(k)) return;
-    if (!j[k].is_string()) throw input_error(source, k, "must be a string", j[k].dump());
-    into = j[k].get<std::string>();
-  };
+  Scenario s;  // each field through the shared reader (common/json_fields.h); absent keeps the default
+  auto text = [&](const char* k, std::string& into) { into = json_fields::string(j, k, source, into); };
   auto integer = [&](const char* k, int& into, int lo, int hi) {
-    if (!j.contains(k)) return;
-    if (!j[k].is_number_integer() || j[k].get<std::int64_t>() < lo || j[k].get<std::int64_t>() > hi)
-      throw input_error(source, k, fmt::format("must be an integer in [{}, {}]", lo, hi), j[k].dump());
-    into = j[k].get<int>();
+    into = static_cast<int>(json_fields::integer(j, k, source, into, {}, lo, hi));
   };
   text("model", s.model);
   integer("lora_r", s.lora_r, 0, 4096);
   text("targets", s.targets);
-  if (j.contains("qlora")) {
-    if (!j["qlora"].is_boolean()) throw input_error(source, "qlora", "must be true or false", j["qlora"].dump());
-    s.qlora = j["qlora"].get<bool>();
-  }
+  s.qlora = json_fields::boolean(j, "qlora", source, s.qlora);
   integer("micro_batch", s.micro_batch, 1, 4096);
   integer("seq_len", s.seq_len, 16, 1 << 20);
   text("precision", s.precision);
@@ -360,6 +351,7 @@ void Explorer::request() {
 
 void Explorer::show_result(Result r) {
   if (r.generation != generation_.load()) return;  // a newer request is on its way
+  shown_generation_ = r.generation;
   if (!r.error.empty()) {  // bad input changes nothing but the verdict line
     show_error(r.error);
     return;

@@ -79,6 +79,10 @@ class Explorer : public QMainWindow {
   // (planner::explain_plan, as `peftplan explain` prints it).
   std::string segment_formula(sim::MemCategory category, int strategy) const;
   QLabel* verdict_line() const { return verdict_; }
+  // Whether the views show the answer (a result or an error) to the newest change: no re-plan is
+  // waiting or running. Tests wait on it rather than on a quiet interval, which a loaded machine
+  // stretches.
+  bool settled() const { return shown_generation_ == generation_.load(); }
 
   // File actions (the menu's, and the tests'): each writes atomically; a bad file shows its
   // error in the verdict line and changes nothing. Return whether they succeeded.
@@ -112,6 +116,7 @@ class Explorer : public QMainWindow {
   std::optional<std::pair<Scenario, std::uint64_t>> pending_;
   bool stop_ = false;
   std::atomic<std::uint64_t> generation_{0};
+  std::uint64_t shown_generation_ = 0;  // the request the views answer (GUI thread)
   std::thread worker_;
 };
 
