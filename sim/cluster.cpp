@@ -240,6 +240,8 @@ void check_counts(std::int64_t nodes, std::int64_t gpus_per_node, std::string_vi
 std::string_view name_of(LinkFamily f) {
   constexpr std::array<std::string_view, 6> names = {"nvlink", "pcie",     "xgmi",
                                                      "infiniband", "roce", "ethernet"};
+  static_assert(static_cast<std::size_t>(LinkFamily::ethernet) + 1 == names.size() && names[static_cast<std::size_t>(LinkFamily::roce)] == "roce",
+                "one name per LinkFamily, in its order");
   return names[static_cast<std::size_t>(f)];
 }
 

@@ -19,6 +19,7 @@ std::string_view name_of(Rule r) {
       "operand_size"};
   return names[static_cast<std::size_t>(r)];
 }
+static_assert(static_cast<int>(Rule::operand_size) + 1 == kNumRules, "the verify rules' names list every Rule");
 
 namespace {
 

@@ -42,6 +42,8 @@ constexpr std::string_view name_of(DType t) {
   }
   return "?";
 }
+// Every enumerator has its name and its width (a new one without either fails to compile).
+static_assert(name_of(DType::fp4) == "fp4" && bits_of(DType::fp4) == 4);
 
 // Accepts our names and PyTorch/HF spellings ("float32", "bfloat16", "torch.float16").
 inline std::optional<DType> parse_dtype(std::string_view s) {

@@ -46,6 +46,11 @@ constexpr std::string_view name_of(MemCategory c) {
       "host_other"};
   return names[static_cast<std::size_t>(c)];
 }
+// The name tables below are tied to their enums: a new enumerator (or a name out of place)
+// fails to compile rather than printing an empty or wrong name.
+static_assert(static_cast<int>(MemCategory::host_other) + 1 == kNumCategories && name_of(MemCategory::host_other) == "host_other" &&
+              name_of(MemCategory::runtime_overhead) == "runtime_overhead" && !on_host(MemCategory::runtime_overhead) &&
+              on_host(MemCategory::host_optimizer_states));
 
 // Resources that run ops; ops on one stream run in program order (like a CUDA stream).
 enum class Stream : std::uint8_t { compute, comm, copy, host };
@@ -54,17 +59,21 @@ constexpr std::string_view name_of(Stream s) {
   constexpr std::array<std::string_view, kNumStreams> names = {"compute", "comm", "copy", "host"};
   return names[static_cast<std::size_t>(s)];
 }
+static_assert(static_cast<int>(Stream::host) + 1 == kNumStreams && name_of(Stream::host) == "host");
 
 enum class OpKind : std::uint8_t { alloc, free, compute, collective, copy };
 
 // setup: persistent buffers that exist before the step starts (weights, optimizer states);
 // the timeline gives setup ops zero time, the memory walk counts them.
 enum class Phase : std::uint8_t { setup, forward, backward, recompute, loss, optimizer };
+inline constexpr int kNumPhases = 6;
 constexpr std::string_view name_of(Phase p) {
-  constexpr std::array<std::string_view, 6> names = {"setup",    "forward", "backward",
-                                                     "recompute", "loss",   "optimizer"};
+  constexpr std::array<std::string_view, kNumPhases> names = {"setup",    "forward", "backward",
+                                                              "recompute", "loss",   "optimizer"};
   return names[static_cast<std::size_t>(p)];
 }
+static_assert(static_cast<int>(Phase::optimizer) + 1 == kNumPhases && name_of(Phase::optimizer) == "optimizer" &&
+              name_of(Phase::recompute) == "recompute");
 
 // NCCL's names (nccl-tests doc/PERFORMANCE.md).
 enum class Collective : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast };
@@ -74,6 +83,8 @@ constexpr std::string_view name_of(Collective c) {
                                                                    "all_gather", "broadcast"};
   return names[static_cast<std::size_t>(c)];
 }
+static_assert(static_cast<int>(Collective::broadcast) + 1 == kNumCollectives && name_of(Collective::broadcast) == "broadcast" &&
+              name_of(Collective::reduce_scatter) == "reduce_scatter");
 
 enum class CopyDir : std::uint8_t { device_to_host, host_to_device };
 
