@@ -1,0 +1,315 @@
+// Layout: facts (dtypes and sizes), the linear modules with their adapters, the units of
+// partitioning, the gradient buckets and the flat trainable layout's views (builder.h).
+#include "builder.h"
+
+namespace peftplan::planner::builder {
+
+void Builder::facts() {
+  const bool exec = in_.profile == RuntimeProfile::executor;
+  switch (t_.precision) {
+    case Precision::fp32: f_.compute_dtype = DType::fp32; break;
+    case Precision::fp16_mixed: f_.compute_dtype = DType::fp16; break;
+    case Precision::bf16_mixed:
+    case Precision::bf16_pure: f_.compute_dtype = DType::bf16; break;
+  }
+  if (exec) f_.compute_dtype = DType::fp32;  // the executor computes in fp32
+  const bool mixed = t_.precision == Precision::fp16_mixed || t_.precision == Precision::bf16_mixed;
+  const bool peft = !in_.peft.adapters.empty();
+  f_.trainable_dtype = peft && rules_.adapter_dtype ? *rules_.adapter_dtype : f_.compute_dtype;
+  f_.master_weights = rules_.fp32_master_for_mixed && mixed && f_.trainable_dtype != DType::fp32;
+  const auto& q = in_.peft.quantization;
+  // Under FSDP, TRL sees a sharded QLoRA model and skips prepare_model_for_kbit_training
+  // (trl 0.13.0 sft_trainer.py is_sharded_qlora): the norms stay in the compute dtype.
+  fp32_norms_ = rules_.fp32_norms_on_kbit && q && bits_of(q->dtype) <= 8 && !fsdp();
+  // Under autocast the adapter's GEMMs run in the compute dtype; without it, in its own dtype.
+  adapter_act_dtype_ = mixed ? f_.compute_dtype : f_.trainable_dtype;
+  f_.base_dtype = t_.base_storage.value_or(in_.peft.quantization ? in_.peft.quantization->dtype : f_.compute_dtype);
+  M_ = t_.micro_batch * t_.seq_len;
+  kv_len_ = t_.seq_len;
+  for (const auto& a : in_.peft.adapters) {
+    if (a.type == models::PeftType::prompt_tuning) M_ = t_.micro_batch * (t_.seq_len + a.prompt.num_virtual_tokens);
+    if (a.type == models::PeftType::prefix_tuning) kv_len_ += a.prompt.num_virtual_tokens;
+  }
+  if (M_ / t_.micro_batch > t_.seq_len) kv_len_ = M_ / t_.micro_batch;
+}
+
+void Builder::plan_linears() {
+  if (!in_.inventory) owned_inventory_ = make_inventory(m_, in_.peft);
+  const ModelInventory& inv = in_.inventory ? *in_.inventory : owned_inventory_;
+  inv_ = &inv;
+  tensors_ = &inv.tensors;
+  const auto& tensors = inv.tensors;
+  const auto& linears = inv.linears;
+  const bool full = in_.peft.adapters.empty();
+  const auto& trainables = inv.trainables;
+  std::map<std::string, Adapter> adapters;
+  std::set<std::string> trained_modules;  // modules_to_save, bias=all: base tensors that train
+  if (!full) {
+    for (const auto& lm : inv.loras) {
+      Adapter& a = adapters[lm.linear.path];
+      a.r += lm.r;  // several adapters on one module: their ranks add up
+      a.dropout = std::max(a.dropout, lm.dropout);
+      if (a.scale == 0.0) a.scale = lm.scale;  // (the first adapter's; the executor runs one)
+    }
+    std::int32_t lora_modules = 0;
+    for (const auto& t : trainables) {
+      if (t.name.find(".lora_A") != std::string::npos || t.name.find(".lora_B") != std::string::npos) {
+        Adapter& a = adapters[t.module];
+        a.params += t.numel();
+        if (a.index < 0 && t.name.find(".lora_A") != std::string::npos) a.index = lora_modules++;
+      } else if (t.name.find(".ia3_l") != std::string::npos) {
+        Adapter& a = adapters[t.module];
+        a.params += t.numel();
+      } else {
+        extra_trainable_numel_ += t.numel();
+        if (!t.is_base_param && t.module != "prompt_encoder") trained_modules.insert(t.module);
+      }
+      trainable_numel_ += t.numel();
+    }
+  }
+  layer_linears_.assign(static_cast<std::size_t>(m_.layers), {});
+  for (const auto& lm : linears) {
+    LinearPlan lp;
+    lp.mod = &lm;
+    lp.role = role_of(lm);
+    lp.trainable_weight = full || trained_modules.count(lm.path) > 0;
+    lp.input_dtype = lp.role == Role::attn_out || lm.layer < 0 ? f_.compute_dtype : stream_dtype();
+    if (auto it = adapters.find(lm.path); it != adapters.end()) {
+      lp.adapter = it->second;
+      // PEFT's branch saves a tensor of its own when it casts the input to the adapter's dtype
+      // or drops it out; otherwise its GEMM saves the module's input itself.
+      const DType x_dtype = lp.input_dtype;
+      lp.adapter_owns_input = rules_.adapter_owns_input && (lp.adapter->dropout > 0.0 || x_dtype != adapter_act_dtype_);
+    }
+    if (lm.expert >= 0) lp.token_share = static_cast<double>(m_.experts_per_token) / static_cast<double>(m_.experts);
+    if (lm.layer >= 0) layer_linears_[static_cast<std::size_t>(lm.layer)].push_back(lp);
+    else head_linears_.push_back(lp);
+  }
+  for (auto& lv : layer_linears_)
+    for (auto& lp : lv) by_path_[lp.mod->path] = &lp;
+  for (auto& lp : head_linears_) by_path_[lp.mod->path] = &lp;
+  // Units for ZeRO-3 (and for the sizes every strategy reports).
+  units_.assign(static_cast<std::size_t>(m_.layers) + 2, Unit{});
+  units_[0].name = "embedding";
+  for (std::int64_t l = 0; l < m_.layers; ++l) units_[static_cast<std::size_t>(l) + 1].name = fmt::format("layers.{}", l);
+  units_.back().name = "head";
+  const auto& q = in_.peft.quantization;
+  for (const auto& t : tensors) {
+    std::size_t u = t.layer >= 0 ? static_cast<std::size_t>(t.layer) + 1
+                    : (t.role == models::ParamRole::embedding || t.role == models::ParamRole::position_embedding)
+                        ? 0
+                        : units_.size() - 1;
+    const bool trains = full || trained_modules.count(t.module) > 0;
+    f_.base_params += trains && full ? 0 : t.numel();
+    if (trains && full) {
+      units_[u].trainable_numel += t.numel();
+      if (fsdp2()) units_[u].fsdp2_trainable_shard_numel += dim0_rows_shard(t);
+      continue;
+    }
+    std::uint64_t bytes = frozen(t);
+    f_.base_bytes += bytes;
+    const bool persistent = zero3() && !fsdp() && t.numel() < s_.ds.stage3_param_persistence_threshold;
+    // FSDP flattens the packed 4-bit weight (bnb_4bit_quant_storage relabels its n/2 bytes) but
+    // not its QuantState, which every rank keeps whole (bitsandbytes 0.43.3 nn/modules.py
+    // Linear4bit.forward re-attaches it: "the quant state got lost when the parameter got
+    // converted. This happens for example for fsdp").
+    if (fsdp() && q && t.role == models::ParamRole::linear_weight && bits_of(q->dtype) < 8) {
+      const std::uint64_t packed = storage_bytes(q->dtype, t.numel());
+      units_[u].persistent_bytes += bytes - packed;
+      bytes = packed;
+    }
+    if (exec_z3())
+      (persistent ? units_[u].persistent_tensors : units_[u].gathered_tensors)
+          .push_back({&t, persistent ? units_[u].persistent_bytes : units_[u].frozen_bytes, bytes});
+    if (persistent) {
+      units_[u].persistent_numel += t.numel();
+      units_[u].persistent_bytes += bytes;
+    } else {
+      units_[u].frozen_numel += t.numel();
+      units_[u].frozen_bytes += bytes;
+      if (fsdp2()) {  // a packed 4-bit weight is a [n / 4, 1] tensor of bf16 storage elements
+        const bool packed = bytes != frozen(t) || (q && t.role == models::ParamRole::linear_weight && bits_of(q->dtype) < 8);
+        const std::uint64_t rows = packed ? std::max<std::uint64_t>(1, bytes / 2) : static_cast<std::uint64_t>(t.shape.empty() ? 1 : t.shape[0]);
+        units_[u].fsdp2_frozen_shard_bytes += ceil_div(rows, static_cast<std::uint64_t>(group())) * (bytes / rows);
+      }
+    }
+  }
+  auto dim0_shard = [&](std::int64_t rows, std::int64_t numel) {  // FSDP2: ceil(d0 / N) rows
+    if (rows <= 0) return shard(numel);
+    return shard(rows) * (numel / rows);
+  };
+  if (full) {
+    for (const auto& t : tensors) trainable_numel_ += t.numel();
+  } else {
+    for (const auto& [path, a] : adapters) {
+      const LinearPlan* lp = by_path_.at(std::string_view(path));
+      Unit& un = units_[lp->mod->layer >= 0 ? static_cast<std::size_t>(lp->mod->layer) + 1 : units_.size() - 1];
+      un.trainable_numel += a.params;
+      // lora_A [r, in] and lora_B [out, r]; IA3's vector [out] (or [in]) as one tensor.
+      if (fsdp2())
+        un.fsdp2_trainable_shard_numel += a.r > 0 && a.params == a.r * (lp->mod->in + lp->mod->out)
+                                              ? dim0_shard(a.r, a.r * lp->mod->in) + dim0_shard(lp->mod->out, lp->mod->out * a.r)
+                                              : shard(a.params);
+    }
+    units_[0].trainable_numel += extra_trainable_numel_;  // prompt embeddings, biases, copies
+    if (fsdp2()) units_[0].fsdp2_trainable_shard_numel += shard(extra_trainable_numel_);
+  }
+  f_.trainable_params = trainable_numel_;
+  for (const auto& u : units_) f_.largest_layer_params = std::max(f_.largest_layer_params, u.frozen_numel + u.trainable_numel);
+  // FSDP1's units as accelerate wraps a PEFT model: the root, each decoder layer, and (PEFT's
+  // fsdp_auto_wrap_policy, peft/utils/other.py: a leaf module whose weight trains) each adapter
+  // Linear; each runs its hooks in forward and backward, and again in a checkpointed layer's
+  // recompute.
+  if (fsdp() && s_.fsdp.version == 1) {
+    f_.fsdp_unit_passes = 2;  // the root
+    for (std::int64_t l = 0; l < m_.layers; ++l) f_.fsdp_unit_passes += checkpointed(l) ? 3 : 2;
+    for (const auto& t : inv_->trainables) f_.fsdp_unit_passes += t.layer >= 0 && checkpointed(t.layer) ? 3 : 2;
+  }
+}
+
+// Adapter weights are views into trainable.flat, laid out in the order of the trainable
+// inventory (models::trainable_tensors: per module lora_A then lora_B); their gradients are views
+// at the same offsets in grad.flat. Under ZeRO-3 they live in the gathered unit instead (-1).
+// Every strategy records each adapter tensor's flat offset and each unit's first element, which
+// place gradient buckets (DDP views of grad.flat, ZeRO-2/3 bucket buffers).
+void Builder::adapter_views() {
+  if (in_.peft.adapters.empty()) return;
+  const std::uint64_t tw = bytes_of(f_.trainable_dtype);
+  std::int64_t offset = 0;
+  std::vector<std::int64_t> unit_lo(units_.size(), -1), unit_seen(units_.size(), 0);
+  bool contiguous = extra_trainable_numel_ == 0;
+  std::int32_t index = -1;
+  for (const auto& t : inv_->trainables) {
+    ++index;
+    const std::int64_t numel = t.numel();
+    const std::uint64_t bytes = tw * static_cast<std::uint64_t>(numel);
+    const bool is_a = t.name.find(".lora_A") != std::string::npos, is_b = t.name.find(".lora_B") != std::string::npos;
+    auto it = by_path_.find(std::string_view(t.module));
+    if ((is_a || is_b) && it != by_path_.end() && it->second->adapter) {
+      Adapter& a = *it->second->adapter;
+      const std::size_t u = it->second->mod->layer >= 0 ? static_cast<std::size_t>(it->second->mod->layer) + 1 : units_.size() - 1;
+      if (unit_lo[u] < 0) unit_lo[u] = offset;
+      else if (unit_lo[u] + unit_seen[u] != offset) contiguous = false;
+      unit_seen[u] += numel;
+      std::int64_t& off = is_a ? a.a_off : a.b_off;
+      if (off < 0) {  // several adapters on one module: the first one's tensors
+        off = offset;
+        (is_a ? a.a_numel : a.b_numel) = numel;
+        (is_a ? a.a_tensor : a.b_tensor) = index;
+        if (!zero3() && trainable_flat_ >= 0) {
+          (is_a ? a.a_buf : a.b_buf) = role(p_.add_view(names_ ? t.name : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(flat_position(offset)), bytes),
+                                            sim::BufferRole::adapter_tensor, index);
+          if (grad_flat_ >= 0)
+            (is_a ? a.ga_buf : a.gb_buf) = role(p_.add_view(names_ ? "grad." + t.name : std::string(), grad_flat_, tw * static_cast<std::uint64_t>(offset), bytes),
+                                                sim::BufferRole::adapter_grad, index);
+        }
+      } else {
+        contiguous = false;
+      }
+    } else {
+      contiguous = false;
+    }
+    offset += numel;
+  }
+  for (std::size_t u = 0; u < units_.size(); ++u)
+    if (contiguous && unit_seen[u] == units_[u].trainable_numel) units_[u].flat_offset = unit_lo[u];
+}
+
+// ZeRO-2/3 buckets, in the order backward completes units (head, layers L-1 … 0, embedding): a
+// bucket closes when it reaches reduce_bucket_size elements, and at the embedding.
+void Builder::plan_buckets() {
+  bucket_of_.assign(units_.size(), -1);
+  flush_of_.assign(units_.size(), -1);
+  if (!sharded_grads() || s_.ranks == 1) return;
+  std::vector<std::size_t> order = {units_.size() - 1};
+  for (std::size_t u = units_.size() - 2; u >= 1; --u) order.push_back(u);
+  order.push_back(0);
+  if (fsdp()) {
+    // FSDP reduce-scatters each unit in its post-backward hook; the root unit (the head and the
+    // embedding) after the embedding's backward (_runtime_utils.py _post_backward_hook).
+    GradBucket root;
+    for (std::size_t u : order) {
+      if (units_[u].trainable_numel == 0) continue;
+      if (root_unit(u)) {
+        root.units.push_back(u);
+        root.numel += units_[u].trainable_numel;
+        continue;
+      }
+      GradBucket b;
+      b.units = {u};
+      b.numel = units_[u].trainable_numel;
+      b.flush_unit = u;
+      buckets_.push_back(std::move(b));
+    }
+    if (root.numel > 0) {
+      root.flush_unit = 0;
+      buckets_.push_back(std::move(root));
+    }
+    order.clear();
+  }
+  GradBucket cur;
+  for (std::size_t u : order) {
+    if (units_[u].trainable_numel > 0) {
+      cur.units.push_back(u);
+      cur.numel += units_[u].trainable_numel;
+    }
+    // The executor's ZeRO-3 reduce-scatters each unit on its own: its partition is per unit
+    // (setup), which a bucket of several units would not deliver as one contiguous block.
+    if (cur.numel > 0 && (cur.numel >= s_.ds.reduce_bucket_size || u == 0 || exec_z3())) {
+      cur.flush_unit = u;
+      buckets_.push_back(std::move(cur));
+      cur = GradBucket{};
+    }
+  }
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    GradBucket& bk = buckets_[b];
+    for (std::size_t u : bk.units) bucket_of_[u] = static_cast<std::int32_t>(b);
+    flush_of_[bk.flush_unit] = static_cast<std::int32_t>(b);
+  }
+  bucket_buf_.assign(buckets_.size(), -1);
+  if (!exec_z2()) return;
+  // The executor's ZeRO-2 layout (DeepSpeed's stage 1/2 partitions each bucket the same way):
+  // trainable.flat holds every bucket's flat range padded to a multiple of N, one region per
+  // bucket in flat order (the units' adapters are consecutive ranges of the flat layout, unit
+  // by unit: the embedding, the layers, the head); rank r's partition is block r of every
+  // region, bucket after bucket in backward order. Bucket b's reduce_scatter then delivers a
+  // contiguous block of the partition (its grad.shard view), the optimizer steps each bucket's
+  // block, and one in-place all_gather per region rebuilds the whole adapter.
+  std::vector<std::int64_t> unit_lo(units_.size(), 0);
+  for (std::size_t u = 1; u < units_.size(); ++u) unit_lo[u] = unit_lo[u - 1] + units_[u - 1].trainable_numel;
+  for (GradBucket& bk : buckets_) {
+    bk.part_offset = part_numel_;
+    part_numel_ += shard(bk.numel);
+    bk.flat_lo = unit_lo[bk.units.back()];
+  }
+  std::int64_t region = 0;
+  for (std::size_t b = buckets_.size(); b-- > 0;) {
+    buckets_[b].region = region;
+    region += shard(buckets_[b].numel) * s_.ranks;
+  }
+}
+
+// Where flat element x lives in trainable.flat: itself, or (executor ZeRO-2) in its bucket's
+// region.
+std::int64_t Builder::flat_position(std::int64_t x) const {
+  if (!exec_z2()) return x;
+  for (const GradBucket& bk : buckets_)
+    if (x >= bk.flat_lo && x < bk.flat_lo + bk.numel) return bk.region + (x - bk.flat_lo);
+  PEFTPLAN_CHECK_MSG(false, "flat element {} is in no gradient bucket", x);
+  return x;
+}
+
+// Each bucket's first flat element, once adapter_views knows the units' flat offsets.
+void Builder::bucket_ranges() {
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    GradBucket& bk = buckets_[b];
+    const std::int64_t lo = units_[bk.units.back()].flat_offset;
+    const std::size_t hi = bk.units.front();
+    const std::int64_t want = bk.flat_lo;
+    bk.flat_lo = -1;
+    if (lo >= 0 && units_[hi].flat_offset >= 0 && units_[hi].flat_offset + units_[hi].trainable_numel - lo == bk.numel) bk.flat_lo = lo;
+    if (exec_z2()) PEFTPLAN_CHECK_MSG(bk.flat_lo == want, "the adapter's flat layout is not unit by unit (bucket {})", b);
+  }
+}
+
+}  // namespace peftplan::planner::builder
