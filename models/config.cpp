@@ -76,11 +76,7 @@ std::optional<std::int64_t> get_int(const json& c, std::string_view src,
   for (const auto& l : kLimits)
     if (l.key == key) max = l.max;
   const std::string range = fmt::format("must be an integer in [1, {}]", with_commas(max));
-  if (!v->is_number_integer()) throw input_error(src, key, range, v->dump());
-  if (v->is_number_unsigned() && v->get<std::uint64_t>() > static_cast<std::uint64_t>(max)) throw input_error(src, key, range, v->dump());
-  const auto n = v->get<std::int64_t>();
-  if (n <= 0 || n > max) throw input_error(src, key, range, v->dump());
-  return n;
+  return json_fields::as_integer(*v, src, key, 1, max, false, range);
 }
 
 std::int64_t require_int(const json& c, std::string_view src, std::initializer_list<const char*> keys) {
@@ -98,8 +94,7 @@ double get_double(const json& c, std::string_view src, std::initializer_list<con
   const char* key = nullptr;
   const json* v = find_field(c, keys, &key);
   if (!v) return fallback;
-  if (!v->is_number()) throw input_error(src, key, "must be a number", v->dump());
-  return v->get<double>();
+  return json_fields::as_number(*v, src, key);
 }
 
 }  // namespace
@@ -250,7 +245,7 @@ ModelSpec load_model(const std::string& name_or_path) {
   if (!fs::exists(p)) {
     std::string names;
     for (const auto& z : zoo()) names += (names.empty() ? "" : ", ") + z.name;
-    throw InputError(fmt::format("--model: \"{}\" is neither a zoo model nor a config.json path "
+    throw InputError(fmt::format("model: \"{}\" is neither a zoo model nor a config.json path "
                                  "(zoo: {})", name_or_path, names));
   }
   std::string stem = p.filename() == "config.json" ? p.parent_path().filename().string() : p.stem().string();

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <regex>
 #include <set>
 
@@ -251,9 +252,8 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
       if (it->is_number_integer()) layers.push_back(it->get<std::int64_t>());
       else if (it->is_array())
         for (const auto& e : *it) {
-          if (!e.is_number_integer() || e.get<std::int64_t>() < 0)
-            throw input_error(src, "layers_to_transform", "must hold non-negative layer indices", e.dump());
-          layers.push_back(e.get<std::int64_t>());
+          layers.push_back(json_fields::as_integer(e, src, "layers_to_transform", 0, std::numeric_limits<std::int64_t>::max(), false,
+                                                   "must hold non-negative layer indices"));
         }
       else throw input_error(src, "layers_to_transform", "must be an integer or a list of integers", it->dump());
       if (!layers.empty()) l.layers_to_transform = layers;
@@ -265,14 +265,11 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
     }
     if (auto it = c.find("rank_pattern"); it != c.end() && it->is_object())
       for (const auto& [k, v] : it->items()) {
-        if (!v.is_number_integer() || v.get<std::int64_t>() <= 0)
-          throw input_error(src, "rank_pattern." + k, "must be a positive integer", v.dump());
-        l.rank_pattern[k] = v.get<std::int64_t>();
+        l.rank_pattern[k] = json_fields::as_integer(v, src, "rank_pattern." + k, 1);
       }
     if (auto it = c.find("alpha_pattern"); it != c.end() && it->is_object())
       for (const auto& [k, v] : it->items()) {
-        if (!v.is_number()) throw input_error(src, "alpha_pattern." + k, "must be a number", v.dump());
-        l.alpha_pattern[k] = v.get<double>();
+        l.alpha_pattern[k] = json_fields::as_number(v, src, "alpha_pattern." + k);
       }
     l.use_rslora = json_fields::boolean(c, "use_rslora", src, false);
     l.use_dora = json_fields::boolean(c, "use_dora", src, false);
@@ -337,7 +334,7 @@ std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const Pef
   std::set<std::string> names;
   for (const auto& a : peft.adapters)
     if (!names.insert(a.name).second)
-      throw input_error("--peft", "adapter name", "must be unique across adapters", "\"" + a.name + "\" twice");
+      throw input_error("peft", "adapters[].name", "must be unique across adapters", "\"" + a.name + "\" twice");
   // Tensor names carry the adapter name only when several adapters are trained together.
   auto tag = [&](const AdapterSpec& a, std::string_view kind) {
     return peft.adapters.size() > 1 ? fmt::format("{}.{}", kind, a.name) : std::string(kind);

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 
 namespace peftplan::planner {
 
@@ -160,32 +161,18 @@ class Reader {
     return v;
   }
 
-  // An integer, also written as an integral float (5e8); `what` names the valid range.
-  std::int64_t integer(const json& v, const std::string& path, std::string_view what = "must be an integer") const {
-    if (v.is_number_integer()) return v.get<std::int64_t>();
-    if (v.is_number_float()) {
-      const double d = v.get<double>();
-      if (std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9.2e18) return static_cast<std::int64_t>(d);
-    }
-    fail(path, what, v);
+  // Values by their path in the config (common/json_fields.h checks them). Integers may be
+  // written as integral floats (5e8), as DeepSpeed's own configs write sizes.
+  std::int64_t integer(const json& v, const std::string& path, std::string_view what = {}) const {
+    return json_fields::as_integer(v, source_, path, std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max(),
+                                   true, what);
   }
   std::int64_t size(const json& v, const std::string& path) const {
-    const std::int64_t n = integer(v, path, "must be a non-negative integer");
-    if (n < 0) fail(path, "must be a non-negative integer", v);
-    return n;
+    return json_fields::as_integer(v, source_, path, 0, std::numeric_limits<std::int64_t>::max(), true);
   }
-  double number(const json& v, const std::string& path) const {
-    if (!v.is_number()) fail(path, "must be a number", v);
-    return v.get<double>();
-  }
-  bool boolean(const json& v, const std::string& path) const {
-    if (!v.is_boolean()) fail(path, "must be true or false", v);
-    return v.get<bool>();
-  }
-  std::string string(const json& v, const std::string& path) const {
-    if (!v.is_string()) fail(path, "must be a string", v);
-    return v.get<std::string>();
-  }
+  double number(const json& v, const std::string& path) const { return json_fields::as_number(v, source_, path); }
+  bool boolean(const json& v, const std::string& path) const { return json_fields::as_boolean(v, source_, path); }
+  std::string string(const json& v, const std::string& path) const { return json_fields::as_string(v, source_, path); }
 
   // A key DeepSpeed accepts that we do not model: warn when it is away from DeepSpeed's default.
   void unmodelled(const Unmodelled& u, const std::string& path, const json& v) {
@@ -601,7 +588,7 @@ nlohmann::json write_ds_config(const Strategy& s, const TrainingSpec& t, const D
   if (s.ranks < 1) throw input_error(where, "world size", "must be at least 1", fmt::format("{}", s.ranks));
   if (is_fsdp(s.stage))
     throw input_error(where, "zero_optimization.stage", "has no FSDP sharding strategy: DeepSpeed runs ZeRO (ddp, zero1-3)",
-                      fmt::format("--strategy {}", name_of(s.stage)));
+                      fmt::format("strategy.stage {}", name_of(s.stage)));
   if (t.micro_batch < 1) throw input_error(where, "train_micro_batch_size_per_gpu", "must be a positive integer", fmt::format("{}", t.micro_batch));
   if (t.grad_accum < 1) throw input_error(where, "gradient_accumulation_steps", "must be a positive integer", fmt::format("{}", t.grad_accum));
   if (s.offload_param != OffloadDevice::none && !can_offload_params(s.stage))

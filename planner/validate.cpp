@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <tuple>
@@ -10,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/common/schemas.h"
 #include "peftplan/models/config.h"
 #include "peftplan/sim/compute.h"
@@ -25,10 +27,9 @@ double relative_error(double predicted, double measured) {
   return (measured - predicted) / predicted;
 }
 
+// A required field of peftplan-exec's measurement.json (`where`: its object path, e.g. "per_rank[1].").
 const json& need(const json& j, const char* key, const std::string& where) {
-  if (!j.is_object() || !j.contains(key))
-    throw InputError(fmt::format("measurement.json: {} has no \"{}\"", where.empty() ? "the top level" : where, key));
-  return j.at(key);
+  return json_fields::required(j, key, "measurement.json", where);
 }
 
 Figure figure(std::string section, std::string name, double p, double m, double tolerance) {
@@ -146,8 +147,8 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
 
   // The machine's speed during the run against calibration's (calibrate.h, speed_probe).
   const double calibration_probe = plan.cluster.host_calibration.speed_probe_flops_per_s;
-  if (m.contains("speed_probe_flops_per_s") && m.at("speed_probe_flops_per_s").is_number()) {
-    v.probe_flops_per_s = m.at("speed_probe_flops_per_s").get<double>();
+  if (const auto probe = json_fields::nullable_number(m, "speed_probe_flops_per_s", "measurement.json")) {
+    v.probe_flops_per_s = *probe;
     v.calibration_probe_flops_per_s = calibration_probe;
     if (calibration_probe > 0.0 && v.probe_flops_per_s > 0.0) v.speed_drift = v.probe_flops_per_s / calibration_probe - 1.0;
   }
@@ -415,7 +416,8 @@ std::string_view name_of(Verdict v) {
 
 namespace {
 
-// Reading a totals measurement: fields by name, errors naming the file and the field.
+// Reading a totals measurement: fields by name (common/json_fields.h), errors naming the file
+// and the field. A figure the callback could not take is written as null: present, but null.
 struct TotalsReader {
   std::string_view source;
   [[noreturn]] void fail(const std::string& field, const std::string& problem, const json& value) const {
@@ -424,27 +426,18 @@ struct TotalsReader {
     throw input_error(source, field, problem, shown);
   }
   const json& need(const json& obj, const char* key, const std::string& prefix) const {
-    if (!obj.is_object() || !obj.contains(key)) throw input_error(source, prefix + key, "is missing");
-    return obj.at(key);
+    return json_fields::required(obj, key, source, prefix);
   }
   const json& object(const json& obj, const char* key, const std::string& prefix) const {
-    const json& o = need(obj, key, prefix);
-    if (!o.is_object()) fail(prefix + key, "must be an object", o);
-    return o;
+    return json_fields::required_object(obj, key, source, prefix);
   }
-  // A non-negative finite number or null (nullopt).
+  // A non-negative number or null (nullopt); the field must be there.
   std::optional<double> number(const json& obj, const char* key, const std::string& prefix) const {
-    const json& x = need(obj, key, prefix);
-    if (x.is_null()) return std::nullopt;
-    if (!x.is_number() || !std::isfinite(x.get<double>()) || x.get<double>() < 0.0)
-      fail(prefix + key, "must be a non-negative number or null", x);
-    return x.get<double>();
+    need(obj, key, prefix);
+    return json_fields::nullable_number(obj, key, source, prefix, json_fields::Sign::non_negative);
   }
   std::optional<std::int64_t> integer(const json& obj, const char* key, const std::string& prefix) const {
-    auto it = obj.find(key);
-    if (it == obj.end() || it->is_null()) return std::nullopt;
-    if (!it->is_number_integer()) fail(prefix + key, "must be an integer or null", *it);
-    return it->get<std::int64_t>();
+    return json_fields::nullable_integer(obj, key, source, prefix);
   }
 };
 
@@ -605,8 +598,7 @@ Validation validation_from_json(const json& j, std::string_view source) {
     throw fail("schema", fmt::format("must be \"{}\" (a validation.json of peftplan run or compare), got {}", schemas::kValidation,
                                      j.contains("schema") ? j["schema"].dump() : std::string("none")));
   auto number = [&](const json& o, const char* key, const std::string& where) {
-    if (!o.is_object() || !o.contains(key) || !o[key].is_number()) throw fail(where + "." + key, "must be a number");
-    return o[key].get<double>();
+    return json_fields::required_number(o, key, source, where + ".");
   };
   Validation v;
   if (j.contains("tolerances")) {
@@ -633,16 +625,17 @@ Validation validation_from_json(const json& j, std::string_view source) {
       const std::string where = std::string(section) + "." + name;
       Figure x = figure(section, name, number(f, "predicted", where), number(f, "measured", where), v.tolerances.time);
       x.relative_error = number(f, "relative_error", where);
-      if (f.contains("within_tolerance") && f["within_tolerance"].is_boolean()) x.within = f["within_tolerance"].get<bool>();
-      if (f.contains("verdict") && f["verdict"].is_string()) x.conclusive = f["verdict"] != name_of(Verdict::inconclusive);
-      if (f.contains("spread_s") && f["spread_s"].is_number()) {
-        x.spread = f["spread_s"].get<double>();
+      x.within = json_fields::boolean(f, "within_tolerance", source, x.within, where + ".");
+      if (json_fields::find(f, "verdict"))
+        x.conclusive = json_fields::string(f, "verdict", source, "", where + ".") != name_of(Verdict::inconclusive);
+      if (const auto spread = json_fields::nullable_number(f, "spread_s", source, where + ".", json_fields::Sign::non_negative)) {
+        x.spread = *spread;
         x.has_spread = true;
       }
       if (f.contains("rounds") && f["rounds"].is_array())
         for (const auto& r : f["rounds"])
           if (r.is_number()) x.rounds.push_back(r.get<double>());
-      if (f.contains("error_share_of_step") && f["error_share_of_step"].is_number()) x.share_of_step = f["error_share_of_step"].get<double>();
+      x.share_of_step = json_fields::number(f, "error_share_of_step", source, x.share_of_step, where + ".");
       into.push_back(std::move(x));
     }
   };
@@ -668,9 +661,9 @@ Validation validation_from_json(const json& j, std::string_view source) {
   if (j.contains("notes") && j["notes"].is_array())
     for (const auto& n : j["notes"])
       if (n.is_string()) v.notes.push_back(n.get<std::string>());
-  if (j.contains("rounds") && j["rounds"].is_number_integer()) v.rounds = j["rounds"].get<std::int32_t>();
-  if (j.contains("steps") && j["steps"].is_number_integer()) v.steps = j["steps"].get<std::int64_t>();
-  if (j.contains("sync_wait_s") && j["sync_wait_s"].is_number()) v.sync_wait_s = j["sync_wait_s"].get<double>();
+  v.rounds = static_cast<std::int32_t>(json_fields::integer(j, "rounds", source, v.rounds, "", 0, std::numeric_limits<std::int32_t>::max()));
+  v.steps = json_fields::integer(j, "steps", source, v.steps, "", 0);
+  v.sync_wait_s = json_fields::nullable_number(j, "sync_wait_s", source);
   for (const auto* section : {&v.memory, &v.time, &v.comm, &v.throughput})
     for (const Figure& f : *section) {
       if (!f.conclusive) v.inconclusive.push_back(f.key());

@@ -16,6 +16,7 @@
 
 #include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/common/units.h"
 #include "peftplan/sim/compute.h"
 #include "peftplan/sim/program.h"
@@ -405,22 +406,15 @@ void check_keys(const nlohmann::json& j, std::string_view where, std::string_vie
   }
 }
 
-double number(const nlohmann::json& j, std::string_view key, std::string_view where,
-              std::string_view object, bool allow_zero = false) {
-  const auto& v = j.at(std::string(key));
-  std::string field = fmt::format("{}{}", object, key);
-  if (!v.is_number()) throw input_error(where, field, "must be a number", v.dump());
-  double x = v.get<double>();
-  if (!(x > 0.0 || (allow_zero && x == 0.0)))
-    throw input_error(where, field, allow_zero ? "must be >= 0" : "must be > 0", v.dump());
-  return x;
+// Cluster numbers are sizes and speeds: positive, or (allow_zero) non-negative; counts are
+// positive integers (common/json_fields.h reads them).
+double number(const nlohmann::json& j, std::string_view key, std::string_view where, std::string_view object,
+              bool allow_zero = false) {
+  return json_fields::required_number(j, key, where, object, allow_zero ? json_fields::Sign::non_negative : json_fields::Sign::positive);
 }
 
-std::int64_t integer(const nlohmann::json& j, std::string_view key, std::string_view where) {
-  const auto& v = j.at(std::string(key));
-  if (!v.is_number_integer())
-    throw input_error(where, key, "must be a positive integer", v.dump());
-  return v.get<std::int64_t>();
+std::int64_t integer(const nlohmann::json& j, std::string_view key, std::string_view where, std::string_view object = {}) {
+  return json_fields::required_integer(j, key, where, object, 1);
 }
 
 LinkSpec link_from_json(const nlohmann::json& v, std::string_view where, std::string_view field) {
@@ -555,9 +549,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
   if (j.contains("intra_node_link"))
     c.intra_node_link = link_from_json(j["intra_node_link"], where, "intra_node_link");
   if (j.contains("nics_per_node")) {
-    std::int64_t n = integer(j, "nics_per_node", where);
-    if (n < 1) throw input_error(where, "nics_per_node", "must be a positive integer", std::to_string(n));
-    c.nics_per_node = static_cast<std::int32_t>(n);
+    c.nics_per_node = static_cast<std::int32_t>(integer(j, "nics_per_node", where));
   }
   if (j.contains("host_ram_GiB"))
     c.host_ram_bytes_per_node = static_cast<std::uint64_t>(number(j, "host_ram_GiB", where, "") * kGiB);
@@ -577,8 +569,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
       if (!a[i].is_object() || !a[i].contains("ranks") || !a[i].contains("GFLOPs"))
         throw input_error(where, obj, "must be an object with ranks and GFLOPs", a[i].dump());
       check_keys(a[i], where, obj, {"ranks", "GFLOPs"});
-      std::int64_t ranks = integer(a[i], "ranks", where);
-      if (ranks < 1) throw input_error(where, obj + "ranks", "must be a positive integer", std::to_string(ranks));
+      const std::int64_t ranks = integer(a[i], "ranks", where, obj);
       c.shared_compute.push_back(
           {static_cast<std::int32_t>(ranks), number(a[i], "GFLOPs", where, obj) * kGiga});
     }
@@ -601,9 +592,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
         std::size_t k = 0;
         while (k < kKernelSlots && name_of(static_cast<Kernel>(k)) != key) ++k;
         if (k >= kKernelSlots || key == "unknown") throw input_error(where, f + "." + key, "is no kernel name", val.dump());
-        const double x = number(ks, key, where, f + ".");
-        if (zero_ok ? !(x >= 0.0) : !(x > 0.0))
-          throw input_error(where, f + "." + key, zero_ok ? "must be non-negative" : "must be positive", val.dump());
+        const double x = number(ks, key, where, f + ".", zero_ok);
         out[k] = x * unit;
       }
     };
@@ -611,10 +600,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     per_kernel("kernel_overhead_us", c.host_calibration.kernel_overhead_s, kMicro, true);
     if (h.contains("copy_scale")) c.host_calibration.copy_scale = number(h, "copy_scale", where, "host_calibration.");
     if (h.contains("speed_probe_GFLOPs")) {
-      const double x = number(h, "speed_probe_GFLOPs", where, "host_calibration.");
-      if (!(x > 0.0) || !std::isfinite(x))
-        throw input_error(where, "host_calibration.speed_probe_GFLOPs", "must be a positive number", h["speed_probe_GFLOPs"].dump());
-      c.host_calibration.speed_probe_flops_per_s = x * kGiga;
+      c.host_calibration.speed_probe_flops_per_s = number(h, "speed_probe_GFLOPs", where, "host_calibration.") * kGiga;
     }
     // {"<collective>.<place>": microseconds, ...} into collective_slot order, non-negative.
     auto per_collective = [&](const char* field, HostCalibration::CollectiveArray& out, double unit) {
@@ -630,9 +616,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
         if (!slot)
           throw input_error(where, f + "." + key, "is no <collective>.<place> (all_reduce, reduce_scatter, all_gather or broadcast; compute or optimizer)",
                             val.dump());
-        const double x = number(ks, key, where, f + ".");
-        if (!(x >= 0.0) || !std::isfinite(x)) throw input_error(where, f + "." + key, "must be a non-negative number", val.dump());
-        out[*slot] = x * unit;
+        out[*slot] = number(ks, key, where, f + ".", true) * unit;
       }
     };
     per_collective("collective_load_us", c.host_calibration.collective_load_s, kMicro);
@@ -652,7 +636,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
         while (k < kNumCollectives && name_of(static_cast<Collective>(k)) != kind) ++k;
         if (k >= kNumCollectives) throw input_error(where, obj + "kind", "must be all_reduce, reduce_scatter, all_gather or broadcast", a[i].dump());
         t.kind = k;
-        t.ranks = static_cast<std::int32_t>(integer(a[i], "ranks", where));
+        t.ranks = static_cast<std::int32_t>(integer(a[i], "ranks", where, obj));
         if (!a[i].contains("bytes") || !a[i].contains("seconds") || !a[i]["bytes"].is_array() || !a[i]["seconds"].is_array() ||
             a[i]["bytes"].size() != a[i]["seconds"].size())
           throw input_error(where, obj + "bytes", "bytes and seconds must be arrays of one length", a[i].dump());
@@ -825,7 +809,7 @@ Cluster resolve_cluster(std::string_view text, const std::filesystem::path& pres
 }
 
 Cluster default_cluster(std::int32_t gpus) {
-  if (gpus < 1) throw input_error("--gpus", "", "must be a positive integer", std::to_string(gpus));
+  if (gpus < 1) throw input_error("the default cluster", "gpus", "must be a positive integer", std::to_string(gpus));
   Cluster c = make_cluster(*find_gpu("A100-80GB"), 1, gpus);
   return c;
 }

@@ -279,7 +279,7 @@ TEST(ClusterJson, InlineGpuAndErrors) {
         nlohmann::json::parse(R"({"gpu":"A100","gpus_per_node":8,"efficiency":{"sustained":0}})"),
         "c.json");
   });
-  EXPECT_THAT(m, HasSubstr("efficiency.sustained must be > 0, got 0"));
+  EXPECT_THAT(m, HasSubstr("efficiency.sustained must be a positive number, got 0"));
   m = input_error_of([] {
     cluster_from_json(nlohmann::json::parse(R"({"gpu":"TPU","gpus_per_node":8})"), "c.json");
   });
