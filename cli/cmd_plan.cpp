@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -16,6 +17,7 @@
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/plan_file.h"
+#include "peftplan/planner/saved.h"
 #include "peftplan/sim/trace.h"
 
 namespace peftplan::cli {
@@ -120,7 +122,30 @@ void print_text(const planner::Plan& p) {
   } else {
     fmt::print("\nverdict: does not fit\n");
     for (const auto& r : p.reasons) fmt::print("  - {}\n", r);
+    if (!p.suggestions.empty()) fmt::print("  - {}\n", planner::suggestion_text(p.suggestions, flag_of));
   }
+}
+
+// --saved-tensors L: layer L's saved-for-backward table (planner/saved.h).
+void print_saved(const planner::SavedTable& t, const planner::PlanInput& in) {
+  fmt::print("\nsaved for backward by layer {} (profile {}; what its forward allocates, and keeps unless the layer is checkpointed)\n",
+             t.layer, name_of(in.profile));
+  fmt::print("  {:<42} {:<22} {:<5} {:>10}  {:<4}  {}\n", "tensor", "shape", "dtype", "bytes", "kept", "why");
+  for (const auto& r : t.rows) {
+    std::string module(r.module);
+    if (const auto cut = module.rfind('.'); cut != std::string::npos) module = module.substr(cut + 1);  // q_proj
+    fmt::print("  {:<42} {:<22} {:<5} {:>10}  {:<4}  {}\n", module.empty() ? std::string(r.name) : module + "." + std::string(r.name),
+               planner::shape_text(r), name_of(r.dtype), human_bytes(r.bytes()), r.kept ? "yes" : "no", r.rule);
+  }
+  fmt::print("  {:<42} {:<22} {:<5} {:>10}\n", "kept in all", "", "", human_bytes(t.kept_bytes()));
+}
+
+nlohmann::json saved_json(const planner::SavedTable& t) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& r : t.rows)
+    rows.push_back({{"name", r.name}, {"module", r.module}, {"shape", std::vector<std::int64_t>(r.shape.begin(), r.shape.begin() + r.rank)},
+                    {"dtype", name_of(r.dtype)}, {"bytes", r.bytes()}, {"kept", r.kept}, {"rule", r.rule}});
+  return {{"layer", t.layer}, {"kept_bytes", t.kept_bytes()}, {"rows", rows}};
 }
 
 }  // namespace
@@ -132,6 +157,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
     PlanFlags plan;
     bool json = false;
     std::string memory_trace, trace, write_ds_config, write_accelerate_config, write_plan;
+    std::optional<std::int64_t> saved_layer;
   };
   auto o = std::make_shared<Options>();
   add_plan_flags(cmd, o->plan);
@@ -141,6 +167,8 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--write-ds-config", o->write_ds_config, "write the strategy as a DeepSpeed ds_config.json");
   cmd->add_option("--write-accelerate-config", o->write_accelerate_config,
                   "write a DDP or FSDP strategy as accelerate's launch config YAML (accelerate launch --config_file)");
+  cmd->add_option("--saved-tensors", o->saved_layer,
+                  "also print what decoder layer L's forward allocates and saves for backward (shape, dtype, the rule that keeps it)");
   cmd->add_option("--write-plan", o->write_plan,
                   "write plan.json (the configuration and the cluster) for `peftplan compare` against your own job's measurement");
   cmd->callback([&exit_code, o] {
@@ -169,8 +197,20 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       to.process_name = "peftplan predicted";
       write_json_atomically(o->trace, sim::chrome_trace(p.program, *p.time, to));
     }
-    if (o->json) fmt::print("{}\n", planner::plan_to_json(p).dump(2));
-    else print_text(p);
+    std::optional<planner::SavedTable> saved;
+    if (o->saved_layer) {
+      if (*o->saved_layer < 0 || *o->saved_layer >= r.input.model.layers)
+        throw input_error("--saved-tensors", "", fmt::format("must be a layer in [0, {})", r.input.model.layers), std::to_string(*o->saved_layer));
+      saved = planner::saved_for_backward(r.input, *o->saved_layer);
+    }
+    if (o->json) {
+      nlohmann::json j = planner::plan_to_json(p);
+      if (saved) j["saved_tensors"] = saved_json(*saved);
+      fmt::print("{}\n", j.dump(2));
+    } else {
+      print_text(p);
+      if (saved) print_saved(*saved, r.input);
+    }
     exit_code = p.fits ? 0 : 1;
   });
 }

@@ -100,6 +100,7 @@ void print_text(const planner::Recommendation& r, const ResolvedPlan& rp, const 
       std::string reason = x.reason;
       if (names.size() > 1 && reason.rfind("does not fit: ", 0) == 0)
         reason = fmt::format("none fits ({}'s figures): {}", x.family, reason.substr(14));
+      if (!x.suggestions.empty()) reason += "; " + planner::suggestion_text(x.suggestions, flag_of);
       fmt::print("  {}: {}\n", fmt::format("{}", fmt::join(names, ", ")), reason);
     }
   }
@@ -107,7 +108,7 @@ void print_text(const planner::Recommendation& r, const ResolvedPlan& rp, const 
     fmt::print("\noutside the search:\n");
     for (const auto& a : r.alternatives) fmt::print("  - {}\n", a.what);
   }
-  fmt::print("\n{}\n", r.summary);
+  fmt::print("\n{}{}\n", r.summary, r.suggestions.empty() ? std::string() : "; " + planner::suggestion_text(r.suggestions, flag_of));
 }
 
 }  // namespace

@@ -74,6 +74,7 @@ void add_report_command(CLI::App& app, int& exit_code) {
     po.headroom_fraction = r.headroom_fraction;
     const planner::Plan base = planner::make_plan(r.input, r.cluster, po);
     reports::ReportInput ri;
+    ri.spell = flag_of;
     const auto& t = r.input.training;
     ri.title = fmt::format("{} · {} on {} ({} GPUs)", r.input.model.name, adapter_words(r.input), r.cluster.name, r.input.strategy.ranks);
     ri.provenance.version = reports::version_string();

@@ -6,8 +6,10 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "commands.h"
+#include "plan_flags.h"
 #include "peftplan/common/error.h"
 
 int main(int argc, char** argv) {
@@ -34,6 +36,11 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);
+    return 2;
+  } catch (const peftplan::planner::KnobError& e) {  // names fields: say which flags set them
+    std::vector<std::string> flags;
+    for (const auto k : e.knobs()) flags.push_back(fmt::format("{} is {}", peftplan::planner::field_of(k), peftplan::cli::flag_of(k)));
+    fmt::print(stderr, "peftplan: error: {} ({})\n", e.what(), fmt::join(flags, "; "));
     return 2;
   } catch (const peftplan::InputError& e) {
     fmt::print(stderr, "peftplan: error: {}\n", e.what());

@@ -174,4 +174,39 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   return r;
 }
 
+std::string flag_of(planner::Knob k) {
+  using planner::Knob;
+  switch (k) {
+    case Knob::model: return "--model";
+    case Knob::lora_r: return "--lora-r";
+    case Knob::quantization: return "--quant";
+    case Knob::stage: return "--strategy";
+    case Knob::ranks: return "--gpus";
+    case Knob::offload_optimizer: return "--offload-optimizer";
+    case Knob::offload_param: return "--offload-param";
+    case Knob::fsdp_version: return "--fsdp-version";
+    case Knob::reduce_bucket_size: return "zero_optimization.reduce_bucket_size (--ds-config)";
+    case Knob::stage3_prefetch_bucket_size: return "zero_optimization.stage3_prefetch_bucket_size (--ds-config)";
+    case Knob::stage3_max_live_parameters: return "zero_optimization.stage3_max_live_parameters (--ds-config)";
+    case Knob::profile: return "--profile";
+    case Knob::micro_batch: return "--micro-batch";
+    case Knob::seq_len: return "--seq-len";
+    case Knob::grad_accum: return "--grad-accum";
+    case Knob::precision: return "--precision";
+    case Knob::checkpointing: return "--checkpointing";
+    case Knob::checkpoint_every: return "--checkpointing every-K";
+    case Knob::attention: return "--attention";
+    case Knob::cross_entropy: return "--cross-entropy";
+    case Knob::eval_batch: return "--eval-batch";
+    case Knob::gpu: return "--cluster";
+    case Knob::search_gpus: return "--gpus";
+    case Knob::search_stages: return "--strategy";
+    case Knob::min_micro_batch: return "--min-micro-batch";
+    case Knob::global_batch: return "--global-batch";
+    case Knob::max_gpus: return "--max-gpus";
+    case Knob::objective: return "--objective";
+  }
+  return std::string(planner::field_of(k));
+}
+
 }  // namespace peftplan::cli

@@ -54,4 +54,9 @@ struct ResolvedPlan {
 };
 ResolvedPlan resolve_plan_flags(const PlanFlags& flags);
 
+// How the CLI names a knob (planner/knobs.h): its flag ("--micro-batch"), or for DeepSpeed's
+// bucket sizes the ds_config key that sets them. The planner's suggestions and refusals are
+// spelled with it on the terminal and in reports.
+std::string flag_of(planner::Knob k);
+
 }  // namespace peftplan::cli

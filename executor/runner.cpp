@@ -213,7 +213,7 @@ std::string Session::Impl::first_nonfinite(std::int32_t grad, double norm) {
     }
   }
   return fmt::format("step {}: the gradient norm is {} (loss so far {}); the first non-finite gradient is {}. "
-                     "Lower the learning rate, clip gradients (run.clip), or run with --on-nonfinite skip",
+                     "Lower the learning rate, clip gradients (run.clip), or set run.on_nonfinite to skip",
                      step_index + 1, norm, step_loss_sum() / count, where);
 }
 

@@ -47,7 +47,7 @@ planner::PlanFile load_plan(const std::filesystem::path& path) {
 }
 
 TokenData load_data(const planner::PlanFile& plan) {
-  if (plan.run.data.empty()) throw InputError("plan.json: run.data names no token file (peftplan run --data FILE)");
+  if (plan.run.data.empty()) throw InputError("plan.json: run.data names no token file");
   return TokenData::load(plan.run.data, parse_data_format(plan.run.data_format, "run.data_format"), plan.input.model.vocab,
                          plan.input.training.seq_len);
 }

@@ -84,6 +84,33 @@ planner::PlanInput input_of(const Scenario& s, sim::Cluster& cluster) {
 
 QColor colour(std::string_view hex) { return QColor(QString::fromUtf8(hex.data(), static_cast<int>(hex.size()))); }
 
+// How the explorer names a knob in the planner's suggestions: its control's label, or the
+// field for knobs it has no control for.
+std::string control_of(planner::Knob k) {
+  using planner::Knob;
+  switch (k) {
+    case Knob::model: return "model";
+    case Knob::lora_r: return "LoRA rank";
+    case Knob::quantization: return "QLoRA";
+    case Knob::stage:
+    case Knob::search_stages: return "your strategy";
+    case Knob::ranks:
+    case Knob::search_gpus: return "GPUs";
+    case Knob::profile: return "runtime profile";
+    case Knob::micro_batch: return "micro-batch";
+    case Knob::seq_len: return "sequence";
+    case Knob::precision: return "precision";
+    case Knob::checkpointing: return "checkpointing";
+    case Knob::gpu: return "cluster";
+    default: return std::string(planner::field_of(k));
+  }
+}
+
+// "; try ..." after a reason, or nothing.
+std::string then_try(const std::vector<planner::Suggestion>& s) {
+  return s.empty() ? std::string() : "; " + planner::suggestion_text(s, control_of);
+}
+
 }  // namespace
 
 Result plan_scenario(const Scenario& s, std::uint64_t generation) {
@@ -102,7 +129,8 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
     r.verdict = base.fits ? fmt::format("{} fits with {:.1f} GiB to spare ({:.1f} GiB in use of {:.1f} GiB, {:.0f}% headroom kept)", s.strategy,
                                         static_cast<double>(spare) / kGiB, to_gib(base.used_peak_bytes), to_gib(base.device_capacity_bytes),
                                         100 * base.headroom_fraction)
-                          : fmt::format("{} does not fit: {}", s.strategy, base.reasons.empty() ? std::string() : base.reasons.front());
+                          : fmt::format("{} does not fit: {}{}", s.strategy, base.reasons.empty() ? std::string() : base.reasons.front(),
+                                        then_try(base.suggestions));
   } catch (const InputError& e) {
     r.error = e.what();
   }
@@ -364,10 +392,10 @@ void Explorer::show_result(Result r) {
   std::string html;
   if (result_.recommendation) {
     const auto& rec = *result_.recommendation;
-    html += "<p><b>" + reports::xml_escape(rec.summary) + "</b></p>";
+    html += "<p><b>" + reports::xml_escape(rec.summary + then_try(rec.suggestions)) + "</b></p>";
     if (!rec.ranked.empty()) html += "<p>" + reports::xml_escape(rec.ranked.front().reason) + "</p>";
     html += "<ul>";
-    for (const auto& x : rec.rejected) html += "<li><b>" + reports::xml_escape(x.family) + "</b>: " + reports::xml_escape(x.reason) + "</li>";
+    for (const auto& x : rec.rejected) html += "<li><b>" + reports::xml_escape(x.family) + "</b>: " + reports::xml_escape(x.reason + then_try(x.suggestions)) + "</li>";
     html += "</ul>";
   }
   recommendation_->setHtml(QString::fromStdString(html));

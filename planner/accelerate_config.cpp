@@ -171,7 +171,7 @@ AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view 
   if (!dt) throw input_error(source, "distributed_type", "is missing (FSDP, MULTI_GPU or NO)");
   const std::string type = r.one_of(dt, "distributed_type", {"FSDP", "MULTI_GPU", "NO", "DEEPSPEED"});
   if (type == "DEEPSPEED")
-    throw input_error(source, "distributed_type", "DEEPSPEED: give DeepSpeed's own config with --ds-config", "\"DEEPSPEED\"");
+    throw input_error(source, "distributed_type", "DEEPSPEED: give DeepSpeed's own config (ds_config.json) instead", "\"DEEPSPEED\"");
   out.strategy.stage = Stage::ddp;
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) throw input_error(source, "", "has a top-level key that is not a plain name");
@@ -218,9 +218,9 @@ AccelerateConfig read_accelerate_config_file(const std::string& path) {
 std::string write_accelerate_config(const Strategy& s, const TrainingSpec& t, std::int32_t num_machines) {
   const std::string where = "accelerate config";
   if (!is_fsdp(s.stage) && s.stage != Stage::ddp)
-    throw input_error(where, "distributed_type", fmt::format("--strategy {} is DeepSpeed's: write its config with --write-ds-config", name_of(s.stage)));
+    throw input_error(where, "distributed_type", fmt::format("strategy.stage {} is DeepSpeed's: write its ds_config.json instead", name_of(s.stage)));
   if (s.offload_optimizer != OffloadDevice::none)
-    throw input_error(where, "fsdp_config.fsdp_offload_params", "accelerate has no optimizer-only offload (--offload-optimizer)");
+    throw input_error(where, "fsdp_config.fsdp_offload_params", "accelerate has no optimizer-only offload (strategy.offload_optimizer)");
   YAML::Emitter y;
   y << YAML::BeginMap;
   y << YAML::Key << "compute_environment" << YAML::Value << "LOCAL_MACHINE";
@@ -232,7 +232,7 @@ std::string write_accelerate_config(const Strategy& s, const TrainingSpec& t, st
     if (k.version == 2) {  // accelerate's FSDP2 keys (commands/config/cluster.py asks only these)
       if (s.stage != Stage::fsdp_full_shard && s.stage != Stage::fsdp_shard_grad_op)
         throw input_error(where, "fsdp_config.fsdp_reshard_after_forward",
-                          fmt::format("FSDP2 has fsdp-full-shard and fsdp-shard-grad-op, not --strategy {}", name_of(s.stage)));
+                          fmt::format("FSDP2 has fsdp-full-shard and fsdp-shard-grad-op, not strategy.stage {}", name_of(s.stage)));
       y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << k.activation_checkpointing;
       y << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << k.auto_wrap_policy;
       y << YAML::Key << "fsdp_cpu_ram_efficient_loading" << YAML::Value << k.cpu_ram_efficient_loading;

@@ -27,6 +27,7 @@
 #include "peftplan/common/error.h"
 #include "peftplan/models/parameters.h"
 #include "peftplan/planner/runtime.h"
+#include "peftplan/planner/saved.h"
 #include "peftplan/sim/ops.h"
 
 namespace peftplan::planner::builder {
@@ -197,6 +198,37 @@ struct GradBucket {
   std::int32_t grad_view = -1, param_view = -1, state_view = -1, host_view = -1;
 };
 
+// A decoder layer's saved-for-backward table (saved.h) as the graph reads it: the rows, and
+// where each tensor the forward allocates sits among them (-1: the layer has no such tensor).
+enum class Slot : std::uint8_t {
+  norm1_stats, norm1_x_fp32, norm1_normed, norm1_out, attn_scores, attn_probs_fp32, attn_out, resid_mid,
+  norm2_stats, norm2_x_fp32, norm2_normed, norm2_out, mlp_silu, mlp_act, layer_out, count
+};
+// Per linear module: the weight's compute-dtype copy, the output, the output's compute-dtype copy
+// (an fp32 output feeding attention), and the adapter branch's input copy, keep mask and u.
+enum class LinearSlot : std::uint8_t { w_compute, out, out_compute, lora_x, lora_mask, lora_u, count };
+using LinearRows = std::array<std::int16_t, static_cast<std::size_t>(LinearSlot::count)>;
+
+struct LayerTable {
+  SavedTable table;
+  std::array<std::int16_t, static_cast<std::size_t>(Slot::count)> at{};
+  std::vector<LinearRows> linear;  // per LinearPlan of the layer, layer_linears_ order
+  const SavedTensor* row(Slot s) const {
+    const std::int16_t i = at[static_cast<std::size_t>(s)];
+    return i < 0 ? nullptr : &table.rows[static_cast<std::size_t>(i)];
+  }
+  bool kept(Slot s) const {
+    const SavedTensor* r = row(s);
+    return r && r->kept;
+  }
+};
+
+// A row of the rows `rows` holds at `lr[s]`, or nullptr.
+inline const SavedTensor* linear_row(const std::vector<SavedTensor>& rows, const LinearRows& lr, LinearSlot s) {
+  const std::int16_t i = lr[static_cast<std::size_t>(s)];
+  return i < 0 ? nullptr : &rows[static_cast<std::size_t>(i)];
+}
+
 class Builder {
  public:
   Builder(const PlanInput& in, const BuildOptions& options)
@@ -204,6 +236,9 @@ class Builder {
         eval_(options.evaluation) {}
 
   BuiltProgram build();
+  // Layer l's saved-for-backward table alone (saved_for_backward): the facts and the linear
+  // modules' plans, then the table, without a program.
+  SavedTable table_only(std::int64_t l);
 
  private:
   // --- program emission helpers ---
@@ -459,6 +494,13 @@ class Builder {
 
   void facts();
   void plan_linears();
+  // The layers' tables (saved.h), from the runtime rules: built once after plan_linears.
+  void make_tables();
+  LayerTable layer_table(std::int64_t l) const;
+  // Appends lp's rows (its output's dtype and whether it is kept given by the caller) to `rows`.
+  LinearRows linear_rows(std::vector<SavedTensor>& rows, const LinearPlan& lp, DType out_dtype, bool out_kept,
+                         std::string_view out_rule) const;
+  std::vector<LayerTable> tables_;
   void setup();
   void add_cuda_runtime();
   void micro_batch(std::int32_t mb);
@@ -471,8 +513,9 @@ class Builder {
   void optimizer_step();
   std::int32_t hf_loss(std::int32_t logits, std::int32_t tokens);
   std::int32_t fused_loss(LinearPlan& lm, std::int32_t x, std::int32_t tokens);
-  std::int32_t linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
-                              Cat saved_cat, std::vector<std::int32_t>& saved, std::optional<DType> out_dtype = std::nullopt);
+  // The linear's forward, its allocations from its rows (rows[lr[...]]).
+  std::int32_t linear_forward(LinearPlan& lp, const std::vector<SavedTensor>& rows, const LinearRows& lr, std::int32_t x,
+                              std::int32_t layer, Phase phase, Cat out_cat, Cat saved_cat, std::vector<std::int32_t>& saved);
   std::int32_t linear_backward(LinearPlan& lp, std::int32_t dy, std::int32_t dx, std::int32_t x, std::int32_t layer,
                                bool dx_first);
   std::int32_t compute_acc(std::int32_t op) {  // marks a compute op as adding into its output
@@ -496,6 +539,8 @@ class Builder {
   // are (fp32_norms_on_kbit); the embedding output and attention stay in the compute dtype.
   DType stream_dtype() const { return fp32_norms_ ? DType::fp32 : f_.compute_dtype; }
   DType resid_dtype(std::int64_t l) const { return l == 0 ? f_.compute_dtype : stream_dtype(); }
+  // The adapter branch's activations: the compute dtype, or (runtime rule) the adapter's own.
+  DType adapter_dtype(const LinearPlan& lp) const { return lp.adapter_owns_input ? adapter_act_dtype_ : f_.compute_dtype; }
 
   const PlanInput& in_;
   RuntimeRules rules_;

@@ -14,22 +14,23 @@ namespace peftplan::planner::builder {
 //                 the step, so the recompute and the backward regenerate the same mask
 //   lora_fwd      {x_in [M,in], A [r,in], B [out,r], u [M,r], y [M,out]}: u = x_in·Aᵀ,
 //                 y += scale·u·Bᵀ (x_in is the dropped input when dropout > 0)
-// out_dtype: the output's dtype when it is not the compute dtype (bitsandbytes' Linear4bit returns
-// its input's dtype).
-std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_t layer, Phase phase, Cat out_cat,
-                                     Cat saved_cat, std::vector<std::int32_t>& saved, std::optional<DType> out_dtype) {
+// The allocations come from the linear's rows of the layer's table (saved.h): the output's dtype
+// is the row's (bitsandbytes' Linear4bit returns its input's dtype).
+std::int32_t Builder::linear_forward(LinearPlan& lp, const std::vector<SavedTensor>& table, const LinearRows& lr, std::int32_t x,
+                                     std::int32_t layer, Phase phase, Cat out_cat, Cat saved_cat, std::vector<std::int32_t>& saved) {
   const auto& mod = *lp.mod;
-  const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
+  const SavedTensor& out = *linear_row(table, lr, LinearSlot::out);
+  const std::int64_t rows = out.shape[0];  // MoE: the expert's share of the tokens
   const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
   const std::string base = names_ ? fmt::format("{}.mb{}", mod.path, mb_) : std::string();
-  const std::int32_t y = alloc([&] { return base + ".out"; }, out_cat, bytes(out_dtype.value_or(f_.compute_dtype), rows * mod.out), phase);
+  auto alloc_row = [&](const SavedTensor& r, Cat cat) { return alloc([&] { return fmt::format("{}.{}", base, r.name); }, cat, r.bytes(), phase); };
+  const std::int32_t y = alloc_row(out, out_cat);
   std::int32_t w = lp.weight_buf;
   std::int32_t cast = -1;
   // A weight stored in another dtype than the compute dtype is converted per GEMM into a
-  // workspace copy (bitsandbytes dequantises the same way; our executor converts bf16 -> fp32).
-  // The LM head is stored in the compute dtype like the embedding (frozen_bytes), so it is not.
-  if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight && !mod.is_output) {
-    cast = alloc([&] { return base + ".w_compute"; }, Cat::workspace, act(mod.in * mod.out), phase);
+  // workspace copy (the w_compute row).
+  if (const SavedTensor* wc = linear_row(table, lr, LinearSlot::w_compute)) {
+    cast = alloc_row(*wc, Cat::workspace);
     compute("dequantize", layer, phase, elementwise(wbytes + act(mod.in * mod.out)),
             ops::Cast{.src = w, .dst = cast, .n = mod.in * mod.out, .from = f_.base_dtype, .to = f_.compute_dtype});
     w = cast;
@@ -37,7 +38,7 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
   // A 16-bit GEMM fed an fp32 input (an fp32 norm's output) casts it, and bitsandbytes'
   // Linear4bit returns out.to(x.dtype) (bitsandbytes 0.43.3 nn/modules.py Linear4bit.forward):
   // two eager casts.
-  const DType od = out_dtype.value_or(f_.compute_dtype);
+  const DType od = out.dtype;
   if (rules_.eager_elementwise && (lp.input_dtype != f_.compute_dtype || od != f_.compute_dtype))
     compute("cast_io", layer, phase,
             elementwise((lp.input_dtype != f_.compute_dtype ? bytes(lp.input_dtype, rows * mod.in) + act(rows * mod.in) : 0) +
@@ -51,9 +52,9 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
     std::int32_t xin = x;
     lp.xin_buf = -1;
     // The branch's activations: the compute dtype, or (runtime rule) the adapter's.
-    const DType ad = lp.adapter_owns_input ? adapter_act_dtype_ : f_.compute_dtype;
-    if (a.dropout > 0.0 || lp.adapter_owns_input) {  // PEFT applies dropout to the adapter input: keep the dropped copy
-      xin = alloc([&] { return base + ".lora_x"; }, saved_cat, bytes(ad, rows * mod.in), phase);
+    const DType ad = adapter_dtype(lp);
+    if (const SavedTensor* lx = linear_row(table, lr, LinearSlot::lora_x)) {  // PEFT applies dropout to the adapter input: keep the dropped copy
+      xin = alloc_row(*lx, saved_cat);
       const std::uint64_t in_bytes = rules_.eager_elementwise
                                          ? static_cast<std::uint64_t>(eager::lora_in_fwd(static_cast<double>(bytes_of(lp.input_dtype)), static_cast<double>(bytes_of(ad)), a.dropout > 0.0) *
                                                                       static_cast<double>(rows * mod.in))
@@ -67,11 +68,10 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, std::int32_t x, std::int32_
       saved.push_back(xin);
       lp.xin_buf = xin;
       // torch's native_dropout saves its keep mask (bool, a byte per element) for backward.
-      if (lp.adapter_owns_input && a.dropout > 0.0)
-        saved.push_back(alloc([&] { return base + ".lora_mask"; }, saved_cat, static_cast<std::uint64_t>(rows * mod.in), phase));
+      if (const SavedTensor* mask = linear_row(table, lr, LinearSlot::lora_mask)) saved.push_back(alloc_row(*mask, saved_cat));
     }
-    if (a.r > 0) {
-      const std::int32_t u = alloc([&] { return base + ".lora_u"; }, saved_cat, bytes(ad, rows * a.r), phase);
+    if (const SavedTensor* ur = linear_row(table, lr, LinearSlot::lora_u)) {
+      const std::int32_t u = alloc_row(*ur, saved_cat);
       sim::ComputeWork w1 = gemm(rows, a.r, mod.in, bytes(ad, rows * (mod.in + a.r)));
       sim::ComputeWork w2 = gemm(rows, mod.out, a.r, bytes(ad, rows * (a.r + 2 * mod.out)));
       w1.flops += w2.flops;
@@ -141,7 +141,7 @@ std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int3
     // temporary (and, with dropout, a [M, in] one for du·A before the mask).
     const std::int64_t scratch = rows * (a.r + (a.dropout > 0.0 ? mod.in : 0));
     const std::int32_t du = alloc([&] { return base + ".lora_du"; }, Cat::workspace, act(scratch), B);
-    const DType ad = lp.adapter_owns_input ? adapter_act_dtype_ : f_.compute_dtype;
+    const DType ad = adapter_dtype(lp);
     const auto abytes = [&](std::int64_t n) { return rules_.eager_elementwise ? bytes(ad, n) : act(n); };
     sim::ComputeWork w1 = gemm(mod.out, a.r, rows, abytes(rows * (mod.out + a.r)));
     for (const auto& extra : {gemm(rows, a.r, mod.out, abytes(rows * (mod.out + a.r))), gemm(a.r, mod.in, rows, abytes(rows * (mod.in + a.r))),
@@ -179,14 +179,10 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const bool store = recompute || !ckpt;
   auto& saved = saved_[static_cast<std::size_t>(l)];
   std::vector<std::int32_t> transient;
-  // A projection's input is saved only when something trains on it (an adapter, or the weight
-  // itself); otherwise it is workspace, freed at the end of the layer's forward.
+  // What the layer allocates and keeps: its table (saved.h). A row that is not kept is
+  // workspace, freed at its last use or the end of the layer's forward.
+  const LayerTable& T = tables_[static_cast<std::size_t>(l)];
   auto& lin = layer_linears_[static_cast<std::size_t>(l)];
-  auto needs = [&](Role r) {
-    return std::any_of(lin.begin(), lin.end(), [&](const LinearPlan& lp) { return lp.role == r && lp.needs_input(); });
-  };
-  const bool h1_needed = needs(Role::attn_in), attn_out_needed = needs(Role::attn_out);
-  const bool h2_needed = needs(Role::mlp_in) || needs(Role::router), a_needed = needs(Role::mlp_out);
   auto cat_for = [&](bool needed) { return needed && store ? keep : Cat::workspace; };
   // Called at a tensor's last use in the forward: saved for backward, or freed now (runtime
   // rule free_at_last_use) or at the end of the layer.
@@ -209,7 +205,11 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const std::int64_t H = m_.hidden, B = t_.micro_batch, S = M_ / t_.micro_batch;
   const std::string pre = fmt::format("layers.{}.mb{}", l, mb_);
   const std::int32_t x = resid_[static_cast<std::size_t>(l)];
-  const std::uint64_t stat_bytes = f32(M_) * (m_.rms_norm() ? 1 : 2);  // rstd (and mean for LayerNorm)
+  // Slot s's tensor of the table, in category `cat`.
+  auto alloc_slot = [&](Slot s, Cat cat) {
+    const SavedTensor& r = *T.row(s);
+    return alloc([&] { return fmt::format("{}.{}", pre, r.name); }, cat, r.bytes(), P);
+  };
 
   // Args conventions (M = B·S rows, fp32 statistics):
   //   norm_fwd     {x [M,H], w [H], y [M,H], rstd [M]}: RMSNorm (LayerNorm: stats are mean, rstd)
@@ -219,34 +219,38 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   //   mlp_act_fwd  {gate [M,I], up [M,I], act [M,I]}: act = silu(gate) ⊙ up (GELU: {fc1, -1, act})
   LayerBufs& lb = lb_[static_cast<std::size_t>(l)];
   lb = LayerBufs{};
-  // Runtime rules: an RMSNorm that computes in fp32 saves its input in fp32 (a copy unless the
-  // input is fp32 already, and then the input itself), and with a trainable weight the
-  // normalised input too; the norm's output dtype is the stream's.
-  const bool norm_copies = rules_.norm_saves_fp32_input && m_.rms_norm();
-  const bool full = in_.peft.adapters.empty();
+  // Runtime rules (the table's rows): an RMSNorm that computes in fp32 saves its input in fp32
+  // (a copy unless the input is fp32 already, and then the input itself), and with a trainable
+  // weight the normalised input too; the norm's output dtype is the stream's.
   const DType nd = stream_dtype();
   // Returns the saved copy of the input (-1: the norm keeps the input itself).
-  auto norm_saves = [&](std::string_view what, DType x_dtype) -> std::int32_t {
-    if (!norm_copies) return -1;
+  auto norm_saves = [&](Slot x32, Slot normed) -> std::int32_t {
     std::int32_t copy = -1;
-    if (x_dtype != DType::fp32) save(copy = alloc([&] { return fmt::format("{}.{}.x_fp32", pre, what); }, keep, f32(M_ * H), P));
-    if (full) save(alloc([&] { return fmt::format("{}.{}.normed", pre, what); }, keep, bytes(x_dtype, M_ * H), P));
+    if (T.row(x32)) save(copy = alloc_slot(x32, keep));
+    if (T.row(normed)) save(alloc_slot(normed, keep));
     return copy;
   };
+  // A linear of the layer (lin[i]) through its rows.
+  auto linear = [&](std::size_t i, std::int32_t in, Cat out_cat, std::vector<std::int32_t>& into) {
+    return linear_forward(lin[i], T.table.rows, T.linear[i], in, l, P, out_cat, keep, into);
+  };
   // --- attention block ---
-  const std::int32_t rstd1 = alloc([&] { return pre + ".norm1.stats"; }, keep, stat_bytes, P);
-  const std::int32_t h1 = alloc([&] { return pre + ".norm1.out"; }, cat_for(h1_needed), bytes(nd, M_ * H), P);
+  const bool h1_needed = T.kept(Slot::norm1_out);
+  const std::int32_t rstd1 = alloc_slot(Slot::norm1_stats, keep);
+  const std::int32_t h1 = alloc_slot(Slot::norm1_out, cat_for(h1_needed));
   compute("input_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
           ops::NormFwd{.x = x, .w = norm1_.empty() ? -1 : norm1_[static_cast<std::size_t>(l)], .y = h1, .rstd = rstd1, .M = M_, .H = H,
                        .eps = m_.norm_eps});
   save(rstd1);
-  lb.norm1_x = norm_saves("norm1", resid_dtype(l));
+  lb.norm1_x = norm_saves(Slot::norm1_x_fp32, Slot::norm1_normed);
   lb.rstd1 = rstd1;
   lb.h1 = h1;
   std::vector<std::int32_t> qkv;
-  for (auto& lp : lin)
-    if (lp.role == Role::attn_in) {
-      qkv.push_back(linear_forward(lp, h1, l, P, keep, keep, kept, nd));
+  std::vector<std::size_t> qkv_linear;
+  for (std::size_t i = 0; i < lin.size(); ++i)
+    if (lin[i].role == Role::attn_in) {
+      qkv.push_back(linear(i, h1, keep, kept));
+      qkv_linear.push_back(i);
       flush();
     }
   keep_or_drop(h1, h1_needed);
@@ -255,10 +259,11 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
             elementwise(eager_or(eager::rope_fwd(1), M_ * (m_.q_width() + m_.kv_width()), nd, act(M_ * (m_.q_width() + m_.kv_width())) * 2)),
             ops::RopeFwd{{.q = qkv.empty() ? -1 : qkv[0], .k = qkv.size() > 1 ? qkv[1] : -1, .tables = rope_, .B = B, .S = S, .nh = m_.heads,
                           .nkv = m_.kv_heads, .d = m_.head_dim}});
-  if (nd != f_.compute_dtype)  // the attention kernel takes (and saves) compute-dtype copies
-    for (std::int32_t& b : qkv) {
-      const std::int64_t n = static_cast<std::int64_t>(p_.buffers[static_cast<std::size_t>(b)].bytes / bytes_of(nd));
-      const std::int32_t c = alloc([&] { return p_.buffers[static_cast<std::size_t>(b)].name + "_compute"; }, keep, act(n), P);
+  for (std::size_t j = 0; j < qkv.size(); ++j)  // the attention kernel takes (and saves) compute-dtype copies
+    if (const SavedTensor* oc = linear_row(T.table.rows, T.linear[qkv_linear[j]], LinearSlot::out_compute)) {
+      std::int32_t& b = qkv[j];
+      const std::int64_t n = oc->elements();
+      const std::int32_t c = alloc([&] { return p_.buffers[static_cast<std::size_t>(b)].name + "_compute"; }, keep, oc->bytes(), P);
       compute("to_compute_dtype", l, P, elementwise(bytes(nd, n) + act(n)), ops::Cast{.src = b, .dst = c, .n = n, .from = nd, .to = f_.compute_dtype});
       free(b, P);
       b = c;
@@ -271,19 +276,17 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   sim::ComputeWork aw = gemm(S, kv, d, 0);
   aw.gemm_count = static_cast<std::int32_t>(B * nh);
   aw.flops = 4.0 * static_cast<double>(B * nh) * static_cast<double>(S) * static_cast<double>(kv) * static_cast<double>(d);
+  probs = alloc_slot(Slot::attn_scores, keep);
   if (t_.attention == Attention::eager) {
-    probs = alloc([&] { return pre + ".attn.probs"; }, keep, act(B * nh * S * kv), P);
     aw.bytes_moved = act(B * nh * S * kv) * 3 + act(M_ * (m_.q_width() + 2 * m_.kv_width()));
     aw.flops *= eager_gemm_fraction();
-    if (rules_.eager_softmax_fp32 && m_.rms_norm() && f_.compute_dtype != DType::fp32)  // the Llama family's code
-      probs32 = alloc([&] { return pre + ".attn.probs_fp32"; }, keep, f32(B * nh * S * kv), P);
+    if (T.row(Slot::attn_probs_fp32)) probs32 = alloc_slot(Slot::attn_probs_fp32, keep);  // the Llama family's code
   } else {
-    probs = alloc([&] { return pre + ".attn.lse"; }, keep, f32(B * nh * S), P);
     aw.flops /= 2.0;  // causal blocks above the diagonal are skipped
     aw.bytes_moved = act(M_ * (2 * m_.q_width() + 2 * m_.kv_width()));
   }
-  const bool out_saved = attn_out_needed || rules_.attention_saves_output;
-  const std::int32_t attn_out = alloc([&] { return pre + ".attn.out"; }, cat_for(out_saved), act(M_ * m_.q_width()), P);
+  const bool out_saved = T.kept(Slot::attn_out);
+  const std::int32_t attn_out = alloc_slot(Slot::attn_out, cat_for(out_saved));
   compute(t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
           ops::AttentionFwd{.q = qkv.empty() ? -1 : qkv[0], .k = qkv.size() > 1 ? qkv[1] : -1, .v = qkv.size() > 2 ? qkv[2] : -1, .probs = probs,
                             .out = attn_out, .B = B, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
@@ -293,41 +296,42 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   lb.probs = probs;
   lb.attn_out = attn_out;
   std::int32_t y_attn = -1;
-  for (auto& lp : lin)
-    if (lp.role == Role::attn_out) {
-      y_attn = linear_forward(lp, attn_out, l, P, Cat::workspace, keep, kept);
+  for (std::size_t i = 0; i < lin.size(); ++i)
+    if (lin[i].role == Role::attn_out) {
+      y_attn = linear(i, attn_out, Cat::workspace, kept);
       flush();
     }
   keep_or_drop(attn_out, out_saved);
   // The residual after attention: the post-attention norm's input, saved by it (or by our
   // executor's norm backward), unless the norm saves an fp32 copy instead.
-  const bool x_mid_saved = !norm_copies || resid_dtype(l) == DType::fp32;
-  const std::int32_t x_mid = alloc([&] { return pre + ".resid_mid"; }, x_mid_saved ? keep : Cat::workspace, bytes(resid_dtype(l), M_ * H), P);
+  const bool x_mid_saved = T.kept(Slot::resid_mid);
+  const std::int32_t x_mid = alloc_slot(Slot::resid_mid, x_mid_saved ? keep : Cat::workspace);
   compute("residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)), ops::ResidualAdd{.a = x, .b = y_attn, .out = x_mid, .n = M_ * H});
   free(y_attn, P);
   if (!rules_.free_at_last_use) keep_or_drop(x_mid, x_mid_saved);  // freed with the layer's transients
   lb.x_mid = x_mid;
 
   // --- MLP block ---
-  const std::int32_t rstd2 = alloc([&] { return pre + ".norm2.stats"; }, keep, stat_bytes, P);
-  const std::int32_t h2 = alloc([&] { return pre + ".norm2.out"; }, cat_for(h2_needed), bytes(nd, M_ * H), P);
+  const bool h2_needed = T.kept(Slot::norm2_out);
+  const std::int32_t rstd2 = alloc_slot(Slot::norm2_stats, keep);
+  const std::int32_t h2 = alloc_slot(Slot::norm2_out, cat_for(h2_needed));
   compute("post_attention_norm", l, P, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(l)), 4.0 * static_cast<double>(M_ * H)),
           ops::NormFwd{.x = x_mid, .w = norm2_.empty() ? -1 : norm2_[static_cast<std::size_t>(l)], .y = h2, .rstd = rstd2, .M = M_, .H = H,
                        .eps = m_.norm_eps});
   save(rstd2);
-  lb.norm2_x = norm_saves("norm2", resid_dtype(l));
+  lb.norm2_x = norm_saves(Slot::norm2_x_fp32, Slot::norm2_normed);
   lb.rstd2 = rstd2;
   lb.h2 = h2;
-  for (auto& lp : lin)
-    if (lp.role == Role::router) {
-      std::int32_t r = linear_forward(lp, h2, l, P, keep, keep, kept);
+  for (std::size_t i = 0; i < lin.size(); ++i)
+    if (lin[i].role == Role::router) {
+      std::int32_t r = linear(i, h2, keep, kept);
       flush();
       save(r);
     }
   std::vector<std::int32_t> mlp_in;
-  for (auto& lp : lin)
-    if (lp.role == Role::mlp_in) {
-      mlp_in.push_back(linear_forward(lp, h2, l, P, keep, keep, kept, nd));
+  for (std::size_t i = 0; i < lin.size(); ++i)
+    if (lin[i].role == Role::mlp_in) {
+      mlp_in.push_back(linear(i, h2, keep, kept));
       flush();
     }
   keep_or_drop(h2, h2_needed);
@@ -335,18 +339,18 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   const std::int64_t I = m_.intermediate;
   const auto rows = static_cast<std::int64_t>(M_ * (m_.is_moe() ? m_.experts_per_token : 1));
   std::int32_t silu = -1;
-  if (rules_.unfused_swiglu && m_.gated_mlp())  // silu(gate), kept by the mul with up
-    silu = per_expert(alloc([&] { return pre + ".mlp.silu"; }, keep, bytes(nd, rows * I), P));
-  const std::int32_t a = per_expert(alloc([&] { return pre + ".mlp.act"; }, cat_for(a_needed), bytes(nd, rows * I), P));
+  if (T.row(Slot::mlp_silu)) silu = per_expert(alloc_slot(Slot::mlp_silu, keep));  // silu(gate), kept by the mul with up
+  const bool a_needed = T.kept(Slot::mlp_act);
+  const std::int32_t a = per_expert(alloc_slot(Slot::mlp_act, cat_for(a_needed)));
   compute(m_.gated_mlp() ? "swiglu" : "gelu", l, P,
           elementwise(m_.gated_mlp() ? eager_or(eager::swiglu_fwd(1), rows * I, nd, act(rows * I) * 3) : act(rows * I) * 3, 6.0 * static_cast<double>(rows * I)),
           ops::MlpActFwd{.gate = mlp_in.empty() ? -1 : mlp_in[0], .up = mlp_in.size() > 1 ? mlp_in[1] : -1, .act = a, .n = rows * I});
   for (std::int32_t b : mlp_in) save(b);  // gate/up (SwiGLU) or fc1 (GELU) outputs
   if (silu >= 0) save(silu);
   std::int32_t y_mlp = -1;
-  for (auto& lp : lin)
-    if (lp.role == Role::mlp_out) {
-      std::int32_t y = linear_forward(lp, a, l, P, Cat::workspace, keep, kept, nd);
+  for (std::size_t i = 0; i < lin.size(); ++i)
+    if (lin[i].role == Role::mlp_out) {
+      std::int32_t y = linear(i, a, Cat::workspace, kept);
       flush();
       if (y_mlp < 0) y_mlp = y;
       else free(y, P);  // MoE experts write into one combined output
@@ -356,12 +360,12 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // The layer output is the next layer's input: kept as an activation in every mode (a
   // checkpointed layer's input is exactly this tensor).
   std::int32_t& x_out = resid_[static_cast<std::size_t>(l) + 1];
-  if (!recompute) x_out = alloc([&] { return fmt::format("layers.{}.mb{}.resid_out", l, mb_); }, Cat::activations, bytes(resid_dtype(l + 1), M_ * H), P);
+  if (!recompute) x_out = alloc_slot(Slot::layer_out, Cat::activations);
   // The recomputed output is what the checkpoint's backward differentiates
   // (CheckpointFunction.backward: torch.autograd.backward(outputs, args)): live through the
   // layer's backward under a runtime that materialises it.
   if (recompute && rules_.free_at_last_use)
-    saved.push_back(alloc([&] { return fmt::format("layers.{}.mb{}.resid_out.recomputed", l, mb_); }, Cat::workspace, bytes(resid_dtype(l + 1), M_ * H), P));
+    saved.push_back(alloc([&] { return fmt::format("{}.resid_out.recomputed", pre); }, Cat::workspace, T.row(Slot::layer_out)->bytes(), P));
   compute("residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
           ops::ResidualAdd{.a = x_mid, .b = y_mlp, .out = recompute ? -1 : x_out, .n = M_ * H});
   free(y_mlp, P);
@@ -369,7 +373,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   for (std::int32_t b : transient) free(b, P);
   // Runtime rule: the layer's input lives only while something saves it. Without a checkpoint
   // only an fp32 input is (the norm saves it); otherwise the norm's fp32 copy replaced it.
-  if (!recompute && !ckpt && rules_.layer_input_only_if_saved && norm_copies && resid_dtype(l) != DType::fp32) {
+  if (!recompute && !ckpt && rules_.layer_input_only_if_saved && T.row(Slot::norm1_x_fp32)) {
     free(resid_[static_cast<std::size_t>(l)], P);
     resid_[static_cast<std::size_t>(l)] = -1;
   }
@@ -686,7 +690,11 @@ void Builder::micro_batch(std::int32_t mb) {
   const bool fused = t_.cross_entropy == CrossEntropy::chunked;
   std::int32_t logits = -1, grad_in = -1;
   if (fused) grad_in = fused_loss(*lm, hf, tokens);
-  else logits = linear_forward(*lm, hf, -1, Phase::loss, Cat::workspace, Cat::activations, head_saved);
+  else {
+    std::vector<SavedTensor> head_rows;
+    const LinearRows lr = linear_rows(head_rows, *lm, f_.compute_dtype, false, "the logits: the loss reads them");
+    logits = linear_forward(*lm, head_rows, lr, hf, -1, Phase::loss, Cat::workspace, Cat::activations, head_saved);
+  }
   release_unit(head, Phase::loss);
   if (tied) release_unit(0, Phase::loss);
   std::int32_t dlogits = -1;

@@ -22,35 +22,59 @@ std::uint64_t cat(const sim::MemoryProfile& m, MemCategory c) { return m.at_peak
 
 }  // namespace
 
-std::string fit_suggestion(MemCategory c, const PlanInput& in) {
+std::vector<Suggestion> fit_suggestions(MemCategory c, const PlanInput& in) {
   const bool fsdp_stack = in.profile == RuntimeProfile::hf;  // the hf profile shards with FSDP
   const Stage s = in.strategy.stage;
-  const bool quantised = in.peft.quantization.has_value();
-  const std::string quant = quantised || in.peft.adapters.empty() ? "" : " or --quant nf4";
+  const bool can_quantise = !in.peft.quantization.has_value() && !in.peft.adapters.empty();
+  const std::string sharded_stage(name_of(fsdp_stack ? Stage::fsdp_full_shard : Stage::zero3));
+  std::vector<Suggestion> out;
+  auto quant = [&] {
+    if (can_quantise) out.push_back({Knob::quantization, Change::set, "nf4", "QLoRA"});
+  };
   switch (c) {
     case MemCategory::activations:
-      if (in.training.checkpointing == Checkpointing::none) return "try activation checkpointing (--checkpointing full)";
-      return "try a smaller --micro-batch or --seq-len";
+      if (in.training.checkpointing == Checkpointing::none) out.push_back({Knob::checkpointing, Change::set, "full", "activation checkpointing"});
+      else out.insert(out.end(), {{Knob::micro_batch, Change::smaller, "", ""}, {Knob::seq_len, Change::smaller, "", ""}});
+      break;
     case MemCategory::workspace:
-      if (in.training.attention == Attention::eager) return "try --attention flash (no [B, nh, S, S] scores)";
-      return "try a smaller --micro-batch (logits and backward temporaries scale with it)";
+      if (in.training.attention == Attention::eager) out.push_back({Knob::attention, Change::set, "flash", "no [B, nh, S, S] scores"});
+      else out.push_back({Knob::micro_batch, Change::smaller, "", "logits and backward temporaries scale with it"});
+      break;
     case MemCategory::base_weights:
-      if (!shards_params(s))
-        return fmt::format("try --strategy {} (shards the frozen base){}", fsdp_stack ? "fsdp-full-shard" : "zero3", quant);
-      return fmt::format("try more GPUs, --offload-param cpu{}", quant);
+      if (!shards_params(s)) {
+        out.push_back({Knob::stage, Change::set, sharded_stage, "shards the frozen base"});
+      } else {
+        out.push_back({Knob::ranks, Change::larger, "", "a smaller shard each"});
+        out.push_back({Knob::offload_param, Change::set, "cpu", ""});
+      }
+      quant();
+      break;
     case MemCategory::gathered_weights:
-      return fsdp_stack ? "try --strategy fsdp-full-shard (one unit gathered at a time) or smaller wrap units"
-                        : "try a smaller stage3_prefetch_bucket_size / stage3_max_live_parameters";
+      if (fsdp_stack) {
+        out.push_back({Knob::stage, Change::set, std::string(name_of(Stage::fsdp_full_shard)), "one unit gathered at a time"});
+      } else {
+        out.push_back({Knob::stage3_prefetch_bucket_size, Change::smaller, "", ""});
+        out.push_back({Knob::stage3_max_live_parameters, Change::smaller, "", ""});
+      }
+      break;
     case MemCategory::optimizer_states:
     case MemCategory::gradients:
-      if (fsdp_stack) return shards_grads(s) ? "try --offload-param cpu (FSDP's CPUOffload)" : "try --strategy fsdp-shard-grad-op or fsdp-full-shard";
-      if (s == Stage::ddp || s == Stage::zero1) return "try --strategy zero2 or zero3";
-      return "try --offload-optimizer cpu";
+      if (fsdp_stack && shards_grads(s)) out.push_back({Knob::offload_param, Change::set, "cpu", "FSDP's CPUOffload"});
+      else if (fsdp_stack)
+        out.insert(out.end(), {{Knob::stage, Change::set, std::string(name_of(Stage::fsdp_shard_grad_op)), ""},
+                               {Knob::stage, Change::set, std::string(name_of(Stage::fsdp_full_shard)), ""}});
+      else if (s == Stage::ddp || s == Stage::zero1)
+        out.insert(out.end(), {{Knob::stage, Change::set, "zero2", ""}, {Knob::stage, Change::set, "zero3", ""}});
+      else out.push_back({Knob::offload_optimizer, Change::set, "cpu", ""});
+      break;
     case MemCategory::trainable_weights:
-      return fmt::format("try --strategy {} or a smaller adapter", fsdp_stack ? "fsdp-full-shard" : "zero3");
-    case MemCategory::comm_buffers: return "try a smaller reduce_bucket_size";
-    default: return "try a larger GPU";
+      out.push_back({Knob::stage, Change::set, sharded_stage, ""});
+      if (!in.peft.adapters.empty()) out.push_back({Knob::lora_r, Change::smaller, "", "a smaller adapter"});
+      break;
+    case MemCategory::comm_buffers: out.push_back({Knob::reduce_bucket_size, Change::smaller, "", ""}); break;
+    default: out.push_back({Knob::gpu, Change::larger, "", ""}); break;
   }
+  return out;
 }
 
 std::string largest_categories(const std::array<std::uint64_t, sim::kNumCategories>& at_peak, int n) {
@@ -78,11 +102,12 @@ void judge(Plan& p) {
     for (int c = 0; c < sim::kNumDeviceCategories; ++c)
       if (cat(m, static_cast<MemCategory>(c)) > cat(m, largest)) largest = static_cast<MemCategory>(c);
     p.reasons.push_back(fmt::format("needs {:.1f} GiB per GPU in use ({:.1f} GiB allocated, {:.1f} GiB reserved) plus {:.0f}% "
-                                    "headroom, has {:.1f} GiB{}: {} at micro-batch {}; {}",
+                                    "headroom, has {:.1f} GiB{}: {} at micro-batch {}",
                                     to_gib(p.used_peak_bytes), to_gib(m.device_peak_bytes), to_gib(p.reserved_peak_bytes),
                                     100.0 * p.headroom_fraction, to_gib(p.device_capacity_bytes),
                                     p.allocator_oom ? " (the caching allocator runs out)" : "", top,
-                                    p.input.training.micro_batch, fit_suggestion(largest, p.input)));
+                                    p.input.training.micro_batch));
+    p.suggestions = fit_suggestions(largest, p.input);
   }
   if (p.host_capacity_bytes > 0 && m.host_peak_bytes > p.host_capacity_bytes) {
     p.fits = false;
@@ -219,7 +244,7 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
     const auto& l = *p.lifecycle;
     if (l.eval_device_bytes > p.memory.device_peak_bytes)
       p.warnings.push_back(fmt::format("evaluation peaks at {:.2f} GiB allocated, above the step's {:.2f} GiB ({}): lower "
-                                       "per_device_eval_batch_size (--eval-batch) if it does not fit",
+                                       "per_device_eval_batch_size (training.eval_batch) if it does not fit",
                                        to_gib(l.eval_device_bytes), to_gib(p.memory.device_peak_bytes), l.eval_how));
     const std::uint64_t node_ram = cluster.host_ram_bytes_per_node;
     if (node_ram > 0 && l.load_host_per_node_bytes > node_ram)
@@ -313,6 +338,7 @@ nlohmann::json plan_to_json(const Plan& p) {
   }
   j["fits"] = p.fits;
   j["reasons"] = p.reasons;
+  j["suggestions"] = suggestions_to_json(p.suggestions);
   j["explanation"] = p.explanation;
   j["warnings"] = p.warnings;
   return j;

@@ -9,6 +9,7 @@
 #include "builder.h"
 #include "peftplan/common/error.h"
 #include "peftplan/models/parameters.h"
+#include "peftplan/planner/knobs.h"
 #include "peftplan/planner/runtime.h"
 
 namespace peftplan::planner {
@@ -17,6 +18,7 @@ namespace builder {
 BuiltProgram Builder::build() {
   facts();
   plan_linears();
+  make_tables();
   p_.ranks = s_.ranks;
   p_.micro_batches = static_cast<std::int32_t>(t_.grad_accum);
   p_.executable = in_.profile == RuntimeProfile::executor && executor_limitation(in_).empty();
@@ -102,34 +104,41 @@ std::vector<std::string> validate(const PlanInput& in) {
   std::vector<std::string> warnings;
   const auto& t = in.training;
   const auto& s = in.strategy;
-  auto positive = [](std::int64_t v, const char* flag) {
-    if (v <= 0) throw input_error(flag, "", "must be a positive integer", std::to_string(v));
+  auto positive = [](std::int64_t v, Knob k) {
+    if (v <= 0) throw KnobError({k}, fmt::format("{} must be a positive integer, got {}", field_of(k), v));
   };
-  positive(t.micro_batch, "--micro-batch");
-  positive(t.seq_len, "--seq-len");
-  positive(t.grad_accum, "--grad-accum");
-  positive(s.ranks, "--gpus");
-  positive(t.checkpoint_every, "--checkpoint-every");
+  positive(t.micro_batch, Knob::micro_batch);
+  positive(t.seq_len, Knob::seq_len);
+  positive(t.grad_accum, Knob::grad_accum);
+  positive(s.ranks, Knob::ranks);
+  positive(t.checkpoint_every, Knob::checkpoint_every);
+  const std::string_view stage = name_of(s.stage);
   if (is_fsdp(s.stage) && in.profile != RuntimeProfile::hf)
-    throw InputError(fmt::format("--strategy {}: FSDP is planned with --profile hf (transformers + PEFT under torch FSDP "
-                                 "through accelerate), got --profile {}", name_of(s.stage), name_of(in.profile)));
+    throw KnobError({Knob::stage, Knob::profile},
+                    fmt::format("strategy.stage {}: FSDP is planned with profile hf (transformers + PEFT under torch FSDP through "
+                                "accelerate), got profile {}", stage, name_of(in.profile)));
   if (is_fsdp(s.stage) && s.offload_optimizer == OffloadDevice::cpu)
-    throw InputError(fmt::format("--offload-optimizer cpu: FSDP has no optimizer-only offload; --offload-param cpu is FSDP's "
-                                 "CPUOffload (fsdp_offload_params: parameters, gradients and the optimizer step on the host), got "
-                                 "--strategy {}", name_of(s.stage)));
+    throw KnobError({Knob::offload_optimizer, Knob::offload_param, Knob::stage},
+                    fmt::format("strategy.offload_optimizer cpu: FSDP has no optimizer-only offload; strategy.offload_param cpu is "
+                                "FSDP's CPUOffload (fsdp_offload_params: parameters, gradients and the optimizer step on the host), "
+                                "got strategy.stage {}", stage));
   if (s.offload_param == OffloadDevice::cpu && !can_offload_params(s.stage))
-    throw InputError("--offload-param cpu: parameter offload needs sharded parameters (--strategy zero3, fsdp-full-shard, "
-                     "fsdp-shard-grad-op or fsdp-hybrid-shard), got --strategy " + std::string(name_of(s.stage)));
+    throw KnobError({Knob::offload_param, Knob::stage},
+                    fmt::format("strategy.offload_param cpu: parameter offload needs sharded parameters (strategy.stage zero3, "
+                                "fsdp-full-shard, fsdp-shard-grad-op or fsdp-hybrid-shard), got strategy.stage {}", stage));
   if (is_fsdp(s.stage) && s.fsdp.version == 2 && s.stage != Stage::fsdp_full_shard && s.stage != Stage::fsdp_shard_grad_op)
-    throw InputError(fmt::format("--fsdp-version 2 with --strategy {}: FSDP2's fully_shard plans fsdp-full-shard "
-                                 "(reshard_after_forward true) and fsdp-shard-grad-op (false)", name_of(s.stage)));
+    throw KnobError({Knob::fsdp_version, Knob::stage},
+                    fmt::format("strategy.fsdp.version 2 with strategy.stage {}: FSDP2's fully_shard plans fsdp-full-shard "
+                                "(reshard_after_forward true) and fsdp-shard-grad-op (false)", stage));
   if (s.stage == Stage::fsdp_hybrid_shard && s.shard_group > 0 && s.ranks % s.shard_group != 0)
-    throw InputError(fmt::format("--strategy fsdp-hybrid-shard: {} ranks do not divide into shard groups of {} (the GPUs per node)",
-                                 s.ranks, s.shard_group));
+    throw KnobError({Knob::ranks, Knob::stage},
+                    fmt::format("strategy.stage fsdp-hybrid-shard: strategy.ranks {} do not divide into shard groups of {} (the GPUs "
+                                "per node)", s.ranks, s.shard_group));
   if (s.offload_optimizer == OffloadDevice::cpu && s.stage == Stage::ddp)  // FSDP's case is refused above
-    throw InputError("--offload-optimizer cpu: optimizer offload needs a ZeRO stage (zero1, zero2 or zero3), got ddp");
+    throw KnobError({Knob::offload_optimizer, Knob::stage},
+                    "strategy.offload_optimizer cpu: optimizer offload needs a ZeRO stage (zero1, zero2 or zero3), got strategy.stage ddp");
   if (in.model.sliding_window && *in.model.sliding_window < t.seq_len)
-    warnings.push_back(fmt::format("sliding_window {} < --seq-len {}: attention is planned over the full sequence",
+    warnings.push_back(fmt::format("sliding_window {} < training.seq_len {}: attention is planned over the full sequence",
                                    *in.model.sliding_window, t.seq_len));
   if (t.cross_entropy == CrossEntropy::chunked) {
     // The fused loss computes the head's weight gradient in its forward, outside the plan's
@@ -138,19 +147,21 @@ std::vector<std::string> validate(const PlanInput& in) {
     const bool head_trains = in.peft.adapters.empty() ||
                              std::any_of(inv.loras.begin(), inv.loras.end(), [](const models::LoraModule& l) { return l.linear.is_output; });
     if (head_trains)
-      throw InputError("--cross-entropy chunked with a trainable LM head (full fine-tuning, or an adapter on lm_head) is not planned; "
-                       "use --cross-entropy standard");
+      throw KnobError({Knob::cross_entropy},
+                      "training.cross_entropy chunked with a trainable LM head (full fine-tuning, or an adapter on lm_head) is not "
+                      "planned; use training.cross_entropy standard");
   }
   if (is_zero_stage(s.stage) && in.profile == RuntimeProfile::hf)
-    throw InputError(fmt::format("--strategy {} is DeepSpeed's ZeRO: plan it with --profile deepspeed (the same transformers + PEFT "
-                                 "model side under DeepSpeed's engine); --profile hf plans ddp and the FSDP strategies",
-                                 name_of(s.stage)));
+    throw KnobError({Knob::stage, Knob::profile},
+                    fmt::format("strategy.stage {} is DeepSpeed's ZeRO: plan it with profile deepspeed (the same transformers + PEFT "
+                                "model side under DeepSpeed's engine); profile hf plans ddp and the FSDP strategies", stage));
   if (in.profile == RuntimeProfile::executor && t.cross_entropy == CrossEntropy::chunked)
-    throw InputError("--cross-entropy chunked: our executor computes the standard loss; plan it with --profile hf or deepspeed");
+    throw KnobError({Knob::cross_entropy, Knob::profile},
+                    "training.cross_entropy chunked: our executor computes the standard loss; plan it with profile hf or deepspeed");
   if (in.profile == RuntimeProfile::executor && t.precision != Precision::fp32)
-    warnings.push_back("the executor profile computes in fp32: --precision is ignored for activations and adapters");
+    warnings.push_back("the executor profile computes in fp32: training.precision is ignored for activations and adapters");
   if (t.seq_len > in.model.max_positions && in.model.max_positions > 0)
-    warnings.push_back(fmt::format("--seq-len {} exceeds max_position_embeddings {}", t.seq_len, in.model.max_positions));
+    warnings.push_back(fmt::format("training.seq_len {} exceeds max_position_embeddings {}", t.seq_len, in.model.max_positions));
   return warnings;
 }
 
@@ -166,7 +177,7 @@ std::string executor_limitation(const PlanInput& in) {
                        in.training.seq_len);
   if (in.model.out_bias || in.model.mlp_bias) return "bias on o_proj or the MLP";
   const auto& st = in.strategy;
-  if (st.offload_param != OffloadDevice::none && !can_offload_params(st.stage)) return "parameter offload without ZeRO-3 (it needs --strategy zero3)";
+  if (st.offload_param != OffloadDevice::none && !can_offload_params(st.stage)) return "parameter offload without ZeRO-3 (it needs strategy.stage zero3)";
   if (st.offload_optimizer != OffloadDevice::none && !can_offload_optimizer(st.stage)) return "optimizer offload with ddp (it needs a ZeRO stage)";
   if (is_fsdp(st.stage)) return fmt::format("strategy {} (supported: ddp, zero1, zero2, zero3)", name_of(st.stage));
   const auto& t = in.training;

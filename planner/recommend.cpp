@@ -35,14 +35,13 @@ std::string name_of(const CheckpointChoice& c) {
 }
 
 sim::Cluster cluster_for_gpus(const sim::Cluster& cluster, std::int32_t gpus) {
-  if (gpus <= 0) throw input_error("--gpus", "", "must list positive GPU counts", std::to_string(gpus));
+  if (gpus <= 0) throw KnobError({Knob::search_gpus}, fmt::format("space.gpus must list positive GPU counts, got {}", gpus));
   if (gpus <= sim::total_gpus(cluster)) return cluster;
   if (!cluster.inter_node_link)
-    throw input_error("--gpus", "",
-                      fmt::format("must not exceed the cluster's {} GPUs: {} is one node with no network between nodes (spell a "
-                                  "network, e.g. 8x{}x{}-NDR)", sim::total_gpus(cluster), cluster.name, cluster.gpus_per_node,
-                                  cluster.gpu.name),
-                      std::to_string(gpus));
+    throw KnobError({Knob::search_gpus, Knob::gpu},
+                    fmt::format("space.gpus must not exceed the cluster's {} GPUs: {} is one node with no network between nodes (spell a "
+                                "network, e.g. 8x{}x{}-NDR), got {}", sim::total_gpus(cluster), cluster.name, cluster.gpus_per_node,
+                                cluster.gpu.name, gpus));
   sim::Cluster c = cluster;
   c.nodes = (gpus + cluster.gpus_per_node - 1) / cluster.gpus_per_node;
   c.name = fmt::format("{}x{}x{}-{}", c.nodes, c.gpus_per_node, c.gpu.name, c.inter_node_link->name);
@@ -442,19 +441,24 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
   if (constraints.max_gpus) {
     std::erase_if(space.gpus, [&](std::int32_t g) { return g > *constraints.max_gpus; });
     if (space.gpus.empty())
-      throw input_error("--max-gpus", "", fmt::format("leaves no GPU count of --gpus to search ({} is below all of them)", *constraints.max_gpus));
+      throw KnobError({Knob::max_gpus, Knob::search_gpus},
+                      fmt::format("constraints.max_gpus {} leaves no GPU count of space.gpus to search (it is below all of them)", *constraints.max_gpus));
   }
-  if (space.min_micro_batch <= 0) throw input_error("--min-micro-batch", "", "must be a positive integer", std::to_string(space.min_micro_batch));
+  if (space.min_micro_batch <= 0)
+    throw KnobError({Knob::min_micro_batch}, fmt::format("space.min_micro_batch must be a positive integer, got {}", space.min_micro_batch));
   if (space.global_batch) {
-    if (*space.global_batch <= 0) throw input_error("--global-batch", "", "must be a positive integer", std::to_string(*space.global_batch));
+    if (*space.global_batch <= 0)
+      throw KnobError({Knob::global_batch}, fmt::format("space.global_batch must be a positive integer, got {}", *space.global_batch));
     const std::int32_t fewest = *std::min_element(space.gpus.begin(), space.gpus.end());
     if (*space.global_batch < space.min_micro_batch * fewest)
-      throw InputError(fmt::format("--global-batch {} with --min-micro-batch {}: even {} GPU(s) need at least {} sequences per step",
-                                   *space.global_batch, space.min_micro_batch, fewest, space.min_micro_batch * fewest));
+      throw KnobError({Knob::global_batch, Knob::min_micro_batch},
+                      fmt::format("space.global_batch {} with space.min_micro_batch {}: even {} GPU(s) need at least {} sequences per step",
+                                  *space.global_batch, space.min_micro_batch, fewest, space.min_micro_batch * fewest));
   }
   if (objective == Objective::cost && !cluster.gpu.cost_per_hour_usd)
-    throw InputError(fmt::format("--objective cost: the catalog has no price per GPU-hour for {}; give gpu.cost_per_hour_USD in a cluster file",
-                                 cluster.gpu.name));
+    throw KnobError({Knob::objective},
+                    fmt::format("objective cost: the catalog has no price per GPU-hour for {}; give gpu.cost_per_hour_USD in a cluster file",
+                                cluster.gpu.name));
   PlanInput base = base_in;
   if (!base.inventory) base.inventory = std::make_shared<const ModelInventory>(make_inventory(base.model, base.peft));
   if (base.device_sm == 0) base.device_sm = cluster.gpu.compute_capability;
@@ -465,7 +469,8 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
     multi_node |= cluster_for_gpus(cluster, g).nodes > 1 && g > cluster.gpus_per_node;
   }
   const std::vector<Family> families = families_of(space, max_ranks, multi_node);
-  if (families.empty()) throw InputError("recommend: the search space is empty (no strategy of --strategies is planned by --profile)");
+  if (families.empty())
+    throw KnobError({Knob::search_stages, Knob::profile}, "recommend: the search space is empty (no strategy of space.stages is planned by profile)");
 
   Search search(base, cluster, space, constraints);
   std::vector<Search::Cell> cells = search.run_all(families, space.checkpointing, space.gpus);
@@ -514,24 +519,26 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
     for (const auto& fr : by_family)
       if (fr.closest && (!closest || fr.closest->spare_bytes > closest->spare_bytes)) closest = fr.closest;
     for (std::size_t f = 0; f < families.size(); ++f) {
-      Rejection rj{families[f].label, false, "", std::nullopt};
+      Rejection rj{families[f].label, false, "", {}, std::nullopt};
       if (by_family[f].closest) {
         rj.best = *by_family[f].closest;
-        rj.reason = "does not fit: " + shortfall_text(*by_family[f].closest, headroom) + "; " +
-                    fit_suggestion(by_family[f].closest->binding, by_family[f].closest->input);
+        rj.reason = "does not fit: " + shortfall_text(*by_family[f].closest, headroom);
+        rj.suggestions = fit_suggestions(by_family[f].closest->binding, by_family[f].closest->input);
       } else {
         rj.reason = by_family[f].skipped.empty() ? "not planned" : by_family[f].skipped.front();
       }
       r.rejected.push_back(std::move(rj));
     }
     if (closest) {
-      std::vector<std::string> tries;
-      if (closest->input.strategy.ranks == max_ranks) tries.push_back("more GPUs (--gpus)");
-      if (peft && !base.peft.quantization) tries.push_back("a quantised base (--quant nf4, QLoRA)");
-      if (!space.offload) tries.push_back("offload (the search was run without it)");
-      tries.push_back("a shorter --seq-len");
-      r.summary = fmt::format("nothing fits: the closest is {} at {}, {} in use, short by {}; try {}", closest->family, where(*closest),
-                              gib(closest->used_peak_bytes), gib_signed(closest->spare_bytes), fmt::join(tries, ", "));
+      if (closest->input.strategy.ranks == max_ranks) r.suggestions.push_back({Knob::ranks, Change::larger, "", ""});
+      if (peft && !base.peft.quantization) r.suggestions.push_back({Knob::quantization, Change::set, "nf4", "a quantised base, QLoRA"});
+      if (!space.offload) {
+        r.suggestions.push_back({Knob::offload_optimizer, Change::set, "cpu", "the search was run without offload"});
+        r.suggestions.push_back({Knob::offload_param, Change::set, "cpu", "the search was run without offload"});
+      }
+      r.suggestions.push_back({Knob::seq_len, Change::smaller, "", ""});
+      r.summary = fmt::format("nothing fits: the closest is {} at {}, {} in use, short by {}", closest->family, where(*closest),
+                              gib(closest->used_peak_bytes), gib_signed(closest->spare_bytes));
       // The alternative a user asks for first when nothing fits: QLoRA on the closest family.
       if (peft && !base.peft.quantization) {
         const PlanInput q = with_nf4_base(base);
@@ -680,7 +687,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
   // --- every family but the winner's ---
   for (std::size_t f = 0; f < families.size(); ++f) {
     if (f == top_family) continue;
-    Rejection rj{families[f].label, by_family[f].best != nullptr, "", std::nullopt};
+    Rejection rj{families[f].label, by_family[f].best != nullptr, "", {}, std::nullopt};
     if (const Candidate* b = by_family[f].best) {
       rj.best = *b;
       if (objective == Objective::tokens_per_s && tied(*b, top, fastest))
@@ -699,7 +706,8 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
         rj.reason += fmt::format("; its optimizer_states take {} per GPU against #1's {}", gib(os), gib(ot));
     } else if (const Candidate* c = by_family[f].closest) {
       rj.best = *c;
-      rj.reason = "does not fit: " + shortfall_text(*c, headroom) + "; " + fit_suggestion(c->binding, c->input);
+      rj.reason = "does not fit: " + shortfall_text(*c, headroom);
+      rj.suggestions = fit_suggestions(c->binding, c->input);
     } else {
       rj.reason = by_family[f].skipped.empty() ? "not planned" : by_family[f].skipped.front();
     }
@@ -795,6 +803,7 @@ nlohmann::json recommendation_to_json(const Recommendation& r, std::size_t top) 
   j["schema"] = schemas::kRecommendation;
   j["objective"] = name_of(r.objective);
   j["summary"] = r.summary;
+  j["suggestions"] = suggestions_to_json(r.suggestions);
   j["evaluated"] = r.evaluated;
   j["timed"] = r.timed;
   j["fitting"] = r.ranked.size();
@@ -802,7 +811,7 @@ nlohmann::json recommendation_to_json(const Recommendation& r, std::size_t top) 
   for (std::size_t i = 0; i < r.ranked.size() && i < top; ++i) j["ranked"].push_back(candidate_json(r.ranked[i]));
   j["rejected"] = nlohmann::json::array();
   for (const auto& x : r.rejected) {
-    nlohmann::json e = {{"family", x.family}, {"fits", x.fits}, {"reason", x.reason}};
+    nlohmann::json e = {{"family", x.family}, {"fits", x.fits}, {"reason", x.reason}, {"suggestions", suggestions_to_json(x.suggestions)}};
     e["best"] = x.best ? candidate_json(*x.best) : nlohmann::json(nullptr);
     j["rejected"].push_back(e);
   }

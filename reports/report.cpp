@@ -96,6 +96,11 @@ std::string figure_text(bool bytes, double x) { return bytes ? fmt::format("{:.3
 
 std::string fits_word(const Plan& p) { return p.fits ? "fits" : "does not fit"; }
 
+// A reason followed by what to try ("...; try --strategy zero3 (shards the frozen base)").
+std::string with_suggestions(const std::string& text, const std::vector<planner::Suggestion>& s, planner::KnobSpelling spell) {
+  return s.empty() ? text : fmt::format("{}; {}", text, planner::suggestion_text(s, spell));
+}
+
 }  // namespace
 
 std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, const sim::Cluster& cluster, double headroom) {
@@ -304,7 +309,7 @@ std::string render_html(const ReportInput& r) {
   h += "<section id=\"summary\">\n<h2>Recommendation</h2>\n";
   if (r.recommendation) {
     const auto& rec = *r.recommendation;
-    h += fmt::format("<p><strong>{}</strong></p>\n", esc(rec.summary));
+    h += fmt::format("<p><strong>{}</strong></p>\n", esc(with_suggestions(rec.summary, rec.suggestions, r.spell)));
     if (!rec.ranked.empty()) {
       h += fmt::format("<p>Why: {}</p>\n", esc(rec.ranked.front().reason));
       h += "<table><thead><tr><th>#</th><th>strategy</th><th>micro-batch</th><th>accum</th><th>ckpt</th><th>GPUs</th><th>GiB in use</th><th>tokens/s</th><th>step s</th></tr></thead><tbody>\n";
@@ -319,7 +324,8 @@ std::string render_html(const ReportInput& r) {
     }
     if (!rec.rejected.empty()) {
       h += "<p>The other strategies:</p>\n<ul>\n";
-      for (const auto& x : rec.rejected) h += fmt::format("<li><strong>{}</strong>: {}</li>\n", esc(x.family), esc(x.reason));
+      for (const auto& x : rec.rejected)
+        h += fmt::format("<li><strong>{}</strong>: {}</li>\n", esc(x.family), esc(with_suggestions(x.reason, x.suggestions, r.spell)));
       h += "</ul>\n";
     }
     if (!rec.alternatives.empty()) {
@@ -510,9 +516,9 @@ std::string render_markdown(const ReportInput& r) {
   for (const auto& [k, v] : r.provenance.inputs) m += fmt::format("| {} | {} |\n", k, v);
   m += "\n## Recommendation\n\n";
   if (r.recommendation) {
-    m += fmt::format("**{}**\n\n", r.recommendation->summary);
+    m += fmt::format("**{}**\n\n", with_suggestions(r.recommendation->summary, r.recommendation->suggestions, r.spell));
     if (!r.recommendation->ranked.empty()) m += fmt::format("Why: {}\n\n", r.recommendation->ranked.front().reason);
-    for (const auto& x : r.recommendation->rejected) m += fmt::format("- **{}**: {}\n", x.family, x.reason);
+    for (const auto& x : r.recommendation->rejected) m += fmt::format("- **{}**: {}\n", x.family, with_suggestions(x.reason, x.suggestions, r.spell));
     for (const auto& a : r.recommendation->alternatives) m += fmt::format("- outside the search: {}\n", a.what);
     m += "\n";
   } else {
@@ -578,20 +584,20 @@ void write_report(const std::filesystem::path& out, const ReportInput& r) {
   const fs::path parent = target.parent_path();
   std::error_code ec;
   if (!fs::is_directory(parent, ec))
-    throw InputError(fmt::format("--out {}: its folder {} does not exist", out.string(), parent.string()));
+    throw InputError(fmt::format("report folder {}: its parent {} does not exist", out.string(), parent.string()));
   const fs::path tmp = parent / fmt::format(".{}.tmp.{}", target.filename().string(), ::getpid());
   fs::remove_all(tmp, ec);
-  if (!fs::create_directory(tmp, ec) || ec) throw InputError(fmt::format("--out {}: cannot be written ({})", out.string(), ec ? ec.message() : "exists"));
+  if (!fs::create_directory(tmp, ec) || ec) throw InputError(fmt::format("report folder {}: cannot be written ({})", out.string(), ec ? ec.message() : "exists"));
   try {
     write_text_atomic(tmp / "report.html", render_html(r));
     write_text_atomic(tmp / "report.md", render_markdown(r));
     write_text_atomic(tmp / "memory.svg", "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n" + memory_chart_svg(r) + "\n");
     write_text_atomic(tmp / "time.svg", "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n" + time_chart_svg(r) + "\n");
-    if (fs::exists(target, ec) && !fs::is_directory(target, ec)) throw InputError(fmt::format("--out {}: is a file, not a folder", out.string()));
+    if (fs::exists(target, ec) && !fs::is_directory(target, ec)) throw InputError(fmt::format("report folder {}: is a file, not a folder", out.string()));
     replace_directory(tmp, target);
   } catch (const fs::filesystem_error& e) {
     fs::remove_all(tmp, ec);
-    throw InputError(fmt::format("--out {}: cannot be written ({})", out.string(), e.code().message()));
+    throw InputError(fmt::format("report folder {}: cannot be written ({})", out.string(), e.code().message()));
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;

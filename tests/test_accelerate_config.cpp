@@ -135,7 +135,7 @@ TEST(AccelerateConfig, BadFilesNameTheFileAndTheKey) {
       {"[1, 2", "cfg.yaml: not a valid YAML file"},
       {"- a\n- b\n", "cfg.yaml: must be a YAML mapping"},
       {"num_processes: 2\n", "cfg.yaml: distributed_type is missing"},
-      {"distributed_type: DEEPSPEED\n", "cfg.yaml: distributed_type DEEPSPEED: give DeepSpeed's own config with --ds-config"},
+      {"distributed_type: DEEPSPEED\n", "cfg.yaml: distributed_type DEEPSPEED: give DeepSpeed's own config (ds_config.json) instead"},
       {"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 5\n", "fsdp_config.fsdp_sharding_strategy HYBRID_SHARD_ZERO2 (5) is not planned"},
       {"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: QUARTER\n", "fsdp_config.fsdp_sharding_strategy must be FULL_SHARD"},
       {"distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: maybe\n", "fsdp_config.fsdp_offload_params must be true or false, got \"maybe\""},

@@ -108,15 +108,17 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
     std::string args, expect;
   };
   const Case cases[] = {
-      {"plan --strategy zero2 --offload-param cpu", "--offload-param cpu: parameter offload needs sharded parameters"},
-      {"plan --micro-batch -2", "--micro-batch: must be a positive integer, got -2"},
+      {"plan --strategy zero2 --offload-param cpu",
+       "strategy.offload_param cpu: parameter offload needs sharded parameters (strategy.stage zero3, fsdp-full-shard, fsdp-shard-grad-op or "
+       "fsdp-hybrid-shard), got strategy.stage zero2 (strategy.offload_param is --offload-param; strategy.stage is --strategy)"},
+      {"plan --micro-batch -2", "training.micro_batch must be a positive integer, got -2 (training.micro_batch is --micro-batch)"},
       {"plan --strategy zero4", "--strategy: must be one of ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard, fsdp-hybrid-shard, got \"zero4\""},
       {"plan --gpus 8 --ds-config " + kData + "/ds/bad_batch.json", "train_batch_size"},
       {"plan --gpus 8 --ds-config " + kData + "/ds/offload_param_stage2.json", "offload_param"},
       {"plan --cluster 8xB300", "8xB300"},
-      {"plan --gpus 2 --strategy fsdp-full-shard", "--strategy fsdp-full-shard: FSDP is planned with --profile hf"},
+      {"plan --gpus 2 --strategy fsdp-full-shard", "strategy.stage fsdp-full-shard: FSDP is planned with profile hf"},
       {"plan --gpus 2 --strategy fsdp-full-shard --profile hf --offload-optimizer cpu",
-       "--offload-optimizer cpu: FSDP has no optimizer-only offload"},
+       "strategy.offload_optimizer cpu: FSDP has no optimizer-only offload"},
       {"plan --gpus 2 --strategy fsdp-full-shard --profile hf --write-ds-config /tmp/peftplan-test-fsdp-ds.json",
        "has no FSDP sharding strategy"},
       {"plan --accelerate-config " + kData + "/accelerate/malformed.yaml", "accelerate/malformed.yaml: not a valid YAML file"},
@@ -125,11 +127,11 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "a DeepSpeed config runs ZeRO, not FSDP"},
       {"plan --gpus 2 --strategy zero3 --accelerate-config " + kData + "/accelerate/fms-acceleration-benchmarks.yaml",
        "the accelerate config sets the strategy"},
-      {"plan --gpus 2 --profile hf --strategy zero3", "--strategy zero3 is DeepSpeed's ZeRO: plan it with --profile deepspeed"},
+      {"plan --gpus 2 --profile hf --strategy zero3", "strategy.stage zero3 is DeepSpeed's ZeRO: plan it with profile deepspeed"},
       {"plan --headroom 120", "--headroom: must be a percentage in [0, 100), got 120"},
       {"plan --alloc-conf garbage_collection_threshold:0.6", "garbage_collection_threshold"},
       {"plan --gpus 2 --strategy zero3 --fsdp-version 2", "--fsdp-version 2 with --strategy zero3: the FSDP version applies to the fsdp-* strategies"},
-      {"plan --gpus 2 --profile hf --strategy fsdp-no-shard --fsdp-version 2", "--fsdp-version 2 with --strategy fsdp-no-shard: FSDP2's fully_shard plans"},
+      {"plan --gpus 2 --profile hf --strategy fsdp-no-shard --fsdp-version 2", "strategy.fsdp.version 2 with strategy.stage fsdp-no-shard: FSDP2's fully_shard plans"},
       {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --fsdp-version 3", "--fsdp-version: must be 1 or 2, got 3"},
   };
   for (const auto& c : cases) {
@@ -207,5 +209,5 @@ TEST(CliPlan, AccelerateConfigPlansTheFileStrategy) {
   Result d = run("plan --gpus 2 --cluster 1x2xA100-80GB --profile deepspeed --accelerate-config " + kData +
                  "/accelerate/fms-acceleration-benchmarks.yaml");
   EXPECT_EQ(d.code, 2) << d.out;
-  EXPECT_NE(d.out.find("FSDP is planned with --profile hf"), std::string::npos) << d.out;
+  EXPECT_NE(d.out.find("FSDP is planned with profile hf"), std::string::npos) << d.out;
 }

@@ -2,6 +2,7 @@
 // against what the ZeRO paper and DeepSpeed say they change, and communication volumes against
 // the ZeRO paper's §7.
 #include <algorithm>
+#include <set>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -14,6 +15,7 @@
 #include "peftplan/planner/closed_forms.h"
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/plan.h"
+#include "peftplan/planner/saved.h"
 #include "peftplan/sim/verify.h"
 #include "peftplan/sim/cluster.h"
 
@@ -236,6 +238,95 @@ TEST(Activations, GptLayerMatchesKorthikantiWithoutDropout) {
   const double korthikanti = s * bsz * h * (34 + 5 * a * s / h);
   const double without_dropout = korthikanti - 2 * s * bsz * h - 3 * a * s * s * bsz;
   EXPECT_EQ(static_cast<double>(layer0), without_dropout + 2 * 2 * 4 * s * bsz);
+}
+
+// The same GPT-2 layer through its saved-for-backward table, row by row against Korthikanti et
+// al.'s itemisation (arXiv 2205.05198 §4.1, 16-bit activations): the QKV input (LN1's output)
+// 2sbh, Q, K and V 6sbh (the fused c_attn output), the softmax output 2as²b, the output
+// projection's input 2sbh, LN2's input 2sbh, FC1's input 2sbh, GELU's input 8sbh and FC2's
+// input 8sbh; the layer's output is the next layer's LN1 input, 2sbh.
+TEST(SavedTable, GptLayerRowsAreKorthikantisItems) {
+  PlanInput in;
+  in.model = models::load_model("gpt2");
+  in.training.full_finetune = true;
+  in.training.precision = Precision::fp16_mixed;
+  in.training.attention = Attention::eager;
+  in.training.micro_batch = 2;
+  in.training.seq_len = 512;
+  const SavedTable t = saved_for_backward(in, 3);
+  const std::uint64_t s = 512, b = 2, h = 768, a = 12, sbh = s * b * h;
+  auto kept = [&](std::string_view name, std::string_view module = {}) {
+    const SavedTensor* r = t.find(name, module);
+    EXPECT_NE(r, nullptr) << name;
+    if (!r) return std::uint64_t{0};
+    EXPECT_TRUE(r->kept) << name;
+    return r->bytes();
+  };
+  EXPECT_EQ(kept("norm1.out"), 2 * sbh);
+  EXPECT_EQ(kept("out", "transformer.h.3.attn.c_attn"), 6 * sbh);
+  EXPECT_EQ(kept("attn.probs"), 2 * a * s * s * b);
+  EXPECT_EQ(shape_text(*t.find("attn.probs")), "[2, 12, 512, 512]");
+  EXPECT_EQ(kept("attn.out"), 2 * sbh);
+  EXPECT_EQ(kept("resid_mid"), 2 * sbh);
+  EXPECT_EQ(kept("norm2.out"), 2 * sbh);
+  EXPECT_EQ(kept("out", "transformer.h.3.mlp.c_fc"), 8 * sbh);
+  EXPECT_EQ(kept("mlp.act"), 8 * sbh);
+  EXPECT_EQ(kept("resid_out"), 2 * sbh);
+  EXPECT_EQ(kept("norm1.stats") + kept("norm2.stats"), 2 * 2 * 4 * s * b);  // LayerNorm mean and rstd in fp32
+  // The two projections whose outputs only the residual adds read are not kept.
+  ASSERT_NE(t.find("out", "transformer.h.3.attn.c_proj"), nullptr);
+  EXPECT_FALSE(t.find("out", "transformer.h.3.attn.c_proj")->kept);
+  EXPECT_FALSE(t.find("out", "transformer.h.3.mlp.c_proj")->kept);
+  const double korthikanti = static_cast<double>(sbh) * (34 + 5.0 * a * s / h);
+  EXPECT_EQ(static_cast<double>(t.kept_bytes()), korthikanti - 2.0 * sbh - 3.0 * a * s * s * b + 2 * 2 * 4 * s * b);
+  EXPECT_THROW(saved_for_backward(in, 12), InputError);  // gpt2 has layers 0-11
+}
+
+// The table is what the program allocates: for each runtime profile, the activations layer 1's
+// forward allocates and still holds when the forward ends are the table's kept rows. A builder
+// that allocated another size, dtype or set than its table would fail here.
+TEST(SavedTable, IsWhatEachProfileAllocates) {
+  for (const RuntimeProfile profile : {RuntimeProfile::executor, RuntimeProfile::deepspeed, RuntimeProfile::hf}) {
+    for (const bool qlora : {false, true}) {
+      if (qlora && profile == RuntimeProfile::executor) continue;  // the executor runs no quantised base
+      PlanInput in = llama7b_lora(Stage::ddp, 1);
+      in.profile = profile;
+      in.model = models::load_model("tiny-llama-2l");
+      in.model.layers = 4;  // layer 1 has a layer after it (the last one's output is the head's input)
+      in.peft.adapters[0].lora.dropout = 0.05;
+      in.training.seq_len = 64;
+      in.training.micro_batch = 2;
+      in.training.attention = profile == RuntimeProfile::executor ? Attention::eager : Attention::flash;
+      if (qlora) in.peft.quantization = models::Quantization{};
+      if (profile == RuntimeProfile::executor) in.training.precision = Precision::fp32;
+      const SavedTable t = saved_for_backward(in, 1);
+      const sim::Program p = build_program(in).program;
+      std::set<std::int32_t> live;
+      for (const sim::Op& op : p.ops) {
+        if (op.micro_batch != 0 || (op.kind != sim::OpKind::alloc && op.kind != sim::OpKind::free)) continue;
+        if (op.phase != sim::Phase::forward) continue;
+        const std::string& name = p.buffers[static_cast<std::size_t>(op.buffer)].name;
+        if (name.rfind("layers.1.mb0.", 0) != 0 && name.rfind("model.layers.1.", 0) != 0) continue;
+        if (op.kind == sim::OpKind::alloc) live.insert(op.buffer);
+        else live.erase(op.buffer);
+      }
+      std::uint64_t held = 0;
+      for (std::int32_t b : live)
+        if (p.buffers[static_cast<std::size_t>(b)].category == MemCategory::activations) held += p.buffers[static_cast<std::size_t>(b)].bytes;
+      EXPECT_EQ(held, t.kept_bytes()) << name_of(profile) << (qlora ? " QLoRA" : "");
+      EXPECT_GT(t.kept_bytes(), 0u);
+    }
+  }
+  // The runtime rules show in the rows: transformers' LlamaRMSNorm saves its fp32 input, our
+  // executor's norm does not.
+  PlanInput in = llama7b_lora(Stage::ddp, 1);
+  in.model = models::load_model("tiny-llama-2l");
+  in.profile = RuntimeProfile::hf;
+  EXPECT_NE(saved_for_backward(in, 1).find("norm1.x_fp32"), nullptr);
+  in.profile = RuntimeProfile::executor;
+  in.training.precision = Precision::fp32;
+  in.training.attention = Attention::eager;
+  EXPECT_EQ(saved_for_backward(in, 1).find("norm1.x_fp32"), nullptr);
 }
 
 // --- FSDP (torch FSDP1 through accelerate, --profile hf) ---------------------------------------
@@ -655,4 +746,52 @@ TEST(Fsdp, BackwardPostHoldsOneUnitWherePreHoldsTwo) {
   const std::uint64_t post = peak(walk_memory_of(in), MemCategory::gathered_weights);
   const std::uint64_t layer = 2ull * 218'112'000;  // one decoder unit, whole, in bf16
   EXPECT_GE(pre - post, layer - layer / 100);
+}
+
+// --- knobs: the planner names fields, front ends spell them ------------------------------------
+TEST(Knobs, RefusalsNameFieldsAndCarryTheirKnobs) {
+  PlanInput in = llama7b_lora(Stage::zero2, 8);
+  in.strategy.offload_param = OffloadDevice::cpu;
+  try {
+    validate(in);
+    FAIL() << "parameter offload under ZeRO-2 was accepted";
+  } catch (const KnobError& e) {
+    EXPECT_EQ(e.knobs(), (std::vector<Knob>{Knob::offload_param, Knob::stage}));
+    EXPECT_EQ(std::string(e.what()).rfind("strategy.offload_param cpu: parameter offload needs sharded parameters", 0), 0u) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("--"), std::string::npos) << "a CLI flag in a library message: " << e.what();
+  }
+  in = llama7b_lora(Stage::ddp, 8);
+  in.training.micro_batch = 0;
+  EXPECT_THROW(validate(in), KnobError);
+  // Every knob has its own field name.
+  std::set<std::string_view> fields;
+  for (int k = 0; k < kNumKnobs; ++k) fields.insert(field_of(static_cast<Knob>(k)));
+  EXPECT_EQ(fields.size(), static_cast<std::size_t>(kNumKnobs));
+}
+
+TEST(Knobs, SuggestionsAreStructuredAndSpelledByTheFrontEnd) {
+  // Llama-2-70B's bf16 base (129 GiB) on one 80 GB GPU under DDP: the base weights bind, and the
+  // suggestions are to shard them (ZeRO-3 on the DeepSpeed stack, FULL_SHARD on the hf stack) or
+  // quantise them.
+  PlanInput in = llama7b_lora(Stage::ddp, 1);
+  in.model = models::load_model("llama-2-70b");
+  const Plan p = make_plan(in, sim::resolve_cluster("1xA100-80GB"));
+  ASSERT_FALSE(p.fits);
+  const std::vector<Suggestion> want = {{Knob::stage, Change::set, "zero3", "shards the frozen base"},
+                                        {Knob::quantization, Change::set, "nf4", "QLoRA"}};
+  EXPECT_EQ(fit_suggestions(MemCategory::base_weights, in), want);
+  EXPECT_EQ(p.suggestions, want);
+  in.profile = RuntimeProfile::hf;
+  EXPECT_EQ(fit_suggestions(MemCategory::base_weights, in)[0].value, "fsdp-full-shard");
+  EXPECT_EQ(suggestion_text(want), "try strategy.stage zero3 (shards the frozen base) or peft.quantization nf4 (QLoRA)");
+  auto flags = [](Knob k) { return k == Knob::stage ? std::string("--strategy") : std::string("--quant"); };
+  EXPECT_EQ(suggestion_text(want, +flags), "try --strategy zero3 (shards the frozen base) or --quant nf4 (QLoRA)");
+  const nlohmann::json j = plan_to_json(p);
+  ASSERT_TRUE(j.at("suggestions").is_array());
+  ASSERT_FALSE(j.at("suggestions").empty());
+  EXPECT_EQ(j.at("suggestions")[0].at("knob"), "strategy.stage");
+  EXPECT_EQ(j.at("suggestions")[0].at("change"), "set");
+  EXPECT_EQ(j.at("suggestions")[0].at("value"), "zero3");
+  EXPECT_EQ(j.at("suggestions")[1].at("knob"), "peft.quantization");
+  for (const std::string& r : p.reasons) EXPECT_EQ(r.find("--"), std::string::npos) << r;
 }

@@ -107,8 +107,11 @@ TEST(Recommend, SeventyBillionOverTenGigabitEthernetNamesTheCommunication) {
   EXPECT_TRUE(offered("fewer nodes"));
   for (const auto& a : r.alternatives) EXPECT_NE(a.what.find("tokens/s"), std::string::npos) << a.what;
   // A quantised base gathers a quarter of the bytes or less.
-  for (const auto& a : r.alternatives)
-    if (a.what.find("quantised") != std::string::npos) EXPECT_LT(a.candidate.gathered_bytes, top.gathered_bytes / 3);
+  for (const auto& a : r.alternatives) {
+    if (a.what.find("quantised") != std::string::npos) {
+      EXPECT_LT(a.candidate.gathered_bytes, top.gathered_bytes / 3);
+    }
+  }
 }
 
 // Seed: "Limited memory favors ZeRO stages, potentially with CPU offloading."
@@ -239,8 +242,15 @@ TEST(Recommend, NothingFitsNamesTheSmallestShortfall) {
   EXPECT_TRUE(r.ranked.empty());
   EXPECT_NE(r.summary.find("nothing fits: the closest is"), std::string::npos) << r.summary;
   EXPECT_NE(r.summary.find("short by"), std::string::npos);
-  EXPECT_NE(r.summary.find("more GPUs"), std::string::npos);
-  EXPECT_NE(r.summary.find("--quant nf4"), std::string::npos);
+  // What to try outside the search, as knobs (the CLI spells them as flags).
+  const std::vector<Suggestion> want = {{Knob::ranks, Change::larger, "", ""},
+                                        {Knob::quantization, Change::set, "nf4", "a quantised base, QLoRA"},
+                                        {Knob::offload_optimizer, Change::set, "cpu", "the search was run without offload"},
+                                        {Knob::offload_param, Change::set, "cpu", "the search was run without offload"},
+                                        {Knob::seq_len, Change::smaller, "", ""}};
+  EXPECT_EQ(r.suggestions, want);
+  EXPECT_EQ(suggestion_text(std::span<const Suggestion>(r.suggestions).first(2)),
+            "try a larger strategy.ranks or peft.quantization nf4 (a quantised base, QLoRA)");
 }
 
 TEST(Recommend, ContradictionsAreInputErrors) {
@@ -277,12 +287,12 @@ TEST(RecommendCli, RangesAndBadInput) {
       {base + "--gpus 1..8:x1", "--gpus: a range's factor xF must be at least 2"},
       {base + "--gpus 2,,4", "--gpus: must be a comma list with no empty entries"},
       {base + "--gpus abc", "--gpus: must be a comma list of positive integers or ranges"},
-      {base + "--gpus 16", "--gpus: must not exceed the cluster's 8 GPUs"},
+      {base + "--gpus 16", "space.gpus must not exceed the cluster's 8 GPUs"},
       {base + "--strategy zero4", "--strategy: must be a comma list of ddp, zero1"},
       {base + "--checkpointing every-0", "--checkpointing: must be a comma list of none, full and every-K"},
       {base + "--objective speed", "--objective: must be one of tokens-per-s, gpus, cost, memory"},
-      {base + "--max-gpus 4", "--max-gpus: leaves no GPU count of --gpus to search"},
-      {base + "--global-batch 4", "--global-batch 4 with --min-micro-batch 1"},
+      {base + "--max-gpus 4", "constraints.max_gpus 4 leaves no GPU count of space.gpus to search"},
+      {base + "--global-batch 4", "space.global_batch 4 with space.min_micro_batch 1: even 8 GPU(s) need at least 8 sequences per step (space.global_batch is --global-batch; space.min_micro_batch is --min-micro-batch)"},
       {base + "--strategy fsdp-full-shard", "the search space is empty"},
   };
   for (const auto& c : cases) {
@@ -391,7 +401,7 @@ TEST(SweepCli, GridRowsAreThePlans) {
   EXPECT_EQ(first["--offload-param"], "none");
   EXPECT_EQ(nlohmann::json::parse(lines[1])["--offload-param"], "cpu");
   // ddp with parameter offload is refused by the planner: a row with its error, not a failed sweep.
-  EXPECT_NE(nlohmann::json::parse(lines[1])["error"].get<std::string>().find("--offload-param cpu: parameter offload needs sharded parameters"),
+  EXPECT_NE(nlohmann::json::parse(lines[1])["error"].get<std::string>().find("strategy.offload_param cpu: parameter offload needs sharded parameters"),
             std::string::npos);
   EXPECT_TRUE(nlohmann::json::parse(lines[1])["used_peak_bytes"].is_null());
   // A row holds what plan --json says for the same flags.

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "peftplan/planner/knobs.h"
 #include "peftplan/planner/lifecycle.h"
 #include "peftplan/planner/program.h"
 #include "peftplan/sim/cluster.h"
@@ -37,7 +38,8 @@ struct Plan {
   std::uint64_t device_capacity_bytes = 0; // one GPU's memory
   std::uint64_t host_capacity_bytes = 0;   // host RAM per rank (node RAM / GPUs per node)
   bool fits = false;
-  std::vector<std::string> reasons;        // why it does not fit, with suggestions
+  std::vector<std::string> reasons;        // why it does not fit
+  std::vector<Suggestion> suggestions;     // what would make it fit (knobs.h), when it does not
   std::vector<std::string> explanation;    // what the strategy changed against DDP, and why
   std::vector<std::string> warnings;       // input oddities (not errors)
 };
@@ -54,9 +56,9 @@ struct PlanOptions {
   bool names = true;     // buffer names (peak_op, traces); off for searches
 };
 
-// What shrinks a category that does not fit ("try --strategy zero3 (shards the frozen base) or
-// --quant nf4"): the verdict's and the recommender's suggestion.
-std::string fit_suggestion(sim::MemCategory category, const PlanInput& input);
+// What shrinks a category that does not fit (strategy.stage zero3, shards the frozen base; or
+// peft.quantization nf4): the verdict's and the recommender's suggestions, alternatives in order.
+std::vector<Suggestion> fit_suggestions(sim::MemCategory category, const PlanInput& input);
 
 // The n largest device categories at the peak, "base_weights 64.2 GiB, activations 9.1 GiB".
 std::string largest_categories(const std::array<std::uint64_t, sim::kNumCategories>& at_peak, int n = 2);

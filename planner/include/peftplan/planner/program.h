@@ -112,7 +112,8 @@ std::string executor_limitation(const PlanInput& input);
 // Throws InputError for combinations no engine supports (offload_param without ZeRO-3, ...).
 BuiltProgram build_program(const PlanInput& input, const BuildOptions& options = {});
 
-// Checks the input for contradictions; returns warnings, throws InputError for errors.
+// Checks the input for contradictions; returns warnings, throws KnobError (knobs.h: an
+// InputError whose message names the PlanInput fields) for errors.
 std::vector<std::string> validate(const PlanInput& input);
 
 }  // namespace peftplan::planner

@@ -84,6 +84,7 @@ struct Rejection {
   std::string family;
   bool fits = false;           // false: does not fit; true: fits but ranks below the top row
   std::string reason;
+  std::vector<Suggestion> suggestions;  // does not fit: what would shrink its binding category
   std::optional<Candidate> best;  // the best fitting row, or the one closest to fitting
 };
 
@@ -102,9 +103,10 @@ struct Recommendation {
   std::int64_t evaluated = 0;          // plans made (memory-only ones included)
   std::int64_t timed = 0;              // of them, with a simulated timeline
   std::string summary;                 // one line: the recommendation, or the smallest shortfall
+  std::vector<Suggestion> suggestions; // nothing fits: what to try outside the search
 };
 
-// Throws InputError for an empty space or contradictory constraints (naming the flag).
+// Throws KnobError for an empty space or contradictory constraints (naming the knobs).
 Recommendation recommend(const PlanInput& base, const sim::Cluster& cluster, const SearchSpace& space,
                          const Constraints& constraints, Objective objective);
 

@@ -51,6 +51,7 @@ struct ReportInput {
   std::vector<KnobDelta> knobs;
   std::optional<planner::Recommendation> recommendation;
   std::string no_recommendation = "No recommendation: the report was made without a search.";  // shown instead
+  planner::KnobSpelling spell = planner::field_spelling;  // how suggestions name knobs (the CLI: flags)
 };
 
 // The seed's strategy set for a plan input: full fine-tuning with DDP beside PEFT with DDP,
