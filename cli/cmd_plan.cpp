@@ -121,8 +121,11 @@ void print_text(const planner::Plan& p) {
                100.0 * p.headroom_fraction);
   } else {
     fmt::print("\nverdict: does not fit\n");
-    for (const auto& r : p.reasons) fmt::print("  - {}\n", r);
-    if (!p.suggestions.empty()) fmt::print("  - {}\n", planner::suggestion_text(p.suggestions, flag_of));
+    // The suggestions answer the device reason, which comes first when there is one.
+    for (std::size_t i = 0; i < p.reasons.size(); ++i) {
+      fmt::print("  - {}\n", p.reasons[i]);
+      if (i == 0 && !p.suggestions.empty()) fmt::print("  - {}\n", planner::suggestion_text(p.suggestions, flag_of));
+    }
   }
 }
 
@@ -173,6 +176,8 @@ void add_plan_command(CLI::App& app, int& exit_code) {
                   "write plan.json (the configuration and the cluster) for `peftplan compare` against your own job's measurement");
   cmd->callback([&exit_code, o] {
     ResolvedPlan r = resolve_plan_flags(o->plan);
+    if (o->saved_layer && (*o->saved_layer < 0 || *o->saved_layer >= r.input.model.layers))
+      throw input_error("--saved-tensors", "", fmt::format("must be a layer in [0, {})", r.input.model.layers), std::to_string(*o->saved_layer));
     planner::PlanOptions po;
     po.headroom_fraction = r.headroom_fraction;
     planner::Plan p = planner::make_plan(r.input, r.cluster, po);
@@ -198,18 +203,14 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       write_json_atomically(o->trace, sim::chrome_trace(p.program, *p.time, to));
     }
     std::optional<planner::SavedTable> saved;
-    if (o->saved_layer) {
-      if (*o->saved_layer < 0 || *o->saved_layer >= r.input.model.layers)
-        throw input_error("--saved-tensors", "", fmt::format("must be a layer in [0, {})", r.input.model.layers), std::to_string(*o->saved_layer));
-      saved = planner::saved_for_backward(r.input, *o->saved_layer);
-    }
+    if (o->saved_layer) saved = planner::saved_for_backward(p.input, *o->saved_layer);
     if (o->json) {
       nlohmann::json j = planner::plan_to_json(p);
       if (saved) j["saved_tensors"] = saved_json(*saved);
       fmt::print("{}\n", j.dump(2));
     } else {
       print_text(p);
-      if (saved) print_saved(*saved, r.input);
+      if (saved) print_saved(*saved, p.input);
     }
     exit_code = p.fits ? 0 : 1;
   });

@@ -1,13 +1,15 @@
 // Knob names and suggestion text (knobs.h).
 #include "peftplan/planner/knobs.h"
 
+#include <iterator>
+
 #include <fmt/format.h>
 
 namespace peftplan::planner {
 namespace {
 
 // In Knob's order; the static_assert below ties the table to the enum.
-constexpr std::array<std::string_view, kNumKnobs> kFields = {
+constexpr std::string_view kFields[] = {
     "model",
     "peft.adapters[].r",
     "peft.quantization",
@@ -32,12 +34,14 @@ constexpr std::array<std::string_view, kNumKnobs> kFields = {
     "cluster.gpu",
     "space.gpus",
     "space.stages",
+    "space.offload",
     "space.min_micro_batch",
     "space.global_batch",
     "constraints.max_gpus",
     "objective",
 };
-static_assert(kFields.size() == static_cast<std::size_t>(Knob::objective) + 1 && kFields[static_cast<std::size_t>(Knob::micro_batch)] == "training.micro_batch",
+static_assert(std::size(kFields) == static_cast<std::size_t>(kNumKnobs) && kFields[static_cast<std::size_t>(Knob::micro_batch)] == "training.micro_batch" &&
+                  kFields[static_cast<std::size_t>(Knob::search_offload)] == "space.offload" && kFields[kNumKnobs - 1] == "objective",
               "kFields names every Knob, in order");
 
 }  // namespace

@@ -530,11 +530,10 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
       r.rejected.push_back(std::move(rj));
     }
     if (closest) {
-      if (closest->input.strategy.ranks == max_ranks) r.suggestions.push_back({Knob::ranks, Change::larger, "", ""});
+      if (closest->input.strategy.ranks == max_ranks) r.suggestions.push_back({Knob::search_gpus, Change::larger, "", ""});
       if (peft && !base.peft.quantization) r.suggestions.push_back({Knob::quantization, Change::set, "nf4", "a quantised base, QLoRA"});
       if (!space.offload) {
-        r.suggestions.push_back({Knob::offload_optimizer, Change::set, "cpu", "the search was run without offload"});
-        r.suggestions.push_back({Knob::offload_param, Change::set, "cpu", "the search was run without offload"});
+        r.suggestions.push_back({Knob::search_offload, Change::set, "true", "the search was run without it"});
       }
       r.suggestions.push_back({Knob::seq_len, Change::smaller, "", ""});
       r.summary = fmt::format("nothing fits: the closest is {} at {}, {} in use, short by {}", closest->family, where(*closest),

@@ -77,6 +77,7 @@ LinearRows Builder::linear_rows(std::vector<SavedTensor>& rows, const LinearPlan
   const std::string_view path = mod.path;
   const auto n = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));  // MoE: the expert's tokens
   auto add = [&](LinearSlot s, SavedTensor t) {
+    PEFTPLAN_CHECK_MSG(rows.size() < 32767, "layer table of {} rows: more than its int16 indices hold", rows.size());
     lr[static_cast<std::size_t>(s)] = static_cast<std::int16_t>(rows.size());
     rows.push_back(t);
   };
@@ -109,6 +110,7 @@ LayerTable Builder::layer_table(std::int64_t l) const {
   auto& rows = lt.table.rows;
   rows.reserve(static_cast<std::size_t>(Slot::count) + 4 * layer_linears_[static_cast<std::size_t>(l)].size());
   auto add = [&](Slot s, SavedTensor t) {
+    PEFTPLAN_CHECK_MSG(rows.size() < 32767, "layer table of {} rows: more than its int16 indices hold", rows.size());
     lt.at[static_cast<std::size_t>(s)] = static_cast<std::int16_t>(rows.size());
     rows.push_back(t);
   };
@@ -154,6 +156,7 @@ LayerTable Builder::layer_table(std::int64_t l) const {
     for (std::size_t i = 0; i < lin.size(); ++i)
       if (lin[i].role == Role::attn_in) {
         const SavedTensor& out = rows[static_cast<std::size_t>(lt.linear[i][static_cast<std::size_t>(LinearSlot::out)])];
+        PEFTPLAN_CHECK(rows.size() < 32767);
         lt.linear[i][static_cast<std::size_t>(LinearSlot::out_compute)] = static_cast<std::int16_t>(rows.size());
         rows.push_back(row("out_compute", out.module, {out.shape[0], out.shape[1]}, cd, true, "attention saves q, k and v"));
       }

@@ -47,20 +47,20 @@ Figure figure(std::string section, std::string name, double p, double m, double 
 // Memory figures of one rank's measurement: categories (device, then host) and the device peak.
 std::vector<Figure> memory_figures(const Plan& plan, const json& m, double tolerance, const std::string& where) {
   const json& mem = need(m, "memory", where);
-  const json& dev = need(mem, "device", where + "memory");
-  const json& host = need(mem, "host", where + "memory");
+  const json& dev = need(mem, "device", where + "memory.");
+  const json& host = need(mem, "host", where + "memory.");
   std::vector<Figure> out;
   for (int c = 0; c < sim::kNumCategories; ++c) {
     const auto cc = static_cast<sim::MemCategory>(c);
     const std::string key = std::string(sim::name_of(cc)) + "_bytes";
     const json& side = sim::on_host(cc) ? host : dev;
-    const auto q = need(side, key.c_str(), where + (sim::on_host(cc) ? "memory.host" : "memory.device")).get<std::uint64_t>();
+    const auto q = need(side, key.c_str(), where + (sim::on_host(cc) ? "memory.host." : "memory.device.")).get<std::uint64_t>();
     out.push_back(figure("memory", std::string(sim::name_of(cc)),
                          static_cast<double>(plan.memory.category_peak_bytes[static_cast<std::size_t>(c)]), static_cast<double>(q),
                          tolerance));
   }
   out.push_back(figure("memory", "peak", static_cast<double>(plan.memory.device_peak_bytes),
-                       static_cast<double>(need(dev, "peak_bytes", where + "memory.device").get<std::uint64_t>()), tolerance));
+                       static_cast<double>(need(dev, "peak_bytes", where + "memory.device.").get<std::uint64_t>()), tolerance));
   return out;
 }
 

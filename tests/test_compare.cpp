@@ -172,9 +172,10 @@ TEST(CompareCli, CallbackMeasurementReadsBack) {
   ASSERT_EQ(std::system(py.c_str()), 0) << py;
   const json j = peftplan::models::read_json_file(m.string());
   EXPECT_EQ(j.at("model").at("config_sha256"), peftplan::models::config_sha256(json::parse(peftplan::models::zoo_config_text("tiny-llama-4l"))));
-  // An A100 plan against a CPU loop is far off (times 3-100); a tolerance of 100x makes the verdict
-  // independent of how busy the machine is, so that the test checks the reading.
-  const auto r = run_cli("compare " + plan + " " + m.string() + " --tolerance-time 100 --out " + (dir / "cmp").string());
+  // An A100 plan against a CPU loop is far off (times 3-100 when the machine is idle, 140 seen
+  // under a parallel ctest); a tolerance of 10^5 x (a 90 s step against the plan's 0.9 ms) makes
+  // the verdict independent of how busy the machine is, so that the test checks the reading.
+  const auto r = run_cli("compare " + plan + " " + m.string() + " --tolerance-time 100000 --out " + (dir / "cmp").string());
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_THAT(r.out, HasSubstr("config.json hash matches the plan's"));
   const json v = peftplan::models::read_json_file((dir / "cmp" / "validation.json").string());

@@ -243,14 +243,13 @@ TEST(Recommend, NothingFitsNamesTheSmallestShortfall) {
   EXPECT_NE(r.summary.find("nothing fits: the closest is"), std::string::npos) << r.summary;
   EXPECT_NE(r.summary.find("short by"), std::string::npos);
   // What to try outside the search, as knobs (the CLI spells them as flags).
-  const std::vector<Suggestion> want = {{Knob::ranks, Change::larger, "", ""},
+  const std::vector<Suggestion> want = {{Knob::search_gpus, Change::larger, "", ""},
                                         {Knob::quantization, Change::set, "nf4", "a quantised base, QLoRA"},
-                                        {Knob::offload_optimizer, Change::set, "cpu", "the search was run without offload"},
-                                        {Knob::offload_param, Change::set, "cpu", "the search was run without offload"},
+                                        {Knob::search_offload, Change::set, "true", "the search was run without it"},
                                         {Knob::seq_len, Change::smaller, "", ""}};
   EXPECT_EQ(r.suggestions, want);
   EXPECT_EQ(suggestion_text(std::span<const Suggestion>(r.suggestions).first(2)),
-            "try a larger strategy.ranks or peft.quantization nf4 (a quantised base, QLoRA)");
+            "try a larger space.gpus or peft.quantization nf4 (a quantised base, QLoRA)");
 }
 
 TEST(Recommend, ContradictionsAreInputErrors) {
@@ -307,7 +306,7 @@ TEST(RecommendCli, JsonAndExitCodes) {
   auto r = run_cli("recommend --model llama-2-7b --lora-r 16 --cluster 8xA100-80GB --gpus 2,4..8:x2 --top 3 --json");
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j["schema"], "peftplan.recommendation/1");
+  EXPECT_EQ(j["schema"], "peftplan.recommendation/2");
   EXPECT_EQ(j["ranked"].size(), 3u);
   for (const char* k : {"strategy", "micro_batch", "grad_accum", "checkpointing", "gpus", "used_peak_bytes", "spare_bytes", "step_s", "tokens_per_s",
                         "exposed_comm_s", "mfu", "cost_per_million_tokens_usd", "pareto", "reason"})

@@ -553,7 +553,12 @@ TEST(Validate, MissingKeyIsAnInputError) {
   const Plan p = tiny_plan(Stage::ddp, 1);
   json m = exact_measurement(p);
   m["memory"]["device"].erase("activations_bytes");
-  EXPECT_THROW(validate(p, m), InputError);
+  try {
+    validate(p, m);
+    ADD_FAILURE() << "a measurement without memory.device.activations_bytes was accepted";
+  } catch (const InputError& e) {  // the field with its whole path
+    EXPECT_STREQ(e.what(), "measurement.json: memory.device.activations_bytes is missing");
+  }
 }
 
 #ifdef PEFTPLAN_HAVE_EXEC

@@ -10,13 +10,13 @@
 namespace peftplan::schemas {
 
 inline constexpr std::string_view kPlanFile = "peftplan.plan/1";                  // plan.json (planner/plan_file.h)
-inline constexpr std::string_view kPlanResult = "peftplan.plan-result/2";         // peftplan plan --json
+inline constexpr std::string_view kPlanResult = "peftplan.plan-result/3";         // peftplan plan --json (3: suggestions as data)
 inline constexpr std::string_view kMeasurement = "peftplan.measurement/1";        // peftplan-exec's measurement.json
 inline constexpr std::string_view kMeasurementTotals = "peftplan.measurement-totals/1";  // a training job's totals
 inline constexpr std::string_view kValidation = "peftplan.validation/2";          // validation.json
 inline constexpr std::string_view kRunSummary = "peftplan.run-summary/2";         // peftplan run's summary.json
 inline constexpr std::string_view kSpeedProbe = "peftplan.speed-probe/1";         // peftplan-exec probe
-inline constexpr std::string_view kRecommendation = "peftplan.recommendation/1";  // peftplan recommend --json
+inline constexpr std::string_view kRecommendation = "peftplan.recommendation/2";  // peftplan recommend --json (2: suggestions as data)
 inline constexpr std::string_view kSweep = "peftplan.sweep/1";                   // peftplan sweep (CSV comment, JSON lines)
 inline constexpr std::string_view kScenario = "peftplan.scenario/1";             // peftplan-gui's saved scenario
 inline constexpr std::string_view kCheckpoint = "peftplan.checkpoint/1";          // a training checkpoint's state.json

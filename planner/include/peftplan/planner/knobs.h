@@ -49,10 +49,11 @@ enum class Knob : std::uint8_t {
   // The recommender's search (recommend.h): its space, constraints and objective.
   search_gpus,       // space.gpus
   search_stages,     // space.stages
+  search_offload,    // space.offload
   min_micro_batch,   // space.min_micro_batch
   global_batch,      // space.global_batch
   max_gpus,          // constraints.max_gpus
-  objective,         // objective
+  objective,         // objective (the last knob: kNumKnobs counts to it)
 };
 inline constexpr int kNumKnobs = static_cast<int>(Knob::objective) + 1;
 
