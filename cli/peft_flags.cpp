@@ -41,7 +41,8 @@ models::PeftSpec peft_from_flags(const PeftFlags& f) {
     models::AdapterSpec a;
     a.type = models::PeftType::lora;
     if (f.lora_r) {
-      if (*f.lora_r <= 0) throw input_error("--lora-r", "", "must be a positive integer", std::to_string(*f.lora_r));
+      if (*f.lora_r <= 0 || *f.lora_r > models::kMaxLoraRank)
+        throw input_error("--lora-r", "", fmt::format("must be an integer in [1, {}]", models::kMaxLoraRank), std::to_string(*f.lora_r));
       a.lora.r = *f.lora_r;
     }
     if (f.lora_alpha) a.lora.alpha = *f.lora_alpha;

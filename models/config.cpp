@@ -13,6 +13,7 @@
 #include <openssl/evp.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_file.h"
 #include "peftplan/common/json_fields.h"
 #include "peftplan/common/units.h"
 
@@ -222,17 +223,7 @@ ModelSpec model_from_config(const json& c, std::string_view src, std::string nam
   return m;
 }
 
-json read_json_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw input_error(path, "", "cannot be opened (does the file exist?)");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::parse_error& e) {
-    throw input_error(path, "", fmt::format("is not valid JSON: {}", e.what()));
-  }
-}
+json read_json_file(const std::string& path) { return peftplan::read_json_file(path); }
 
 ModelSpec load_model(const std::string& name_or_path) {
   if (const char* text = zoo_config_text(name_or_path)) {

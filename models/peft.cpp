@@ -240,7 +240,7 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
   if (type == "LORA") {
     a.type = PeftType::lora;
     LoraConfig& l = a.lora;
-    l.r = json_fields::positive_integer(c, "r", src, 8);
+    l.r = json_fields::integer(c, "r", src, 8, "", 1, kMaxLoraRank);
     l.alpha = json_fields::number(c, "lora_alpha", src, 8.0);
     l.dropout = json_fields::number(c, "lora_dropout", src, 0.0);
     if (l.dropout < 0.0 || l.dropout >= 1.0)
@@ -265,7 +265,7 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
     }
     if (auto it = c.find("rank_pattern"); it != c.end() && it->is_object())
       for (const auto& [k, v] : it->items()) {
-        l.rank_pattern[k] = json_fields::as_integer(v, src, "rank_pattern." + k, 1);
+        l.rank_pattern[k] = json_fields::as_integer(v, src, "rank_pattern." + k, 1, kMaxLoraRank);
       }
     if (auto it = c.find("alpha_pattern"); it != c.end() && it->is_object())
       for (const auto& [k, v] : it->items()) {

@@ -158,6 +158,12 @@ void read_fsdp(const YAML::Node& f, const Reader& r, AccelerateConfig& out) {
 }  // namespace
 
 AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view source) {
+  // A YAML stream is UTF-8 of printable characters (YAML 1.2 §5.1, c-printable: no C0 control
+  // but tab, line feed and carriage return); yaml-cpp does not check, so a binary or Latin-1
+  // file would be read as text.
+  if (const std::size_t at = first_unprintable(yaml, true); at != std::string_view::npos)
+    throw input_error(source, "", fmt::format("is not YAML text: byte {} is 0x{:02x} (a YAML file is UTF-8 without control characters)", at,
+                                              static_cast<unsigned char>(yaml[at])));
   YAML::Node root;
   try {
     root = YAML::Load(std::string(yaml));

@@ -17,6 +17,7 @@
 #include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/json_fields.h"
+#include "peftplan/common/json_file.h"
 #include "peftplan/common/units.h"
 #include "peftplan/sim/compute.h"
 #include "peftplan/sim/program.h"
@@ -761,14 +762,7 @@ nlohmann::json cluster_to_json(const Cluster& c) {
 
 Cluster read_cluster_file(const std::filesystem::path& path) {
   const std::string where = path.string();
-  std::ifstream in(path);
-  if (!in) throw input_error(where, "", "cannot be opened");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw input_error(where, "", fmt::format("is not valid JSON ({})", e.what()));
-  }
+  const nlohmann::json j = read_json_file(where);
   Cluster c = cluster_from_json(j, where);
   if (!j.contains("name")) c.name = path.stem().string();
   return c;

@@ -60,6 +60,19 @@ PlanInput llama7b_lora(Stage stage, std::int32_t ranks) {
   return in;
 }
 
+// GPT-2 small, full fine-tuning in fp16 mixed precision with eager attention, 2 x 512 tokens:
+// Korthikanti et al.'s setting (16-bit activations, the scores materialised).
+PlanInput gpt2_full_fp16_eager() {
+  PlanInput in;
+  in.model = models::load_model("gpt2");
+  in.training.full_finetune = true;
+  in.training.precision = Precision::fp16_mixed;
+  in.training.attention = Attention::eager;
+  in.training.micro_batch = 2;
+  in.training.seq_len = 512;
+  return in;
+}
+
 }  // namespace
 
 // tiny-llama-2l (H 64, I 176, 4 heads of 16, 2 kv heads, V 256, untied), LoRA r=4 on q_proj and
@@ -218,13 +231,7 @@ TEST(Communication, EthernetExposesZero3NvlinkHidesIt) {
 // the same layer saves sbh(34 + 5as/h) - 2sbh - 3as²b, plus the LayerNorm statistics (mean and
 // rstd in fp32, 2 x 4sb per norm) that the paper leaves out.
 TEST(Activations, GptLayerMatchesKorthikantiWithoutDropout) {
-  PlanInput in;
-  in.model = models::load_model("gpt2");
-  in.training.full_finetune = true;
-  in.training.precision = Precision::fp16_mixed;
-  in.training.attention = Attention::eager;
-  in.training.micro_batch = 2;
-  in.training.seq_len = 512;
+  const PlanInput in = gpt2_full_fp16_eager();
   const auto built = build_program(in);
   std::uint64_t layer0 = 0;
   for (const auto& b : built.program.buffers)
@@ -246,13 +253,7 @@ TEST(Activations, GptLayerMatchesKorthikantiWithoutDropout) {
 // projection's input 2sbh, LN2's input 2sbh, FC1's input 2sbh, GELU's input 8sbh and FC2's
 // input 8sbh; the layer's output is the next layer's LN1 input, 2sbh.
 TEST(SavedTable, GptLayerRowsAreKorthikantisItems) {
-  PlanInput in;
-  in.model = models::load_model("gpt2");
-  in.training.full_finetune = true;
-  in.training.precision = Precision::fp16_mixed;
-  in.training.attention = Attention::eager;
-  in.training.micro_batch = 2;
-  in.training.seq_len = 512;
+  const PlanInput in = gpt2_full_fp16_eager();
   const SavedTable t = saved_for_backward(in, 3);
   const std::uint64_t s = 512, b = 2, h = 768, a = 12, sbh = s * b * h;
   auto kept = [&](std::string_view name, std::string_view module = {}) {

@@ -29,6 +29,11 @@ struct ModuleSelector {
   std::string regex;                // Kind::regex
 };
 
+// The largest LoRA rank read: far above any published adapter (ranks of 8-256; LoRA's own
+// experiments go to 64, Hu et al. arXiv 2106.09685 §7.2) and the largest hidden size a config may
+// have (2^20), and small enough that r x (in + out) stays inside 64 bits.
+inline constexpr std::int64_t kMaxLoraRank = std::int64_t{1} << 20;
+
 struct LoraConfig {
   std::int64_t r = 8;                              // rank (PEFT default 8)
   double alpha = 8.0;                              // lora_alpha (PEFT default 8)
