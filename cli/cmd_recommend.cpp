@@ -20,6 +20,19 @@
 namespace peftplan::cli {
 namespace {
 
+// recommend's own spelling of a knob: it searches the micro-batch, offload and the strategy, so a
+// suggestion to change them points at the flag that bounds the search (plan's spelling otherwise).
+std::string search_flag_of(planner::Knob k) {
+  using planner::Knob;
+  switch (k) {
+    case Knob::micro_batch: return "--max-micro-batch";
+    case Knob::offload_optimizer:
+    case Knob::offload_param: return flag_of(Knob::search_offload);
+    case Knob::ranks: return flag_of(Knob::search_gpus);
+    default: return flag_of(k);
+  }
+}
+
 struct Options {
   PlanFlags plan;
   std::string gpus;           // list or range; empty: the cluster's GPUs
@@ -100,7 +113,7 @@ void print_text(const planner::Recommendation& r, const ResolvedPlan& rp, const 
       std::string reason = x.reason;
       if (names.size() > 1 && reason.rfind("does not fit: ", 0) == 0)
         reason = fmt::format("none fits ({}'s figures): {}", x.family, reason.substr(14));
-      if (!x.suggestions.empty()) reason += "; " + planner::suggestion_text(x.suggestions, flag_of);
+      if (!x.suggestions.empty()) reason += "; " + planner::suggestion_text(x.suggestions, search_flag_of);
       fmt::print("  {}: {}\n", fmt::format("{}", fmt::join(names, ", ")), reason);
     }
   }
@@ -108,7 +121,7 @@ void print_text(const planner::Recommendation& r, const ResolvedPlan& rp, const 
     fmt::print("\noutside the search:\n");
     for (const auto& a : r.alternatives) fmt::print("  - {}\n", a.what);
   }
-  fmt::print("\n{}{}\n", r.summary, r.suggestions.empty() ? std::string() : "; " + planner::suggestion_text(r.suggestions, flag_of));
+  fmt::print("\n{}{}\n", r.summary, r.suggestions.empty() ? std::string() : "; " + planner::suggestion_text(r.suggestions, search_flag_of));
 }
 
 }  // namespace

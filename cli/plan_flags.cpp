@@ -201,7 +201,7 @@ std::string flag_of(planner::Knob k) {
     case Knob::gpu: return "--cluster";
     case Knob::search_gpus: return "--gpus";
     case Knob::search_stages: return "--strategy";
-    case Knob::search_offload: return "offload in the search (without --no-offload)";
+    case Knob::search_offload: return "offload in the search (drop --no-offload)";
     case Knob::min_micro_batch: return "--min-micro-batch";
     case Knob::global_batch: return "--global-batch";
     case Knob::max_gpus: return "--max-gpus";

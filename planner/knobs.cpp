@@ -77,7 +77,7 @@ std::string suggestion_text(std::span<const Suggestion> s, KnobSpelling spell) {
 nlohmann::json suggestions_to_json(std::span<const Suggestion> s) {
   nlohmann::json a = nlohmann::json::array();
   for (const Suggestion& x : s)
-    a.push_back({{"knob", field_of(x.knob)}, {"change", name_of(x.change)}, {"value", x.change == Change::set ? nlohmann::json(x.value) : nlohmann::json(nullptr)},
+    a.push_back({{"knob", field_of(x.knob)}, {"change", name_of(x.change)}, {"value", x.change == Change::set && !x.value.empty() ? nlohmann::json(x.value) : nlohmann::json(nullptr)},
                  {"why", x.why}});
   return a;
 }

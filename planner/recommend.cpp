@@ -533,7 +533,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
       if (closest->input.strategy.ranks == max_ranks) r.suggestions.push_back({Knob::search_gpus, Change::larger, "", ""});
       if (peft && !base.peft.quantization) r.suggestions.push_back({Knob::quantization, Change::set, "nf4", "a quantised base, QLoRA"});
       if (!space.offload) {
-        r.suggestions.push_back({Knob::search_offload, Change::set, "true", "the search was run without it"});
+        r.suggestions.push_back({Knob::search_offload, Change::set, "", ""});
       }
       r.suggestions.push_back({Knob::seq_len, Change::smaller, "", ""});
       r.summary = fmt::format("nothing fits: the closest is {} at {}, {} in use, short by {}", closest->family, where(*closest),

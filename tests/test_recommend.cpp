@@ -245,7 +245,7 @@ TEST(Recommend, NothingFitsNamesTheSmallestShortfall) {
   // What to try outside the search, as knobs (the CLI spells them as flags).
   const std::vector<Suggestion> want = {{Knob::search_gpus, Change::larger, "", ""},
                                         {Knob::quantization, Change::set, "nf4", "a quantised base, QLoRA"},
-                                        {Knob::search_offload, Change::set, "true", "the search was run without it"},
+                                        {Knob::search_offload, Change::set, "", ""},
                                         {Knob::seq_len, Change::smaller, "", ""}};
   EXPECT_EQ(r.suggestions, want);
   EXPECT_EQ(suggestion_text(std::span<const Suggestion>(r.suggestions).first(2)),
@@ -316,6 +316,11 @@ TEST(RecommendCli, JsonAndExitCodes) {
   r = run_cli("recommend --model llama-2-70b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --gpus 1 --no-offload");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("nothing fits"), std::string::npos) << r.out;
+  // What to try, in recommend's own flags: the search's GPU counts and offload, not plan's.
+  EXPECT_NE(r.out.find("try a larger --gpus or --quant nf4 (a quantised base, QLoRA) or offload in the search (drop --no-offload) or a "
+                       "smaller --seq-len"),
+            std::string::npos)
+      << r.out;
 }
 
 // --emit: the files a user launches, consistent with the row.

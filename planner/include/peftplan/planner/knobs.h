@@ -71,7 +71,8 @@ std::string_view name_of(Change c);  // "set", "smaller", "larger"
 struct Suggestion {
   Knob knob = Knob::micro_batch;
   Change change = Change::set;
-  std::string value;  // Change::set: the value, as the knob's own names write it ("zero3")
+  std::string value;  // Change::set: the value, as the knob's own names write it ("zero3"); "" when the
+                      // knob is a switch the spelling says how to turn (JSON: null)
   std::string why;    // words, no knob names ("shards the frozen base")
   bool operator==(const Suggestion&) const = default;
 };
