@@ -144,14 +144,12 @@ std::vector<std::string> strategy_list(const std::string& s) {
   return out;
 }
 
-// One strategy of the job: its folder, plan file and prediction, the executor's command line
-// (without --out), and every round's measurement.
+// One strategy of the job: its folder, plan file and prediction, and every round's measurement.
 struct Job {
   std::string strategy;
   fs::path dir;
   planner::PlanFile pf;
   planner::Plan plan;
-  std::vector<std::string> exec_args;
   std::vector<nlohmann::json> rounds;
   planner::Validation v;
 };
@@ -198,19 +196,6 @@ std::string summary_table(const std::vector<Job>& runs, bool markdown) {
                        cells[5], cells[6], cells[7], cells[8], cells[9]);
   }
   return s;
-}
-
-// Round k's plan file: round 1 is the run as asked; later rounds repeat its steps for their
-// times only, so they neither save the adapter nor write checkpoints (they would overwrite the
-// first round's with identical files, or a checkpoint a later round resumes from).
-planner::PlanFile round_plan(const planner::PlanFile& pf, int round) {
-  planner::PlanFile r = pf;
-  if (round > 1) {
-    r.run.save_adapter.clear();
-    r.run.checkpoint_every = 0;
-    r.run.checkpoint_dir.clear();
-  }
-  return r;
 }
 
 }  // namespace
@@ -357,66 +342,61 @@ void add_run_command(CLI::App& app, int& exit_code) {
       planner::PlanOptions po;
       po.explain = false;
       job.plan = planner::make_plan(pf.input, r.cluster, po);
-      if (N > 1 || !o->hostfile.empty() || !o->hosts.empty()) {
-        // mpirun ($PEFTPLAN_MPIRUN or Open MPI's mpirun on the PATH); on one machine more ranks
-        // than cores are allowed (--oversubscribe), and root may run it.
-        const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
-        const std::string launcher = mpirun && *mpirun ? mpirun : "mpirun";
-        if (o->hostfile.empty() && o->hosts.empty()) {
-          job.exec_args = local_mpirun(launcher, N);  // as calibrate measured the ranks
-        } else {
-          job.exec_args = {launcher, "-np", std::to_string(N)};
-          if (!o->hostfile.empty()) job.exec_args.insert(job.exec_args.end(), {"--hostfile", absolute(o->hostfile)});
-          if (!o->hosts.empty()) job.exec_args.insert(job.exec_args.end(), {"--host", o->hosts});
-          if (::geteuid() == 0) job.exec_args.push_back("--allow-run-as-root");
-        }
-        std::istringstream extra(o->mpi_args);
-        for (std::string a; extra >> a;) job.exec_args.push_back(a);
-      }
-      job.exec_args.push_back(find_exec().string());
       jobs.push_back(std::move(job));
     }
     const std::string job_model = jobs.front().pf.input.model.name;
-    const int job_ranks = jobs.front().pf.input.strategy.ranks;
+    const int job_ranks = jobs.front().pf.input.strategy.ranks;  // every strategy's: one --gpus or --cluster
+    // The executor's command line: mpirun ($PEFTPLAN_MPIRUN or Open MPI's mpirun on the PATH) for
+    // several ranks or hosts, where on one machine more ranks than cores are allowed
+    // (--oversubscribe) and root may run it; peftplan-exec alone for one rank.
+    std::vector<std::string> args;
+    if (job_ranks > 1 || !o->hostfile.empty() || !o->hosts.empty()) {
+      const char* mpirun = std::getenv("PEFTPLAN_MPIRUN");
+      const std::string launcher = mpirun && *mpirun ? mpirun : "mpirun";
+      if (o->hostfile.empty() && o->hosts.empty()) {
+        args = local_mpirun(launcher, job_ranks);  // as calibrate measured the ranks
+      } else {
+        args = {launcher, "-np", std::to_string(job_ranks)};
+        if (!o->hostfile.empty()) args.insert(args.end(), {"--hostfile", absolute(o->hostfile)});
+        if (!o->hosts.empty()) args.insert(args.end(), {"--host", o->hosts});
+        if (::geteuid() == 0) args.push_back("--allow-run-as-root");
+      }
+      std::istringstream extra(o->mpi_args);
+      for (std::string a; extra >> a;) args.push_back(a);
+    }
+    args.push_back(find_exec().string());
     const planner::Tolerances defaults = planner::tolerances_for(jobs.front().pf.input.profile);
     planner::Tolerances tol;
     tol.memory = o->tolerance_memory.value_or(defaults.memory);
     tol.time = o->tolerance_time.value_or(defaults.time);
 
-    // Rounds, the strategies interleaved: a slow spell of a shared machine lands on all of them.
-    // Round 1 runs in each strategy's folder and shows its steps; later rounds run quietly in
-    // <dir>/rounds/<k>/ and print one line per round.
+    // Rounds, the strategies interleaved, in one launch of the executor (executor/runner.h,
+    // run_rounds): a slow spell of a shared machine lands on all of them. Round 1 runs in each
+    // strategy's folder and shows its steps; later rounds run quietly in <dir>/rounds/<k>/, and
+    // the executor prints one line per round.
     const int R = o->rounds;
-    for (int round = 1; round <= R; ++round) {
-      std::string line;
+    for (Job& job : jobs) {
+      fs::create_directories(job.dir);
+      const fs::path plan_path = job.dir / "plan.json";
+      planner::write_plan_file(plan_path, job.pf);
+      fmt::print("wrote {}\n", shown(plan_path));
+      args.push_back(plan_path.string());
+    }
+    if (R > 1) args.insert(args.end(), {"--rounds", std::to_string(R)});
+    std::fflush(stdout);
+    if (const int code = run_child(args); code != 0) {
+      fmt::print(stderr, "peftplan run: peftplan-exec exited with code {}{}\n", code,
+                 code == 1 ? ": the training went non-finite (see its message above; --on-nonfinite skip skips such steps)" : "");
+      exit_code = code == 1 ? 1 : code == 2 ? 2 : 3;
+      return;
+    }
+    for (int round = 1; round <= R; ++round)
       for (Job& job : jobs) {
         const fs::path dir = round == 1 ? job.dir : job.dir / "rounds" / std::to_string(round);
-        if (round == 1 && several)
-          fmt::print("\n== {} ({} of {}), round 1 of {}: {}\n", job.strategy, &job - jobs.data() + 1, jobs.size(), R, shown(job.dir));
-        fs::create_directories(dir);
-        const fs::path plan_path = dir / "plan.json";
-        planner::write_plan_file(plan_path, round_plan(job.pf, round));
-        if (round == 1) fmt::print("wrote {}\n", shown(plan_path));
-        std::fflush(stdout);
-        std::vector<std::string> args = job.exec_args;
-        args.insert(args.end(), {plan_path.string(), "--out", dir.string()});
-        if (round > 1) args.push_back("--quiet");
-        const int code = run_child(args);
-        if (code != 0) {
-          fmt::print(stderr, "peftplan run: peftplan-exec exited with code {} ({}, round {}){}\n", code, job.strategy, round,
-                     code == 1 ? ": the training went non-finite (see its message above; --on-nonfinite skip skips such steps)" : "");
-          exit_code = code == 1 ? 1 : code == 2 ? 2 : 3;
-          return;
-        }
         auto m = models::read_json_file((dir / "measurement.json").string());
         if (round == 1 && fs::is_regular_file(dir / "trace.json")) m["trace"] = models::read_json_file((dir / "trace.json").string());
-        const double step = planner::steady_step_s(m.at("step_times_s").get<std::vector<double>>());
-        line += fmt::format("{}{} {:.3f} ms", line.empty() ? "" : ", ", job.strategy, step * 1e3);
         job.rounds.push_back(std::move(m));
       }
-      fmt::print("{}round {}/{}: {}\n", round == 1 ? "\n" : "", round, R, line);
-      std::fflush(stdout);
-    }
 
     for (Job& job : jobs) {
       const fs::path& dir = job.dir;

@@ -2,6 +2,8 @@
 // with each collective's transfer and wait, and run_plan, which runs a plan end to end.
 #include "session_impl.h"
 
+#include "peftplan/common/paths.h"
+
 namespace peftplan::executor {
 
 Measurement Session::measurement() const {
@@ -217,5 +219,67 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
   return m;
 }
 
+planner::PlanFile round_plan(const planner::PlanFile& plan, int round) {
+  planner::PlanFile r = plan;
+  if (round > 1) {
+    r.run.save_adapter.clear();
+    r.run.checkpoint_every = 0;
+    r.run.checkpoint_dir.clear();
+  }
+  return r;
+}
+
+void run_rounds(const std::vector<std::filesystem::path>& plan_paths, int rounds, Backend& backend, std::FILE* progress,
+                Communicator* comm, const SessionOptions& options) {
+  namespace fs = std::filesystem;
+  if (plan_paths.empty()) throw InputError("peftplan-exec: no plan.json to run");
+  if (rounds < 1) throw InputError(fmt::format("peftplan-exec --rounds {}: must be at least 1", rounds));
+  const int ranks = comm ? comm->size() : 1;
+  const bool root = !comm || comm->rank() == 0;
+  if (!root) progress = nullptr;
+  struct Job {
+    fs::path dir;
+    planner::PlanFile plan;
+    std::string strategy;
+  };
+  std::vector<Job> jobs;
+  for (const fs::path& p : plan_paths) {  // every plan checked before anything runs
+    Job j{fs::absolute(p).parent_path(), load_plan(p), ""};
+    if (j.plan.input.strategy.ranks != ranks)
+      throw InputError(fmt::format("peftplan-exec {}: the plan is for {} ranks, the job has {} (mpirun -np {})", p.string(),
+                                   j.plan.input.strategy.ranks, ranks, j.plan.input.strategy.ranks));
+    j.strategy = std::string(planner::name_of(j.plan.input.strategy.stage));
+    jobs.push_back(std::move(j));
+  }
+  const bool several = jobs.size() > 1;
+  for (int round = 1; round <= rounds; ++round) {
+    std::string line;
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      const Job& job = jobs[i];
+      const fs::path dir = round == 1 ? job.dir : job.dir / "rounds" / std::to_string(round);
+      const planner::PlanFile plan = round_plan(job.plan, round);
+      if (round > 1 && root) {
+        fs::create_directories(dir);
+        planner::write_plan_file(dir / "plan.json", plan);  // each round's folder describes its run
+      }
+      std::FILE* steps = round == 1 ? progress : nullptr;
+      if (steps && several)
+        std::fprintf(steps, "\n== %s (%zu of %zu), round 1 of %d: %s\n", job.strategy.c_str(), i + 1, jobs.size(), rounds,
+                     shown_path(dir).c_str());
+      Measurement m;
+      try {
+        m = run_plan(plan, backend, dir, steps, comm, options);
+      } catch (const NonFiniteError& e) {
+        throw NonFiniteError(fmt::format("{} (round {} of {}): {}", shown_path(dir / "plan.json"), round, rounds, e.what()));
+      }
+      if (steps) std::fprintf(steps, "wrote %s and %s\n", shown_path(dir / "measurement.json").c_str(), shown_path(dir / "trace.json").c_str());
+      line += fmt::format("{}{} {:.3f} ms", line.empty() ? "" : ", ", job.strategy, planner::steady_step_s(m.step_times_s) * 1e3);
+    }
+    if (progress) {
+      std::fprintf(progress, "%sround %d/%d: %s\n", round == 1 ? "\n" : "", round, rounds, line.c_str());
+      std::fflush(progress);
+    }
+  }
+}
 
 }  // namespace peftplan::executor

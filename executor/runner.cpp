@@ -236,7 +236,6 @@ void Session::Impl::run_ops(bool update) {
   // queue has drained: no synchronize between ops, so a device overlaps them as it would.
   timed.clear();
   be.record_mark(kStartMark);
-  const auto t0 = Clock::now();
   for (std::size_t i = first_step_op; i < program.ops.size(); ++i) {
     const sim::Op& op = program.ops[i];
     if (fault && fault->first == step_index && fault->second == i)

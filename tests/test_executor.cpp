@@ -564,6 +564,71 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
   fs::remove_all(dir);
 }
 
+#ifdef PEFTPLAN_EXEC
+// Several plans and rounds in one job (executor::run_rounds): round 1 of each plan in its folder,
+// round 2 in <folder>/rounds/2/ with its own plan.json (no adapter saved there), a line per
+// round; a bad plan anywhere in the list is refused before anything runs; --out takes one plan.
+TEST(ExecutorCli, RoundsOfSeveralPlansRunInOneJob) {
+  const fs::path dir = temp_dir("rounds");
+  auto sh = [](const std::string& cmd) {
+    std::string out;
+    FILE* p = popen(("OMP_NUM_THREADS=1 ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 " + cmd + " 2>&1").c_str(), "r");
+    char buf[4096];
+    while (std::fgets(buf, sizeof buf, p)) out += buf;
+    const int status = pclose(p);
+    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
+  };
+  // A plan.json from `peftplan run` (one round), saving the adapter.
+  auto [code, out] = sh(std::string(PEFTPLAN_CLI) + " run --model tiny-llama-2l --seq-len 16 --micro-batch 2 --steps 2 --rounds 1 " +
+                        "--cluster 1xA100-80GB --strategy ddp --tolerance-time 1e9 --data " + kCorpus + " --save-adapter " +
+                        (dir / "adapter").string() + " --out " + (dir / "first").string());
+  ASSERT_EQ(code, 0) << out;
+  for (const char* d : {"a", "b"}) {
+    fs::create_directories(dir / d);
+    fs::copy_file(dir / "first" / "plan.json", dir / d / "plan.json");
+  }
+  const std::string exec = std::string(PEFTPLAN_EXEC) + " ";
+  const std::string a = (dir / "a" / "plan.json").string(), b = (dir / "b" / "plan.json").string();
+  std::tie(code, out) = sh(exec + a + " " + b + " --rounds 2");
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("== ddp (1 of 2), round 1 of 2: "), std::string::npos) << out;
+  EXPECT_NE(out.find("== ddp (2 of 2), round 1 of 2: "), std::string::npos) << out;
+  EXPECT_NE(out.find("round 1/2: ddp "), std::string::npos) << out;
+  EXPECT_NE(out.find("round 2/2: ddp "), std::string::npos) << out;
+  for (const char* d : {"a", "b"}) {
+    EXPECT_TRUE(fs::exists(dir / d / "measurement.json")) << d;
+    EXPECT_TRUE(fs::exists(dir / d / "rounds" / "2" / "measurement.json")) << d;
+    const auto round2 = models::read_json_file((dir / d / "rounds" / "2" / "plan.json").string());
+    const auto round1 = models::read_json_file((dir / d / "plan.json").string());
+    EXPECT_EQ(round1.at("run").at("save_adapter"), (dir / "adapter").string()) << d;
+    EXPECT_EQ(round2.at("run").at("save_adapter"), "") << d;
+    EXPECT_EQ(round2.at("program"), round1.at("program")) << d;  // the same steps
+    EXPECT_EQ(models::read_json_file((dir / d / "rounds" / "2" / "measurement.json").string()).at("losses").size(), 2u) << d;
+  }
+  // Round 2 did not save the adapter: the file round 1 saved is the only one, from before round 2.
+  EXPECT_LE(fs::last_write_time(dir / "adapter" / "adapter_model.safetensors"), fs::last_write_time(dir / "a" / "rounds" / "2" / "plan.json"));
+  // Only round 1's steps are shown: "step 2/2" appears once per plan.
+  std::size_t shown = 0;
+  for (std::size_t at = out.find("step 2/2"); at != std::string::npos; at = out.find("step 2/2", at + 1)) ++shown;
+  EXPECT_EQ(shown, 2u) << out;
+  // A foreign plan second in the list: exit 2 naming it, and the first plan did not run.
+  nlohmann::json pj = models::read_json_file(a);
+  pj["program"]["hash"] = "0123456789abcdef";
+  fs::create_directories(dir / "c");
+  std::ofstream(dir / "c" / "foreign.json") << pj.dump(2);
+  fs::create_directories(dir / "d");
+  fs::copy_file(a, dir / "d" / "plan.json");
+  std::tie(code, out) = sh(exec + (dir / "d" / "plan.json").string() + " " + (dir / "c" / "foreign.json").string() + " --rounds 2");
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("foreign.json: program.hash"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(dir / "d" / "measurement.json"));
+  std::tie(code, out) = sh(exec + a + " " + b + " --out " + (dir / "x").string());
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("--out"), std::string::npos) << out;
+  fs::remove_all(dir);
+}
+#endif
+
 // The causal row blocks of the attention kernels (64 rows) at a length that spans three blocks
 // and ends in a partial one: forward against a naive double reference, backward against
 // directional finite differences of <out, G> (double precision).

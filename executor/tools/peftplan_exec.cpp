@@ -5,6 +5,7 @@
 //   mpirun -np N peftplan-exec calibrate --out FILE [--quick] [--rounds R] [--attempts A]
 //   mpirun -np N peftplan-exec probe --out FILE [--window S]   (the machine-speed probe; calibrate.h)
 //   mpirun -np N peftplan-exec PLAN.json [--out DIR] [--quiet]   (N = the plan's ranks; see executor/runner.h)
+//   mpirun -np N peftplan-exec PLAN.json... [--rounds R] [--quiet]   (several plans and rounds, interleaved: run_rounds)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -112,18 +114,28 @@ executor::SessionOptions session_options_from_env() {
   return o;
 }
 
-// Runs a plan.json on every rank of the job: measurement.json and trace.json go to out_dir
-// (default: the plan's folder), written by rank 0 with every rank's measurement inside.
-void run_plan_file(const std::string& plan_path, std::string out_dir, bool quiet) {
+// Runs plan.json files on every rank of the job. One plan, one round: measurement.json and
+// trace.json go to out_dir (default: the plan's folder), written by rank 0 with every rank's
+// measurement inside. Several plans or rounds: executor::run_rounds (runner.h), each plan's
+// folder its output.
+void run_plan_files(const std::vector<std::string>& plan_paths, std::string out_dir, int rounds, bool quiet) {
   auto world = executor::make_mpi_communicator();
+  auto backend = executor::make_cpu_backend(threads_per_rank());
+  std::FILE* progress = world->rank() == 0 && !quiet ? stdout : nullptr;
+  if (plan_paths.size() > 1 || rounds > 1) {
+    if (!out_dir.empty())
+      throw InputError(fmt::format("peftplan-exec --out {}: takes one plan and one round (several: each plan's folder is its output)", out_dir));
+    executor::run_rounds({plan_paths.begin(), plan_paths.end()}, rounds, *backend, progress, world.get(), session_options_from_env());
+    return;
+  }
+  const std::string& plan_path = plan_paths.front();
   const planner::PlanFile plan = executor::load_plan(plan_path);
   if (world->size() != plan.input.strategy.ranks)
     throw InputError(fmt::format("peftplan-exec {}: the plan is for {} ranks, the job has {} (mpirun -np {})", plan_path,
                                  plan.input.strategy.ranks, world->size(), plan.input.strategy.ranks));
   if (out_dir.empty()) out_dir = std::filesystem::absolute(plan_path).parent_path().string();
-  auto backend = executor::make_cpu_backend(threads_per_rank());
-  executor::run_plan(plan, *backend, out_dir, world->rank() == 0 && !quiet ? stdout : nullptr, world.get(), session_options_from_env());
-  if (world->rank() == 0 && !quiet) {
+  executor::run_plan(plan, *backend, out_dir, progress, world.get(), session_options_from_env());
+  if (progress) {
     const std::filesystem::path dir(out_dir);
     fmt::print("wrote {} and {}\n", shown_path(dir / "measurement.json"), shown_path(dir / "trace.json"));
     std::fflush(stdout);
@@ -150,9 +162,13 @@ int main(int argc, char** argv) {
   }
   CLI::App app{"peftplan-exec: the peftplan executor (one process per rank, under mpirun)"};
   app.require_subcommand(0, 1);
-  std::string plan_path, run_out;
-  app.add_option("plan", plan_path, "plan.json written by `peftplan run` (runs its steps)");
-  app.add_option("--out", run_out, "folder for measurement.json and trace.json (default: the plan's)");
+  std::vector<std::string> plan_paths;
+  std::string run_out;
+  app.add_option("plans", plan_paths, "plan.json written by `peftplan run` (runs its steps); several: run in turn, each into its folder");
+  app.add_option("--out", run_out, "folder for measurement.json and trace.json (default: the plan's; one plan and one round only)");
+  int run_rounds = 1;
+  app.add_option("--rounds", run_rounds, "rounds of every plan, interleaved; round k > 1 into <plan folder>/rounds/<k>/")
+      ->check(CLI::Range(1, 1000));
   bool quiet = false;
   app.add_flag("--quiet", quiet, "no progress lines (errors still go to stderr)");
   std::string out;
@@ -175,8 +191,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     if (app.get_subcommands().empty()) {
-      if (plan_path.empty()) throw InputError("give a plan.json to run, or a mode (calibrate); see --help");
-      run_plan_file(plan_path, run_out, quiet);
+      if (plan_paths.empty()) throw InputError("give a plan.json to run, or a mode (calibrate); see --help");
+      run_plan_files(plan_paths, run_out, run_rounds, quiet);
     }
   } catch (const CLI::ParseError& e) {
     code = mpi->world_rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints

@@ -131,6 +131,25 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend,
                      const std::filesystem::path& out_dir, std::FILE* progress,
                      Communicator* comm = nullptr, const SessionOptions& options = {});
 
+// peftplan-exec PLAN.json... --rounds R: every plan run R times, the rounds interleaved (round
+// 1: each plan in turn, then round 2, ...) inside this one job, so a slow spell of a shared
+// machine lands on all of them and the job is launched once, not R x plans times (mpirun's
+// start costs about half a second a launch on the development machines, a third of one short
+// run). Round 1 runs each plan as given, into its own folder (progress lines on `progress`,
+// preceded with several plans by a header naming the strategy and folder); rounds 2..R repeat
+// its steps for their times only, into <plan folder>/rounds/<k>/ (their plan.json written
+// there), without saving the adapter or writing checkpoints. After each round `progress` gets
+// one line: "round k/R: <strategy> <steady step> ms, ...". Every plan is loaded and checked
+// (for this job's ranks too) before any runs. A non-finite step ends the rounds with a
+// NonFiniteError naming the plan and round. `progress` null: nothing is printed.
+void run_rounds(const std::vector<std::filesystem::path>& plan_paths, int rounds, Backend& backend, std::FILE* progress,
+                Communicator* comm = nullptr, const SessionOptions& options = {});
+
+// Round k's plan: round 1 is the plan as given; later rounds neither save the adapter nor write
+// checkpoints (they would overwrite the first round's with identical files, or a checkpoint a
+// later round resumes from).
+planner::PlanFile round_plan(const planner::PlanFile& plan, int round);
+
 // Several ranks (a collective: every rank calls it): rank 0's `m` gets every rank's
 // measurement in per_rank and, from their collective_op_s_by_step, each collective's transfer
 // and arrival wait (collective_transfer_s, collective_wait_s, sync_wait_s). One rank: nothing.
