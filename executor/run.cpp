@@ -116,11 +116,8 @@ nlohmann::json gather_measurements(Communicator& comm, const nlohmann::json& min
   return ranks;
 }
 
-// Rank 0: each collective's transfer (the shortest rank's execution, step by step: the rank
-// that arrived last waited for nobody) and the time ranks waited for the last one to arrive,
-// per collective op and in total, from every rank's collective_op_s_by_step (see Measurement).
-// Each is the mean over rank 0's steady steps (planner::steady_samples), the steps its step time
-// and op_s are taken over: a collective's share of the steps it is compared with.
+}  // namespace
+
 void split_collective_time(Measurement& m) {
   const auto& ranks = m.per_rank;
   if (!ranks.is_array() || ranks.empty() || m.collective_ops.empty()) return;
@@ -132,12 +129,13 @@ void split_collective_time(Measurement& m) {
   std::size_t steps = d.front().size();
   for (const auto& r : d) steps = std::min(steps, r.size());
   if (steps == 0) return;
-  // Row k of the last `steps` rows is step n - steps + k of rank 0's step_times_s.
+  // Row k of the last `steps` rows is step n - steps + k of rank 0's step_times_s; the first
+  // step (warm-up) is left out.
   const std::size_t n = m.step_times_s.size();
   std::vector<std::size_t> rows;
-  for (std::size_t k : planner::steady_samples(m.step_times_s, 1))
-    if (n >= steps && k >= n - steps) rows.push_back(k - (n - steps));
-  if (rows.empty())  // steps run outside step() (forward_backward): every row
+  for (std::size_t k = 0; k < steps; ++k)
+    if (n < steps || n - steps + k >= 1) rows.push_back(k);
+  if (rows.empty())  // one step only: it is all there is
     for (std::size_t k = 0; k < steps; ++k) rows.push_back(k);
   const std::size_t C = m.collective_ops.size();
   m.collective_transfer_s.assign(C, 0.0);
@@ -158,8 +156,6 @@ void split_collective_time(Measurement& m) {
   }
   m.sync_wait_s = std::accumulate(m.collective_wait_s.begin(), m.collective_wait_s.end(), 0.0);
 }
-
-}  // namespace
 
 void gather_ranks(Measurement& m, Communicator& comm) {
   if (comm.size() <= 1) return;

@@ -184,7 +184,7 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
         op_measured[static_cast<std::size_t>(ops[c])] = tr[c];
       }
       v.sync_wait_s = m.value("sync_wait_s", 0.0);
-      v.op_time_source += "; collectives: their transfer, the shortest rank's call";
+      v.op_time_source += "; collectives: their transfer, the shortest rank's call, the mean over the steps after the first";
     }
   } else if (have_trace) {
     v.op_time_source = "trace (last step)";

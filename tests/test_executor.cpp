@@ -564,6 +564,38 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
   fs::remove_all(dir);
 }
 
+// A collective's transfer (the shortest rank's call) and wait (the others' excess) are the mean
+// over every recorded step after the first, not one step's sample (runner.h,
+// split_collective_time). Worked by hand: steps 1-3 of ranks [1, 3, 2] and [2, 1, 4] give
+// shortest calls 1, 1, 2 (mean 4/3) and excesses 0.5, 1, 1 (mean 5/6); the fastest step alone
+// (step 2) would give 1 and 1.
+TEST(ExecutorMeasurement, CollectiveSplitIsTheMeanOverTheStepsAfterTheFirst) {
+  Measurement m;
+  m.step_times_s = {1.0, 0.5, 0.4, 0.6};
+  m.collective_ops = {7};
+  m.per_rank = nlohmann::json::array({{{"collective_ops", {7}}, {"collective_op_s_by_step", {{9.0}, {1.0}, {3.0}, {2.0}}}},
+                                      {{"collective_ops", {7}}, {"collective_op_s_by_step", {{9.0}, {2.0}, {1.0}, {4.0}}}}});
+  split_collective_time(m);
+  ASSERT_EQ(m.collective_transfer_s.size(), 1u);
+  EXPECT_DOUBLE_EQ(m.collective_transfer_s[0], 4.0 / 3.0);
+  EXPECT_DOUBLE_EQ(m.collective_wait_s[0], 5.0 / 6.0);
+  EXPECT_DOUBLE_EQ(m.sync_wait_s, 5.0 / 6.0);
+  // Only the last 3 of 5 steps recorded (the window): all three are after the first step.
+  m.step_times_s = {1.0, 0.5, 0.4, 0.6, 0.5};
+  m.per_rank[0]["collective_op_s_by_step"] = {{1.0}, {3.0}, {2.0}};
+  m.per_rank[1]["collective_op_s_by_step"] = {{2.0}, {1.0}, {4.0}};
+  split_collective_time(m);
+  EXPECT_DOUBLE_EQ(m.collective_transfer_s[0], 4.0 / 3.0);
+  // A rank whose collective ops differ: nothing is split.
+  Measurement other;
+  other.step_times_s = {1.0, 0.5};
+  other.collective_ops = {7};
+  other.per_rank = nlohmann::json::array({{{"collective_ops", {7}}, {"collective_op_s_by_step", {{1.0}, {1.0}}}},
+                                          {{"collective_ops", {8}}, {"collective_op_s_by_step", {{1.0}, {1.0}}}}});
+  split_collective_time(other);
+  EXPECT_TRUE(other.collective_transfer_s.empty());
+}
+
 #ifdef PEFTPLAN_EXEC
 // Several plans and rounds in one job (executor::run_rounds): round 1 of each plan in its folder,
 // round 2 in <folder>/rounds/2/ with its own plan.json (no adapter saved there), a line per

@@ -71,14 +71,15 @@ struct Measurement {
                                         //   seconds on the communication thread, the last (up to
                                         //   32) steps after the first
   // Rank 0 of several, from every rank's collective_op_s_by_step: per collective op, the mean
-  // over rank 0's steady steps (planner::steady_samples, as op_s) of the shortest rank's
+  // over the recorded steps after the first (not only op_s's steady step: one step's call time
+  // on shared cores is too noisy; run.cpp, split_collective_time) of the shortest rank's
   // execution — the rank that arrived last waits for nobody, so its call is the transfer — and of
   // the mean over ranks of the rest: waiting for the last rank to arrive (skew; calibrate
   // measures it, the timeline predicts it).
   std::vector<double> collective_transfer_s;  // aligned with collective_ops; empty otherwise
   std::vector<double> collective_wait_s;      // aligned with collective_ops: per step, the mean
                                         //   over ranks of (its call - the shortest rank's
-                                        //   call), the mean over the steady steps
+                                        //   call), the mean over those steps
   double sync_wait_s = 0.0;             // per step: collective_wait_s summed over collective ops
   double speed_probe_flops_per_s = 0.0; // run_plan: speed_probe (calibrate.h) just before the
                                         //   steps, every rank at once; 0 = not taken

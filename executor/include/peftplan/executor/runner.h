@@ -155,4 +155,17 @@ planner::PlanFile round_plan(const planner::PlanFile& plan, int round);
 // and arrival wait (collective_transfer_s, collective_wait_s, sync_wait_s). One rank: nothing.
 void gather_ranks(Measurement& m, Communicator& comm);
 
+// Rank 0: each collective's transfer (the shortest rank's execution, step by step: the rank
+// that arrived last waited for nobody) and the time ranks waited for the last one to arrive,
+// per collective op and in total, from every rank's collective_op_s_by_step (see Measurement).
+// Each is the mean over every recorded step after the first, not over the one steady step the
+// step time and op_s take: where ranks share the cores, a call's time is mostly how long the
+// scheduler keeps its communication thread off the core its compute thread holds, and one
+// step's sample of that is a lottery (ZeRO-3's transfer per step on the development VM: 1 to 16
+// ms over rounds whose step times agreed within 3%; the mean over its 19 steps: 6 to 13 ms). The
+// mean is also what the calibration fits (fit_collective_step_costs: the seconds a call adds).
+// Reads m.step_times_s, m.collective_ops and every m.per_rank[r].collective_op_s_by_step; leaves m
+// as it is when a rank lacks them or their collective ops differ.
+void split_collective_time(Measurement& m);
+
 }  // namespace peftplan::executor
