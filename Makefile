@@ -4,7 +4,7 @@ PRESET ?= release
 BUILD := build/$(PRESET)
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps configure build run test bench clean
+.PHONY: all deps configure build run test bench fuzz clean
 
 all: build
 
@@ -32,6 +32,15 @@ test: build
 
 bench: build
 	$(BUILD)/bench/bench_planner
+
+# Every parser under libFuzzer for FUZZ_SECONDS each (clang, AddressSanitizer and
+# UndefinedBehaviorSanitizer; its own build tree, build/fuzz). Findings land in
+# build/fuzz/fuzz-findings/<target>/, the summary in build/fuzz/fuzz-summary.txt (scripts/fuzz.sh).
+FUZZ_SECONDS ?= 600
+fuzz: deps
+	cmake --preset fuzz
+	cmake --build --preset fuzz --target fuzz_targets -j $(JOBS)
+	./scripts/fuzz.sh build/fuzz $(FUZZ_SECONDS)
 
 clean:
 	rm -rf build

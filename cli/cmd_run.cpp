@@ -1,8 +1,9 @@
 // `peftplan run`: plan and run, then compare. Plans the configuration on this machine's
 // calibrated profile (--calibration FILE, else the cached one `peftplan calibrate` writes, made
 // once with `calibrate --quick` when missing; --cluster overrides), writes <out>/plan.json
-// atomically (planner/plan_file.h), launches the executor on it (peftplan-exec PLAN.json --out
-// <out>: directly for one rank, under `mpirun -np N` for several, with --hostfile/--hosts and
+// atomically (planner/plan_file.h), launches the executor once on every strategy's plan
+// (peftplan-exec PLAN.json... --rounds R, the rounds interleaved: executor/runner.h run_rounds;
+// directly for one rank, under `mpirun -np N` for several, with --hostfile/--hosts and
 // --mpi-args passed through to mpirun), streams its progress lines (step, loss, tokens/s), and
 // compares predicted with measured (planner/validate.h): memory per category and peak, step time
 // and its split, collective bytes. Writes <out>/validation.json, <out>/trace.predicted.json
@@ -382,7 +383,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       fmt::print("wrote {}\n", shown(plan_path));
       args.push_back(plan_path.string());
     }
-    if (R > 1) args.insert(args.end(), {"--rounds", std::to_string(R)});
+    args.insert(args.end(), {"--rounds", std::to_string(R)});
     std::fflush(stdout);
     if (const int code = run_child(args); code != 0) {
       fmt::print(stderr, "peftplan run: peftplan-exec exited with code {}{}\n", code,

@@ -226,25 +226,30 @@ planner::PlanFile round_plan(const planner::PlanFile& plan, int round) {
 }
 
 void run_rounds(const std::vector<std::filesystem::path>& plan_paths, int rounds, Backend& backend, std::FILE* progress,
-                Communicator* comm, const SessionOptions& options) {
+                Communicator* comm, const SessionOptions& options, const std::filesystem::path& out_dir) {
   namespace fs = std::filesystem;
   if (plan_paths.empty()) throw InputError("peftplan-exec: no plan.json to run");
   if (rounds < 1) throw InputError(fmt::format("peftplan-exec --rounds {}: must be at least 1", rounds));
+  if (!out_dir.empty() && (plan_paths.size() > 1 || rounds > 1))
+    throw InputError(fmt::format("peftplan-exec --out {}: takes one plan and one round (several: each plan's folder is its output)",
+                                 out_dir.string()));
   const int ranks = comm ? comm->size() : 1;
   const bool root = !comm || comm->rank() == 0;
   if (!root) progress = nullptr;
   struct Job {
-    fs::path dir;
+    fs::path dir;  // round 1's output; later rounds' under it
     planner::PlanFile plan;
     std::string strategy;
+    fs::path plan_path;
   };
   std::vector<Job> jobs;
   for (const fs::path& p : plan_paths) {  // every plan checked before anything runs
-    Job j{fs::absolute(p).parent_path(), load_plan(p), ""};
+    Job j{out_dir.empty() ? fs::absolute(p).parent_path() : fs::absolute(out_dir), load_plan(p), ""};
     if (j.plan.input.strategy.ranks != ranks)
       throw InputError(fmt::format("peftplan-exec {}: the plan is for {} ranks, the job has {} (mpirun -np {})", p.string(),
                                    j.plan.input.strategy.ranks, ranks, j.plan.input.strategy.ranks));
     j.strategy = std::string(planner::name_of(j.plan.input.strategy.stage));
+    j.plan_path = p;
     jobs.push_back(std::move(j));
   }
   const bool several = jobs.size() > 1;
@@ -262,11 +267,18 @@ void run_rounds(const std::vector<std::filesystem::path>& plan_paths, int rounds
       if (steps && several)
         std::fprintf(steps, "\n== %s (%zu of %zu), round 1 of %d: %s\n", job.strategy.c_str(), i + 1, jobs.size(), rounds,
                      shown_path(dir).c_str());
+      // A failure names the run it ended, keeping its kind (peftplan-exec's exit code).
+      const std::string where = fmt::format("{} (round {} of {})", shown_path(job.plan_path), round, rounds);
       Measurement m;
       try {
         m = run_plan(plan, backend, dir, steps, comm, options);
       } catch (const NonFiniteError& e) {
-        throw NonFiniteError(fmt::format("{} (round {} of {}): {}", shown_path(dir / "plan.json"), round, rounds, e.what()));
+        throw NonFiniteError(fmt::format("{}: {}", where, e.what()));
+      } catch (const InputError& e) {
+        throw InputError(fmt::format("{}: {}", where, e.what()));
+      } catch (const std::exception&) {
+        std::fprintf(stderr, "peftplan-exec: rank %d: failed in %s\n", comm ? comm->rank() : 0, where.c_str());
+        throw;
       }
       if (steps) std::fprintf(steps, "wrote %s and %s\n", shown_path(dir / "measurement.json").c_str(), shown_path(dir / "trace.json").c_str());
       line += fmt::format("{}{} {:.3f} ms", line.empty() ? "" : ", ", job.strategy, planner::steady_step_s(m.step_times_s) * 1e3);

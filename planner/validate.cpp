@@ -172,7 +172,11 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
     for (std::size_t i = 0; i < prog.ops.size(); ++i)
       if (timed_kind(prog.ops[i])) op_measured[i] = a[i].get<double>();
     // Several ranks: a collective's measured time is its transfer, the shortest rank's call (the
-    // rest of the others' calls is waiting for the last rank to arrive, reported as sync_wait_s).
+    // rest of the others' calls is waiting for the last rank to arrive, reported as sync_wait_s),
+    // each the mean over the steps after the first (executor/runner.h split_collective_time),
+    // not the steady step the other op times describe: one step's call time on shared cores is
+    // too noisy to judge. comm_s and sync_wait_s are therefore a typical step's, step_s,
+    // compute_s and exposed_comm_s the steady step's.
     if (m.contains("collective_transfer_s") && m.contains("collective_ops")) {
       const auto ops = m.at("collective_ops").get<std::vector<std::int64_t>>();
       const auto tr = m.at("collective_transfer_s").get<std::vector<double>>();

@@ -566,7 +566,8 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
 
 // A collective's transfer (the shortest rank's call) and wait (the others' excess) are the mean
 // over every recorded step after the first, not one step's sample (runner.h,
-// split_collective_time). Worked by hand: steps 1-3 of ranks [1, 3, 2] and [2, 1, 4] give
+// split_collective_time). A session records no row for its first step; a row aligned with it
+// (the 9.0 here) is left out all the same. Worked by hand: steps 1-3 of ranks [1, 3, 2] and [2, 1, 4] give
 // shortest calls 1, 1, 2 (mean 4/3) and excesses 0.5, 1, 1 (mean 5/6); the fastest step alone
 // (step 2) would give 1 and 1.
 TEST(ExecutorMeasurement, CollectiveSplitIsTheMeanOverTheStepsAfterTheFirst) {

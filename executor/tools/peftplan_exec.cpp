@@ -114,32 +114,15 @@ executor::SessionOptions session_options_from_env() {
   return o;
 }
 
-// Runs plan.json files on every rank of the job. One plan, one round: measurement.json and
-// trace.json go to out_dir (default: the plan's folder), written by rank 0 with every rank's
-// measurement inside. Several plans or rounds: executor::run_rounds (runner.h), each plan's
-// folder its output.
-void run_plan_files(const std::vector<std::string>& plan_paths, std::string out_dir, int rounds, bool quiet) {
+// Runs plan.json files on every rank of the job (executor::run_rounds): measurement.json and
+// trace.json go to each plan's folder (or out_dir: one plan, one round), written by rank 0 with
+// every rank's measurement inside.
+void run_plan_files(const std::vector<std::string>& plan_paths, const std::string& out_dir, int rounds, bool quiet) {
   auto world = executor::make_mpi_communicator();
   auto backend = executor::make_cpu_backend(threads_per_rank());
   std::FILE* progress = world->rank() == 0 && !quiet ? stdout : nullptr;
-  if (plan_paths.size() > 1 || rounds > 1) {
-    if (!out_dir.empty())
-      throw InputError(fmt::format("peftplan-exec --out {}: takes one plan and one round (several: each plan's folder is its output)", out_dir));
-    executor::run_rounds({plan_paths.begin(), plan_paths.end()}, rounds, *backend, progress, world.get(), session_options_from_env());
-    return;
-  }
-  const std::string& plan_path = plan_paths.front();
-  const planner::PlanFile plan = executor::load_plan(plan_path);
-  if (world->size() != plan.input.strategy.ranks)
-    throw InputError(fmt::format("peftplan-exec {}: the plan is for {} ranks, the job has {} (mpirun -np {})", plan_path,
-                                 plan.input.strategy.ranks, world->size(), plan.input.strategy.ranks));
-  if (out_dir.empty()) out_dir = std::filesystem::absolute(plan_path).parent_path().string();
-  executor::run_plan(plan, *backend, out_dir, progress, world.get(), session_options_from_env());
-  if (progress) {
-    const std::filesystem::path dir(out_dir);
-    fmt::print("wrote {} and {}\n", shown_path(dir / "measurement.json"), shown_path(dir / "trace.json"));
-    std::fflush(stdout);
-  }
+  executor::run_rounds({plan_paths.begin(), plan_paths.end()}, rounds, *backend, progress, world.get(), session_options_from_env(),
+                       out_dir);
 }
 
 }  // namespace

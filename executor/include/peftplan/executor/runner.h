@@ -142,8 +142,9 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend,
 // one line: "round k/R: <strategy> <steady step> ms, ...". Every plan is loaded and checked
 // (for this job's ranks too) before any runs. A non-finite step ends the rounds with a
 // NonFiniteError naming the plan and round. `progress` null: nothing is printed.
+// `out_dir` (one plan, one round only): round 1's folder instead of the plan's.
 void run_rounds(const std::vector<std::filesystem::path>& plan_paths, int rounds, Backend& backend, std::FILE* progress,
-                Communicator* comm = nullptr, const SessionOptions& options = {});
+                Communicator* comm = nullptr, const SessionOptions& options = {}, const std::filesystem::path& out_dir = {});
 
 // Round k's plan: round 1 is the plan as given; later rounds neither save the adapter nor write
 // checkpoints (they would overwrite the first round's with identical files, or a checkpoint a
