@@ -302,8 +302,10 @@ void SafetensorsFile::read_f32(std::string_view name, std::span<float> out,
   const auto n = static_cast<cpu::Index>(out.size());
   const bool convertible =
       t.dtype == StDtype::F16 || t.dtype == StDtype::BF16 || t.dtype == StDtype::F64;
+  // A tensor of no elements copies nothing: its span's data() may be null, which memcpy does not
+  // take even for 0 bytes (found by fuzz/fuzz_safetensors.cpp under UBSan).
   if (t.dtype == StDtype::F32) {
-    std::memcpy(out.data(), src.data(), src.size());
+    if (!src.empty()) std::memcpy(out.data(), src.data(), src.size());
   } else if (convertible && allow_conversion) {
     if (t.dtype == StDtype::F64) {
       for (cpu::Index i = 0; i < n; ++i) {
@@ -316,7 +318,7 @@ void SafetensorsFile::read_f32(std::string_view name, std::span<float> out,
       // the front: out[i] only overwrites patterns at indices <= i, already consumed (no
       // temporary buffer; the mapping may be unaligned for uint16 access).
       auto* bits = reinterpret_cast<std::uint16_t*>(out.data()) + n;
-      std::memcpy(bits, src.data(), src.size());
+      if (!src.empty()) std::memcpy(bits, src.data(), src.size());
       for (cpu::Index i = 0; i < n; ++i)
         out[i] = t.dtype == StDtype::BF16 ? cpu::bf16_to_fp32(bits[i]) : cpu::fp16_to_fp32(bits[i]);
     }
@@ -335,7 +337,7 @@ void SafetensorsFile::read_bf16(std::string_view name, std::span<std::uint16_t> 
                                  shape_str(t.shape), t.numel(), out.size()));
   const auto src = bytes(t);
   if (t.dtype == StDtype::BF16) {
-    std::memcpy(out.data(), src.data(), src.size());
+    if (!src.empty()) std::memcpy(out.data(), src.data(), src.size());  // as read_f32
   } else if (t.dtype == StDtype::F32 && allow_conversion) {
     for (std::size_t i = 0; i < out.size(); ++i) {
       float v;

@@ -137,7 +137,11 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   pf.model_source = j["model"];
   const std::string model_name = get<std::string>(j, "model_name", source, "", "");
   if (pf.model_source.is_string()) {
-    in.model = models::load_model(pf.model_source.get<std::string>());
+    try {  // its words, under this file's name
+      in.model = models::load_model(pf.model_source.get<std::string>());
+    } catch (const InputError& e) {
+      throw InputError(fmt::format("{}: {}", source, e.what()));
+    }
   } else if (pf.model_source.is_object()) {
     in.model = models::model_from_config(pf.model_source, fmt::format("{}: model", source), model_name.empty() ? "model" : model_name);
   } else {

@@ -59,11 +59,24 @@ inline std::string printable(std::string_view text) {
   return out;
 }
 
+// `text` on one line: each newline shown as the two characters \n (a value quoted from a user's
+// file may hold one: a YAML block string, found by fuzz/fuzz_accelerate_config.cpp).
+inline std::string one_line(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    if (c == '\n') out += "\\n";
+    else out += c;
+  }
+  return out;
+}
+
 // Bad input from a user: main() prints what() on one line and exits with code 2. Its message is
-// printable: bytes from a user's file that would not print are escaped (printable()).
+// printable and one line: bytes from a user's file that would not print are escaped
+// (printable()), newlines shown as \n (one_line()).
 class InputError : public std::runtime_error {
  public:
-  explicit InputError(const std::string& message) : std::runtime_error(printable(message)) {}
+  explicit InputError(const std::string& message) : std::runtime_error(one_line(printable(message))) {}
 };
 
 // "<where>: <field> <problem>, got <value>" — the shape of every input error we print.
