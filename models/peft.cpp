@@ -7,10 +7,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <regex>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <set>
 
 #include <fmt/format.h>
+#include <re2/re2.h>
 
 #include "peftplan/common/error.h"
 #include "peftplan/common/json_fields.h"
@@ -50,8 +54,56 @@ std::pair<std::vector<std::string>, std::vector<std::string>> default_ia3(Arch a
   }
 }
 
+// PEFT matches module paths with Python's re (re.fullmatch for a target_modules string;
+// re.match of "(.*\.)?(p)$" for a rank_pattern or alpha_pattern key: tuners_utils.py
+// check_target_module_exists, utils/other.py get_pattern_key). A backtracking engine takes time
+// exponential in the path for patterns such as "(.*.*)*xq" — std::regex spent over a minute on
+// one adapter config — so peftplan compiles every pattern with RE2, whose matching is linear in
+// the path and never recurses (github.com/google/re2/wiki/WhyRE2). RE2 has no lookaround and no
+// backreferences; such a pattern is refused by module_regex's caller with RE2's reason.
+// Compiled once per pattern text and kept (sweep and the explorer plan from several threads);
+// the cache forgets everything past kRegexCache patterns, so a long fuzzing run or a sweep over
+// generated adapters does not grow it without bound.
+struct CompiledRegex {
+  std::unique_ptr<re2::RE2> re;  // null when the pattern is invalid
+  std::string error;             // RE2's reason when it is
+};
+
+std::shared_ptr<const CompiledRegex> module_regex(const std::string& pattern) {
+  constexpr std::size_t kRegexCache = 1024;
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const CompiledRegex>> cache;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(pattern); it != cache.end()) return it->second;
+  }
+  re2::RE2::Options o;
+  o.set_log_errors(false);
+  auto c = std::make_shared<CompiledRegex>();
+  c->re = std::make_unique<re2::RE2>(pattern, o);
+  if (!c->re->ok()) {
+    c->error = c->re->error();
+    c->re.reset();
+  }
+  const std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= kRegexCache) cache.clear();
+  return cache.emplace(pattern, std::move(c)).first->second;
+}
+
+// Throws the InputError naming the file and field when `pattern` does not compile.
+void check_regex(const std::string& pattern, std::string_view src, const std::string& field) {
+  const auto c = module_regex(pattern);
+  if (!c->re)
+    throw input_error(src, field,
+                      fmt::format("is not a regular expression peftplan can match ({}; lookarounds and backreferences are "
+                                  "not supported: list the modules instead)",
+                                  c->error),
+                      "\"" + pattern + "\"");
+}
+
 bool regex_full(const std::string& pattern, const std::string& key) {
-  return std::regex_match(key, std::regex(pattern));
+  const auto c = module_regex(pattern);
+  return c->re && re2::RE2::FullMatch(key, *c->re);
 }
 
 // List semantics: exact key or ".name" suffix.
@@ -74,17 +126,20 @@ bool selector_match(const ModuleSelector& s, const std::string& key) {
 
 // The container of a layer index in a module path: "model.layers.3.mlp" -> ("layers", 3).
 std::optional<std::pair<std::string, std::int64_t>> layer_of(const std::string& key) {
-  static const std::regex re(R"(^(?:.*\.)?([^.]*)\.(\d+)\..*$)");
-  std::smatch m;
-  if (!std::regex_match(key, m, re)) return std::nullopt;
-  return std::make_pair(m[1].str(), std::stoll(m[2].str()));
+  static const re2::RE2 re(R"((?:.*\.)?([^.]*)\.(\d+)\..*)");
+  std::string list, index;
+  if (!re2::RE2::FullMatch(key, re, &list, &index) || index.size() > 18) return std::nullopt;
+  return std::make_pair(list, std::stoll(index));
 }
+
+// A rank_pattern or alpha_pattern key as the regex PEFT matches it with.
+std::string pattern_regex(const std::string& key) { return "(.*\\.)?(" + key + ")"; }
 
 // get_pattern_key: a pattern applies when it equals the key or matches "(.*\.)?(pattern)$".
 template <typename T>
 std::optional<T> pattern_value(const std::map<std::string, T>& patterns, const std::string& key) {
   for (const auto& [p, v] : patterns)
-    if (p == key || std::regex_match(key, std::regex("(.*\\.)?(" + p + ")"))) return v;
+    if (p == key || regex_full(pattern_regex(p), key)) return v;
   return std::nullopt;
 }
 
@@ -97,11 +152,7 @@ ModuleSelector parse_selector(const json& v, std::string_view src, const char* f
       s.kind = ModuleSelector::Kind::all_linear;
       return s;
     }
-    try {
-      std::regex check(text);
-    } catch (const std::regex_error&) {
-      throw input_error(src, field, "is not a valid regular expression", "\"" + text + "\"");
-    }
+    check_regex(text, src, field);
     s.kind = ModuleSelector::Kind::regex;
     s.regex = text;
     return s;
@@ -180,7 +231,9 @@ std::vector<const LinearModule*> select_modules(const ModelSpec& model, const st
   }
   if (out.empty())
     throw input_error(where, "target_modules",
-                      fmt::format("match no module of {} (its linear modules: {})", model.name, leaf_names(linears)));
+                      fmt::format("{}match no module of {} (its linear modules: {})",
+                                  targets.kind == ModuleSelector::Kind::regex ? fmt::format("\"{}\" ", targets.regex) : "", model.name,
+                                  leaf_names(linears)));
   return out;
 }
 
@@ -265,10 +318,12 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
     }
     if (auto it = c.find("rank_pattern"); it != c.end() && it->is_object())
       for (const auto& [k, v] : it->items()) {
+        check_regex(pattern_regex(k), src, "rank_pattern." + k);
         l.rank_pattern[k] = json_fields::as_integer(v, src, "rank_pattern." + k, 1, kMaxLoraRank);
       }
     if (auto it = c.find("alpha_pattern"); it != c.end() && it->is_object())
       for (const auto& [k, v] : it->items()) {
+        check_regex(pattern_regex(k), src, "alpha_pattern." + k);
         l.alpha_pattern[k] = json_fields::as_number(v, src, "alpha_pattern." + k);
       }
     l.use_rslora = json_fields::boolean(c, "use_rslora", src, false);

@@ -12,6 +12,7 @@ packages=(
   libfmt-dev                                     # formatting tables and messages
   libssl-dev                                     # SHA-256 (OpenSSL libcrypto): config.json identity
   libcli11-dev                                   # command-line parsing
+  libre2-dev                                     # PEFT's target_modules / rank_pattern regexes, matched in linear time
   libgtest-dev libgmock-dev googletest           # unit and end-to-end tests
   libbenchmark-dev                               # bench/ programs
   openmpi-bin libopenmpi-dev                     # executor ranks and CPU collectives

@@ -75,6 +75,21 @@ TEST(Peft, RankPatternLayersAndRegex) {
   EXPECT_DOUBLE_EQ(mods[0].scale, 64.0 / 4.0);
 }
 
+// Nested stars before a literal send a backtracking engine into time exponential in the module
+// path: with std::regex, planning tiny-llama-4l with target_modules "(.*.*)*xq" ran past a minute.
+// RE2 matches in time linear in the path (github.com/google/re2/wiki/WhyRE2), so every one of
+// Llama-2-7B's module paths is matched at once (ctest's timeout is the check).
+TEST(Peft, NestedStarPatternsMatchInLinearTime) {
+  const ModelSpec m = load_model("llama-2-7b");
+  EXPECT_EQ(count_params(m, lora(8, 16, "(.*.*)*q_proj")).trainable_params, 8 * 8192 * 32);
+  try {
+    count_params(m, lora(8, 16, "(.*.*)*xq"));
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("(.*.*)*xq"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Peft, DoraBiasAndModulesToSave) {
   const ModelSpec m = load_model("llama-2-7b");
   // DoRA adds one magnitude per output feature: 64 modules x 4096.
@@ -127,6 +142,28 @@ TEST(PeftErrors, MissingTargetListsWhatTheModelHas) {
     EXPECT_NE(msg.find("query_key_value"), std::string::npos) << msg;
     EXPECT_NE(msg.find("down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"), std::string::npos) << msg;
   }
+}
+
+// Python's re has lookarounds and backreferences, RE2 has neither: such a pattern is refused with
+// the file, the field and what to do, never matched differently from PEFT.
+TEST(PeftErrors, PatternsRe2CannotMatchAreRefusedByField) {
+  try {
+    adapter_from_config({{"peft_type", "LORA"}, {"r", 8}, {"target_modules", "^(?!.*vision).*q_proj"}}, "adapter_config.json");
+    FAIL();
+  } catch (const InputError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("adapter_config.json: target_modules is not a regular expression peftplan can match (", 0), 0u) << msg;
+    EXPECT_NE(msg.find("lookarounds and backreferences are not supported: list the modules instead"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("\"^(?!.*vision).*q_proj\""), std::string::npos) << msg;
+  }
+  try {
+    adapter_from_config({{"peft_type", "LORA"}, {"r", 8}, {"rank_pattern", {{"q_proj(", 4}}}}, "adapter_config.json");
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("adapter_config.json: rank_pattern.q_proj( is not a regular expression", 0), 0u) << e.what();
+  }
+  EXPECT_THROW(adapter_from_config({{"peft_type", "LORA"}, {"r", 8}, {"alpha_pattern", {{"(?<=x)v_proj", 4}}}}, "adapter_config.json"),
+               InputError);
 }
 
 TEST(PeftErrors, NonPositiveRankAndUnknownType) {
