@@ -128,6 +128,7 @@ bool selector_match(const ModuleSelector& s, const std::string& key) {
 std::optional<std::pair<std::string, std::int64_t>> layer_of(const std::string& key) {
   static const re2::RE2 re(R"((?:.*\.)?([^.]*)\.(\d+)\..*)");
   std::string list, index;
+  // more than 18 digits could overflow std::stoll's int64
   if (!re2::RE2::FullMatch(key, re, &list, &index) || index.size() > 18) return std::nullopt;
   return std::make_pair(list, std::stoll(index));
 }

@@ -81,6 +81,7 @@ TEST(Peft, RankPatternLayersAndRegex) {
 // Llama-2-7B's module paths is matched at once (ctest's timeout is the check).
 TEST(Peft, NestedStarPatternsMatchInLinearTime) {
   const ModelSpec m = load_model("llama-2-7b");
+  // q_proj in each of the 32 layers: r x (4096 in + 4096 out), as in Llama2QvMatchesPeftPrintout.
   EXPECT_EQ(count_params(m, lora(8, 16, "(.*.*)*q_proj")).trainable_params, 8 * 8192 * 32);
   try {
     count_params(m, lora(8, 16, "(.*.*)*xq"));
