@@ -49,7 +49,7 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--out", o->out, fmt::format("profile to write (default {})",
                                                default_profile_path().string()));
   cmd->add_flag("--quick", o->quick, "fewer shapes, sizes and repetitions (seconds)");
-  cmd->add_option("--rounds", o->rounds, "interleaved rounds of the calibration step programs (the median round is kept)")
+  cmd->add_option("--rounds", o->rounds, "interleaved rounds of the calibration step programs (each program keeps its median round, as a run does)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
   cmd->add_option("--attempts", o->attempts,

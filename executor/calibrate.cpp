@@ -907,7 +907,7 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
   if (!cal.programs.empty()) {
     o += fmt::format("\n# calibration steps, {} rank(s) at once: measured wall time per step (rank 0) and sim on the profile\n",
                      cal.ranks);
-    o += fmt::format("# meas = the fastest of {} interleaved rounds (each its fastest step after the first), spread = their interquartile range\n", cal.rounds);
+    o += fmt::format("# meas = the median of {} interleaved rounds (each its fastest step after the first), spread = their interquartile range\n", cal.rounds);
     o += fmt::format("# {:<26} {:>10} {:>11} {:>10} {:>7}\n", "program", "meas(ms)", "spread(ms)", "sim(ms)", "err");
     for (const ProgramSample& p : cal.programs) {
       const double s = sim::simulate(p.step, profile).step_s;
@@ -1130,8 +1130,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   constexpr std::pair<std::int64_t, std::int64_t> kSizes[] = {{2, 128}, {8, 256}};
   constexpr int kPrograms = 3, kRuns = 2 * kPrograms;
   // Rounds of the six programs, interleaved (a slow spell of the machine lands on every program
-  // alike, not on one); each program keeps its steady (fastest) round's op times and step, and
-  // every round's collectives.
+  // alike, not on one); each program keeps its median round's op times and step, and every
+  // round's collectives.
   struct Kept {
     ProgramSample program;
     std::vector<KernelSample> kernels;
@@ -1209,11 +1209,11 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   for (auto& r : rounds) {
     std::vector<double> steps;
     for (const Kept& k : r) steps.push_back(k.program.step_s);
-    // The steady round (planner::steady_samples, as a run's steps: the fastest): a round is a
-    // few steps, and a slow spell of the machine that covers most rounds of a program would
-    // otherwise become its kernels' speed for every run after (the runs' rounds, of 19 steps,
-    // each find their fast steps).
-    Kept& k = r[planner::steady_samples(steps, 0).front()];
+    // The median round (planner::median_index), the statistic a run reports of its own rounds:
+    // keeping the fastest round instead set every prediction after it to the quietest spell of a
+    // noisy calibration, and the runs, reporting their median round, came out 15-27% slower than
+    // predicted on a host whose rounds spread by 20% (ten runs of the main job, 2026-12-03).
+    Kept& k = r[planner::median_index(steps)];
     k.program.round_step_s = steps;
     k.program.spread_s = planner::spread_of(steps).iqr();
     cal.programs.push_back(std::move(k.program));

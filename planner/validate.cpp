@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <stdexcept>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -105,6 +106,14 @@ std::vector<std::size_t> steady_samples(std::span<const double> times, std::size
   idx.resize(1);
   std::sort(idx.begin(), idx.end());
   return idx;
+}
+
+std::size_t median_index(std::span<const double> values) {
+  if (values.empty()) throw std::invalid_argument("median_index: no values");
+  std::vector<std::size_t> order(values.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return values[a] < values[b]; });
+  return order[(order.size() - 1) / 2];
 }
 
 double steady_step_s(const std::vector<double>& step_times) {
@@ -360,10 +369,9 @@ Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const
     return std::move(vs.front());
   }
   // The round with the median step shows the op-by-op view; every figure is combined.
-  std::vector<std::size_t> order(vs.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return vs[a].time.front().measured < vs[b].time.front().measured; });
-  const std::size_t mid = order[(order.size() - 1) / 2];
+  std::vector<double> steps;
+  for (const Validation& x : vs) steps.push_back(x.time.front().measured);
+  const std::size_t mid = median_index(steps);
   Validation v = vs[mid];
   v.rounds = static_cast<std::int32_t>(vs.size());
   v.op_round = static_cast<std::int32_t>(mid);

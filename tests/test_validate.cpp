@@ -201,6 +201,16 @@ TEST(Validate, SteadySamplesAreTheFastestOfTheWindowAfterTheWarmup) {
   EXPECT_EQ(steady_samples(v, 1), std::vector<std::size_t>{kSteadyWindow + 1});
 }
 
+// Rounds (a run's and calibration's) are combined by their median round: the middle of an odd
+// count, the lower middle of an even one; equal values keep their order.
+TEST(Validate, MedianIndexIsTheMiddleRound) {
+  EXPECT_EQ(median_index(std::vector<double>{3.0, 1.0, 2.0}), 2u);
+  EXPECT_EQ(median_index(std::vector<double>{4.0, 1.0, 3.0, 2.0}), 3u);  // 1 2 | 3 4: the 2
+  EXPECT_EQ(median_index(std::vector<double>{5.0}), 0u);
+  EXPECT_EQ(median_index(std::vector<double>{2.0, 9.0, 2.0, 1.0, 2.0}), 2u);  // 1 2(0) 2(2) 2(4) 9: the middle one
+  EXPECT_THROW(median_index(std::vector<double>{}), std::invalid_argument);
+}
+
 // A part of the step is judged by its error's share of the step: communication 10x its
 // prediction but 10% of the step longer is within a 15% tolerance; 20% of the step is not, and
 // both communication figures are named.

@@ -147,6 +147,14 @@ struct Spread {
 };
 Spread spread_of(std::vector<double> values);
 
+// The index of the median of several rounds' figures (the lower of the middle two for an even
+// count), one rule for the round a run reports and the round calibration keeps: within a round
+// the fastest step is the program's own speed (steady_samples), and across rounds the median is
+// kept, as benchmark harnesses do (Google Benchmark's aggregates, pyperf), so that a slow spell
+// covering some rounds moves neither calibration nor a run, and the two are the same statistic.
+// Throws on an empty sample.
+std::size_t median_index(std::span<const double> values);
+
 // The steady samples of repeated timings, one rule for every timing the executor, calibration
 // and validation take: the fastest of the last kSteadyWindow samples after the first `warmup`
 // (of all samples when there are no others). Noise on a shared machine only ever adds time —
