@@ -238,8 +238,12 @@ void Session::Impl::run_ops(bool update) {
   be.record_mark(kStartMark);
   for (std::size_t i = first_step_op; i < program.ops.size(); ++i) {
     const sim::Op& op = program.ops[i];
-    if (fault && fault->first == step_index && fault->second == i)
+    if (board) board->post(step_index, static_cast<std::int64_t>(i));
+    if (fault && fault->step == step_index && fault->op == i) {
+      if (fault->stall)  // stops here until the job is ended (its peers' watchdog, then MPI_Abort)
+        for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
       throw InternalError(fmt::format("rank {}: injected fault (PEFTPLAN_FAULT) at step {}, {}", rank, step_index, op_name(i)));
+    }
     if (!update && op.phase == Phase::optimizer) {  // forward_backward: no update, no step
       if (op.kind == OpKind::free && ptr[static_cast<std::size_t>(op.buffer)] == nullptr) continue;
       if (op.kind != OpKind::alloc && op.kind != OpKind::free) continue;
@@ -284,6 +288,7 @@ void Session::Impl::run_ops(bool update) {
   }
   if (!pending.empty()) wait_through(pending.back().op);
   be.synchronize();
+  if (board) board->post(step_index, static_cast<std::int64_t>(program.ops.size()));  // between steps
   for (std::size_t i : timed) {
     const double dur = be.seconds_between(begin_mark(i), end_mark(i));
     op_s[i] += dur;

@@ -121,7 +121,8 @@ void Session::Impl::setup() {
   PEFTPLAN_CHECK((trainable_flat >= 0 || (zero3 && trainable_shard >= 0)) && opt_states >= 0);
   rank = comm ? comm->rank() : 0;
   N = in.strategy.ranks;
-  if (options.fault && options.fault->rank == rank) fault = {{options.fault->step, options.fault->op}};
+  if (options.fault && options.fault->rank == rank) fault = options.fault;
+  board = comm ? comm->progress() : nullptr;
   for (const auto& op : program.ops)
     if (op.kind == OpKind::compute && op.kernel == Kernel::embedding_fwd)
       tokens_mb[static_cast<std::size_t>(sim::ops::read<sim::ops::EmbeddingFwd>(program, op).tokens)] = op.micro_batch;

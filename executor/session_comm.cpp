@@ -4,17 +4,46 @@
 
 namespace peftplan::executor {
 
+// Who this rank is waiting for at collective op i, from the ranks' posted positions: the rank
+// furthest behind (step, op) that has not reached op i, with the op it stopped at.
+std::string Session::Impl::laggard(std::size_t i) const {
+  if (!board || !comm) return "a rank failed or stopped";
+  int worst = -1;
+  ProgressBoard::Position at;
+  bool unknown = false;
+  for (int r = 0; r < comm->size(); ++r) {
+    if (r == rank) continue;
+    const ProgressBoard::Position p = board->position(r);
+    if (!p.known) {
+      unknown = true;
+      continue;
+    }
+    const bool behind = p.step < step_index || (p.step == step_index && p.op < static_cast<std::int64_t>(i));
+    if (behind && (worst < 0 || p.step < at.step || (p.step == at.step && p.op < at.op))) {
+      worst = r;
+      at = p;
+    }
+  }
+  if (worst < 0)
+    return unknown ? "no rank on this node is behind it: a rank on another node failed or stopped, or the transport did"
+                   : "every rank reached it: the collective itself did not complete (the transport failed or stopped)";
+  const std::string where = at.op >= static_cast<std::int64_t>(program.ops.size())
+                                ? "between steps (checkpoint, logging or the next batch)"
+                                : at.op < 0 ? "before its first op" : op_name(static_cast<std::size_t>(at.op));
+  return fmt::format("rank {} stalled at step {}, {}, {:.1f} s ago", worst, at.step, where, at.age_s);
+}
+
 // Waits for a collective with a watchdog: a peer that died or stopped calling collectives
-// leaves this rank waiting, and after options.watchdog_s the wait becomes an error naming the op (main
-// then ends the job with MPI_Abort).
+// leaves this rank waiting, and after options.watchdog_s the wait becomes an error naming the op
+// and the rank it waits for (main then ends the job with MPI_Abort).
 void Session::Impl::wait(CommRequest& req, std::size_t i) {
   const auto t0 = Clock::now();
   const bool was_done = req.done();
   for (int spin = 0; !req.done(); ++spin) {
     if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(200));
     if (std::chrono::duration<double>(Clock::now() - t0).count() > options.watchdog_s)
-      throw CommError(fmt::format("rank {}: {} waited more than {:.0f} s for its peers (a rank failed or stopped)", rank,
-                                  op_name(i), options.watchdog_s));
+      throw CommError(fmt::format("rank {}: {} waited more than {:.0f} s for its peers: {}", rank, op_name(i),
+                                  options.watchdog_s, laggard(i)));
   }
   req.wait();  // rethrows the operation's error
   if (op_runs > 0 && !was_done) {

@@ -101,7 +101,8 @@ struct Session::Impl {
   };
   std::deque<Pending> pending;
   CommCounters base_counters;                   // the communicator's counters when setup ended
-  std::optional<std::pair<std::int64_t, std::size_t>> fault;  // injected failure (step, op)
+  std::optional<SessionOptions::Fault> fault;   // injected failure, on its rank only
+  ProgressBoard* board = nullptr;               // the ranks' positions (the watchdog names a laggard)
   LrSchedule schedule;
   // Dimensions.
   std::int64_t B = 0, S = 0, M = 0, H = 0, I = 0, V = 0, nh = 0, nkv = 0, d = 0, A = 1;
@@ -186,6 +187,7 @@ struct Session::Impl {
   void copy(const sim::Op& op);
   void wait(CommRequest& req, std::size_t i);
   void wait_through(std::size_t i);
+  std::string laggard(std::size_t i) const;
   void wait_for_buffer(std::int32_t root);
   std::int32_t root_of(std::int32_t id) const {
     const auto v = program.buffers[static_cast<std::size_t>(id)].view_of;

@@ -203,6 +203,33 @@ TEST(Comm, SplitMakesIndependentGroups) {
   }
 }
 
+// The progress board (the watchdog's source for naming a stalled rank): every rank on the node
+// sees every other rank's latest post, with its age; nothing is posted before the first post.
+TEST(Comm, ProgressBoardShowsEveryRanksLastPost) {
+  Communicator& c = world();
+  ProgressBoard* b = c.progress();
+  ASSERT_NE(b, nullptr) << "ranks on one node share a board";
+  const int r = c.rank();
+  b->post(7, 100 + r);
+  c.barrier();
+  for (int peer = 0; peer < c.size(); ++peer) {
+    const ProgressBoard::Position p = b->position(peer);
+    ASSERT_TRUE(p.known) << "rank " << peer;
+    EXPECT_EQ(p.step, 7);
+    EXPECT_EQ(p.op, 100 + peer);
+    EXPECT_GE(p.age_s, 0.0);
+    EXPECT_LT(p.age_s, 60.0);
+  }
+  EXPECT_FALSE(b->position(c.size()).known);  // not a rank
+  EXPECT_FALSE(b->position(-1).known);
+  c.barrier();
+  b->post(8, r == 0 ? 5 : 9);  // later posts replace earlier ones
+  c.barrier();
+  EXPECT_EQ(b->position(0).step, 8);
+  EXPECT_EQ(b->position(0).op, 5);
+  c.barrier();  // nobody posts again before every rank has read
+}
+
 TEST(Comm, BadArgumentsAreRefusedBeforeMpi) {
   std::uint16_t h[2] = {0, 0};
   EXPECT_THROW(world().all_reduce(h, h, 2, CommDType::bf16), InternalError);

@@ -70,10 +70,11 @@ int wait_for(pid_t pid, std::chrono::seconds limit, double* took_s = nullptr) {
 
 int run(const std::string& args, const fs::path& log) { return wait_for(start_run(args, log), 120s); }
 
-// A fixed cluster instead of this machine's calibrated profile, and time not judged: these tests
-// check training, faults and resume, not the time model (tests/test_validate.cpp does that).
+// A fixed cluster instead of this machine's calibrated profile, time not judged and one round (a
+// run's default is 5, for the time verdict): these tests check training, faults and resume, not
+// the time model (tests/test_validate.cpp does that).
 const std::string kCommon = "--model tiny-llama-2l --seq-len 8 --micro-batch 1 --grad-accum 2 --lora-targets q_proj,v_proj "
-                            "--lora-dropout 0.1 --clip 0.5 --cluster 2xA100-80GB --tolerance-time 1e9 --data " + kCorpus;
+                            "--lora-dropout 0.1 --clip 0.5 --cluster 2xA100-80GB --tolerance-time 1e9 --rounds 1 --data " + kCorpus;
 
 // The pid of rank `rank` of a job whose processes carry PEFTPLAN_TEST_TAG=tag (Open MPI puts
 // OMPI_COMM_WORLD_RANK in every rank's environment).
@@ -175,6 +176,22 @@ TEST(DistributedCli, FailingRankEndsTheJobWithItsRankAndOp) {
   fs::remove_all(dir);
 }
 
+// A rank that stalls instead of dying (PEFTPLAN_FAULT=...:stall: it stops at op 150 of step 1
+// and never returns): its peer's watchdog (5 s here) names the stalled rank and the op it stopped
+// at, and every rank is gone within 30 s.
+TEST(DistributedCli, StalledRankIsNamedAndEveryRankExits) {
+  const fs::path dir = temp_dir("stall");
+  const pid_t pid = start_run(kCommon + " --gpus 2 --strategy zero2 --steps 5 --out " + dir.string(), dir / "log",
+                              "PEFTPLAN_FAULT=1:1:150:stall PEFTPLAN_WATCHDOG_S=5");
+  double took = 0.0;
+  const int code = wait_for(pid, 30s, &took);
+  const std::string out = slurp(dir / "log");
+  EXPECT_GT(code, 0) << out;
+  EXPECT_LT(took, 30.0) << out;
+  EXPECT_NE(out.find("waited more than 5 s for its peers: rank 1 stalled at step 1, op 150 ("), std::string::npos) << out;
+  fs::remove_all(dir);
+}
+
 // A rank killed (SIGKILL) mid-run: every rank is gone within 30 s and the job names the rank.
 TEST(DistributedCli, KilledRankEndsTheJob) {
   const fs::path dir = temp_dir("kill");
@@ -218,7 +235,7 @@ TEST(DistributedCli, EveryStrategyRunsOnOneRank) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string common = "--model tiny-llama-2l --seq-len 8 --micro-batch 2 --lora-targets q_proj,v_proj --steps 2 "
-                             "--cluster 1xA100-80GB --tolerance-time 1e9 --data " + kCorpus;
+                             "--cluster 1xA100-80GB --tolerance-time 1e9 --rounds 1 --data " + kCorpus;
   ASSERT_EQ(run(common + " --strategy ddp --out " + (dir / "ddp").string(), dir / "ddp.log"), 0) << slurp(dir / "ddp.log");
   const std::string ddp_loss = first_loss(slurp(dir / "ddp.log"));
   ASSERT_FALSE(ddp_loss.empty());

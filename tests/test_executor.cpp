@@ -524,8 +524,8 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
     const int status = pclose(p);
     return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
   };
-  // A fixed cluster (no calibration run) and time not judged: this test is about the executor.
-  const std::string fixed = " --cluster 1xA100-80GB --strategy ddp --tolerance-time 1e9";
+  // A fixed cluster (no calibration run), time not judged and one round: this test is about the executor.
+  const std::string fixed = " --cluster 1xA100-80GB --strategy ddp --tolerance-time 1e9 --rounds 1";
   const std::string common = "--model tiny-llama-2l --seq-len 16 --micro-batch 2 --lora-targets q_proj,v_proj" + fixed + " --data " + kCorpus;
   auto [code, out] = run(common + " --steps 3 --save-adapter " + (dir / "adapter").string() + " --out " + dir.string());
   ASSERT_EQ(code, 0) << out;

@@ -25,21 +25,29 @@
 // Every MPI call goes through PEFTPLAN_MPI_CHECK, which throws CommError with file:line, the call
 // and MPI_Error_string's text; communicators are created with MPI_ERRORS_RETURN so that the
 // check sees errors instead of MPI aborting the job.
+#include <fcntl.h>
 #include <mpi.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -126,7 +134,12 @@ struct OpState {
 class MpiRequest final : public CommRequest {
  public:
   explicit MpiRequest(std::shared_ptr<OpState> s) : s_(std::move(s)) {}
+  // Waits for completion, except while an exception unwinds the caller: then the operation may
+  // never complete (the watchdog's error is exactly that: a peer stalled), and waiting would keep
+  // the error from ever reaching the code that ends the job. The job ends before the operation
+  // could touch its buffers (peftplan-exec aborts it while the communicator still exists).
   ~MpiRequest() override {
+    if (std::uncaught_exceptions() > 0) return;
     std::unique_lock lock(s_->m);
     s_->cv.wait(lock, [&] { return s_->done; });
   }
@@ -220,14 +233,111 @@ void low_cpu_barrier(MPI_Comm comm) {
 // Collectives wait with a shorter longest sleep: they sit on the step's critical path.
 constexpr std::chrono::microseconds kCollectiveLongestSleep{100};
 
+// The ranks' positions (communicator.h) in POSIX shared memory, one slot per rank of a node:
+// the node's first rank creates the segment under a fresh name, the others map it, and once all
+// have it the name is unlinked, so nothing is left behind however the job ends (the mapping lives
+// as long as a process does). Set up on the constructing thread, before the communication thread
+// exists; after that no MPI call is made. Without /dev/shm the board is simply absent.
+class ShmProgressBoard final : public ProgressBoard {
+ public:
+  struct Slot {
+    std::atomic<std::int64_t> step, op, ns;  // ns: steady-clock time of the post
+  };
+  // Cross-process atomics must be lock-free (address-free): [atomics.lockfree] p4.
+  static_assert(std::atomic<std::int64_t>::is_always_lock_free);
+
+  // Collective over `world`; null on the ranks that could not map the segment.
+  static std::unique_ptr<ShmProgressBoard> create(MPI_Comm world, int world_rank, int world_size) {
+    MPI_Comm node_comm = MPI_COMM_NULL;
+    PEFTPLAN_MPI_CHECK(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, world_rank, MPI_INFO_NULL, &node_comm));
+    CommHandle node(node_comm);
+    int node_rank = 0, node_size = 0;
+    PEFTPLAN_MPI_CHECK(MPI_Comm_rank(node.get(), &node_rank));
+    PEFTPLAN_MPI_CHECK(MPI_Comm_size(node.get(), &node_size));
+    std::vector<int> world_of(static_cast<std::size_t>(node_size));
+    PEFTPLAN_MPI_CHECK(MPI_Allgather(&world_rank, 1, MPI_INT, world_of.data(), 1, MPI_INT, node.get()));
+    const std::size_t bytes = sizeof(Slot) * static_cast<std::size_t>(node_size);
+    std::array<char, 64> name{};
+    int fd = -1;
+    if (node_rank == 0) {
+      static std::atomic<int> serial{0};
+      std::snprintf(name.data(), name.size(), "/peftplan-progress-%d-%d", static_cast<int>(::getpid()), serial++);
+      fd = ::shm_open(name.data(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd >= 0 && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+        ::close(fd);
+        ::shm_unlink(name.data());
+        fd = -1;
+      }
+      if (fd < 0) name[0] = '\0';  // the others then skip it
+    }
+    PEFTPLAN_MPI_CHECK(MPI_Bcast(name.data(), static_cast<int>(name.size()), MPI_CHAR, 0, node.get()));
+    if (node_rank != 0 && name[0] != '\0') fd = ::shm_open(name.data(), O_RDWR, 0600);
+    void* base = MAP_FAILED;
+    if (fd >= 0) {
+      base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      ::close(fd);
+    }
+    PEFTPLAN_MPI_CHECK(MPI_Barrier(node.get()));  // every rank has mapped it (or given up)
+    if (node_rank == 0 && name[0] != '\0') ::shm_unlink(name.data());
+    if (base == MAP_FAILED) return nullptr;
+    return std::unique_ptr<ShmProgressBoard>(new ShmProgressBoard(base, bytes, node_rank, world_of, world_size));
+  }
+
+  ~ShmProgressBoard() override { ::munmap(base_, bytes_); }
+  ShmProgressBoard(const ShmProgressBoard&) = delete;
+  ShmProgressBoard& operator=(const ShmProgressBoard&) = delete;
+
+  void post(std::int64_t step, std::int64_t op) override {
+    Slot& s = slots_[mine_];
+    s.step.store(step, std::memory_order_relaxed);
+    s.op.store(op, std::memory_order_relaxed);
+    s.ns.store(now_ns(), std::memory_order_relaxed);
+  }
+
+  Position position(int rank) const override {
+    Position p;
+    if (rank < 0 || static_cast<std::size_t>(rank) >= slot_of_.size() || slot_of_[static_cast<std::size_t>(rank)] < 0) return p;
+    const Slot& s = slots_[slot_of_[static_cast<std::size_t>(rank)]];
+    const std::int64_t ns = s.ns.load(std::memory_order_relaxed);
+    if (ns == 0) return p;  // nothing posted yet
+    p.known = true;
+    p.step = s.step.load(std::memory_order_relaxed);
+    p.op = s.op.load(std::memory_order_relaxed);
+    p.age_s = static_cast<double>(now_ns() - ns) * 1e-9;
+    return p;
+  }
+
+ private:
+  ShmProgressBoard(void* base, std::size_t bytes, int node_rank, const std::vector<int>& world_of, int world_size)
+      : base_(base), bytes_(bytes), slots_(static_cast<Slot*>(base)), mine_(node_rank),
+        slot_of_(static_cast<std::size_t>(world_size), -1) {
+    // A fresh segment is zero-filled (shm_open + ftruncate), which is every slot's "nothing
+    // posted"; each rank constructs only its own slot's atomics.
+    new (&slots_[mine_]) Slot{{-1}, {-1}, {0}};
+    for (std::size_t i = 0; i < world_of.size(); ++i) slot_of_[static_cast<std::size_t>(world_of[i])] = static_cast<int>(i);
+  }
+  static std::int64_t now_ns() {
+    // steady_clock is CLOCK_MONOTONIC on Linux: one clock for every process of the node.
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  void* base_;
+  std::size_t bytes_;
+  Slot* slots_;
+  int mine_;
+  std::vector<int> slot_of_;  // world rank -> slot on this node, -1 elsewhere
+};
+
 class MpiCommunicator final : public Communicator {
  public:
   // Takes ownership of `comm`; rank and size were read on the thread that created it.
-  MpiCommunicator(MPI_Comm comm, int rank, int size) : comm_(comm), rank_(rank), size_(size) {}
+  MpiCommunicator(MPI_Comm comm, int rank, int size, std::unique_ptr<ShmProgressBoard> board = nullptr)
+      : comm_(comm), rank_(rank), size_(size), board_(std::move(board)) {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string_view backend() const override { return "mpi"; }
+  ProgressBoard* progress() override { return board_.get(); }
 
   std::unique_ptr<CommRequest> all_reduce_async(const void* send, void* recv, std::size_t count,
                                                 CommDType dtype, ReduceOp op) override {
@@ -363,6 +473,7 @@ class MpiCommunicator final : public Communicator {
   CommHandle comm_;
   int rank_;
   int size_;
+  std::unique_ptr<ShmProgressBoard> board_;
   mutable std::mutex counters_m_;
   CommCounters counters_;
   CommThread thread_;  // last: destroyed first, so the queue drains before the comm is freed
@@ -474,7 +585,8 @@ std::unique_ptr<Communicator> make_mpi_communicator() {
   int rank = 0, size = 0;
   PEFTPLAN_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   PEFTPLAN_MPI_CHECK(MPI_Comm_size(comm, &size));
-  return std::make_unique<MpiCommunicator>(owner.release(), rank, size);
+  auto board = size > 1 ? ShmProgressBoard::create(comm, rank, size) : nullptr;
+  return std::make_unique<MpiCommunicator>(owner.release(), rank, size, std::move(board));
 }
 
 }  // namespace peftplan::executor

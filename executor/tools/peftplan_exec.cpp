@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -107,9 +108,12 @@ executor::SessionOptions session_options_from_env() {
   }
   if (const char* f = std::getenv("PEFTPLAN_FAULT"); f && *f) {
     long long fr = -1, fs = -1, fo = -1;
-    if (std::sscanf(f, "%lld:%lld:%lld", &fr, &fs, &fo) != 3 || fr < 0 || fs < 0 || fo < 0)
-      throw InputError(fmt::format("PEFTPLAN_FAULT={}: must be RANK:STEP:OP (three non-negative integers)", f));
-    o.fault = executor::SessionOptions::Fault{static_cast<std::int32_t>(fr), fs, static_cast<std::size_t>(fo)};
+    int used = 0;
+    const bool parsed = std::sscanf(f, "%lld:%lld:%lld%n", &fr, &fs, &fo, &used) == 3;
+    const std::string_view rest = parsed ? std::string_view(f).substr(static_cast<std::size_t>(used)) : std::string_view();
+    if (!parsed || fr < 0 || fs < 0 || fo < 0 || (!rest.empty() && rest != ":stall"))
+      throw InputError(fmt::format("PEFTPLAN_FAULT={}: must be RANK:STEP:OP or RANK:STEP:OP:stall (three non-negative integers)", f));
+    o.fault = executor::SessionOptions::Fault{static_cast<std::int32_t>(fr), fs, static_cast<std::size_t>(fo), rest == ":stall"};
   }
   return o;
 }
@@ -117,12 +121,38 @@ executor::SessionOptions session_options_from_env() {
 // Runs plan.json files on every rank of the job (executor::run_rounds): measurement.json and
 // trace.json go to each plan's folder (or out_dir: one plan, one round), written by rank 0 with
 // every rank's measurement inside.
-void run_plan_files(const std::vector<std::string>& plan_paths, const std::string& out_dir, int rounds, bool quiet) {
+// What a failure prints on this rank's stderr, and the exit code it ends with (one rule for main
+// and run_plan_files). A non-finite step stops every rank at the same op (the norm is
+// all-reduced), so rank 0 alone says it.
+int report_failure(const std::exception& e, int rank) {
+  if (dynamic_cast<const executor::NonFiniteError*>(&e)) {
+    if (rank == 0) fmt::print(stderr, "peftplan-exec: {}\n", e.what());
+    return 1;
+  }
+  const bool input = dynamic_cast<const InputError*>(&e) != nullptr;
+  const bool comm = dynamic_cast<const executor::CommError*>(&e) != nullptr;
+  fmt::print(stderr, "peftplan-exec: rank {}: {}: {}\n", rank, input || comm ? "error" : "internal error", e.what());
+  std::fflush(stderr);
+  return input ? 2 : 3;
+}
+
+void run_plan_files(const std::vector<std::string>& plan_paths, const std::string& out_dir, int rounds, bool quiet,
+                    const executor::MpiRuntime& mpi) {
   auto world = executor::make_mpi_communicator();
   auto backend = executor::make_cpu_backend(threads_per_rank());
   std::FILE* progress = world->rank() == 0 && !quiet ? stdout : nullptr;
-  executor::run_rounds({plan_paths.begin(), plan_paths.end()}, rounds, *backend, progress, world.get(), session_options_from_env(),
-                       out_dir);
+  try {
+    executor::run_rounds({plan_paths.begin(), plan_paths.end()}, rounds, *backend, progress, world.get(), session_options_from_env(),
+                         out_dir);
+  } catch (const executor::NonFiniteError&) {
+    throw;  // every rank stops at the same op: nothing is left in flight
+  } catch (const std::exception& e) {
+    if (world->size() == 1) throw;
+    // A collective this rank issued may still be in flight, one a peer never joins (the
+    // watchdog's error is exactly that), and the communicator's destructor would wait for it
+    // forever: the job ends here, while the communicator still exists.
+    mpi.abort(report_failure(e, world->rank()));
+  }
 }
 
 }  // namespace
@@ -175,25 +205,18 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     if (app.get_subcommands().empty()) {
       if (plan_paths.empty()) throw InputError("give a plan.json to run, or a mode (calibrate); see --help");
-      run_plan_files(plan_paths, run_out, run_rounds, quiet);
+      run_plan_files(plan_paths, run_out, run_rounds, quiet, *mpi);
     }
   } catch (const CLI::ParseError& e) {
     code = mpi->world_rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints
     if (code != 0) code = 2;
   } catch (const executor::NonFiniteError& e) {
-    // Every rank stops at the same op (the norm is all-reduced): no peer waits; exit 1.
-    if (mpi->world_rank() == 0) fmt::print(stderr, "peftplan-exec: {}\n", e.what());
-    code = 1;
+    code = report_failure(e, mpi->world_rank());  // no peer waits: exit 1
   } catch (const InputError& e) {
-    fmt::print(stderr, "peftplan-exec: rank {}: error: {}\n", mpi->world_rank(), e.what());
-    code = 2;
-    if (mpi->world_size() > 1) {  // peers may wait in a collective: end the job
-      std::fflush(stderr);
-      mpi->abort(2);
-    }
+    code = report_failure(e, mpi->world_rank());
+    if (mpi->world_size() > 1) mpi->abort(code);  // peers may wait in a collective: end the job
   } catch (const std::exception& e) {
-    fmt::print(stderr, "peftplan-exec: rank {}: internal error: {}\n", mpi->world_rank(), e.what());
-    mpi->abort(3);
+    mpi->abort(report_failure(e, mpi->world_rank()));
   }
   return code;
 }

@@ -89,6 +89,24 @@ class CommRequest {
   virtual double seconds() { return -1.0; }
 };
 
+// Where each rank of a job is in its step program, so that a rank whose collective never
+// completes can name the peer it is waiting for (the runner's watchdog) instead of saying only
+// that "a rank failed". Each rank posts its own position at every op (relaxed stores into memory
+// the ranks share, nanoseconds); the others read it only when a wait has run out. Positions are
+// known for the ranks on this rank's node; a rank elsewhere reads as unknown.
+class ProgressBoard {
+ public:
+  virtual ~ProgressBoard() = default;
+  struct Position {
+    bool known = false;      // false: another node's rank, or nothing posted yet
+    std::int64_t step = -1;  // 0-based optimizer step
+    std::int64_t op = -1;    // program op index within the step (-1: between steps)
+    double age_s = 0.0;      // seconds since the rank posted it
+  };
+  virtual void post(std::int64_t step, std::int64_t op) = 0;  // this rank's position
+  virtual Position position(int rank) const = 0;              // a rank of the communicator
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -119,6 +137,10 @@ class Communicator {
   // MPI_Comm_split and ncclCommSplit. Collective over this communicator; a negative color
   // takes no part and gets nullptr.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // The ranks' positions (see ProgressBoard), or null when this communicator has none (one
+  // rank, or an implementation without shared memory).
+  virtual ProgressBoard* progress() { return nullptr; }
 
   // A snapshot of the counters since construction or the last reset.
   virtual CommCounters counters() const = 0;

@@ -57,13 +57,16 @@ struct StepStats {
 // What a session takes from its surroundings rather than from the plan: read from the
 // environment once, by peftplan-exec's main (session_options_from_env), never by library code.
 struct SessionOptions {
-  double watchdog_s = 30.0;  // a collective waiting longer is a failed peer (PEFTPLAN_WATCHDOG_S)
-  // Fault injection for the fault tests (PEFTPLAN_FAULT="RANK:STEP:OP"): that rank throws when it
-  // reaches program op `op` of optimizer step `step` (0-based).
+  double watchdog_s = 20.0;  // a collective waiting longer is a failed peer (PEFTPLAN_WATCHDOG_S): a
+                             // stalled rank ends the job within 30 s
+  // Fault injection for the fault tests (PEFTPLAN_FAULT="RANK:STEP:OP[:stall]"): that rank throws
+  // when it reaches program op `op` of optimizer step `step` (0-based), or with `stall` stops
+  // there and never returns (a hung kernel or a lost process, as its peers see it).
   struct Fault {
     std::int32_t rank = 0;
     std::int64_t step = 0;
     std::size_t op = 0;
+    bool stall = false;
   };
   std::optional<Fault> fault;
 };
