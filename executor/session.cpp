@@ -153,6 +153,11 @@ void Session::Impl::setup() {
     }
   }
   first_step_op = i;
+  // An injected fault at an op no step runs would never fire, and the fault test that set it
+  // would pass without testing anything: refuse it (the same on every rank).
+  if (options.fault && (options.fault->op < first_step_op || options.fault->op >= program.ops.size()))
+    throw InputError(fmt::format("PEFTPLAN_FAULT: op {} is not one a step runs; this program's step ops are {}..{}",
+                                 options.fault->op, first_step_op, program.ops.size() - 1));
   if (zero3) {
     // Persistent small tensors (views of a unit's persistent buffer) are filled whole. Each
     // shard an all_gather reads is this rank's block of its unit's flattened region, cut from

@@ -6,7 +6,7 @@
 #   throw   — a random rank throws at a random op (PEFTPLAN_FAULT=rank:step:op);
 #   stall   — a random rank stops at a random op and never returns (PEFTPLAN_FAULT=...:stall);
 # over shared memory and TCP in turn (--mpi-args "--mca pml ob1 --mca btl tcp,self"), with a
-# random strategy, checkpointing every step. Each run must end within 30 s of its fault, leave
+# random strategy, checkpointing every step (every 25th in the longer runs a kill lands in). Each run must end within 30 s of its fault, leave
 # no rank behind, and say which rank failed; then training resumes from the checkpoint folder's
 # latest-good checkpoint and must finish (exit 0). One line per run, a summary at the end, exit
 # 1 when any run broke a rule.
@@ -25,7 +25,7 @@ trap '((failures == 0)) && rm -rf "$work"' EXIT  # kept, with every log, when a 
 corpus="$(cd "$(dirname "$0")/.." && pwd)/data/corpus.txt"
 common=(--model tiny-llama-2l --seq-len 8 --micro-batch 1 --grad-accum 2 --lora-targets q_proj,v_proj
         --lora-dropout 0.1 --cluster 2xA100-80GB --tolerance-time 1e9 --rounds 1 --gpus 2
-        --checkpoint-every 1 --data "$corpus")
+        --data "$corpus")
 strategies=(ddp zero1 zero2 zero3)
 modes=(clean kill throw stall)
 declare -A count=() bad=()
@@ -50,18 +50,20 @@ for ((i = 1; i <= runs; i++)); do
   transport=shm
   mpi=()
   if ((i % 2 == 0)); then transport=tcp; mpi=(--mpi-args "--mca pml ob1 --mca btl tcp,self"); fi
-  rank=$((RANDOM % 2)) step=$((RANDOM % 3)) op=$((1 + RANDOM % 100))
+  # ops 40..139: past every strategy's setup ops and within every strategy's step (peftplan-exec
+  # refuses a fault at an op no step runs)
+  rank=$((RANDOM % 2)) step=$((RANDOM % 3)) op=$((40 + RANDOM % 100))
   tag="soak$$-$i"
   out="$work/run$i"
   env=(PEFTPLAN_SOAK_TAG="$tag" PEFTPLAN_WATCHDOG_S=5)
-  steps=6
+  steps=6 every=1
   case "$mode" in
     throw) env+=(PEFTPLAN_FAULT="$rank:$step:$op") ;;
     stall) env+=(PEFTPLAN_FAULT="$rank:$step:$op:stall") ;;
-    kill) steps=100 ;;
+    kill) steps=2000 every=25 ;;  # long enough that the kill lands mid-run
   esac
   t0=$(date +%s.%N)
-  env "${env[@]}" "$cli" run "${common[@]}" "${mpi[@]}" --strategy "$strategy" --steps "$steps" --out "$out" > "$work/log$i" 2>&1 &
+  env "${env[@]}" "$cli" run "${common[@]}" "${mpi[@]}" --strategy "$strategy" --steps "$steps" --checkpoint-every "$every" --out "$out" > "$work/log$i" 2>&1 &
   pid=$!
   fault_at=$t0
   if [[ "$mode" == kill ]]; then
@@ -72,7 +74,7 @@ for ((i = 1; i <= runs; i++)); do
     sleep "0.$((RANDOM % 10))$((RANDOM % 10))"
     victim=$(pids_of "$tag" "$rank")
     fault_at=$(date +%s.%N)
-    [[ -n "$victim" ]] && kill -9 "$victim"
+    if [[ -n "$victim" ]]; then kill -9 "$victim"; else echo "run $i: rank $rank not found to kill" >> "$work/log$i"; fi
   fi
   code=0
   for ((w = 0; w < 1200; w++)); do  # 60 s at most, then it is a hang
