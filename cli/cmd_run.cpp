@@ -122,8 +122,8 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (ec) throw std::runtime_error("peftplan run: cannot find its own binary to run calibrate");
-  // One attempt: a run waits for this calibration, which keeps each program's fastest round (a
-  // slow spell passes it by), and the next run's probe retakes it if the machine has moved on
+  // One attempt: a run waits for this calibration, which keeps each program's median round (as
+  // the run reports its own), and the next run's probe retakes it if the machine has moved on
   // (`peftplan calibrate` itself retakes a noisy calibration up to 3 times).
   const int code = run_child({self.string(), "calibrate", "--ranks", std::to_string(N), "--quick", "--attempts", "1", "--out", path.string()});
   if (code != 0) throw std::runtime_error(fmt::format("peftplan run: peftplan calibrate exited with code {}", code));
