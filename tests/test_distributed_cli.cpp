@@ -161,35 +161,32 @@ TEST(DistributedCli, CorruptCheckpointIsRefusedAndLatestGoodFallsBack) {
   fs::remove_all(good);
 }
 
-// A rank that throws in the middle of a step: every rank ends, non-zero, within 30 s, and the
-// message names the rank and the op.
-TEST(DistributedCli, FailingRankEndsTheJobWithItsRankAndOp) {
-  const fs::path dir = temp_dir("throw");
-  const pid_t pid = start_run(kCommon + " --gpus 2 --strategy ddp --steps 5 --out " + dir.string(), dir / "log",
-                              "PEFTPLAN_FAULT=1:1:150");
-  double took = 0.0;
-  const int code = wait_for(pid, 30s, &took);
-  const std::string out = slurp(dir / "log");
-  EXPECT_GT(code, 0) << out;
-  EXPECT_LT(took, 30.0);
-  EXPECT_NE(out.find("rank 1: injected fault (PEFTPLAN_FAULT) at step 1, op 150"), std::string::npos) << out;
-  fs::remove_all(dir);
-}
-
-// A rank that stalls instead of dying (PEFTPLAN_FAULT=...:stall: it stops at op 150 of step 1
-// and never returns): its peer's watchdog (5 s here) names the stalled rank and the op it stopped
-// at, and every rank is gone within 30 s.
-TEST(DistributedCli, StalledRankIsNamedAndEveryRankExits) {
-  const fs::path dir = temp_dir("stall");
-  const pid_t pid = start_run(kCommon + " --gpus 2 --strategy zero2 --steps 5 --out " + dir.string(), dir / "log",
-                              "PEFTPLAN_FAULT=1:1:150:stall PEFTPLAN_WATCHDOG_S=5");
+// A two-rank run of `strategy` with a fault injected through `env`: every rank ends, non-zero,
+// within 30 s, and the output says `expected`.
+static void expect_fault_ends_the_job(const std::string& name, const std::string& strategy, const std::string& env,
+                                      const std::string& expected) {
+  const fs::path dir = temp_dir(name);
+  const pid_t pid = start_run(kCommon + " --gpus 2 --strategy " + strategy + " --steps 5 --out " + dir.string(), dir / "log", env);
   double took = 0.0;
   const int code = wait_for(pid, 30s, &took);
   const std::string out = slurp(dir / "log");
   EXPECT_GT(code, 0) << out;
   EXPECT_LT(took, 30.0) << out;
-  EXPECT_NE(out.find("waited more than 5 s for its peers: rank 1 stalled at step 1, op 150 ("), std::string::npos) << out;
+  EXPECT_NE(out.find(expected), std::string::npos) << out;
   fs::remove_all(dir);
+}
+
+// A rank that throws in the middle of a step: the message names the rank and the op.
+TEST(DistributedCli, FailingRankEndsTheJobWithItsRankAndOp) {
+  expect_fault_ends_the_job("throw", "ddp", "PEFTPLAN_FAULT=1:1:150", "rank 1: injected fault (PEFTPLAN_FAULT) at step 1, op 150");
+}
+
+// A rank that stalls instead of dying (PEFTPLAN_FAULT=...:stall: it stops at op 150 of step 1
+// and never returns): its peer's watchdog (5 s here) names the stalled rank and the op it stopped
+// at.
+TEST(DistributedCli, StalledRankIsNamedAndEveryRankExits) {
+  expect_fault_ends_the_job("stall", "zero2", "PEFTPLAN_FAULT=1:1:150:stall PEFTPLAN_WATCHDOG_S=5",
+                            "waited more than 5 s for its peers: rank 1 stalled at step 1, op 150 (");
 }
 
 // A rank killed (SIGKILL) mid-run: every rank is gone within 30 s and the job names the rank.
