@@ -1211,8 +1211,9 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     for (const Kept& k : r) steps.push_back(k.program.step_s);
     // The median round (planner::median_index), the statistic a run reports of its own rounds:
     // keeping the fastest round instead set every prediction after it to the quietest spell of a
-    // noisy calibration, and the runs, reporting their median round, came out 15-27% slower than
-    // predicted on a host whose rounds spread by 20% (ten runs of the main job, 2026-12-03).
+    // noisy calibration, and the runs, reporting their median round, came out a median 17% slower
+    // than predicted (up to 28%) on a host whose rounds spread by up to 21% (nine runs of the main
+    // job, 2026-12-03).
     Kept& k = r[planner::median_index(steps)];
     k.program.round_step_s = steps;
     k.program.spread_s = planner::spread_of(steps).iqr();

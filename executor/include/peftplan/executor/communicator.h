@@ -100,7 +100,7 @@ class ProgressBoard {
   struct Position {
     bool known = false;      // false: another node's rank, or nothing posted yet
     std::int64_t step = -1;  // 0-based optimizer step
-    std::int64_t op = -1;    // program op index within the step (-1: between steps)
+    std::int64_t op = -1;    // program op index (the op count: past the step's last op)
     double age_s = 0.0;      // seconds since the rank posted it
   };
   virtual void post(std::int64_t step, std::int64_t op) = 0;  // this rank's position
