@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/models/config.h"
 
 namespace peftplan::cli {
@@ -42,7 +43,7 @@ models::PeftSpec peft_from_flags(const PeftFlags& f) {
     a.type = models::PeftType::lora;
     if (f.lora_r) {
       if (*f.lora_r <= 0 || *f.lora_r > models::kMaxLoraRank)
-        throw input_error("--lora-r", "", fmt::format("must be an integer in [1, {}]", models::kMaxLoraRank), std::to_string(*f.lora_r));
+        throw input_error("--lora-r", "", json_fields::valid_integer(1, models::kMaxLoraRank), std::to_string(*f.lora_r));
       a.lora.r = *f.lora_r;
     }
     if (f.lora_alpha) a.lora.alpha = *f.lora_alpha;

@@ -9,14 +9,6 @@
 namespace peftplan::cli {
 namespace {
 
-std::string describe(const planner::OpDiff& d) {
-  if (d.op >= 0)
-    return fmt::format("op {} {} ({}, {}, layer {}, micro-batch {}): predicted {:.3f} ms, measured {:.3f} ms ({:+.3f} ms)", d.op,
-                       d.label, d.phase, d.kernel, d.layer, d.micro_batch, d.predicted_s * 1e3, d.measured_s * 1e3, d.diff_s() * 1e3);
-  return fmt::format("{} ({}, {}, {} ops): predicted {:.3f} ms, measured {:.3f} ms ({:+.3f} ms)", d.label, d.phase, d.kernel, d.ops,
-                     d.predicted_s * 1e3, d.measured_s * 1e3, d.diff_s() * 1e3);
-}
-
 // The spread of a time figure as the console shows it: "±0.412 ms" (IQR), "-" without one.
 std::string spread_cell(const planner::Figure& f) {
   if (!f.has_spread) return "-";
@@ -152,7 +144,7 @@ std::string validation_notes(const planner::Validation& v) {
     s += fmt::format("time: step_s is the fastest of the {} step(s) after the first (the first includes warm-up; noise on a shared "
                      "machine only adds time), its spread their interquartile range; op times from the {}\n",
                      steady_window(v.steps), v.op_time_source);
-  if (v.most_different) s += "op that differs most: " + describe(*v.most_different) + "\n";
+  if (v.most_different) s += "op that differs most: " + planner::describe(*v.most_different) + "\n";
   if (v.sync_wait_s)
     s += fmt::format("ranks waited {:.3f} ms per step inside collectives for the last rank to arrive (sync_wait_s; predicted from the "
                      "calibrated skew per call; comm_s counts each collective's transfer)\n",
@@ -190,7 +182,7 @@ std::string validation_report(const planner::Plan& plan, const planner::Validati
        "since calibration (the speed probe) counts with the spread.\n";
   if (v.speed_drift) s += fmt::format("\n{}", speed_line(v));
   s += fmt::format("\n## Op by op\n\nMeasured op times from round {}'s {}.\n\n", v.op_round + 1, v.op_time_source);
-  if (v.most_different) s += "Differs most: " + describe(*v.most_different) + "\n\n";
+  if (v.most_different) s += "Differs most: " + planner::describe(*v.most_different) + "\n\n";
   if (v.sync_wait_s)
     s += fmt::format("Ranks waited {:.3f} ms per step inside collectives for the last rank to arrive (sync_wait_s).\n\n",
                      *v.sync_wait_s * 1e3);

@@ -242,7 +242,7 @@ void Session::Impl::run_ops(bool update) {
     if (fault && fault->step == step_index && fault->op == i) {
       if (fault->stall)  // stops here until the job is ended (its peers' watchdog, then MPI_Abort)
         for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
-      throw InternalError(fmt::format("rank {}: injected fault (PEFTPLAN_FAULT) at step {}, {}", rank, step_index, op_name(i)));
+      throw InternalError(fmt::format("injected fault (PEFTPLAN_FAULT) at step {}, {}", step_index, op_name(i)));
     }
     if (!update && op.phase == Phase::optimizer) {  // forward_backward: no update, no step
       if (op.kind == OpKind::free && ptr[static_cast<std::size_t>(op.buffer)] == nullptr) continue;
@@ -259,9 +259,9 @@ void Session::Impl::run_ops(bool update) {
         try {
           collective(i, op);
         } catch (const CommError&) {
-          throw;  // the watchdog's and MPI's errors name the rank and op already
+          throw;  // the watchdog's error names the op already
         } catch (const std::exception& e) {
-          throw InternalError(fmt::format("rank {}: {}: {}", rank, op_name(i), e.what()));
+          throw InternalError(fmt::format("{}: {}", op_name(i), e.what()));
         }
         break;
       case OpKind::copy: {

@@ -42,7 +42,7 @@ void Session::Impl::wait(CommRequest& req, std::size_t i) {
   for (int spin = 0; !req.done(); ++spin) {
     if (spin > 1000) std::this_thread::sleep_for(std::chrono::microseconds(200));
     if (std::chrono::duration<double>(Clock::now() - t0).count() > options.watchdog_s)
-      throw CommError(fmt::format("rank {}: {} waited more than {:.0f} s for its peers: {}", rank, op_name(i),
+      throw CommError(fmt::format("{} waited more than {:.0f} s for its peers: {}", op_name(i),
                                   options.watchdog_s, laggard(i)));
   }
   req.wait();  // rethrows the operation's error

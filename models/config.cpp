@@ -15,7 +15,6 @@
 #include "peftplan/common/error.h"
 #include "peftplan/common/json_file.h"
 #include "peftplan/common/json_fields.h"
-#include "peftplan/common/units.h"
 
 namespace peftplan::models {
 namespace {
@@ -76,8 +75,7 @@ std::optional<std::int64_t> get_int(const json& c, std::string_view src,
   std::int64_t max = std::numeric_limits<std::int32_t>::max();
   for (const auto& l : kLimits)
     if (l.key == key) max = l.max;
-  const std::string range = fmt::format("must be an integer in [1, {}]", with_commas(max));
-  return json_fields::as_integer(*v, src, key, 1, max, false, range);
+  return json_fields::as_integer(*v, src, key, 1, max);
 }
 
 std::int64_t require_int(const json& c, std::string_view src, std::initializer_list<const char*> keys) {

@@ -13,6 +13,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 
 namespace peftplan::planner {
 namespace {
@@ -67,7 +68,7 @@ struct Reader {
       used = 0;
     }
     if (used != v.size() || v.empty() || x < lo || x > hi)
-      throw input_error(source, key, fmt::format("must be an integer in [{}, {}]", lo, hi), fmt::format("\"{}\"", v));
+      throw input_error(source, key, json_fields::valid_integer(lo, hi), fmt::format("\"{}\"", v));
     return x;
   }
   std::string one_of(const YAML::Node& n, std::string_view key, std::initializer_list<std::string_view> valid) const {

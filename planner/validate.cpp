@@ -55,13 +55,15 @@ std::vector<Figure> memory_figures(const Plan& plan, const json& m, double toler
     const auto cc = static_cast<sim::MemCategory>(c);
     const std::string key = std::string(sim::name_of(cc)) + "_bytes";
     const json& side = sim::on_host(cc) ? host : dev;
-    const auto q = need(side, key.c_str(), where + (sim::on_host(cc) ? "memory.host." : "memory.device.")).get<std::uint64_t>();
+    const auto q = static_cast<std::uint64_t>(
+        json_fields::required_integer(side, key, "measurement.json", where + (sim::on_host(cc) ? "memory.host." : "memory.device."), 0));
     out.push_back(figure("memory", std::string(sim::name_of(cc)),
                          static_cast<double>(plan.memory.category_peak_bytes[static_cast<std::size_t>(c)]), static_cast<double>(q),
                          tolerance));
   }
   out.push_back(figure("memory", "peak", static_cast<double>(plan.memory.device_peak_bytes),
-                       static_cast<double>(need(dev, "peak_bytes", where + "memory.device.").get<std::uint64_t>()), tolerance));
+                       static_cast<double>(json_fields::required_integer(dev, "peak_bytes", "measurement.json", where + "memory.device.", 0)),
+                       tolerance));
   return out;
 }
 
@@ -116,6 +118,14 @@ std::size_t median_index(std::span<const double> values) {
   return order[(order.size() - 1) / 2];
 }
 
+std::string describe(const OpDiff& d) {
+  if (d.op >= 0)
+    return fmt::format("op {} {} ({}, {}, layer {}, micro-batch {}): predicted {:.3f} ms, measured {:.3f} ms ({:+.3f} ms)", d.op,
+                       d.label, d.phase, d.kernel, d.layer, d.micro_batch, d.predicted_s * 1e3, d.measured_s * 1e3, d.diff_s() * 1e3);
+  return fmt::format("{} ({}, {}, {} ops): predicted {:.3f} ms, measured {:.3f} ms ({:+.3f} ms)", d.label, d.phase, d.kernel, d.ops,
+                     d.predicted_s * 1e3, d.measured_s * 1e3, d.diff_s() * 1e3);
+}
+
 double steady_step_s(const std::vector<double>& step_times) {
   if (step_times.empty()) return 0.0;
   double sum = 0.0;
@@ -126,9 +136,65 @@ double steady_step_s(const std::vector<double>& step_times) {
 
 namespace {
 
+// The types of every field validate_one reads beyond the memory figures (which read their own):
+// a measurement.json that is not peftplan-exec's is refused here, naming the field, before any
+// of it is used.
+void check_measurement_shape(const json& m) {
+  namespace jf = json_fields;
+  constexpr const char* src = "measurement.json";
+  auto shown = [](const json& v) { return v.dump().substr(0, 60); };
+  if (!m.is_object()) throw input_error(src, "", "must hold a JSON object (peftplan-exec's measurement.json)", shown(m));
+  auto list = [&](const json& a, const std::string& field, auto&& each) {
+    if (!a.is_array()) throw input_error(src, field, "must be a list", shown(a));
+    for (std::size_t i = 0; i < a.size(); ++i) each(a[i], fmt::format("{}[{}]", field, i));
+  };
+  auto number = [&](const json& v, const std::string& field) { jf::as_number(v, src, field, jf::Sign::non_negative); };
+  auto index = [&](const json& v, const std::string& field) { jf::as_integer(v, src, field, 0, 1ll << 40); };
+  // present at all (null included: none of these is ever null in a measurement.json)
+  auto optional = [&](const json& o, const char* key) { return o.is_object() && o.contains(key) ? &o.at(key) : nullptr; };
+  if (const json* v = optional(m, "rank")) index(*v, "rank");
+  list(need(m, "step_times_s", ""), "step_times_s", number);
+  if (const json* v = optional(m, "op_s")) list(*v, "op_s", number);
+  if (const json* v = optional(m, "op_s_steps")) index(*v, "op_s_steps");
+  if (const json* v = optional(m, "collective_ops")) list(*v, "collective_ops", index);
+  if (const json* v = optional(m, "collective_transfer_s")) list(*v, "collective_transfer_s", number);
+  if (const json* v = optional(m, "sync_wait_s")) number(*v, "sync_wait_s");
+  if (const json* v = optional(m, "exposed_comm_s")) number(*v, "exposed_comm_s");
+  if (const json* t = optional(m, "trace")) {
+    if (!t->is_object()) throw input_error(src, "trace", "must be an object (a Chrome trace)", shown(*t));
+    if (const json* ev = optional(*t, "traceEvents"))
+      list(*ev, "trace.traceEvents", [&](const json& e, const std::string& at) {
+        if (!e.is_object()) throw input_error(src, at, "must be an object (a trace event)", shown(e));
+        for (const char* key : {"ph", "name"})
+          if (const json* v = optional(e, key)) jf::as_string(*v, src, at + "." + key);
+        if (const json* args = optional(e, "args")) {
+          if (!args->is_object()) throw input_error(src, at + ".args", "must be an object", shown(*args));
+          if (const json* op = optional(*args, "op")) {
+            index(*op, at + ".args.op");
+            number(jf::required(e, "dur", src, at + "."), at + ".dur");
+          }
+        }
+      });
+  }
+  if (const json* v = optional(m, "ops"))
+    list(*v, "ops", [&](const json& o, const std::string& at) {
+      for (const char* key : {"phase", "kernel", "label"}) jf::as_string(jf::required(o, key, src, at + "."), src, at + "." + key);
+      number(jf::required(o, "total_s", src, at + "."), at + ".total_s");
+    });
+  if (const json* c = optional(m, "collectives")) {
+    if (!c->is_object()) throw input_error(src, "collectives", "must be an object of collective kinds", shown(*c));
+    for (const auto& [kind, e] : c->items()) {
+      const std::string at = "collectives." + kind + ".";
+      number(jf::required(e, "seconds", src, at), at + "seconds");
+      jf::as_integer(jf::required(e, "bytes_per_step", src, at), src, at + "bytes_per_step", 0);
+    }
+  }
+}
+
 // One measurement against the plan: every figure, the parts' share of the step, the step's
 // spread over its own steps. Verdicts are settled by finish().
 Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) {
+  check_measurement_shape(m);
   if (!plan.time) throw InputError("validate: the plan has no simulated timeline (make_plan with simulate_time)");
   const sim::Timeline& tl = *plan.time;
   const sim::Program& prog = plan.program;
@@ -150,7 +216,8 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
     }
   } else {
     v.memory = memory_figures(plan, m, tol.memory, "");
-    const std::int32_t rank = m.contains("rank") ? m.at("rank").get<std::int32_t>() : 0;
+    const json* r = m.contains("rank") ? &m.at("rank") : nullptr;  // an index (check_measurement_shape)
+    const auto rank = static_cast<std::int32_t>(r ? r->get<std::int64_t>() : 0);
     for (Figure& x : v.memory) x.rank = rank;
   }
 

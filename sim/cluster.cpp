@@ -414,6 +414,17 @@ double number(const nlohmann::json& j, std::string_view key, std::string_view wh
   return json_fields::required_number(j, key, where, object, allow_zero ? json_fields::Sign::non_negative : json_fields::Sign::positive);
 }
 
+// A size in GiB as bytes: positive and at most 2^20 GiB (1 PiB, far above any GPU's or node's
+// memory), so that the bytes fit in 64 bits (a larger double would not convert).
+std::uint64_t gib_bytes(const nlohmann::json& j, std::string_view key, std::string_view where, std::string_view object) {
+  constexpr double kMaxGiB = 1 << 20;
+  const double x = number(j, key, where, object);
+  if (x > kMaxGiB)
+    throw input_error(where, fmt::format("{}{}", object, key), fmt::format("must be a positive number of GiB up to {}", with_commas(1 << 20)),
+                      j.at(std::string(key)).dump());
+  return static_cast<std::uint64_t>(x * kGiB);
+}
+
 std::int64_t integer(const nlohmann::json& j, std::string_view key, std::string_view where, std::string_view object = {}) {
   return json_fields::required_integer(j, key, where, object, 1);
 }
@@ -483,7 +494,7 @@ GpuSpec gpu_from_json(const nlohmann::json& v, std::string_view where) {
     return v.contains(std::string(key));
   };
   if (need("memory_GiB"))
-    g.memory_bytes = static_cast<std::uint64_t>(number(v, "memory_GiB", where, "gpu.") * kGiB);
+    g.memory_bytes = gib_bytes(v, "memory_GiB", where, "gpu.");
   if (need("hbm_GBps")) g.hbm_bytes_per_s = number(v, "hbm_GBps", where, "gpu.") * kGiga;
   if (need("fp32_TFLOPs")) g.fp32_flops_per_s = number(v, "fp32_TFLOPs", where, "gpu.") * kTera;
   if (v.contains("bf16_TFLOPs")) {
@@ -553,7 +564,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     c.nics_per_node = static_cast<std::int32_t>(integer(j, "nics_per_node", where));
   }
   if (j.contains("host_ram_GiB"))
-    c.host_ram_bytes_per_node = static_cast<std::uint64_t>(number(j, "host_ram_GiB", where, "") * kGiB);
+    c.host_ram_bytes_per_node = gib_bytes(j, "host_ram_GiB", where, "");
   if (j.contains("host_device_GBps"))
     c.host_device_bytes_per_s = number(j, "host_device_GBps", where, "") * kGiga;
   if (j.contains("host_memory_GBps"))

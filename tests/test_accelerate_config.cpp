@@ -142,7 +142,7 @@ TEST(AccelerateConfig, BadFilesNameTheFileAndTheKey) {
       {"distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 3\n", "fsdp_config.fsdp_version must be an integer in [1, 2], got \"3\""},
       {"distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: FULL_SHARD\n",
        "fsdp_config.fsdp_reshard_after_forward must be true or false, got \"FULL_SHARD\""},
-      {"distributed_type: FSDP\nnum_processes: -3\n", "cfg.yaml: num_processes must be an integer in [1, 1000000], got \"-3\""},
+      {"distributed_type: FSDP\nnum_processes: -3\n", "cfg.yaml: num_processes must be an integer in [1, 1,000,000], got \"-3\""},
       {"distributed_type: FSDP\nnum_processes: 3\nnum_machines: 2\n", "num_processes must be a multiple of num_machines (2)"},
       {"distributed_type: FSDP\nmixed_precision: fp8\n", "mixed_precision fp8 is not planned"},
       {"distributed_type: FSDP\nfsdp_config: 7\n", "fsdp_config must be a mapping"},

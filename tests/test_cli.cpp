@@ -59,8 +59,8 @@ TEST(Cli, BadInputIsOneLineAndExitCodeTwo) {
       // A count beyond any model's: refused with its range, not planned as a model with no layers.
       {"params --model " + kData + "/bad/huge_layers_config.json", "huge_layers_config.json: num_hidden_layers must be an integer in [1, 10,000], got 1000000000000000"},
       {"params --model llama-2-7b --peft " + kData + "/bad/negative_rank_adapter_config.json",
-       "negative_rank_adapter_config.json: r must be an integer in [1, 1048576], got -4"},
-      {"params --model llama-2-7b --lora-r 0", "--lora-r: must be an integer in [1, 1048576], got 0"},
+       "negative_rank_adapter_config.json: r must be an integer in [1, 1,048,576], got -4"},
+      {"params --model llama-2-7b --lora-r 0", "--lora-r: must be an integer in [1, 1,048,576], got 0"},
       {"params --model no-such-model", "is neither a zoo model nor a config.json path"},
   };
   for (const auto& c : cases) {

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -162,9 +163,9 @@ TEST(DistributedCli, CorruptCheckpointIsRefusedAndLatestGoodFallsBack) {
 }
 
 // A two-rank run of `strategy` with a fault injected through `env`: every rank ends, non-zero,
-// within 30 s, and the output says `expected`.
+// within 30 s, and the output says each of `expected`.
 static void expect_fault_ends_the_job(const std::string& name, const std::string& strategy, const std::string& env,
-                                      const std::string& expected) {
+                                      const std::vector<std::string>& expected) {
   const fs::path dir = temp_dir(name);
   const pid_t pid = start_run(kCommon + " --gpus 2 --strategy " + strategy + " --steps 5 --out " + dir.string(), dir / "log", env);
   double took = 0.0;
@@ -172,13 +173,14 @@ static void expect_fault_ends_the_job(const std::string& name, const std::string
   const std::string out = slurp(dir / "log");
   EXPECT_GT(code, 0) << out;
   EXPECT_LT(took, 30.0) << out;
-  EXPECT_NE(out.find(expected), std::string::npos) << out;
+  for (const std::string& e : expected) EXPECT_NE(out.find(e), std::string::npos) << e << "\n" << out;
   fs::remove_all(dir);
 }
 
 // A rank that throws in the middle of a step: the message names the rank and the op.
 TEST(DistributedCli, FailingRankEndsTheJobWithItsRankAndOp) {
-  expect_fault_ends_the_job("throw", "ddp", "PEFTPLAN_FAULT=1:1:150", "rank 1: injected fault (PEFTPLAN_FAULT) at step 1, op 150");
+  expect_fault_ends_the_job("throw", "ddp", "PEFTPLAN_FAULT=1:1:150",
+                            {"peftplan-exec: rank 1: internal error: injected fault (PEFTPLAN_FAULT) at step 1, op 150 ("});
 }
 
 // A rank that stalls instead of dying (PEFTPLAN_FAULT=...:stall: it stops at op 150 of step 1
@@ -186,7 +188,7 @@ TEST(DistributedCli, FailingRankEndsTheJobWithItsRankAndOp) {
 // at.
 TEST(DistributedCli, StalledRankIsNamedAndEveryRankExits) {
   expect_fault_ends_the_job("stall", "zero2", "PEFTPLAN_FAULT=1:1:150:stall PEFTPLAN_WATCHDOG_S=5",
-                            "waited more than 5 s for its peers: rank 1 stalled at step 1, op 150 (");
+                            {"peftplan-exec: rank 0: error: op ", "waited more than 5 s for its peers: rank 1 stalled at step 1, op 150 ("});
 }
 
 // A rank killed (SIGKILL) mid-run: every rank is gone within 30 s and the job names the rank.

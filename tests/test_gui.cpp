@@ -146,14 +146,14 @@ class TestGui : public QObject {
     gui::Explorer w;
     w.show();
     settle(w);
-    const auto before = w.result().strategies.front().plan.used_peak_bytes;
+    const auto before = w.result().strategies.front().plan->used_peak_bytes;
     gui::Scenario s = w.scenario();
     s.model = "no-such-model";
     w.set_scenario(s);
     QTest::qWait(3000);
     QVERIFY2(w.verdict_line()->text().startsWith("error: "), qPrintable(w.verdict_line()->text()));
     QVERIFY(w.verdict_line()->text().contains("no-such-model"));
-    QCOMPARE(w.result().strategies.front().plan.used_peak_bytes, before);
+    QCOMPARE(w.result().strategies.front().plan->used_peak_bytes, before);
     shot(w, "bad-input");
   }
 
@@ -183,7 +183,7 @@ class TestGui : public QObject {
       bad << R"({"schema": "peftplan.scenario/1", "micro_batch": -3})";
     }
     QVERIFY(!other.load_scenario((dir + "/bad.json").toStdString()));
-    QVERIFY2(other.verdict_line()->text().contains("bad.json: micro_batch must be an integer in [1, 4096], got -3"), qPrintable(other.verdict_line()->text()));
+    QVERIFY2(other.verdict_line()->text().contains("bad.json: micro_batch must be an integer in [1, 4,096], got -3"), qPrintable(other.verdict_line()->text()));
     QCOMPARE(other.scenario().micro_batch, 3);
     // Export: the report command's files, the memory table equal to what the window shows.
     QVERIFY(w.export_report((dir + "/report").toStdString()));
@@ -191,7 +191,7 @@ class TestGui : public QObject {
     QFile html(dir + "/report/report.html");
     QVERIFY(html.open(QIODevice::ReadOnly));
     const QString text = QString::fromUtf8(html.readAll());
-    const auto& ddp = w.result().strategies[1].plan;
+    const auto& ddp = *w.result().strategies[1].plan;
     QVERIFY(text.contains(QString("data-field=\"memory.device.at_peak.activations_bytes\" data-value=\"%1\"").arg(ddp.memory.at_peak_bytes[5])));
   }
 
@@ -206,7 +206,7 @@ class TestGui : public QObject {
       QCoreApplication::processEvents();  // the loop keeps running while plans run on the worker
     }
     settle(w);
-    QCOMPARE(w.result().strategies.front().plan.input.training.micro_batch, std::int64_t{100});
+    QCOMPARE(w.result().strategies.front().plan->input.training.micro_batch, std::int64_t{100});
   }
 };
 

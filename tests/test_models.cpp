@@ -2,12 +2,14 @@
 // Every expected total comes from tests/data/zoo_expected.json, whose "source" field (and
 // models/zoo/SOURCES.md) says where the number was published.
 #include <fstream>
+#include <limits>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "peftplan/common/error.h"
 #include "peftplan/common/json_fields.h"
+#include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
 #include "peftplan/models/parameters.h"
 
@@ -218,4 +220,19 @@ TEST(JsonFields, DefaultsTypesAndMessages) {
   EXPECT_EQ(message([&] { jf::boolean(j, "r", "a.json", false); }), "a.json: r must be true or false, got 16");
   EXPECT_EQ(message([&] { jf::string(j, "on", "a.json", ""); }), "a.json: on must be a string, got true");
   EXPECT_EQ(message([&] { jf::unsigned_integer(j, "neg", "a.json", 0); }), "a.json: neg must be a non-negative integer, got -3");
+  // Ranges are written as counts are everywhere (PEFT's "{:,}"), so 1048576 reads as 1,048,576.
+  EXPECT_EQ(message([&] { jf::integer(j, "neg", "a.json", 1, {}, 1, 1 << 20); }), "a.json: neg must be an integer in [1, 1,048,576], got -3");
+  EXPECT_EQ(message([&] { jf::integer(j, "neg", "a.json", 1, {}, -1000, -10); }), "a.json: neg must be an integer in [-1,000, -10], got -3");
+}
+
+TEST(Units, WithCommasGroupsThreeDigitsAtAnyMagnitude) {
+  using peftplan::with_commas;
+  EXPECT_EQ(with_commas(0), "0");
+  EXPECT_EQ(with_commas(999), "999");
+  EXPECT_EQ(with_commas(1000), "1,000");
+  EXPECT_EQ(with_commas(6'738'415'616), "6,738,415,616");  // llama-2-7b, as PEFT prints it
+  EXPECT_EQ(with_commas(-4096), "-4,096");
+  // The extremes: the magnitude of INT64_MIN does not fit a signed 64-bit integer.
+  EXPECT_EQ(with_commas(std::numeric_limits<std::int64_t>::max()), "9,223,372,036,854,775,807");
+  EXPECT_EQ(with_commas(std::numeric_limits<std::int64_t>::min()), "-9,223,372,036,854,775,808");
 }

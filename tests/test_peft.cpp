@@ -172,7 +172,7 @@ TEST(PeftErrors, NonPositiveRankAndUnknownType) {
     adapter_from_config({{"peft_type", "LORA"}, {"r", -4}}, "adapter_config.json");
     FAIL();
   } catch (const InputError& e) {
-    EXPECT_STREQ(e.what(), "adapter_config.json: r must be an integer in [1, 1048576], got -4");
+    EXPECT_STREQ(e.what(), "adapter_config.json: r must be an integer in [1, 1,048,576], got -4");
   }
   EXPECT_THROW(adapter_from_config({{"peft_type", "LOHA"}}, "adapter_config.json"), InputError);
   EXPECT_THROW(adapter_from_config({{"peft_type", "LORA"}, {"bias", "some"}}, "adapter_config.json"), InputError);

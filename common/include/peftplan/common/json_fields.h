@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/units.h"
 
 namespace peftplan::json_fields {
 
@@ -67,19 +68,20 @@ inline double as_number(const Json& v, std::string_view where, std::string_view 
   return x;
 }
 
-// What an integer field in [lo, hi] says it must be ("must be an integer in [1, 64]", or "must
-// be a positive integer" / "must be a non-negative integer" for the open ranges).
+// What an integer field in [lo, hi] says it must be ("must be an integer in [1, 1,048,576]", the
+// bounds with thousands separators as units.h writes counts, or "must be a positive integer" /
+// "must be a non-negative integer" for the open ranges).
 inline std::string valid_integer(std::int64_t lo, std::int64_t hi) {
   constexpr std::int64_t kMin = std::numeric_limits<std::int64_t>::min(), kMax = std::numeric_limits<std::int64_t>::max();
   if (hi == kMax && lo == 1) return "must be a positive integer";
   if (hi == kMax && lo == 0) return "must be a non-negative integer";
-  if (lo != kMin || hi != kMax) return fmt::format("must be an integer in [{}, {}]", lo, hi);
+  if (lo != kMin || hi != kMax) return fmt::format("must be an integer in [{}, {}]", with_commas(lo), with_commas(hi));
   return "must be an integer";
 }
 
 // An integer in [lo, hi]. A float where an integer belongs (4.0) is refused unless
 // `integral_floats` (DeepSpeed's configs write sizes as 5e8), as are values past 64 bits.
-// `valid` overrides the message's "must be ..." (a range written with thousands separators).
+// `valid` overrides the message's "must be ..." (say, "must hold non-negative layer indices").
 inline std::int64_t as_integer(const Json& v, std::string_view where, std::string_view field,
                                std::int64_t lo = std::numeric_limits<std::int64_t>::min(),
                                std::int64_t hi = std::numeric_limits<std::int64_t>::max(), bool integral_floats = false,

@@ -17,16 +17,15 @@ inline double to_gib(std::uint64_t bytes) { return static_cast<double>(bytes) / 
 
 // 6738415616 -> "6,738,415,616" (PEFT's print_trainable_parameters uses Python's "{:,}").
 inline std::string with_commas(std::int64_t n) {
-  std::string digits = fmt::format("{}", n < 0 ? -n : n);
+  // The magnitude as unsigned: -INT64_MIN does not fit in 64 signed bits.
+  const std::uint64_t magnitude = n < 0 ? 0 - static_cast<std::uint64_t>(n) : static_cast<std::uint64_t>(n);
+  const std::string digits = fmt::format("{}", magnitude);
   std::string out;
-  int count = 0;
-  for (auto it = digits.rbegin(); it != digits.rend(); ++it) {
-    if (count > 0 && count % 3 == 0) out.insert(out.begin(), ',');
-    out.insert(out.begin(), *it);
-    ++count;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
   }
-  if (n < 0) out.insert(out.begin(), '-');
-  return out;
+  return n < 0 ? "-" + out : out;
 }
 
 // 6738415616 -> "6.74B", 124439808 -> "124.4M": the short form the Hugging Face Hub shows.

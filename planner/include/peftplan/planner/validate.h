@@ -107,6 +107,10 @@ struct OpDiff {
   double diff_s() const { return measured_s - predicted_s; }
 };
 
+// "op 226 q_proj (forward, gemm, layer 3, micro-batch 0): predicted 0.412 ms, measured 0.398 ms
+// (-0.014 ms)", or for a kind "q_proj (forward, gemm, 8 ops): ...".
+std::string describe(const OpDiff& d);
+
 struct Validation {
   Tolerances tolerances;
   std::vector<Figure> memory;  // device categories, host categories, then "peak"
