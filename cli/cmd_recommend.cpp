@@ -2,7 +2,6 @@
 // micro-batch, accumulation, GPU count), a ranked table with a reason per row, the strategies that
 // lost and why, alternatives outside the space, and with --emit the files to launch the winner.
 // Exit code 1 when nothing fits.
-#include <charconv>
 #include <cmath>
 #include <chrono>
 #include <memory>
@@ -51,15 +50,7 @@ struct Options {
 };
 
 planner::CheckpointChoice parse_checkpoint(std::string_view word) {
-  using planner::Checkpointing;
-  if (word == "none") return {Checkpointing::none, 1};
-  if (word == "full") return {Checkpointing::full, 1};
-  if (word.rfind("every-", 0) == 0) {
-    std::int64_t k = 0;
-    const std::string_view digits = word.substr(6);
-    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), k);
-    if (!digits.empty() && ec == std::errc() && end == digits.data() + digits.size() && k > 0) return {Checkpointing::every_k, k};
-  }
+  if (const auto c = planner::checkpoint_choice_from_name(word)) return *c;
   throw input_error("--checkpointing", "", "must be a comma list of none, full and every-K (K a positive integer)", fmt::format("\"{}\"", word));
 }
 

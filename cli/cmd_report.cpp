@@ -1,6 +1,7 @@
 // `peftplan report --out DIR`: the comparison report (reports/report.h) of the seed's strategies
 // for the given model, adapter, training and cluster (or a saved plan.json), with the
-// recommendation of `recommend`'s search and the knob deltas of the configuration given.
+// recommendation of `recommend`'s search and the knob deltas of the configuration given; or of a
+// run folder, a sweep table or a recommend --json as saved (reports/sources.h).
 #include <chrono>
 #include <memory>
 
@@ -10,10 +11,12 @@
 #include "plan_flags.h"
 #include "run_report.h"
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_file.h"
 #include "peftplan/common/units.h"
 #include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/recommend.h"
 #include "peftplan/reports/report.h"
+#include "peftplan/reports/sources.h"
 
 namespace peftplan::cli {
 namespace {
@@ -35,11 +38,14 @@ void add_report_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("report", "a shareable comparison report (HTML with inline SVG charts, and Markdown) of the strategies for one job");
   cmd->footer(
       "example: peftplan report --model llama-2-7b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --out report/\n"
-      "         peftplan report --plan out/run/ddp/plan.json --out report/");
+      "         peftplan report --plan out/run/ddp/plan.json --out report/\n"
+      "         peftplan report --sweep grid.csv --out report/");
   struct Options {
     PlanFlags plan;
     std::string plan_file;
     std::string run;
+    std::string sweep;
+    std::string recommendation;
     std::string out;
     bool no_recommend = false;
   };
@@ -47,12 +53,31 @@ void add_report_command(CLI::App& app, int& exit_code) {
   add_plan_flags(cmd, o->plan);
   cmd->add_option("--plan", o->plan_file, "a saved plan.json (peftplan plan --write-plan, recommend --emit, run) instead of the plan flags");
   cmd->add_option("--run", o->run, "a peftplan run folder (or a validation.json beside its plan.json): the report of its strategies, predicted and measured");
+  cmd->add_option("--sweep", o->sweep, "a peftplan sweep table (CSV or --format jsonl): one column per configuration, as the table holds it");
+  cmd->add_option("--recommendation", o->recommendation, "a peftplan recommend --json: the recommendation, its ranked rows and each other family's best");
   cmd->add_option("--out", o->out, "the report's folder (report.html, report.md, memory.svg, time.svg); replaced as a whole")->required();
   cmd->add_flag("--no-recommend", o->no_recommend, "leave out the recommendation (no search)");
   cmd->callback([&exit_code, o] {
     const auto t0 = std::chrono::steady_clock::now();
+    const int sources = !o->run.empty() + !o->plan_file.empty() + !o->sweep.empty() + !o->recommendation.empty();
+    if (sources > 1) throw InputError("--run, --plan, --sweep and --recommendation: give one source");
+    // A saved table: its figures as the file holds them (reports/sources.h).
+    if (!o->sweep.empty() || !o->recommendation.empty()) {
+      reports::ReportInput ri = !o->sweep.empty()
+                                    ? reports::sweep_report(reports::read_sweep(read_text_file(o->sweep), o->sweep), o->sweep)
+                                    : reports::recommendation_report(planner::recommendation_from_json(read_json_file(o->recommendation), o->recommendation),
+                                                                     o->recommendation);
+      ri.spell = flag_of;
+      ri.provenance.version = reports::version_string();
+      ri.provenance.command = command_line();
+      reports::write_report(o->out, ri);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      fmt::print("report of {} {} written to {}/ (report.html, report.md, memory.svg, time.svg) in {:.2f} s\n", ri.strategies.size(),
+                 !o->sweep.empty() ? "configurations" : "rows", o->out, seconds);
+      exit_code = 0;
+      return;
+    }
     if (!o->run.empty()) {
-      if (!o->plan_file.empty()) throw InputError("--run and --plan: give one source");
       std::string machine;
       const std::vector<MeasuredStrategy> runs = read_run(o->run, machine);
       const auto& v = runs.front().validation;

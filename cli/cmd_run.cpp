@@ -428,8 +428,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       to.ranks = N;
       to.pid_base = 1000;  // the measured trace.json uses pid 0
       write_text_atomic(dir / "trace.predicted.json", sim::chrome_trace(job.plan.program, *job.plan.time, to).dump() + "\n");
-      write_text_atomic(dir / "report.md", validation_report(job.plan, v, profile));
-      fmt::print("wrote validation.json, trace.predicted.json and report.md beside measurement.json and trace.json in {}\n", shown(dir));
+      fmt::print("wrote validation.json and trace.predicted.json beside measurement.json and trace.json in {}\n", shown(dir));
       std::fflush(stdout);  // the table first, then the verdict lines on stderr
       fmt::print(stderr, "{}", verdict_lines(v));
       if (!v.within_tolerance) {
@@ -441,7 +440,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
     // One report of every strategy, predicted and measured (reports/report.h).
     {
       std::vector<MeasuredStrategy> measured;
-      for (const Job& job : jobs) measured.push_back({job.strategy, job.plan, job.v});
+      for (const Job& job : jobs) measured.push_back({job.strategy, job.plan, job.v, job.dir});
       const std::string machine = fmt::format("{} ({}, {} rank(s))", cpu_model_name(), jobs.front().rounds.front().value("backend", std::string("?")), job_ranks);
       reports::write_report(out / "report", run_report(measured, machine, profile, R, tol));
       fmt::print("wrote {}/ (report.html, report.md: every strategy, predicted and measured)\n", shown(out / "report"));

@@ -42,33 +42,6 @@ struct Axis {
   bool boolean = false;
 };
 
-// The fixed columns after the grid's own, as paths into plan --json.
-struct Column {
-  std::string name;
-  std::vector<std::string> path;
-};
-std::vector<Column> fixed_columns() {
-  std::vector<Column> c = {{"model", {"model"}}, {"strategy", {"strategy"}}, {"ranks", {"ranks"}}, {"profile", {"profile"}}, {"cluster", {"cluster"}},
-                           {"fits", {"fits"}}};
-  for (int i = 0; i < sim::kNumDeviceCategories; ++i) {
-    const std::string n = std::string(sim::name_of(static_cast<sim::MemCategory>(i))) + "_bytes";
-    c.push_back({n, {"memory", "device", n}});
-  }
-  for (const char* k : {"allocated_peak_bytes", "reserved_peak_bytes", "used_peak_bytes", "outside_allocator_bytes", "capacity_bytes"})
-    c.push_back({k, {"memory", "device", k}});
-  c.push_back({"host_peak_bytes", {"memory", "host", "peak_bytes"}});
-  for (const char* k : {"step_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s", "offload_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
-                        "host_bound"})
-    c.push_back({k, {"time", k}});
-  for (int i = 0; i < sim::kNumCollectives; ++i) {
-    const std::string n = std::string(sim::name_of(static_cast<sim::Collective>(i)));
-    c.push_back({n + "_bytes", {"comm", n + "_bytes"}});
-  }
-  c.push_back({"intra_node_bytes", {"comm", "intra_node_bytes"}});
-  c.push_back({"inter_node_bytes", {"comm", "inter_node_bytes"}});
-  return c;
-}
-
 std::string csv_field(const nlohmann::json& v) {
   if (v.is_null()) return "";
   if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
@@ -173,7 +146,7 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
     for (const auto& a : axes)
       if (a.values.size() > 1) grid_names.push_back(a.flag);  // "--micro-batch": the grid's own columns, named as the flags
 
-    const std::vector<Column> columns = fixed_columns();
+    const std::vector<planner::SweepColumn>& columns = planner::sweep_columns();
     std::vector<nlohmann::json> rows(total);
     std::atomic<std::size_t> next{0}, done{0};
     auto worker = [&] {

@@ -25,11 +25,24 @@ reports::ReportInput run_report(const std::vector<MeasuredStrategy>& runs, const
                           {"cluster profile", profile},
                           {"rounds", fmt::format("{} per strategy, interleaved; times are their median", rounds)},
                           {"tolerances", fmt::format("memory {:.4g}%, time {:.4g}%", 100.0 * tol.memory, 100.0 * tol.time)}};
-  for (const auto& r : runs) ri.strategies.push_back({r.strategy, "--strategy " + r.strategy, r.plan, r.validation, machine});
+  for (const auto& r : runs) {
+    reports::StrategyColumn c = reports::plan_column(r.strategy, "--strategy " + r.strategy, r.plan);
+    c.validation = r.validation;
+    c.measured_on = machine;
+    const fs::path trace = measured_trace_path(r.dir, r.validation);
+    if (!r.dir.empty() && fs::is_regular_file(trace))
+      c.measured_steps = reports::measured_timeline(models::read_json_file(trace.string()), trace.string(),
+                                                    fmt::format("round {}", r.validation.op_round + 1));
+    ri.strategies.push_back(std::move(c));
+  }
   ri.base_label = fmt::format("{} (the first strategy run)", runs.front().strategy);
   ri.knobs = reports::knob_deltas(first);
   ri.no_recommendation = "No recommendation: peftplan run measures the strategies it was given (peftplan recommend searches).";
   return ri;
+}
+
+fs::path measured_trace_path(const fs::path& dir, const planner::Validation& v) {
+  return v.op_round <= 0 ? dir / "trace.json" : dir / "rounds" / std::to_string(v.op_round + 1) / "trace.json";
 }
 
 std::vector<MeasuredStrategy> read_run(const fs::path& path, std::string& machine) {
@@ -57,7 +70,7 @@ std::vector<MeasuredStrategy> read_run(const fs::path& path, std::string& machin
     planner::PlanOptions po;
     po.explain = false;
     MeasuredStrategy m{std::string(planner::name_of(pf.input.strategy.stage)), planner::make_plan(pf.input, *pf.cluster, po),
-                       planner::validation_from_json(models::read_json_file((d / "validation.json").string()), (d / "validation.json").string())};
+                       planner::validation_from_json(models::read_json_file((d / "validation.json").string()), (d / "validation.json").string()), d};
     if (fs::is_regular_file(d / "measurement.json") && machine.empty()) {
       const auto meas = models::read_json_file((d / "measurement.json").string());
       machine = fmt::format("{} ({} rank(s))", meas.value("backend", std::string("the executor")), meas.value("ranks", 0));

@@ -16,7 +16,12 @@ struct MeasuredStrategy {
   std::string strategy;
   planner::Plan plan;
   planner::Validation validation;
+  std::filesystem::path dir;  // the strategy's folder: its trace.json (and rounds/<k>/trace.json) draw the measured step
 };
+
+// The executor's trace.json of the round whose op times the validation shows (round 1 in the
+// strategy's folder, round k in rounds/<k>/).
+std::filesystem::path measured_trace_path(const std::filesystem::path& dir, const planner::Validation& v);
 
 reports::ReportInput run_report(const std::vector<MeasuredStrategy>& runs, const std::string& machine, const std::string& profile,
                                 int rounds, const planner::Tolerances& tolerances);

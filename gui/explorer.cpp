@@ -417,7 +417,7 @@ void Explorer::show_result(Result r) {
 std::string Explorer::segment_formula(sim::MemCategory cat, int strategy) const {
   if (strategy < 0 || strategy >= static_cast<int>(result_.strategies.size())) return "";
   const auto& col = result_.strategies[static_cast<std::size_t>(strategy)];
-  const planner::Explanation e = planner::explain_plan(col.plan);
+  const planner::Explanation e = planner::explain_plan(*col.plan);
   std::string text = fmt::format("{} · {}", col.label, sim::name_of(cat));
   for (const auto& c : e.categories) {
     if (c.category != cat) continue;
@@ -443,7 +443,7 @@ void Explorer::build_memory_view() {
     const auto cat = static_cast<sim::MemCategory>(c);
     auto* set = new QBarSet(QString::fromUtf8(sim::name_of(cat).data()), series);
     set->setColor(colour(reports::colour_of(cat)));
-    for (const auto& s : result_.strategies) *set << static_cast<double>(s.plan.memory.at_peak_bytes[static_cast<std::size_t>(c)]) / kGiB;
+    for (const auto& s : result_.strategies) *set << static_cast<double>(s.plan->memory.at_peak_bytes[static_cast<std::size_t>(c)]) / kGiB;
     series->append(set);
     // Hovering a segment shows its derivation: what `peftplan explain` prints for the category.
     connect(set, &QBarSet::hovered, this, [this, cat](bool on, int index) {
@@ -457,7 +457,7 @@ void Explorer::build_memory_view() {
   outside->setColor(QColor("#9a9a9a"));
   double top = 0;
   for (const auto& s : result_.strategies) {
-    const auto& p = s.plan;
+    const auto& p = *s.plan;
     *cache << static_cast<double>(p.reserved_peak_bytes - std::min(p.reserved_peak_bytes, p.memory.device_peak_bytes)) / kGiB;
     *outside << static_cast<double>(p.outside_allocator_bytes) / kGiB;
     top = std::max(top, static_cast<double>(p.used_peak_bytes) / kGiB);
@@ -468,7 +468,7 @@ void Explorer::build_memory_view() {
   auto* x = new QBarCategoryAxis(chart);
   x->append(names);
   auto* y = new QValueAxis(chart);
-  const double capacity = result_.strategies.empty() ? 0 : static_cast<double>(result_.strategies.front().plan.device_capacity_bytes) / kGiB;
+  const double capacity = result_.strategies.empty() ? 0 : static_cast<double>(result_.strategies.front().plan->device_capacity_bytes) / kGiB;
   y->setRange(0, std::min(std::max(top, capacity) * 1.05, 3 * capacity));
   y->setTitleText("GiB per GPU");
   chart->addAxis(x, Qt::AlignBottom);
@@ -509,7 +509,7 @@ void Explorer::build_time_view() {
   rest->setColor(colour(reports::kOffloadColour));
   QStringList names;
   for (const auto& s : result_.strategies) {
-    const auto& t = *s.plan.time;
+    const auto& t = *s.plan->time;
     names << QString::fromStdString(fmt::format("{} ({:.0f} tok/s)", s.label, t.tokens_per_s));
     *compute << t.compute_s;
     *comm << t.exposed_comm_s;

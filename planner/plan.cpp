@@ -344,6 +344,35 @@ nlohmann::json plan_to_json(const Plan& p) {
   return j;
 }
 
+const std::vector<SweepColumn>& sweep_columns() {
+  static const std::vector<SweepColumn> columns = [] {
+    std::vector<SweepColumn> c = {{"model", {"model"}}, {"strategy", {"strategy"}}, {"ranks", {"ranks"}}, {"profile", {"profile"}},
+                                  {"cluster", {"cluster"}}, {"fits", {"fits"}}};
+    for (int i = 0; i < sim::kNumDeviceCategories; ++i) {
+      const std::string n = std::string(sim::name_of(static_cast<sim::MemCategory>(i))) + "_bytes";
+      c.push_back({n, {"memory", "device", n}});
+    }
+    for (const char* k : {"allocated_peak_bytes", "reserved_peak_bytes", "used_peak_bytes", "outside_allocator_bytes", "capacity_bytes"})
+      c.push_back({k, {"memory", "device", k}});
+    c.push_back({"host_peak_bytes", {"memory", "host", "peak_bytes"}});
+    for (const char* k : {"step_s", "compute_s", "comm_s", "exposed_comm_s", "optimizer_s", "offload_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
+                          "host_bound"})
+      c.push_back({k, {"time", k}});
+    for (int i = 0; i < sim::kNumCollectives; ++i) {
+      const std::string n = std::string(sim::name_of(static_cast<sim::Collective>(i)));
+      c.push_back({n + "_bytes", {"comm", n + "_bytes"}});
+    }
+    c.push_back({"intra_node_bytes", {"comm", "intra_node_bytes"}});
+    c.push_back({"inter_node_bytes", {"comm", "inter_node_bytes"}});
+    // Added in sweep/2 (after the columns of sweep/1, whose order stays).
+    c.push_back({"device_to_host_bytes", {"comm", "device_to_host_bytes"}});
+    c.push_back({"host_to_device_bytes", {"comm", "host_to_device_bytes"}});
+    c.push_back({"headroom_fraction", {"memory", "device", "headroom_fraction"}});
+    return c;
+  }();
+  return columns;
+}
+
 nlohmann::json memory_trace(const Plan& p) {
   sim::TraceOptions o;
   o.process_name = "peftplan predicted memory";

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -14,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/json_fields.h"
 #include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
 
@@ -32,6 +34,18 @@ std::string_view name_of(Objective o) {
 std::string name_of(const CheckpointChoice& c) {
   if (c.kind == Checkpointing::every_k) return fmt::format("every-{}", c.every);
   return std::string(planner::name_of(c.kind));
+}
+
+std::optional<CheckpointChoice> checkpoint_choice_from_name(std::string_view word) {
+  if (word == "none") return CheckpointChoice{Checkpointing::none, 1};
+  if (word == "full") return CheckpointChoice{Checkpointing::full, 1};
+  if (word.rfind("every-", 0) == 0) {
+    std::int64_t k = 0;
+    const std::string_view digits = word.substr(6);
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), k);
+    if (!digits.empty() && ec == std::errc() && end == digits.data() + digits.size() && k > 0) return CheckpointChoice{Checkpointing::every_k, k};
+  }
+  return std::nullopt;
 }
 
 sim::Cluster cluster_for_gpus(const sim::Cluster& cluster, std::int32_t gpus) {
@@ -477,9 +491,14 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
 
   Recommendation r;
   r.objective = objective;
+  r.model = base_in.model.name;
+  r.cluster = cluster.name;
+  r.capacity_bytes = cluster.gpu.memory_bytes;
+  r.headroom_fraction = constraints.headroom_fraction;
   for (auto& cell : cells)
     for (auto& c : cell.timed) r.ranked.push_back(c);
   rank(r.ranked, objective);
+  r.fitting = static_cast<std::int64_t>(r.ranked.size());
   // The Pareto front of memory in use against tokens/s.
   {
     std::vector<std::size_t> idx(r.ranked.size());
@@ -801,11 +820,15 @@ nlohmann::json recommendation_to_json(const Recommendation& r, std::size_t top) 
   nlohmann::json j;
   j["schema"] = schemas::kRecommendation;
   j["objective"] = name_of(r.objective);
+  j["model"] = r.model;
+  j["cluster"] = r.cluster;
+  j["capacity_bytes"] = r.capacity_bytes;
+  j["headroom_fraction"] = r.headroom_fraction;
   j["summary"] = r.summary;
   j["suggestions"] = suggestions_to_json(r.suggestions);
   j["evaluated"] = r.evaluated;
   j["timed"] = r.timed;
-  j["fitting"] = r.ranked.size();
+  j["fitting"] = r.fitting;
   j["ranked"] = nlohmann::json::array();
   for (std::size_t i = 0; i < r.ranked.size() && i < top; ++i) j["ranked"].push_back(candidate_json(r.ranked[i]));
   j["rejected"] = nlohmann::json::array();
@@ -817,6 +840,147 @@ nlohmann::json recommendation_to_json(const Recommendation& r, std::size_t top) 
   j["alternatives"] = nlohmann::json::array();
   for (const auto& a : r.alternatives) j["alternatives"].push_back({{"what", a.what}, {"candidate", candidate_json(a.candidate)}});
   return j;
+}
+
+namespace {
+
+// A enum field spelled by name_of, read back through from_name.
+template <typename E, std::size_t N>
+E enum_field(const nlohmann::json& o, const char* key, const std::string& source, const std::string& prefix, const std::array<E, N>& values) {
+  const std::string v = json_fields::as_string(json_fields::required(o, key, source, prefix), source, prefix + key);
+  const auto e = from_name(v, values);
+  if (!e) throw input_error(source, prefix + key, fmt::format("must be one of {}", names_of(values)), fmt::format("\"{}\"", v));
+  return *e;
+}
+
+std::vector<Suggestion> suggestions_from_json(const nlohmann::json& a, const std::string& source, const std::string& field) {
+  if (!a.is_array()) throw input_error(source, field, "must be a list of suggestions", a.dump().substr(0, 60));
+  std::vector<Suggestion> out;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const std::string at = fmt::format("{}[{}].", field, i);
+    const nlohmann::json& e = a[i];
+    Suggestion s;
+    const std::string knob = json_fields::as_string(json_fields::required(e, "knob", source, at), source, at + "knob");
+    bool found = false;
+    for (int k = 0; k < kNumKnobs && !found; ++k)
+      if (field_of(static_cast<Knob>(k)) == knob) {
+        s.knob = static_cast<Knob>(k);
+        found = true;
+      }
+    if (!found) throw input_error(source, at + "knob", "must name a knob (a PlanInput field, such as strategy.stage)", fmt::format("\"{}\"", knob));
+    const std::string change = json_fields::as_string(json_fields::required(e, "change", source, at), source, at + "change");
+    found = false;
+    for (Change c : {Change::set, Change::smaller, Change::larger})
+      if (name_of(c) == change) {
+        s.change = c;
+        found = true;
+      }
+    if (!found) throw input_error(source, at + "change", "must be set, smaller or larger", fmt::format("\"{}\"", change));
+    s.value = json_fields::string(e, "value", source, "", at);
+    s.why = json_fields::string(e, "why", source, "", at);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+Candidate candidate_from_json(const nlohmann::json& c, const std::string& source, const std::string& prefix) {
+  namespace jf = json_fields;
+  if (!c.is_object()) throw input_error(source, prefix.empty() ? "row" : prefix.substr(0, prefix.size() - 1), "must be an object (a recommend row)");
+  Candidate x;
+  auto u64 = [&](const nlohmann::json& o, const char* key, const std::string& at) {
+    return static_cast<std::uint64_t>(jf::required_integer(o, key, source, at, 0));
+  };
+  x.family = jf::as_string(jf::required(c, "family", source, prefix), source, prefix + "family");
+  x.input.profile = enum_field(c, "profile", source, prefix, kRuntimeProfiles);
+  x.input.strategy.stage = enum_field(c, "strategy", source, prefix, kStages);
+  x.input.strategy.offload_optimizer = enum_field(c, "offload_optimizer", source, prefix, kOffloadDevices);
+  x.input.strategy.offload_param = enum_field(c, "offload_param", source, prefix, kOffloadDevices);
+  x.input.training.micro_batch = jf::required_integer(c, "micro_batch", source, prefix, 1);
+  x.input.training.grad_accum = jf::required_integer(c, "grad_accum", source, prefix, 1);
+  const std::string ck = jf::as_string(jf::required(c, "checkpointing", source, prefix), source, prefix + "checkpointing");
+  const auto choice = checkpoint_choice_from_name(ck);
+  if (!choice) throw input_error(source, prefix + "checkpointing", "must be none, full or every-K", fmt::format("\"{}\"", ck));
+  x.input.training.checkpointing = choice->kind;
+  x.input.training.checkpoint_every = choice->every;
+  x.input.strategy.ranks = static_cast<std::int32_t>(jf::required_integer(c, "gpus", source, prefix, 1, 1 << 20));
+  x.fits = jf::as_boolean(jf::required(c, "fits", source, prefix), source, prefix + "fits");
+  x.allocated_peak_bytes = u64(c, "allocated_peak_bytes", prefix);
+  x.reserved_peak_bytes = u64(c, "reserved_peak_bytes", prefix);
+  x.used_peak_bytes = u64(c, "used_peak_bytes", prefix);
+  x.spare_bytes = jf::required_integer(c, "spare_bytes", source, prefix);
+  const nlohmann::json& cats = jf::required_object(c, "at_peak", source, prefix);
+  for (int i = 0; i < sim::kNumCategories; ++i)
+    x.at_peak_bytes[static_cast<std::size_t>(i)] = u64(cats, (std::string(sim::name_of(static_cast<MemCategory>(i))) + "_bytes").c_str(), prefix + "at_peak.");
+  x.step_s = jf::required_number(c, "step_s", source, prefix, jf::Sign::non_negative);
+  x.compute_s = jf::required_number(c, "compute_s", source, prefix, jf::Sign::non_negative);
+  x.exposed_comm_s = jf::required_number(c, "exposed_comm_s", source, prefix, jf::Sign::non_negative);
+  x.offload_s = jf::required_number(c, "offload_s", source, prefix, jf::Sign::non_negative);
+  x.host_bound = jf::as_boolean(jf::required(c, "host_bound", source, prefix), source, prefix + "host_bound");
+  x.tokens_per_s = jf::required_number(c, "tokens_per_s", source, prefix, jf::Sign::non_negative);
+  x.mfu = jf::required_number(c, "mfu", source, prefix, jf::Sign::non_negative);
+  x.gathered_bytes = u64(c, "all_gather_bytes", prefix);
+  x.comm_bytes = u64(c, "comm_bytes", prefix);
+  x.inter_node_bytes = u64(c, "inter_node_bytes", prefix);
+  const std::string binding = jf::as_string(jf::required(c, "binding_category", source, prefix), source, prefix + "binding_category");
+  bool known = false;
+  for (int i = 0; i < sim::kNumCategories && !known; ++i)
+    if (sim::name_of(static_cast<MemCategory>(i)) == binding) {
+      x.binding = static_cast<MemCategory>(i);
+      known = true;
+    }
+  if (!known) throw input_error(source, prefix + "binding_category", "must name a memory category (such as activations)", fmt::format("\"{}\"", binding));
+  x.pareto = jf::boolean(c, "pareto", source, false, prefix);
+  x.reason = jf::string(c, "reason", source, "", prefix);
+  x.cost_per_mtok_usd = jf::nullable_number(c, "cost_per_million_tokens_usd", source, prefix);
+  return x;
+}
+
+}  // namespace
+
+Recommendation recommendation_from_json(const nlohmann::json& j, const std::string& source) {
+  namespace jf = json_fields;
+  if (!j.is_object()) throw input_error(source, "", "must hold a JSON object (the output of peftplan recommend --json)");
+  if (!j.contains("schema") || j["schema"] != schemas::kRecommendation)
+    throw input_error(source, "schema", fmt::format("must be \"{}\" (peftplan recommend --json)", schemas::kRecommendation),
+                      j.contains("schema") ? j["schema"].dump() : std::string("none"));
+  Recommendation r;
+  r.objective = enum_field(j, "objective", source, "", kObjectives);
+  r.summary = jf::as_string(jf::required(j, "summary", source), source, "summary");
+  r.suggestions = suggestions_from_json(jf::required(j, "suggestions", source), source, "suggestions");
+  r.evaluated = jf::required_integer(j, "evaluated", source, {}, 0);
+  r.timed = jf::required_integer(j, "timed", source, {}, 0);
+  r.fitting = jf::required_integer(j, "fitting", source, {}, 0);
+  r.model = jf::as_string(jf::required(j, "model", source), source, "model");
+  r.cluster = jf::as_string(jf::required(j, "cluster", source), source, "cluster");
+  r.capacity_bytes = static_cast<std::uint64_t>(jf::required_integer(j, "capacity_bytes", source, {}, 1));
+  r.headroom_fraction = jf::as_number(jf::required(j, "headroom_fraction", source), source, "headroom_fraction", jf::Sign::non_negative);
+  if (!(r.headroom_fraction < 1)) throw input_error(source, "headroom_fraction", "must be in [0, 1)", jf::required(j, "headroom_fraction", source).dump());
+  const nlohmann::json& ranked = jf::required(j, "ranked", source);
+  if (!ranked.is_array()) throw input_error(source, "ranked", "must be a list of rows", ranked.dump().substr(0, 60));
+  for (std::size_t i = 0; i < ranked.size(); ++i) r.ranked.push_back(candidate_from_json(ranked[i], source, fmt::format("ranked[{}].", i)));
+  const nlohmann::json& rejected = jf::required(j, "rejected", source);
+  if (!rejected.is_array()) throw input_error(source, "rejected", "must be a list", rejected.dump().substr(0, 60));
+  for (std::size_t i = 0; i < rejected.size(); ++i) {
+    const std::string at = fmt::format("rejected[{}].", i);
+    const nlohmann::json& e = rejected[i];
+    Rejection x;
+    x.family = jf::as_string(jf::required(e, "family", source, at), source, at + "family");
+    x.fits = jf::as_boolean(jf::required(e, "fits", source, at), source, at + "fits");
+    x.reason = jf::as_string(jf::required(e, "reason", source, at), source, at + "reason");
+    x.suggestions = suggestions_from_json(jf::required(e, "suggestions", source, at), source, at + "suggestions");
+    if (const nlohmann::json* b = jf::find(e, "best")) x.best = candidate_from_json(*b, source, at + "best.");
+    r.rejected.push_back(std::move(x));
+  }
+  const nlohmann::json& alternatives = jf::required(j, "alternatives", source);
+  if (!alternatives.is_array()) throw input_error(source, "alternatives", "must be a list", alternatives.dump().substr(0, 60));
+  for (std::size_t i = 0; i < alternatives.size(); ++i) {
+    const std::string at = fmt::format("alternatives[{}].", i);
+    Alternative a;
+    a.what = jf::as_string(jf::required(alternatives[i], "what", source, at), source, at + "what");
+    a.candidate = candidate_from_json(jf::required(alternatives[i], "candidate", source, at), source, at + "candidate.");
+    r.alternatives.push_back(std::move(a));
+  }
+  return r;
 }
 
 }  // namespace peftplan::planner

@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <cmath>
+#include <span>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -51,10 +53,17 @@ thread_local Unit g_unit;
 struct Scope {  // sets the unit for one rendering
   explicit Scope(const ReportInput& r) {
     std::uint64_t most = 0;
-    for (const auto& s : r.strategies) most = std::max(most, s.plan.used_peak_bytes);
+    for (const auto& s : r.strategies) most = std::max(most, s.figures.used_peak_bytes);
     g_unit = most < 2ull * (1ull << 30) ? Unit{"MiB", 1024.0 * 1024.0} : Unit{"GiB", kGiB};
   }
 };
+// The columns the charts and the per-column tables show: the first kMaxColumns (a sweep may have
+// hundreds of rows; the "every configuration" table lists them all).
+constexpr std::size_t kMaxColumns = 12;
+std::span<const StrategyColumn> charted(const ReportInput& r) {
+  return std::span<const StrategyColumn>(r.strategies).first(std::min(r.strategies.size(), kMaxColumns));
+}
+
 std::string gib(std::uint64_t b) { return fmt::format("{:.2f}", static_cast<double>(b) / g_unit.bytes); }
 double in_unit(std::uint64_t b) { return static_cast<double>(b) / g_unit.bytes; }
 std::string esc(std::string_view s) { return xml_escape(s); }
@@ -94,7 +103,7 @@ ul{margin:2pt 0 2pt 14pt;padding:0}li{margin:1pt 0}
 // A validation figure's value as the measured tables show it: bytes in MiB, times in seconds.
 std::string figure_text(bool bytes, double x) { return bytes ? fmt::format("{:.3f} MiB", x / kGiB * 1024) : fmt::format("{:.4f} s", x); }
 
-std::string fits_word(const Plan& p) { return p.fits ? "fits" : "does not fit"; }
+std::string fits_word(const Figures& f) { return f.fits ? "fits" : "does not fit"; }
 
 // A reason followed by what to try ("...; try --strategy zero3 (shards the frozen base)").
 std::string with_suggestions(const std::string& text, const std::vector<planner::Suggestion>& s, planner::KnobSpelling spell) {
@@ -102,6 +111,87 @@ std::string with_suggestions(const std::string& text, const std::vector<planner:
 }
 
 }  // namespace
+
+Figures figures_of(const Plan& p) {
+  Figures f;
+  for (int i = 0; i < sim::kNumDeviceCategories; ++i) f.at_peak_bytes[static_cast<std::size_t>(i)] = p.memory.at_peak_bytes[static_cast<std::size_t>(i)];
+  f.allocated_peak_bytes = p.memory.device_peak_bytes;
+  f.reserved_peak_bytes = p.reserved_peak_bytes;
+  f.used_peak_bytes = p.used_peak_bytes;
+  f.outside_allocator_bytes = p.outside_allocator_bytes;
+  f.host_peak_bytes = p.memory.host_peak_bytes;
+  f.capacity_bytes = p.device_capacity_bytes;
+  f.headroom_fraction = p.headroom_fraction;
+  f.fits = p.fits;
+  f.ranks = p.input.strategy.ranks;
+  if (p.time) {
+    const auto& t = *p.time;
+    f.time = Figures::Time{t.step_s, t.compute_s, t.exposed_comm_s, t.comm_s, t.optimizer_s, t.offload_s, t.tokens_per_s,
+                           t.tokens_per_s / std::max(1, p.input.strategy.ranks), t.mfu, t.host_bound};
+    f.comm = Figures::Comm{t.collective_bytes, t.intra_node_bytes, t.inter_node_bytes, t.device_to_host_bytes, t.host_to_device_bytes};
+  }
+  return f;
+}
+
+StrategyColumn plan_column(std::string label, std::string plan_args, Plan plan) {
+  StrategyColumn c;
+  c.label = std::move(label);
+  c.plan_args = std::move(plan_args);
+  c.figures = figures_of(plan);
+  c.plan = std::move(plan);
+  return c;
+}
+
+std::vector<TimelineLane> predicted_timeline(const Plan& p) {
+  std::vector<TimelineLane> lanes;
+  if (!p.time) return lanes;
+  std::array<std::vector<TimelineBar>, sim::kNumStreams> by_stream;
+  for (std::size_t i = 0; i < p.program.ops.size() && i < p.time->ops.size(); ++i) {
+    const sim::Op& op = p.program.ops[i];
+    const sim::OpTime& t = p.time->ops[i];
+    if (op.phase == sim::Phase::setup || t.end_s <= t.start_s) continue;
+    if (op.kind != sim::OpKind::compute && op.kind != sim::OpKind::collective && op.kind != sim::OpKind::copy) continue;
+    std::string name = !op.label.empty() ? std::string(op.label)
+                       : op.kind == sim::OpKind::collective ? std::string(sim::name_of(op.collective))
+                       : op.kind == sim::OpKind::copy ? std::string("copy") : std::string(sim::name_of(op.kernel));
+    by_stream[static_cast<std::size_t>(op.stream)].push_back({t.start_s, t.end_s, std::move(name), op.phase, op.kind == sim::OpKind::collective});
+  }
+  for (int s = 0; s < sim::kNumStreams; ++s)
+    if (!by_stream[static_cast<std::size_t>(s)].empty())
+      lanes.push_back({fmt::format("predicted: {} stream", sim::name_of(static_cast<sim::Stream>(s))), std::move(by_stream[static_cast<std::size_t>(s)])});
+  return lanes;
+}
+
+std::vector<TimelineLane> measured_timeline(const nlohmann::json& trace, const std::string& source, const std::string& what) {
+  const nlohmann::json* events = trace.is_object() && trace.contains("traceEvents") ? &trace["traceEvents"] : nullptr;
+  if (!events || !events->is_array()) throw input_error(source, "traceEvents", "must list the trace's events (an executor trace.json)");
+  TimelineLane lane{fmt::format("measured: {}", what), {}};
+  double first = 0;
+  bool any = false;
+  for (const auto& e : *events) {
+    if (!e.is_object() || e.value("ph", std::string()) != "X" || e.value("pid", -1) != 0) continue;
+    const nlohmann::json* ts = e.contains("ts") ? &e["ts"] : nullptr;
+    const nlohmann::json* dur = e.contains("dur") ? &e["dur"] : nullptr;
+    if (!ts || !dur || !ts->is_number() || !dur->is_number() || !std::isfinite(ts->get<double>()) || !(dur->get<double>() >= 0))
+      throw input_error(source, "traceEvents[].ts/dur", "must be finite numbers of microseconds, the duration not negative", e.dump().substr(0, 80));
+    sim::Phase phase = sim::Phase::forward;
+    if (e.contains("args") && e["args"].is_object() && e["args"].contains("phase") && e["args"]["phase"].is_string()) {
+      const std::string name = e["args"]["phase"].get<std::string>();
+      for (int k = 0; k < sim::kNumPhases; ++k)
+        if (sim::name_of(static_cast<sim::Phase>(k)) == name) phase = static_cast<sim::Phase>(k);
+    }
+    const double start = ts->get<double>() * 1e-6;
+    first = any ? std::min(first, start) : start;
+    any = true;
+    lane.bars.push_back({start, start + dur->get<double>() * 1e-6, e.value("name", std::string("op")), phase, e.value("cat", std::string()) == "nccl"});
+  }
+  if (!any) return {};
+  for (auto& b : lane.bars) {  // from the start of the step
+    b.start_s -= first;
+    b.end_s -= first;
+  }
+  return {std::move(lane)};
+}
 
 std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, const sim::Cluster& cluster, double headroom) {
   using planner::OffloadDevice, planner::Stage;
@@ -154,7 +244,7 @@ std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, con
       in.training.full_finetune = true;
       in.inventory.reset();
     }
-    out.push_back({w.label, w.args, planner::make_plan(in, cluster, po)});
+    out.push_back(plan_column(w.label, w.args, planner::make_plan(in, cluster, po)));
   }
   return out;
 }
@@ -234,34 +324,35 @@ std::string memory_chart_svg(const ReportInput& r) {
   c.unit = fmt::format("{} per GPU", g_unit.name);
   std::uint64_t capacity = 0;
   double headroom = 0;
-  for (const auto& s : r.strategies) {
-    const Plan& p = s.plan;
-    capacity = p.device_capacity_bytes;
-    headroom = p.headroom_fraction;
+  for (const auto& s : charted(r)) {
+    const Figures& f = s.figures;
+    capacity = std::max(capacity, f.capacity_bytes);
+    headroom = f.headroom_fraction;
     Bar b;
     b.label = s.label;
     for (int i = 0; i < sim::kNumDeviceCategories; ++i) {
       const auto cat = static_cast<MemCategory>(i);
-      const std::uint64_t v = p.memory.at_peak_bytes[static_cast<std::size_t>(i)];
+      const std::uint64_t v = f.at_peak_bytes[static_cast<std::size_t>(i)];
       b.segments.push_back({std::string(sim::name_of(cat)), in_unit(v), std::string(colour_of(cat)),
                             fmt::format("{}: {} {} at the peak ({})", sim::name_of(cat), gib(v), g_unit.name, s.label)});
     }
-    const std::uint64_t cache = p.reserved_peak_bytes - std::min(p.reserved_peak_bytes, p.memory.device_peak_bytes);
+    const std::uint64_t cache = f.reserved_peak_bytes - std::min(f.reserved_peak_bytes, f.allocated_peak_bytes);
     b.segments.push_back({"allocator cache (reserved - allocated)", in_unit(cache), "#cfcfcf",
                           fmt::format("the caching allocator's cached segments: {} {} ({})", gib(cache), g_unit.name, s.label)});
-    b.segments.push_back({"outside the allocator (CUDA context, NCCL)", in_unit(p.outside_allocator_bytes), "#9a9a9a",
-                          fmt::format("outside the allocator: {} {u} ({}); the bar's top is what nvidia-smi shows, {} {u}", gib(p.outside_allocator_bytes),
-                                      s.label, gib(p.used_peak_bytes), fmt::arg("u", g_unit.name))});
-    b.note = p.fits ? "" : "does not fit";
+    b.segments.push_back({"outside the allocator (CUDA context, NCCL)", in_unit(f.outside_allocator_bytes), "#9a9a9a",
+                          fmt::format("outside the allocator: {} {u} ({}); the bar's top is what nvidia-smi shows, {} {u}", gib(f.outside_allocator_bytes),
+                                      s.label, gib(f.used_peak_bytes), fmt::arg("u", g_unit.name))});
+    b.note = !s.note.empty() ? s.note : f.fits ? "" : "does not fit";
     c.bars.push_back(std::move(b));
   }
   // The GPU's memory and the headroom, unless they are far off the bars' scale (a tiny model).
+  if (r.strategies.size() > kMaxColumns) c.subtitle = fmt::format("the first {} of {} {}; every one is in the table below", kMaxColumns, r.strategies.size(), r.columns_are);
   const double tallest = tallest_bar(c);
   if (in_unit(capacity) <= 3 * tallest) {
     c.lines.push_back({in_unit(capacity), fmt::format("GPU memory {:.0f} {}", in_unit(capacity), g_unit.name)});
     if (headroom > 0) c.lines.push_back({in_unit(capacity) * (1 - headroom), fmt::format("{:.0f}% headroom kept", 100 * headroom)});
   } else {
-    c.subtitle = fmt::format("the device's {:.0f} {} is off this scale", in_unit(capacity), g_unit.name);
+    c.subtitle = (c.subtitle.empty() ? "" : c.subtitle + "; ") + fmt::format("the device's {:.0f} {} is off this scale", in_unit(capacity), g_unit.name);
   }
   return stacked_bars_svg(c);
 }
@@ -270,23 +361,108 @@ std::string time_chart_svg(const ReportInput& r) {
   BarChart c;
   c.title = fmt::format("Step time per strategy, {} (s)", r.provenance.label);
   c.unit = "seconds per optimizer step";
-  for (const auto& s : r.strategies) {
-    const Plan& p = s.plan;
-    if (!p.time) continue;
-    const auto& t = *p.time;
+  for (const auto& s : charted(r)) {
+    const Figures& f = s.figures;
+    if (!f.time) continue;
+    const auto& t = *f.time;
     const double rest = std::max(0.0, t.step_s - t.compute_s - t.exposed_comm_s);
     Bar b;
     b.label = s.label;
     b.segments = {{"compute", t.compute_s, std::string(kComputeColour), fmt::format("compute {:.3f} s ({})", t.compute_s, s.label)},
                   {"exposed communication", t.exposed_comm_s, std::string(kCommColour),
-                   fmt::format("exposed communication {:.3f} s of {:.3f} s transferred ({})", t.exposed_comm_s, t.comm_s, s.label)},
+                   std::isnan(t.comm_s) ? fmt::format("exposed communication {:.3f} s ({})", t.exposed_comm_s, s.label)
+                                       : fmt::format("exposed communication {:.3f} s of {:.3f} s transferred ({})", t.exposed_comm_s, t.comm_s, s.label)},
                   {t.host_bound ? "host-bound (FSDP hooks)" : "offload, CPU optimizer and other waits", rest,
                    std::string(t.host_bound ? kHostColour : kOffloadColour), fmt::format("{:.3f} s beyond compute and exposed communication ({})", rest, s.label)}};
-    b.note = fmt::format("{:.3f} s, {} tok/s{}", t.step_s, with_commas(static_cast<std::int64_t>(t.tokens_per_s + 0.5)), p.fits ? "" : ", does not fit");
+    b.note = fmt::format("{:.3f} s, {} tok/s{}", t.step_s, with_commas(static_cast<std::int64_t>(t.tokens_per_s + 0.5)), f.fits ? "" : ", does not fit");
     c.bars.push_back(std::move(b));
   }
   return horizontal_bars_svg(c);
 }
+
+namespace {
+
+// The file a strategy's step timeline goes to beside report.md ("timeline-zero3-offload-optimizer.svg").
+std::string timeline_file(const StrategyColumn& s) {
+  std::string name = "timeline-";
+  for (char ch : s.label) {
+    const bool keep = (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9');
+    if (keep) name += ch;
+    else if (ch >= 'A' && ch <= 'Z') name += static_cast<char>(ch - 'A' + 'a');
+    else if (name.back() != '-') name += '-';
+  }
+  while (name.back() == '-') name.pop_back();
+  return name + ".svg";
+}
+
+bool has_timeline(const StrategyColumn& s) { return s.plan && s.plan->time && !s.measured_steps.empty(); }
+
+// The predicted step above the measured one, on one time axis in milliseconds.
+std::string timeline_chart_svg(const StrategyColumn& s) {
+  LaneChart c;
+  c.title = fmt::format("One step of {}: predicted above, measured below (ms)", s.label);
+  c.unit = "milliseconds from the start of the step";
+  std::vector<TimelineLane> lanes = predicted_timeline(*s.plan);
+  lanes.insert(lanes.end(), s.measured_steps.begin(), s.measured_steps.end());
+  std::array<bool, sim::kNumPhases> phase_seen{};
+  bool collective_seen = false;
+  for (const auto& l : lanes) {
+    Lane lane{l.label, {}};
+    for (const auto& b : l.bars) {
+      const std::string colour(b.collective ? kCommColour : colour_of(b.phase));
+      (b.collective ? collective_seen : phase_seen[static_cast<std::size_t>(b.phase)]) = true;
+      lane.bars.push_back({b.start_s * 1e3, b.end_s * 1e3, colour,
+                           fmt::format("{} ({}{}): {:.3f} to {:.3f} ms, {:.3f} ms ({})", b.name, b.collective ? "collective, " : "", sim::name_of(b.phase),
+                                       b.start_s * 1e3, b.end_s * 1e3, (b.end_s - b.start_s) * 1e3, l.label)});
+    }
+    c.lanes.push_back(std::move(lane));
+  }
+  for (int k = 0; k < sim::kNumPhases; ++k)
+    if (phase_seen[static_cast<std::size_t>(k)]) c.legend.push_back({std::string(sim::name_of(static_cast<sim::Phase>(k))), std::string(colour_of(static_cast<sim::Phase>(k)))});
+  if (collective_seen) c.legend.push_back({"collective", std::string(kCommColour)});
+  return lanes_svg(c);
+}
+
+// Where the measured step's time went against the prediction: the op that differs most and the
+// op kinds that differ most (validate.h's OpDiff).
+std::string op_by_op_html(const planner::Validation& v) {
+  std::string h = fmt::format("<p>Op by op, from round {}'s {}.{}</p>\n", v.op_round + 1, esc(v.op_time_source),
+                              v.most_different ? " Differs most: " + esc(planner::describe(*v.most_different)) + "." : std::string());
+  if (v.kinds.empty()) return h;
+  h += "<table class=\"op-kinds\"><thead><tr><th>op kind (phase, kernel, label)</th><th>ops</th><th>predicted (ms)</th><th>measured (ms)</th>"
+       "<th>difference (ms)</th></tr></thead><tbody>\n";
+  for (std::size_t i = 0; i < std::min<std::size_t>(5, v.kinds.size()); ++i) {
+    const auto& d = v.kinds[i];
+    h += fmt::format("<tr><td>{}, {}, {}</td><td>{}</td><td>{:.3f}</td><td>{:.3f}</td><td>{:+.3f}</td></tr>\n", esc(d.phase), esc(d.kernel), esc(d.label), d.ops,
+                     d.predicted_s * 1e3, d.measured_s * 1e3, d.diff_s() * 1e3);
+  }
+  return h + "</tbody></table>\n";
+}
+
+// One row per column: the verdict, the three peaks and the step (a sweep's configurations, a
+// search's rows; every one, where the charts draw the first kMaxColumns).
+std::string every_column_table(const ReportInput& r) {
+  std::string h = fmt::format("<h2>Every one of the {} {}</h2>\n<table id=\"every-table\"><thead><tr><th>{}</th><th>verdict</th><th>allocated ({u})</th>"
+                              "<th>reserved ({u})</th><th>used ({u})</th><th>step (s)</th><th>tokens/s per GPU</th><th>MFU</th></tr></thead><tbody>\n",
+                              r.strategies.size(), esc(r.columns_are), esc(r.columns_are), fmt::arg("u", g_unit.name));
+  for (const auto& s : r.strategies) {
+    const Figures& f = s.figures;
+    h += fmt::format("<tr data-strategy=\"{}\"><td>{}</td><td data-field=\"fits\" data-value=\"{}\" class=\"{}\">{}</td>{}{}{}", esc(s.label), esc(s.label),
+                     f.fits ? "true" : "false", f.fits ? "good" : "bad", esc(s.note.empty() ? fits_word(f) : s.note),
+                     bytes_cell("memory.device.allocated_peak_bytes", f.allocated_peak_bytes), bytes_cell("memory.device.reserved_peak_bytes", f.reserved_peak_bytes),
+                     bytes_cell("memory.device.used_peak_bytes", f.used_peak_bytes));
+    if (f.time)
+      h += number_cell("time.step_s", f.time->step_s, fmt::format("{:.4f}", f.time->step_s)) +
+           number_cell("time.tokens_per_s_per_gpu", f.time->tokens_per_s_per_gpu, with_commas(static_cast<std::int64_t>(f.time->tokens_per_s_per_gpu + 0.5))) +
+           number_cell("time.mfu", f.time->mfu, fmt::format("{:.1f}%", 100 * f.time->mfu));
+    else
+      h += "<td>-</td><td>-</td><td>-</td>";
+    h += "</tr>\n";
+  }
+  return h + "</tbody></table>\n";
+}
+
+}  // namespace
 
 std::string render_html(const ReportInput& r) {
   const std::string memory_chart = memory_chart_svg(r);
@@ -344,26 +520,29 @@ std::string render_html(const ReportInput& r) {
                    "the allocator to what nvidia-smi shows; the red lines are the GPU's memory and the headroom the verdict keeps.</figcaption></figure>\n",
                    memory_chart, esc(r.provenance.label));
   h += fmt::format("<table id=\"memory-table\"><thead><tr><th>{} per GPU</th>", g_unit.name);
-  for (const auto& s : r.strategies) h += fmt::format("<th data-strategy=\"{}\" data-plan-args=\"{}\">{}</th>", esc(s.label), esc(s.plan_args), esc(s.label));
+  for (const auto& s : charted(r))
+    h += fmt::format("<th data-strategy=\"{}\"{}>{}</th>", esc(s.label), s.plan_args.empty() ? std::string() : fmt::format(" data-plan-args=\"{}\"", esc(s.plan_args)),
+                     esc(s.label));
   h += "</tr></thead><tbody>\n";
   for (int i = 0; i < sim::kNumDeviceCategories; ++i) {
     const auto cat = static_cast<MemCategory>(i);
     h += fmt::format("<tr><th><span class=\"swatch\" style=\"background:{}\"></span>{}</th>", colour_of(cat), sim::name_of(cat));
-    for (const auto& s : r.strategies) h += bytes_cell(category_field(cat), s.plan.memory.at_peak_bytes[static_cast<std::size_t>(i)]);
+    for (const auto& s : charted(r)) h += bytes_cell(category_field(cat), s.figures.at_peak_bytes[static_cast<std::size_t>(i)]);
     h += "</tr>\n";
   }
   auto row = [&](const std::string& name, const std::string& field, auto get) {
     h += fmt::format("<tr><th>{}</th>", esc(name));
-    for (const auto& s : r.strategies) h += bytes_cell(field, get(s.plan));
+    for (const auto& s : charted(r)) h += bytes_cell(field, get(s.figures));
     h += "</tr>\n";
   };
-  row("allocated peak", "memory.device.allocated_peak_bytes", [](const Plan& p) { return p.memory.device_peak_bytes; });
-  row("reserved peak", "memory.device.reserved_peak_bytes", [](const Plan& p) { return p.reserved_peak_bytes; });
-  row("used peak (nvidia-smi)", "memory.device.used_peak_bytes", [](const Plan& p) { return p.used_peak_bytes; });
-  row("host peak per rank", "memory.host.peak_bytes", [](const Plan& p) { return p.memory.host_peak_bytes; });
+  row("allocated peak", "memory.device.allocated_peak_bytes", [](const Figures& f) { return f.allocated_peak_bytes; });
+  row("reserved peak", "memory.device.reserved_peak_bytes", [](const Figures& f) { return f.reserved_peak_bytes; });
+  row("used peak (nvidia-smi)", "memory.device.used_peak_bytes", [](const Figures& f) { return f.used_peak_bytes; });
+  row("host peak per rank", "memory.host.peak_bytes", [](const Figures& f) { return f.host_peak_bytes; });
   h += "<tr><th>verdict</th>";
-  for (const auto& s : r.strategies)
-    h += fmt::format(R"(<td data-field="fits" data-value="{}" class="{}">{}</td>)", s.plan.fits ? "true" : "false", s.plan.fits ? "good" : "bad", fits_word(s.plan));
+  for (const auto& s : charted(r))
+    h += fmt::format(R"(<td data-field="fits" data-value="{}" class="{}">{}</td>)", s.figures.fits ? "true" : "false", s.figures.fits ? "good" : "bad",
+                     esc(s.note.empty() ? fits_word(s.figures) : s.note));
   h += "</tr>\n</tbody></table>\n</section>\n";
   // --- time ---
   h += "<section id=\"time\">\n<h2>Step time</h2>\n";
@@ -371,7 +550,7 @@ std::string render_html(const ReportInput& r) {
                    "communication that compute does not hide, and the rest (offload copies, the CPU optimizer, host-bound hooks).</figcaption></figure>\n",
                    time_chart_svg(r), esc(r.provenance.label));
   h += "<table id=\"time-table\"><thead><tr><th>per optimizer step</th>";
-  for (const auto& s : r.strategies) h += fmt::format("<th>{}</th>", esc(s.label));
+  for (const auto& s : charted(r)) h += fmt::format("<th>{}</th>", esc(s.label));
   h += "</tr></thead><tbody>\n";
   struct TimeRow {
     const char* name;
@@ -383,34 +562,39 @@ std::string render_html(const ReportInput& r) {
                            TimeRow{"offload copies and host (s)", "offload_s", false}, TimeRow{"tokens/s (all GPUs)", "tokens_per_s", false},
                            TimeRow{"tokens/s per GPU", "tokens_per_s_per_gpu", false}, TimeRow{"MFU", "mfu", true}}) {
     h += fmt::format("<tr><th>{}</th>", tr.name);
-    for (const auto& s : r.strategies) {
-      if (!s.plan.time) {
+    for (const auto& s : charted(r)) {
+      if (!s.figures.time) {
         h += "<td>-</td>";
         continue;
       }
-      const auto& t = *s.plan.time;
+      const auto& t = *s.figures.time;
       const std::string key = tr.key;
       const double v = key == "step_s" ? t.step_s : key == "compute_s" ? t.compute_s : key == "exposed_comm_s" ? t.exposed_comm_s : key == "comm_s" ? t.comm_s
                      : key == "optimizer_s" ? t.optimizer_s : key == "offload_s" ? t.offload_s : key == "tokens_per_s" ? t.tokens_per_s
-                     : key == "tokens_per_s_per_gpu" ? t.tokens_per_s / std::max(1, s.plan.input.strategy.ranks) : t.mfu;
+                     : key == "tokens_per_s_per_gpu" ? t.tokens_per_s_per_gpu : t.mfu;
+      if (std::isnan(v)) {  // a figure the source does not carry (a recommend row's transferred communication)
+        h += "<td>-</td>";
+        continue;
+      }
       const std::string shown = tr.pct ? fmt::format("{:.1f}%", 100 * v) : key.rfind("tokens", 0) == 0 ? with_commas(static_cast<std::int64_t>(v + 0.5)) : fmt::format("{:.4f}", v);
       h += number_cell("time." + key, v, shown);
     }
     h += "</tr>\n";
   }
   h += "</tbody></table>\n";
+  if (r.list_every_column || r.strategies.size() > kMaxColumns) h += every_column_table(r);
   // --- communication ---
   h += fmt::format("<h2>Communication per step per rank</h2>\n<table id=\"comm-table\"><thead><tr><th>{}</th>", g_unit.name);
-  for (const auto& s : r.strategies) h += fmt::format("<th>{}</th>", esc(s.label));
+  for (const auto& s : charted(r)) h += fmt::format("<th>{}</th>", esc(s.label));
   h += "</tr></thead><tbody>\n";
   for (int c = 0; c < sim::kNumCollectives; ++c) {
     const auto coll = static_cast<sim::Collective>(c);
     bool any = false;
-    for (const auto& s : r.strategies) any |= s.plan.time && s.plan.time->collective_bytes[static_cast<std::size_t>(c)] > 0;
+    for (const auto& s : charted(r)) any |= s.figures.comm && s.figures.comm->collective_bytes[static_cast<std::size_t>(c)] > 0;
     if (!any) continue;
     h += fmt::format("<tr><th>{}</th>", sim::name_of(coll));
-    for (const auto& s : r.strategies)
-      h += s.plan.time ? bytes_cell(fmt::format("comm.{}_bytes", sim::name_of(coll)), s.plan.time->collective_bytes[static_cast<std::size_t>(c)]) : "<td>-</td>";
+    for (const auto& s : charted(r))
+      h += s.figures.comm ? bytes_cell(fmt::format("comm.{}_bytes", sim::name_of(coll)), s.figures.comm->collective_bytes[static_cast<std::size_t>(c)]) : "<td>-</td>";
     h += "</tr>\n";
   }
   struct LinkRow {
@@ -420,12 +604,12 @@ std::string render_html(const ReportInput& r) {
   for (const LinkRow lr : {LinkRow{"sent inside nodes", "intra_node_bytes"}, LinkRow{"sent between nodes", "inter_node_bytes"},
                            LinkRow{"device to host", "device_to_host_bytes"}, LinkRow{"host to device", "host_to_device_bytes"}}) {
     h += fmt::format("<tr><th>{}</th>", lr.name);
-    for (const auto& s : r.strategies) {
-      if (!s.plan.time) {
+    for (const auto& s : charted(r)) {
+      if (!s.figures.comm) {
         h += "<td>-</td>";
         continue;
       }
-      const auto& t = *s.plan.time;
+      const auto& t = *s.figures.comm;
       const std::string key = lr.key;
       const std::uint64_t v = key == "intra_node_bytes" ? t.intra_node_bytes : key == "inter_node_bytes" ? t.inter_node_bytes
                             : key == "device_to_host_bytes" ? t.device_to_host_bytes : t.host_to_device_bytes;
@@ -473,6 +657,12 @@ std::string render_html(const ReportInput& r) {
         }
       }
       h += "</tbody></table>\n";
+      h += op_by_op_html(v);
+      if (has_timeline(s))
+        h += fmt::format("<figure class=\"timeline-chart\" data-strategy=\"{}\">{}\n<figcaption>The predicted step (the simulated timeline, one lane per "
+                         "stream) above the step measured on {} (every op the executor timed in its last step), on one time axis: where they "
+                         "part is where the prediction is off.</figcaption></figure>\n",
+                         esc(s.label), timeline_chart_svg(s), esc(s.measured_on));
       if (!v.notes.empty()) {
         h += "<ul>\n";
         for (const auto& n : v.notes) h += fmt::format("<li>{}</li>\n", esc(n));
@@ -482,15 +672,19 @@ std::string render_html(const ReportInput& r) {
     h += "</section>\n";
   }
   // --- knobs ---
-  h += fmt::format("<section id=\"knobs\">\n<h2>What moves if I change one knob</h2>\n<p>Against {}: memory in use, "
-                   "step time and tokens/s after one change, {}.</p>\n",
-                   esc(r.base_label), esc(r.provenance.label));
-  h += fmt::format("<table id=\"knob-table\"><thead><tr><th>knob</th><th>change</th><th>in use ({})</th><th>step</th><th>tokens/s</th><th>verdict</th></tr></thead><tbody>\n", g_unit.name);
-  for (const auto& k : r.knobs)
-    h += fmt::format("<tr><td>{}</td><td>{}</td><td>{}{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td></tr>\n", esc(k.knob), esc(k.change),
-                     k.used_delta_bytes >= 0 ? "+" : "-", gib(static_cast<std::uint64_t>(k.used_delta_bytes >= 0 ? k.used_delta_bytes : -k.used_delta_bytes)),
-                     signed_pct(k.step_delta), signed_pct(k.tokens_delta), k.fits ? "good" : "bad", k.fits ? "fits" : "does not fit");
-  h += "</tbody></table>\n</section>\n";
+  h += "<section id=\"knobs\">\n<h2>What moves if I change one knob</h2>\n";
+  if (r.knobs.empty()) {
+    h += fmt::format("<p>{}</p>\n", esc(r.no_knobs));
+  } else {
+    h += fmt::format("<p>Against {}: memory in use, step time and tokens/s after one change, {}.</p>\n", esc(r.base_label), esc(r.provenance.label));
+    h += fmt::format("<table id=\"knob-table\"><thead><tr><th>knob</th><th>change</th><th>in use ({})</th><th>step</th><th>tokens/s</th><th>verdict</th></tr></thead><tbody>\n", g_unit.name);
+    for (const auto& k : r.knobs)
+      h += fmt::format("<tr><td>{}</td><td>{}</td><td>{}{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td></tr>\n", esc(k.knob), esc(k.change),
+                       k.used_delta_bytes >= 0 ? "+" : "-", gib(static_cast<std::uint64_t>(k.used_delta_bytes >= 0 ? k.used_delta_bytes : -k.used_delta_bytes)),
+                       signed_pct(k.step_delta), signed_pct(k.tokens_delta), k.fits ? "good" : "bad", k.fits ? "fits" : "does not fit");
+    h += "</tbody></table>\n";
+  }
+  h += "</section>\n";
   // --- definitions ---
   h += "<section id=\"definitions\">\n<h2>Definitions</h2>\n<ul>\n";
   for (int i = 0; i < sim::kNumDeviceCategories; ++i) {
@@ -525,33 +719,33 @@ std::string render_markdown(const ReportInput& r) {
     m += r.no_recommendation + "\n\n";
   }
   m += fmt::format("## Memory per GPU\n\n![memory per GPU by category](memory.svg)\n\n| {} per GPU |", g_unit.name);
-  for (const auto& s : r.strategies) m += fmt::format(" {} |", s.label);
+  for (const auto& s : charted(r)) m += fmt::format(" {} |", s.label);
   m += "\n|---|";
-  for (std::size_t i = 0; i < r.strategies.size(); ++i) m += "---:|";
+  for (std::size_t i = 0; i < charted(r).size(); ++i) m += "---:|";
   m += "\n";
   for (int i = 0; i < sim::kNumDeviceCategories; ++i) {
     m += fmt::format("| {} |", sim::name_of(static_cast<MemCategory>(i)));
-    for (const auto& s : r.strategies) m += fmt::format(" {} |", gib(s.plan.memory.at_peak_bytes[static_cast<std::size_t>(i)]));
+    for (const auto& s : charted(r)) m += fmt::format(" {} |", gib(s.figures.at_peak_bytes[static_cast<std::size_t>(i)]));
     m += "\n";
   }
   auto mrow = [&](const char* name, auto get) {
     m += fmt::format("| {} |", name);
-    for (const auto& s : r.strategies) m += fmt::format(" {} |", get(s.plan));
+    for (const auto& s : charted(r)) m += fmt::format(" {} |", get(s.figures));
     m += "\n";
   };
-  mrow("allocated peak", [](const Plan& p) { return gib(p.memory.device_peak_bytes); });
-  mrow("reserved peak", [](const Plan& p) { return gib(p.reserved_peak_bytes); });
-  mrow("used peak (nvidia-smi)", [](const Plan& p) { return gib(p.used_peak_bytes); });
-  mrow("verdict", [](const Plan& p) { return fits_word(p); });
+  mrow("allocated peak", [](const Figures& f) { return gib(f.allocated_peak_bytes); });
+  mrow("reserved peak", [](const Figures& f) { return gib(f.reserved_peak_bytes); });
+  mrow("used peak (nvidia-smi)", [](const Figures& f) { return gib(f.used_peak_bytes); });
+  mrow("verdict", [](const Figures& f) { return fits_word(f); });
   m += "\n## Step time\n\n![step time per strategy](time.svg)\n\n| per step |";
-  for (const auto& s : r.strategies) m += fmt::format(" {} |", s.label);
+  for (const auto& s : charted(r)) m += fmt::format(" {} |", s.label);
   m += "\n|---|";
-  for (std::size_t i = 0; i < r.strategies.size(); ++i) m += "---:|";
+  for (std::size_t i = 0; i < charted(r).size(); ++i) m += "---:|";
   m += "\n";
-  mrow("step (s)", [](const Plan& p) { return p.time ? fmt::format("{:.4f}", p.time->step_s) : std::string("-"); });
-  mrow("exposed communication (s)", [](const Plan& p) { return p.time ? fmt::format("{:.4f}", p.time->exposed_comm_s) : std::string("-"); });
-  mrow("tokens/s", [](const Plan& p) { return p.time ? with_commas(static_cast<std::int64_t>(p.time->tokens_per_s + 0.5)) : std::string("-"); });
-  mrow("MFU", [](const Plan& p) { return p.time ? fmt::format("{:.1f}%", 100 * p.time->mfu) : std::string("-"); });
+  mrow("step (s)", [](const Figures& f) { return f.time ? fmt::format("{:.4f}", f.time->step_s) : std::string("-"); });
+  mrow("exposed communication (s)", [](const Figures& f) { return f.time ? fmt::format("{:.4f}", f.time->exposed_comm_s) : std::string("-"); });
+  mrow("tokens/s", [](const Figures& f) { return f.time ? with_commas(static_cast<std::int64_t>(f.time->tokens_per_s + 0.5)) : std::string("-"); });
+  mrow("MFU", [](const Figures& f) { return f.time ? fmt::format("{:.1f}%", 100 * f.time->mfu) : std::string("-"); });
   for (const auto& s : r.strategies) {
     if (!s.validation) continue;
     m += fmt::format("\n## Predicted versus measured: {} (measured on {})\n\n| figure | predicted | measured | error | verdict |\n|---|---:|---:|---:|---|\n",
@@ -563,9 +757,33 @@ std::string render_markdown(const ReportInput& r) {
         m += fmt::format("| {} {} | {} | {} | {:+.2f}% | {} |\n", f.section, f.name, shown(f.predicted), shown(f.measured), 100 * f.relative_error,
                          planner::name_of(f.verdict()));
       }
+    const auto& v = *s.validation;
+    m += fmt::format("\nOp by op, from round {}'s {}.", v.op_round + 1, v.op_time_source);
+    if (v.most_different) m += " Differs most: " + planner::describe(*v.most_different) + ".";
+    m += "\n";
+    if (!v.kinds.empty()) {
+      m += "\n| op kind (phase, kernel, label) | ops | predicted (ms) | measured (ms) | difference (ms) |\n|---|--:|--:|--:|--:|\n";
+      for (std::size_t i = 0; i < std::min<std::size_t>(5, v.kinds.size()); ++i) {
+        const auto& d = v.kinds[i];
+        m += fmt::format("| {}, {}, {} | {} | {:.3f} | {:.3f} | {:+.3f} |\n", d.phase, d.kernel, d.label, d.ops, d.predicted_s * 1e3, d.measured_s * 1e3, d.diff_s() * 1e3);
+      }
+    }
+    if (has_timeline(s)) m += fmt::format("\n![one step of {}, predicted above measured]({})\n", s.label, timeline_file(s));
   }
-  m += fmt::format("\n## What moves if I change one knob\n\nAgainst {}:\n\n| knob | change | in use | step | tokens/s | verdict |\n|---|---|---:|---:|---:|---|\n",
-                   r.base_label);
+  if (r.list_every_column || r.strategies.size() > kMaxColumns) {
+    m += fmt::format("\n## Every one of the {} {}\n\n| {} | verdict | allocated | reserved | used | step (s) | tokens/s per GPU |\n|---|---|---:|---:|---:|---:|---:|\n",
+                     r.strategies.size(), r.columns_are, r.columns_are);
+    for (const auto& s : r.strategies)
+      m += fmt::format("| {} | {} | {} | {} | {} | {} | {} |\n", s.label, s.note.empty() ? fits_word(s.figures) : s.note, gib(s.figures.allocated_peak_bytes),
+                       gib(s.figures.reserved_peak_bytes), gib(s.figures.used_peak_bytes), s.figures.time ? fmt::format("{:.4f}", s.figures.time->step_s) : "-",
+                       s.figures.time ? with_commas(static_cast<std::int64_t>(s.figures.time->tokens_per_s_per_gpu + 0.5)) : "-");
+  }
+  if (r.knobs.empty()) {
+    m += fmt::format("\n## What moves if I change one knob\n\n{}\n", r.no_knobs);
+  } else {
+    m += fmt::format("\n## What moves if I change one knob\n\nAgainst {}:\n\n| knob | change | in use | step | tokens/s | verdict |\n|---|---|---:|---:|---:|---|\n",
+                     r.base_label);
+  }
   for (const auto& k : r.knobs)
     m += fmt::format("| {} | {} | {}{} {} | {} | {} | {} |\n", k.knob, k.change, k.used_delta_bytes >= 0 ? "+" : "-",
                      gib(static_cast<std::uint64_t>(k.used_delta_bytes >= 0 ? k.used_delta_bytes : -k.used_delta_bytes)), g_unit.name, signed_pct(k.step_delta),
@@ -593,6 +811,8 @@ void write_report(const std::filesystem::path& out, const ReportInput& r) {
     write_text_atomic(tmp / "report.md", render_markdown(r));
     write_text_atomic(tmp / "memory.svg", "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n" + memory_chart_svg(r) + "\n");
     write_text_atomic(tmp / "time.svg", "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n" + time_chart_svg(r) + "\n");
+    for (const auto& s : r.strategies)
+      if (has_timeline(s)) write_text_atomic(tmp / timeline_file(s), "<?xml version=\"1.0\" encoding=\"utf-8\"?>\n" + timeline_chart_svg(s) + "\n");
     if (fs::exists(target, ec) && !fs::is_directory(target, ec)) throw InputError(fmt::format("report folder {}: is a file, not a folder", out.string()));
     replace_directory(tmp, target);
   } catch (const fs::filesystem_error& e) {

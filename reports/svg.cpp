@@ -217,4 +217,33 @@ std::string scatter_svg(const std::string& title, const std::string& unit, const
                      kWidth, base + 44, xml_escape(title), kStyle, left, xml_escape(title), body);
 }
 
+std::string lanes_svg(const LaneChart& c) {
+  double max = 0;
+  for (const auto& l : c.lanes)
+    for (const auto& b : l.bars) max = std::max(max, b.end);
+  const auto [top, step] = nice_axis(max);
+  const double left = 230, right = kWidth - 20, plot_top = 40, row = 22;
+  const double plot_h = row * static_cast<double>(c.lanes.size());
+  auto x_of = [&](double v) { return left + (right - left) * v / top; };
+  std::string body;
+  for (double t = 0; t <= top + 1e-9; t += step)
+    body += fmt::format(R"(<line x1="{:.1f}" y1="{:.1f}" x2="{:.1f}" y2="{:.1f}" class="grid"/><text x="{:.1f}" y="{:.1f}" class="tick" text-anchor="middle">{}</text>)",
+                        x_of(t), plot_top, x_of(t), plot_top + plot_h, x_of(t), plot_top + plot_h + 14, fmt_tick(t)) + "\n";
+  body += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" class="axis" text-anchor="middle">{}</text>)", (left + right) / 2, plot_top + plot_h + 30, xml_escape(c.unit)) + "\n";
+  for (std::size_t i = 0; i < c.lanes.size(); ++i) {
+    const auto& lane = c.lanes[i];
+    const double y = plot_top + row * static_cast<double>(i) + 3;
+    for (const auto& b : lane.bars)  // at least a hairline, so that a short op is still seen and has its tooltip
+      body += fmt::format(R"(<rect x="{:.2f}" y="{:.1f}" width="{:.2f}" height="{:.1f}" fill="{}" class="seg"><title>{}</title></rect>)", x_of(b.start), y,
+                          std::max(0.6, x_of(b.end) - x_of(b.start)), row - 6, b.colour, xml_escape(b.tooltip)) + "\n";
+    body += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" class="label" text-anchor="end">{}</text>)", left - 6, y + row / 2 + 1, xml_escape(lane.label)) + "\n";
+  }
+  double legend_h = 0;
+  const std::string legend = legend_svg(c.legend, plot_top + plot_h + 40, legend_h);
+  const double height = plot_top + plot_h + 40 + legend_h + 6;
+  return fmt::format(R"(<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {:.0f} {:.0f}" role="img" class="chart"><title>{}</title>{})"
+                     "\n<text x=\"60\" y=\"22\" class=\"title\">{}</text>\n{}{}</svg>",
+                     kWidth, height, xml_escape(c.title), kStyle, xml_escape(c.title), body, legend);
+}
+
 }  // namespace peftplan::reports

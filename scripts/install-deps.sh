@@ -20,6 +20,7 @@ packages=(
   libqt6opengl6-dev libxkbcommon-dev             #   Qt6Charts' CMake config needs Qt6OpenGL, whose
                                                  #   config needs XKB: without them Charts is "not found"
   chromium                                       # renders and prints peftplan report's HTML in tests
+  poppler-utils                                  # pdftoppm: the printed report's pages as images, checked for cut content
   xvfb xauth                                     # peftplan-gui in a real X window in tests
   clang libclang-rt-14-dev libomp-14-dev         # make fuzz: libFuzzer, the sanitizers' runtimes, OpenMP for clang
   python3 python3-torch libopenblas0-pthread     # tools/peftplan_callback.py and its CPU test

@@ -302,16 +302,47 @@ TEST(RecommendCli, RangesAndBadInput) {
   }
 }
 
+// recommend --json read back: a file of another kind, or one with a field of the wrong type, is
+// refused naming the file and the field.
+TEST(Recommend, JsonReaderNamesTheFieldItRefuses) {
+  auto message = [](const nlohmann::json& j) {
+    try {
+      peftplan::planner::recommendation_from_json(j, "rec.json");
+    } catch (const peftplan::InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(nlohmann::json{{"schema", "peftplan.validation/2"}}),
+            "rec.json: schema must be \"peftplan.recommendation/3\" (peftplan recommend --json), got \"peftplan.validation/2\"");
+  auto j = nlohmann::json::parse(run_cli("recommend --model llama-2-7b --lora-r 16 --cluster 8xA100-80GB --top 2 --json").out);
+  j["ranked"][1]["micro_batch"] = "4";
+  EXPECT_EQ(message(j), "rec.json: ranked[1].micro_batch must be a positive integer, got \"4\"");
+  j["ranked"][1]["micro_batch"] = 4;
+  j["ranked"][0]["checkpointing"] = "every-0";
+  EXPECT_EQ(message(j), "rec.json: ranked[0].checkpointing must be none, full or every-K, got \"every-0\"");
+  j["ranked"][0]["checkpointing"] = "none";
+  j["rejected"][0]["suggestions"] = nlohmann::json::array({{{"knob", "nonsense"}, {"change", "set"}}});
+  EXPECT_EQ(message(j), "rec.json: rejected[0].suggestions[0].knob must name a knob (a PlanInput field, such as strategy.stage), got \"nonsense\"");
+}
+
 TEST(RecommendCli, JsonAndExitCodes) {
   auto r = run_cli("recommend --model llama-2-7b --lora-r 16 --cluster 8xA100-80GB --gpus 2,4..8:x2 --top 3 --json");
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
-  EXPECT_EQ(j["schema"], "peftplan.recommendation/2");
+  EXPECT_EQ(j["schema"], "peftplan.recommendation/3");
   EXPECT_EQ(j["ranked"].size(), 3u);
   for (const char* k : {"strategy", "micro_batch", "grad_accum", "checkpointing", "gpus", "used_peak_bytes", "spare_bytes", "step_s", "tokens_per_s",
                         "exposed_comm_s", "mfu", "cost_per_million_tokens_usd", "pareto", "reason"})
     EXPECT_TRUE(j["ranked"][0].contains(k)) << k;
   EXPECT_FALSE(j["rejected"].empty());
+  // What the search was of, for a report read back from the file (8 x A100-80GB: 80 GiB each).
+  EXPECT_EQ(j["model"], "llama-2-7b");
+  EXPECT_EQ(j["capacity_bytes"], 80ull << 30);
+  EXPECT_DOUBLE_EQ(j["headroom_fraction"].get<double>(), 0.05);
+  // Read back, it writes itself again field for field (the report's source is the file).
+  const auto back = peftplan::planner::recommendation_from_json(j, "rec.json");
+  EXPECT_EQ(peftplan::planner::recommendation_to_json(back, 3), j);
   // Nothing fits: exit code 1.
   r = run_cli("recommend --model llama-2-70b --lora-r 16 --seq-len 4096 --cluster 8xA100-80GB --gpus 1 --no-offload");
   EXPECT_EQ(r.code, 1) << r.out;
@@ -399,7 +430,7 @@ TEST(SweepCli, GridRowsAreThePlans) {
   const auto lines = lines_of(r.out);
   ASSERT_EQ(lines.size(), 2u * 3u * 2u);  // strategy x micro-batch x offload-param, the last varying fastest
   const auto first = nlohmann::json::parse(lines[0]);
-  EXPECT_EQ(first["schema"], "peftplan.sweep/1");
+  EXPECT_EQ(first["schema"], "peftplan.sweep/2");
   EXPECT_EQ(first["--strategy"], "ddp");
   EXPECT_EQ(first["--micro-batch"], "1");
   EXPECT_EQ(first["--offload-param"], "none");
@@ -429,7 +460,7 @@ TEST(SweepCli, CsvHasASchemaCommentAndStableColumns) {
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   const auto lines = lines_of(text);
   ASSERT_EQ(lines.size(), 2u + 2u * 3u);
-  EXPECT_EQ(lines[0].rfind("# peftplan.sweep/1: ", 0), 0u) << lines[0];
+  EXPECT_EQ(lines[0].rfind("# peftplan.sweep/2: ", 0), 0u) << lines[0];
   EXPECT_EQ(lines[1].rfind("--lora-r,--seq-len,model,strategy,ranks,profile,cluster,fits,base_weights_bytes,", 0), 0u) << lines[1];
   EXPECT_EQ(lines[2].rfind("8,1024,llama-2-7b,ddp,8,", 0), 0u) << lines[2];
   EXPECT_EQ(lines.back().rfind("16,4096,", 0), 0u) << lines.back();

@@ -638,12 +638,15 @@ TEST(RunCli, WritesValidationTraceAndReport) {
   const json tp = models::read_json_file((dir / "out" / "trace.predicted.json").string());
   EXPECT_FALSE(tp.at("traceEvents").empty());
   EXPECT_TRUE(fs::exists(dir / "out" / "trace.json"));
-  EXPECT_TRUE(fs::exists(dir / "out" / "report.md"));
-  std::ifstream rep(dir / "out" / "report.md");
+  // The run's report (reports/report.h) in place of a plain report.md: the figures, the op that
+  // differs most, and the step timeline, predicted above measured, beside it.
+  EXPECT_FALSE(fs::exists(dir / "out" / "report.md"));
+  std::ifstream rep(dir / "out" / "report" / "report.md");
   std::stringstream s;
   s << rep.rdbuf();
   EXPECT_NE(s.str().find("step_s"), std::string::npos);
   EXPECT_NE(s.str().find("Differs most"), std::string::npos);
+  EXPECT_NE(s.str().find("](timeline-"), std::string::npos) << s.str();
   for (const auto& e : fs::directory_iterator(dir / "out")) EXPECT_NE(e.path().extension(), ".tmp") << e.path();
   fs::remove_all(dir);
 }
@@ -666,7 +669,8 @@ TEST(RunCli, SeveralStrategiesEndWithTheirComparison) {
   for (const char* s : {"ddp", "zero3"}) {
     const json v = models::read_json_file((dir / "out" / s / "validation.json").string());
     EXPECT_EQ(v["memory"]["peak"]["predicted_bytes"], v["memory"]["peak"]["measured_bytes"]) << s;
-    EXPECT_TRUE(fs::exists(dir / "out" / s / "report.md")) << s;
+    EXPECT_FALSE(fs::exists(dir / "out" / s / "report.md")) << s;  // one report of both, in out/report/
+    EXPECT_TRUE(fs::exists(dir / "out" / "report" / ("timeline-" + std::string(s) + ".svg"))) << s;
   }
   // One report of both strategies (reports/report.h): each measured figure is validation.json's.
   std::ifstream html_file(dir / "out" / "report" / "report.html");

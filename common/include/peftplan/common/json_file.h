@@ -50,12 +50,16 @@ inline nlohmann::json parse_json_text(const std::string& text, const std::string
   }
 }
 
-inline nlohmann::json read_json_file(const std::string& path) {
+// A user's file's bytes (a JSON file, a sweep's CSV); a file that cannot be opened is an
+// InputError naming it.
+inline std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw input_error(path, "", "cannot be opened (does the file exist?)");
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_json_text(ss.str(), path);
+  return ss.str();
 }
+
+inline nlohmann::json read_json_file(const std::string& path) { return parse_json_text(read_text_file(path), path); }
 
 }  // namespace peftplan

@@ -16,8 +16,8 @@ inline constexpr std::string_view kMeasurementTotals = "peftplan.measurement-tot
 inline constexpr std::string_view kValidation = "peftplan.validation/2";          // validation.json
 inline constexpr std::string_view kRunSummary = "peftplan.run-summary/2";         // peftplan run's summary.json
 inline constexpr std::string_view kSpeedProbe = "peftplan.speed-probe/1";         // peftplan-exec probe
-inline constexpr std::string_view kRecommendation = "peftplan.recommendation/2";  // peftplan recommend --json (2: suggestions as data)
-inline constexpr std::string_view kSweep = "peftplan.sweep/1";                   // peftplan sweep (CSV comment, JSON lines)
+inline constexpr std::string_view kRecommendation = "peftplan.recommendation/3";  // peftplan recommend --json (2: suggestions as data; 3: model, cluster, capacity, headroom)
+inline constexpr std::string_view kSweep = "peftplan.sweep/2";                   // peftplan sweep (CSV comment, JSON lines; 2: offload bytes, headroom)
 inline constexpr std::string_view kScenario = "peftplan.scenario/1";             // peftplan-gui's saved scenario
 inline constexpr std::string_view kCheckpoint = "peftplan.checkpoint/1";          // a training checkpoint's state.json
 

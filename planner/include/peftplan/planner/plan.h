@@ -69,6 +69,14 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
 // memory.host.*, time.*, comm.<collective>_bytes, fits, reasons.
 nlohmann::json plan_to_json(const Plan& plan);
 
+// The columns of `peftplan sweep` (CSV and JSON lines) after the grid's own: leaves of plan
+// --json, each named by its key. The one list the sweep writes and `report --sweep` reads.
+struct SweepColumn {
+  std::string name;               // "base_weights_bytes", "step_s"
+  std::vector<std::string> path;  // into plan --json: {"memory", "device", "base_weights_bytes"}
+};
+const std::vector<SweepColumn>& sweep_columns();
+
 // Chrome trace counter events of the memory timeline (`plan --memory-trace`).
 nlohmann::json memory_trace(const Plan& plan);
 

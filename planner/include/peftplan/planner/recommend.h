@@ -102,8 +102,14 @@ struct Recommendation {
   std::vector<Alternative> alternatives;
   std::int64_t evaluated = 0;          // plans made (memory-only ones included)
   std::int64_t timed = 0;              // of them, with a simulated timeline
+  std::int64_t fitting = 0;            // fitting candidates (ranked holds them all; a file read back, its top)
   std::string summary;                 // one line: the recommendation, or the smallest shortfall
   std::vector<Suggestion> suggestions; // nothing fits: what to try outside the search
+  // What the search was of, for whoever reads it back (report): the model, the cluster, its
+  // GPU's memory and the headroom the verdicts kept.
+  std::string model, cluster;
+  std::uint64_t capacity_bytes = 0;
+  double headroom_fraction = 0;
 };
 
 // Throws KnobError for an empty space or contradictory constraints (naming the knobs).
@@ -112,6 +118,13 @@ Recommendation recommend(const PlanInput& base, const sim::Cluster& cluster, con
 
 // `recommend --json`: the objective, the ranked rows, the rejections and the alternatives.
 nlohmann::json recommendation_to_json(const Recommendation& r, std::size_t top);
+// A `recommend --json` read back: every field it holds (a row's input only as far as the row
+// says: profile, strategy, offload, micro-batch, accumulation, checkpointing, GPUs). Throws
+// InputError naming `source` and the field for anything else.
+Recommendation recommendation_from_json(const nlohmann::json& j, const std::string& source);
+
+// "none", "full", "every-4" (name_of(CheckpointChoice)) read back; nullopt for anything else.
+std::optional<CheckpointChoice> checkpoint_choice_from_name(std::string_view name);
 
 // The cluster with `gpus` GPUs in it: the same GPU and links, as many nodes as needed.
 sim::Cluster cluster_for_gpus(const sim::Cluster& cluster, std::int32_t gpus);

@@ -34,6 +34,19 @@ inline constexpr std::string_view kOptimizerColour = "#76b7b2";
 inline constexpr std::string_view kOffloadColour = "#edc948";
 inline constexpr std::string_view kHostColour = "#9c755f";
 
+// The colours of a step timeline's ops: compute by phase (setup, forward, backward, recompute,
+// loss, optimizer; the step colours where they mean the same), collectives as exposed
+// communication, copies as offload.
+inline constexpr std::array<std::string_view, sim::kNumPhases> kPhaseColours = {
+    "#bab0ac",  // setup
+    "#4e79a7",  // forward
+    "#f28e2b",  // backward
+    "#b07aa1",  // recompute
+    "#edc948",  // loss
+    "#76b7b2",  // optimizer
+};
+constexpr std::string_view colour_of(sim::Phase p) { return kPhaseColours[static_cast<std::size_t>(p)]; }
+
 // What each category holds, for legends (the README's "Memory kinds" and categories).
 std::string_view definition_of(sim::MemCategory c);
 

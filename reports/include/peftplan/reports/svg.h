@@ -49,6 +49,24 @@ struct Point {
 // Predicted (x) against measured (y) with the y = x diagonal.
 std::string scatter_svg(const std::string& title, const std::string& unit, const std::vector<Point>& points);
 
+// Bars on lanes along one time axis (a step's ops per stream, predicted above measured).
+struct LaneBar {
+  double start = 0, end = 0;  // in the chart's unit
+  std::string colour;
+  std::string tooltip;
+};
+struct Lane {
+  std::string label;  // at the left of the lane
+  std::vector<LaneBar> bars;
+};
+struct LaneChart {
+  std::string title;
+  std::string unit;   // the time axis ("ms")
+  std::vector<Lane> lanes;
+  std::vector<std::pair<std::string, std::string>> legend;  // label, colour
+};
+std::string lanes_svg(const LaneChart& chart);
+
 // A "nice" axis maximum and step for values up to `max` (1, 2 or 5 times a power of ten).
 std::pair<double, double> nice_axis(double max);
 
