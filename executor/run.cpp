@@ -244,12 +244,11 @@ void run_rounds(const std::vector<std::filesystem::path>& plan_paths, int rounds
   };
   std::vector<Job> jobs;
   for (const fs::path& p : plan_paths) {  // every plan checked before anything runs
-    Job j{out_dir.empty() ? fs::absolute(p).parent_path() : fs::absolute(out_dir), load_plan(p), ""};
+    Job j{out_dir.empty() ? fs::absolute(p).parent_path() : fs::absolute(out_dir), load_plan(p), "", p};
     if (j.plan.input.strategy.ranks != ranks)
       throw InputError(fmt::format("peftplan-exec {}: the plan is for {} ranks, the job has {} (mpirun -np {})", p.string(),
                                    j.plan.input.strategy.ranks, ranks, j.plan.input.strategy.ranks));
     j.strategy = std::string(planner::name_of(j.plan.input.strategy.stage));
-    j.plan_path = p;
     jobs.push_back(std::move(j));
   }
   const bool several = jobs.size() > 1;

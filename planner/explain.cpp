@@ -158,7 +158,7 @@ Explanation explain_plan(const Plan& p) {
   const DType compute = p.facts.compute_dtype;
   const int cb = static_cast<int>(storage_bytes(compute == DType::fp32 ? DType::fp32 : compute, 1));
   auto dtypes_of = [&](MemCategory c) -> std::vector<int> {
-    auto size = [](DType d) { return d == DType::nf4 || d == DType::fp4 ? 0 : static_cast<int>(storage_bytes(d, 1)); };
+    auto size = [](DType dtype) { return dtype == DType::nf4 || dtype == DType::fp4 ? 0 : static_cast<int>(storage_bytes(dtype, 1)); };
     switch (c) {
       case MemCategory::activations: return {cb, 4};
       case MemCategory::workspace: return {cb, 4, 8};

@@ -264,15 +264,16 @@ ReportInput recommendation_report(const planner::Recommendation& rec, const std:
                                 planner::name_of(planner::CheckpointChoice{t.checkpointing, t.checkpoint_every}), c.input.strategy.ranks);
     ri.strategies.push_back(std::move(col));
   };
-  for (std::size_t i = 0; i < rec.ranked.size(); ++i) {
-    const auto& c = rec.ranked[i];
-    column(c, fmt::format("#{} {}", i + 1, c.family), "");
-  }
+  // The top rows, then each other family's best (the strategies side by side, as the seed's chart
+  // has them), then the rest of the ranked rows: the charts draw the first kMaxColumns.
+  constexpr std::size_t kTopRows = 5;
+  for (std::size_t i = 0; i < rec.ranked.size() && i < kTopRows; ++i) column(rec.ranked[i], fmt::format("#{} {}", i + 1, rec.ranked[i].family), "");
   for (const auto& x : rec.rejected)
     if (x.best) column(*x.best, x.family, x.fits ? "ranks lower" : "does not fit");
+  for (std::size_t i = kTopRows; i < rec.ranked.size(); ++i) column(rec.ranked[i], fmt::format("#{} {}", i + 1, rec.ranked[i].family), "");
   if (ri.strategies.empty()) throw input_error(source, "ranked", "holds no row to show (nor does any rejected family have one)");
   ri.list_every_column = true;
-  ri.columns_are = "rows of the search (the ranked ones, then each other family's best)";
+  ri.columns_are = "rows of the search (the top 5, each other family's best, the other ranked rows)";
   ri.no_knobs = "No knob deltas: the search's rows are the alternatives (re-plan a row with peftplan report and its flags for them).";
   ri.base_label = ri.strategies.front().label;
   return ri;
