@@ -92,6 +92,18 @@ std::string legend_svg(const std::vector<std::pair<std::string, std::string>>& e
   return s;
 }
 
+// A horizontal time or value axis under a plot of rows: a grid line and tick per step, the unit
+// below (horizontal bars and lanes share it).
+std::string x_axis_svg(double left, double right, double plot_top, double plot_h, double top, double step, const std::string& unit) {
+  auto x_of = [&](double v) { return left + (right - left) * v / top; };
+  std::string body;
+  for (double t = 0; t <= top + 1e-9; t += step)
+    body += fmt::format(R"(<line x1="{:.1f}" y1="{:.1f}" x2="{:.1f}" y2="{:.1f}" class="grid"/><text x="{:.1f}" y="{:.1f}" class="tick" text-anchor="middle">{}</text>)",
+                        x_of(t), plot_top, x_of(t), plot_top + plot_h, x_of(t), plot_top + plot_h + 14, fmt_tick(t)) + "\n";
+  body += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" class="axis" text-anchor="middle">{}</text>)", (left + right) / 2, plot_top + plot_h + 30, xml_escape(unit)) + "\n";
+  return body;
+}
+
 }  // namespace
 
 std::string stacked_bars_svg(const BarChart& c) {
@@ -165,11 +177,7 @@ std::string horizontal_bars_svg(const BarChart& c) {
   const double left = 270, right = kWidth - 160, plot_top = 40, row = 24;
   const double plot_h = row * static_cast<double>(c.bars.size());
   auto x_of = [&](double v) { return left + (right - left) * v / top; };
-  std::string body;
-  for (double t = 0; t <= top + 1e-9; t += step)
-    body += fmt::format(R"(<line x1="{:.1f}" y1="{:.1f}" x2="{:.1f}" y2="{:.1f}" class="grid"/><text x="{:.1f}" y="{:.1f}" class="tick" text-anchor="middle">{}</text>)",
-                        x_of(t), plot_top, x_of(t), plot_top + plot_h, x_of(t), plot_top + plot_h + 14, fmt_tick(t)) + "\n";
-  body += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" class="axis" text-anchor="middle">{}</text>)", (left + right) / 2, plot_top + plot_h + 30, xml_escape(c.unit)) + "\n";
+  std::string body = x_axis_svg(left, right, plot_top, plot_h, top, step, c.unit);
   for (std::size_t i = 0; i < c.bars.size(); ++i) {
     const auto& b = c.bars[i];
     const double y = plot_top + row * static_cast<double>(i) + 4;
@@ -225,11 +233,7 @@ std::string lanes_svg(const LaneChart& c) {
   const double left = 230, right = kWidth - 20, plot_top = 40, row = 22;
   const double plot_h = row * static_cast<double>(c.lanes.size());
   auto x_of = [&](double v) { return left + (right - left) * v / top; };
-  std::string body;
-  for (double t = 0; t <= top + 1e-9; t += step)
-    body += fmt::format(R"(<line x1="{:.1f}" y1="{:.1f}" x2="{:.1f}" y2="{:.1f}" class="grid"/><text x="{:.1f}" y="{:.1f}" class="tick" text-anchor="middle">{}</text>)",
-                        x_of(t), plot_top, x_of(t), plot_top + plot_h, x_of(t), plot_top + plot_h + 14, fmt_tick(t)) + "\n";
-  body += fmt::format(R"(<text x="{:.1f}" y="{:.1f}" class="axis" text-anchor="middle">{}</text>)", (left + right) / 2, plot_top + plot_h + 30, xml_escape(c.unit)) + "\n";
+  std::string body = x_axis_svg(left, right, plot_top, plot_h, top, step, c.unit);
   for (std::size_t i = 0; i < c.lanes.size(); ++i) {
     const auto& lane = c.lanes[i];
     const double y = plot_top + row * static_cast<double>(i) + 3;
