@@ -593,7 +593,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     if (!h.is_object()) throw input_error(where, "host_calibration", "must be an object", h.dump());
     check_keys(h, where, "host_calibration.",
                {"kernel_scale", "kernel_overhead_us", "copy_scale", "collectives", "collective_load_us", "collective_skew_us",
-                "collective_load_per_compute", "collective_skew_per_compute", "speed_probe_GFLOPs"});
+                "collective_load_per_compute", "collective_skew_per_compute", "reference_step_GFLOPs", "speed_probe_GFLOPs"});
     // {"<kernel>": x, ...} into a per-kernel array; positive (scale) or non-negative (overhead).
     auto per_kernel = [&](const char* field, std::array<double, kKernelSlots>& out, double unit, bool zero_ok) {
       if (!h.contains(field)) return;
@@ -611,9 +611,12 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     per_kernel("kernel_scale", c.host_calibration.kernel_scale, 1.0, false);
     per_kernel("kernel_overhead_us", c.host_calibration.kernel_overhead_s, kMicro, true);
     if (h.contains("copy_scale")) c.host_calibration.copy_scale = number(h, "copy_scale", where, "host_calibration.");
-    if (h.contains("speed_probe_GFLOPs")) {
-      c.host_calibration.speed_probe_flops_per_s = number(h, "speed_probe_GFLOPs", where, "host_calibration.") * kGiga;
-    }
+    // The machine-speed probe (executor/calibrate.h speed_probe): the reference step program's rate.
+    // Profiles before 2026-12-03 kept a GEMM mix's rate as speed_probe_GFLOPs, which no run's probe
+    // compares with: it is read (checked) and dropped, so such a profile has no probe.
+    if (h.contains("reference_step_GFLOPs"))
+      c.host_calibration.speed_probe_flops_per_s = number(h, "reference_step_GFLOPs", where, "host_calibration.") * kGiga;
+    if (h.contains("speed_probe_GFLOPs")) number(h, "speed_probe_GFLOPs", where, "host_calibration.");
     // {"<collective>.<place>": microseconds, ...} into collective_slot order, non-negative.
     auto per_collective = [&](const char* field, HostCalibration::CollectiveArray& out, double unit) {
       if (!h.contains(field)) return;
@@ -752,7 +755,7 @@ nlohmann::json cluster_to_json(const Cluster& c) {
     nlohmann::json hj = {{"kernel_scale", ks}, {"collectives", colls}};
     if (!ko.empty()) hj["kernel_overhead_us"] = ko;
     if (h.copy_scale > 0.0) hj["copy_scale"] = h.copy_scale;
-    if (h.speed_probe_flops_per_s > 0.0) hj["speed_probe_GFLOPs"] = h.speed_probe_flops_per_s / kGiga;
+    if (h.speed_probe_flops_per_s > 0.0) hj["reference_step_GFLOPs"] = h.speed_probe_flops_per_s / kGiga;
     auto per_collective = [&](const char* field, const HostCalibration::CollectiveArray& a, double unit) {
       nlohmann::json o = nlohmann::json::object();
       for (std::size_t k = 0; k < kCollectiveSlots; ++k)

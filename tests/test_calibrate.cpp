@@ -163,6 +163,55 @@ TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
               1e-9 * base);
 }
 
+// The whole-step correction in two parts: programs at two sizes whose steps took the per-call
+// overheads x0.6 and the work x1.4 of a profile (so, measured on that profile changed so) give
+// those factors back, and the profile they are applied to predicts both programs' steps.
+TEST(Calibrate, StepFactorsTellPerCallOverheadFromWork) {
+  Calibration cal = synthetic_calibration();
+  cal.ranks = 1;
+  cal.shared = {{1, 1e11, 1e11, 40e9}};
+  cal.collectives.clear();
+  cal.fits.clear();
+  sim::Cluster base = make_profile(cal);
+  for (std::size_t i = 1; i < sim::kKernelSlots; ++i) base.host_calibration.kernel_overhead_s[i] = 20e-6;
+  auto program = [](std::int64_t micro_batch, std::int64_t seq_len) {
+    planner::PlanInput in;
+    in.model = models::load_model("tiny-llama-2l");
+    models::AdapterSpec a;
+    a.lora.r = 4;
+    in.peft.adapters = {a};
+    in.training.micro_batch = micro_batch;
+    in.training.seq_len = seq_len;
+    in.training.precision = planner::Precision::fp32;
+    in.training.attention = planner::Attention::eager;
+    in.profile = planner::RuntimeProfile::executor;
+    in.strategy.ranks = 1;
+    return planner::build_program(in).program;
+  };
+  const sim::Program small = program(1, 16), large = program(8, 128);
+  sim::Cluster truth = base;
+  apply_step_factors({0.6, 1.4}, truth);
+  const std::vector<ProgramSample> programs = {{"small", small, sim::simulate(small, truth).step_s, {}, 0.0},
+                                               {"large", large, sim::simulate(large, truth).step_s, {}, 0.0}};
+  // The two programs must weigh the parts differently for the test to mean anything: the
+  // per-call overheads' share of the step.
+  sim::Cluster work_only = base;
+  work_only.host_calibration.kernel_overhead_s.fill(0.0);
+  const auto call_share = [&](const sim::Program& p) { return 1.0 - sim::simulate(p, work_only).step_s / sim::simulate(p, base).step_s; };
+  ASSERT_GT(call_share(small), 2.0 * call_share(large));
+  const StepFactors f = fit_step_factors(programs, base);
+  EXPECT_NEAR(f.per_call, 0.6, 0.01);
+  EXPECT_NEAR(f.per_work, 1.4, 0.01);
+  sim::Cluster fitted = base;
+  apply_step_factors(f, fitted);
+  for (const ProgramSample& p : programs) EXPECT_NEAR(sim::simulate(p.step, fitted).step_s, p.step_s, 0.005 * p.step_s) << p.program;
+  // One factor on both (the geometric mean) cannot match both sizes here.
+  sim::Cluster one = base;
+  const double g = step_ratio(programs, base);
+  apply_step_factors({g, g}, one);
+  EXPECT_GT(std::abs(sim::simulate(small, one).step_s / programs[0].step_s - 1.0), 0.02);
+}
+
 // How noisy a calibration was: the median over the programs of spread / step. Three programs
 // whose rounds spread by 2%, 12% and 4% of their steps: 4%, within the executor's 15% / 3 = 5%
 // that makes peftplan-exec calibrate measure again; 2%, 12% and 15%: 12%, beyond it.
@@ -460,13 +509,19 @@ TEST(CalibrateCli, QuickTwoRanksWritesAProfileSimAgreesWith) {
   const double ratio = std::exp(log_ratio / points);
   EXPECT_GT(ratio, 0.5) << r.out;
   EXPECT_LT(ratio, 2.0) << r.out;
-  // The machine-speed probe, taken as calibration began and as it ended: the profile keeps the
-  // mean, the report prints both.
+  // The machine-speed probe, taken as calibration began and as it ended (the report prints
+  // both); the profile keeps the same program's rate among the calibration programs: the first
+  // program's model FLOPs over its kept step, per rank.
   const double before = j.at("speed_probe").at("before_GFLOPs_per_rank").get<double>() * 1e9;
   const double after = j.at("speed_probe").at("after_GFLOPs_per_rank").get<double>() * 1e9;
+  const double reference = j.at("speed_probe").at("reference_step_GFLOPs_per_rank").get<double>() * 1e9;
   EXPECT_GT(before, 1e8);
   EXPECT_GT(after, 1e8);
-  EXPECT_NEAR(c.host_calibration.speed_probe_flops_per_s, 0.5 * (before + after), 1e-6 * before);
+  EXPECT_NEAR(c.host_calibration.speed_probe_flops_per_s, reference, 1e-6 * reference);
+  ASSERT_EQ(j.at("programs").at(0).at("program"), "ddp fp32 B2 S128");
+  EXPECT_GT(reference, 1e8);
+  // Whatever the machine did meanwhile, the probes and the program's rate measure one thing.
+  EXPECT_LT(std::abs(std::log(reference / before)), std::log(3.0)) << r.out;
   EXPECT_THAT(r.out, ::testing::HasSubstr("machine-speed probe"));
   std::filesystem::remove_all(dir);
 }
@@ -496,7 +551,7 @@ TEST(CalibrateCli, QuickRunRecalibratesACacheTheMachineDriftedFrom) {
   EXPECT_NEAR(v.at("speed_probe").at("calibration_flops_per_s").get<double>(), fresh.host_calibration.speed_probe_flops_per_s,
               1e-6 * fresh.host_calibration.speed_probe_flops_per_s);
   EXPECT_GT(v.at("speed_probe").at("run_flops_per_s").get<double>(), 1e8);
-  EXPECT_THAT(r.out, ::testing::HasSubstr("machine speed: the probe ran"));
+  EXPECT_THAT(r.out, ::testing::HasSubstr("machine speed: the reference step ran"));
   std::filesystem::remove_all(dir);
 }
 

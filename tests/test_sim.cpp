@@ -670,17 +670,24 @@ TEST(Timeline, CalibratedSkewAndLoadDelayWhatWaitsForTheCollective) {
   Cluster probed = c;
   probed.host_calibration.speed_probe_flops_per_s = 91.5e9;
   const nlohmann::json pj = cluster_to_json(probed);
-  EXPECT_DOUBLE_EQ(pj.at("host_calibration").at("speed_probe_GFLOPs").get<double>(), 91.5);
+  EXPECT_DOUBLE_EQ(pj.at("host_calibration").at("reference_step_GFLOPs").get<double>(), 91.5);
   EXPECT_DOUBLE_EQ(cluster_from_json(pj, "c.json").host_calibration.speed_probe_flops_per_s, 91.5e9);
   EXPECT_NEAR(simulate(p, probed).step_s, t.step_s, 0.0);
   bad = pj;
-  bad["host_calibration"]["speed_probe_GFLOPs"] = 0.0;
+  bad["host_calibration"]["reference_step_GFLOPs"] = 0.0;
   try {
     cluster_from_json(bad, "c.json");
     ADD_FAILURE() << "accepted a zero probe";
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("host_calibration.speed_probe_GFLOPs"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("host_calibration.reference_step_GFLOPs"), std::string::npos) << e.what();
   }
+  // A profile from before the reference step program kept a GEMM mix's rate, which no run's probe
+  // compares with: read, checked, and dropped (such a profile has no probe; `run` recalibrates it).
+  nlohmann::json old = cluster_to_json(c);
+  old["host_calibration"]["speed_probe_GFLOPs"] = 96.8;
+  EXPECT_DOUBLE_EQ(cluster_from_json(old, "c.json").host_calibration.speed_probe_flops_per_s, 0.0);
+  old["host_calibration"]["speed_probe_GFLOPs"] = -1.0;
+  EXPECT_THROW(cluster_from_json(old, "c.json"), InputError);
 }
 
 TEST(Timeline, ZeroTimeOpsKeepStreamOrderAndTooFewGpusIsAnError) {

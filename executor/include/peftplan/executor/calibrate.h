@@ -169,19 +169,9 @@ struct Calibration {
   int rounds = 0;                                // rounds each program ran
   double probe_before_flops_per_s = 0.0;         // speed_probe as calibration began
   double probe_after_flops_per_s = 0.0;          //   and as it ended
+  double reference_step_flops_per_s = 0.0;       // program 0 (the probe's program), its median round
 };
 
-// The machine-speed probe: a fixed GEMM mix (gemm_mix(true)) run by every rank of `world` at once
-// (this process alone when world is null) for window_s, timed as a step is: in blocks started
-// together, each as long as its slowest rank, the steady block (planner::steady_samples, as a
-// run's steps: the fastest) giving the rate per rank, on every rank. Calibration takes it as it begins and as it ends and the profile keeps the
-// mean (host_calibration.speed_probe_flops_per_s); peftplan-exec takes it before a run's steps
-// (measurement.json "speed_probe_flops_per_s"), so validation can tell how much faster or slower
-// the machine ran than when it was calibrated — a shared machine's speed drifts — and `peftplan
-// run` takes it before it plans, to recalibrate a cached profile the machine has drifted away
-// from. The mix and the threads per rank are the same everywhere, so the rates compare; a longer
-// window only averages more of the machine's second-to-second jitter (back-to-back 0.2 s probes
-// on the 2-core development VM ranged ±7%).
 // How noisy a calibration was: the median over its step programs of their rounds' spread
 // (interquartile range) over their step, or how far the machine's speed moved while it ran —
 // |probe_after / probe_before - 1| when both probes were taken — whichever is larger: a
@@ -192,13 +182,26 @@ double calibration_noise(const Calibration& cal);
 // A calibration taken in a noisy spell of a shared machine mispredicts every run after it (one
 // taken while other jobs ran measured its programs 30% slow with a median spread of 11%, against
 // 2-4% on a quiet machine): peftplan-exec calibrate measures again when calibration_noise exceeds
-// a third of the executor profile's time tolerance (the margin `run` also allows the machine's
-// drift), up to kCalibrationAttempts in all, and keeps the quietest attempt.
+// a third of the executor profile's time tolerance, up to kCalibrationAttempts in all, and keeps
+// the quietest attempt.
 inline constexpr int kCalibrationAttempts = 3;
 
-inline constexpr double kProbeWindowS = 0.2;       // before each run's steps (cheap: every round)
+inline constexpr double kProbeWindowS = 0.3;       // before each round's steps (cheap: every round)
 inline constexpr double kLongProbeWindowS = 1.0;   // calibration's two and run's check before planning
 class Backend;
+// The machine-speed probe: the reference step program — calibration's first (tiny-llama-4l, LoRA
+// r 8 on every linear, fp32, DDP over the ranks of `world`, B 2 x S 128) — run by every rank at
+// once (this process alone when world is null) for window_s after a warm-up step, timed as a run's
+// steps are (planner::steady_step_s), giving its model FLOP/s per rank, the same on every rank.
+// Calibration takes it as it begins and as it ends (calibration_noise) and the profile keeps the
+// same program's rate among the calibration programs (reference_step_flops_per_s, into
+// host_calibration.speed_probe_flops_per_s); peftplan-exec takes it before each round's steps
+// (measurement.json "speed_probe_flops_per_s"), and validation scales the run's measured seconds
+// by the median of the rounds' probes over calibration's, to the machine's speed at calibration
+// (planner::Validation::speed_drift) — a shared machine's speed drifts; `peftplan run` takes it
+// before it plans, to recalibrate a cached profile the machine has drifted far from. A step
+// program rather than a GEMM: the spells that slow a shared host reach the small kernels, the
+// step loop and the collectives, which a GEMM timed alone hides (see calibrate.cpp).
 double speed_probe(Backend& backend, Communicator* world, double window_s);
 
 // Per collective kind and place, from the step programs' collectives: the load (transfer -
@@ -211,6 +214,17 @@ void fit_collective_step_costs(std::span<const CollectiveSample> samples, sim::C
 // The factor by which measured steps exceed what `profile` predicts for them (sim::simulate):
 // the geometric mean over the programs of measured / predicted step time (1 without programs).
 double step_ratio(std::span<const ProgramSample> programs, const sim::Cluster& profile);
+
+// The whole-step correction of a profile: a factor on every kernel's per-call overhead and one on
+// the work-proportional part (kernel scales, copies, host AdamW), fitted to the programs' measured
+// steps (least squares of the log of measured / predicted; see calibrate.cpp). apply_step_factors
+// folds them into profile.host_calibration, which a profile file keeps.
+struct StepFactors {
+  double per_call = 1.0;
+  double per_work = 1.0;
+};
+StepFactors fit_step_factors(std::span<const ProgramSample> programs, const sim::Cluster& profile);
+void apply_step_factors(const StepFactors& factors, sim::Cluster& profile);
 
 // Per kernel, time = overhead + scale × roofline (the roofline on `base`, a profile without host
 // calibration) fitted over the kernel's samples into base.host_calibration.kernel_overhead_s and
