@@ -104,15 +104,10 @@ std::string validation_tables(const planner::Validation& v, bool markdown) {
 
 std::string speed_line(const planner::Validation& v) {
   if (!v.speed_drift) return {};
-  std::string rounds;
-  if (v.round_speed_scales.size() > 1) {
-    const auto [lo, hi] = std::minmax_element(v.round_speed_scales.begin(), v.round_speed_scales.end());
-    rounds = fmt::format("; the rounds' probes alone x{:.3f} to x{:.3f}", *lo, *hi);
-  }
-  return fmt::format("machine speed: the reference step ran {:.2f} GFLOP/s per rank{}, {} than the {:.2f} of calibration ({}); measured "
-                     "times are scaled by x{:.3f} to calibration's speed{}\n",
-                     v.probe_flops_per_s / 1e9, v.rounds > 1 ? " (median of the rounds)" : "", *v.speed_drift >= 0.0 ? "faster" : "slower",
-                     v.calibration_probe_flops_per_s / 1e9, pct(*v.speed_drift), v.speed_scale, rounds);
+  return fmt::format("machine speed: the reference step ran {:.2f} GFLOP/s per rank, {} than the {:.2f} of calibration ({}); a time figure is "
+                     "conclusive when its spread plus this drift is within the tolerance\n",
+                     v.probe_flops_per_s / 1e9, *v.speed_drift >= 0.0 ? "faster" : "slower", v.calibration_probe_flops_per_s / 1e9,
+                     pct(*v.speed_drift));
 }
 
 std::string verdict_lines(const planner::Validation& v) {
@@ -121,7 +116,8 @@ std::string verdict_lines(const planner::Validation& v) {
     for (const auto& f : *section) {
       if (f.verdict() == planner::Verdict::outside) s += "outside tolerance: " + figure_line(f) + "\n";
       else if (f.verdict() == planner::Verdict::inconclusive)
-        s += fmt::format("inconclusive (spread wider than the tolerance): {}\n", figure_line(f));
+        s += fmt::format("inconclusive (spread{} wider than the tolerance): {}\n", v.speed_drift ? " + machine-speed drift" : "",
+                         figure_line(f));
     }
   return s;
 }
@@ -182,8 +178,8 @@ std::string validation_report(const planner::Plan& plan, const planner::Validati
                    plan.cluster.name, profile, v.rounds, v.steps, v.rounds > 1 ? "; then the median of the rounds" : "");
   s += "## Figures\n\n" + validation_tables(v, true);
   s += "\nSpread: the interquartile range of the rounds (of the steps with one round). A time figure whose spread is wider than "
-       "the tolerance is inconclusive: the machine was too noisy to tell a hit from a miss. When the plan's profile and the run "
-       "both have the speed probe, measured times are scaled round by round to the machine's speed at calibration.\n";
+       "the tolerance is inconclusive: the machine was too noisy to tell a hit from a miss. How far the machine's speed moved "
+       "since calibration (the speed probe) counts with the spread.\n";
   if (v.speed_drift) s += fmt::format("\n{}", speed_line(v));
   s += fmt::format("\n## Op by op\n\nMeasured op times from round {}'s {}.\n\n", v.op_round + 1, v.op_time_source);
   if (v.most_different) s += "Differs most: " + planner::describe(*v.most_different) + "\n\n";

@@ -193,7 +193,7 @@ void check_measurement_shape(const json& m) {
 
 // One measurement against the plan: every figure, the parts' share of the step, the step's
 // spread over its own steps. Verdicts are settled by finish().
-Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol, double run_probe) {
+Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) {
   check_measurement_shape(m);
   if (!plan.time) throw InputError("validate: the plan has no simulated timeline (make_plan with simulate_time)");
   const sim::Timeline& tl = *plan.time;
@@ -221,22 +221,16 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol, 
     for (Figure& x : v.memory) x.rank = rank;
   }
 
-  // The machine's speed during the run against calibration's (calibrate.h, speed_probe): the
-  // run's probe is the median over its rounds (run_probe), so one round's noisy probe moves
-  // nothing by itself.
+  // The machine's speed during the run against calibration's (calibrate.h, speed_probe).
   const double calibration_probe = plan.cluster.host_calibration.speed_probe_flops_per_s;
-  if (run_probe > 0.0) {
-    v.probe_flops_per_s = run_probe;
+  if (const auto probe = json_fields::nullable_number(m, "speed_probe_flops_per_s", "measurement.json")) {
+    v.probe_flops_per_s = *probe;
     v.calibration_probe_flops_per_s = calibration_probe;
-    if (calibration_probe > 0.0) v.speed_drift = run_probe / calibration_probe - 1.0;
+    if (calibration_probe > 0.0 && v.probe_flops_per_s > 0.0) v.speed_drift = v.probe_flops_per_s / calibration_probe - 1.0;
   }
-  // Every measured second is taken at calibration's machine speed (Validation::speed_scale).
-  const double scale = v.speed_drift ? 1.0 + *v.speed_drift : 1.0;
-  v.speed_scale = scale;
 
   // Per-op measured seconds of one step: the last step's trace when given, else the totals.
-  auto step_times = need(m, "step_times_s", "").get<std::vector<double>>();
-  for (double& t : step_times) t *= scale;
+  const auto step_times = need(m, "step_times_s", "").get<std::vector<double>>();
   v.steps = static_cast<std::int64_t>(step_times.size());
   if (step_times.empty()) throw InputError("measurement.json: step_times_s is empty (no step was measured)");
   const double steps = static_cast<double>(step_times.size());
@@ -252,7 +246,7 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol, 
     v.op_time_source = fmt::format("op_s (mean of {} steady step(s))", m.at("op_s_steps").get<std::int64_t>());
     const json& a = m.at("op_s");
     for (std::size_t i = 0; i < prog.ops.size(); ++i)
-      if (timed_kind(prog.ops[i])) op_measured[i] = scale * a[i].get<double>();
+      if (timed_kind(prog.ops[i])) op_measured[i] = a[i].get<double>();
     // Several ranks: a collective's measured time is its transfer, the shortest rank's call (the
     // rest of the others' calls is waiting for the last rank to arrive, reported as sync_wait_s),
     // each the mean over the steps after the first (executor/runner.h split_collective_time),
@@ -267,9 +261,9 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol, 
         if (ops[c] < 0 || static_cast<std::size_t>(ops[c]) >= prog.ops.size() ||
             prog.ops[static_cast<std::size_t>(ops[c])].kind != sim::OpKind::collective)
           throw InputError(fmt::format("measurement.json: collective_ops[{}] = {} is no collective of the plan's program", c, ops[c]));
-        op_measured[static_cast<std::size_t>(ops[c])] = scale * tr[c];
+        op_measured[static_cast<std::size_t>(ops[c])] = tr[c];
       }
-      v.sync_wait_s = scale * m.value("sync_wait_s", 0.0);
+      v.sync_wait_s = m.value("sync_wait_s", 0.0);
       v.op_time_source += "; collectives: their transfer, the shortest rank's call, the mean over the steps after the first";
     }
   } else if (have_trace) {
@@ -281,7 +275,7 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol, 
         throw InputError(fmt::format("measurement trace: event \"{}\" names op {}, which is no compute op of the plan's {} ops "
                                      "(was the run made from another plan?)",
                                      e.value("name", ""), i, prog.ops.size()));
-      op_measured[static_cast<std::size_t>(i)] = op_measured[static_cast<std::size_t>(i)].value_or(0.0) + scale * e.at("dur").get<double>() * 1e-6;
+      op_measured[static_cast<std::size_t>(i)] = op_measured[static_cast<std::size_t>(i)].value_or(0.0) + e.at("dur").get<double>() * 1e-6;
     }
   } else {
     v.op_time_source = "ops (mean over all steps)";
@@ -311,7 +305,7 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol, 
       std::tie(it->second.phase, it->second.kernel, it->second.label) = k;
       it->second.ops = 0;
     }
-    it->second.measured_s += scale * o.at("total_s").get<double>() / steps;
+    it->second.measured_s += o.at("total_s").get<double>() / steps;
   }
   for (auto& [k, d] : kinds) v.kinds.push_back(d);
   std::sort(v.kinds.begin(), v.kinds.end(), by_abs_diff);
@@ -358,10 +352,10 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol, 
   const json& coll = m.contains("collectives") ? m.at("collectives") : empty;
   if (have_op_s) comm_m = comm_ops_m;  // the sum over collective ops of their per-op times
   else
-    for (const auto& [kind, c] : coll.items()) comm_m += scale * c.at("seconds").get<double>() / steps;
+    for (const auto& [kind, c] : coll.items()) comm_m += c.at("seconds").get<double>() / steps;
   // Exposed: the time the compute thread stood waiting for collectives when the executor measured
   // it, else all of comm_s (older measurements; collectives then blocked the rank).
-  const double exposed_m = have_op_s && m.contains("exposed_comm_s") ? scale * m.at("exposed_comm_s").get<double>() : comm_m;
+  const double exposed_m = have_op_s && m.contains("exposed_comm_s") ? m.at("exposed_comm_s").get<double>() : comm_m;
   v.time = {figure("time", "step_s", tl.step_s, step_m, tol.time),
             figure("time", "compute_s", tl.compute_s, compute_m, tol.time),
             figure("time", "comm_s", tl.comm_s, comm_m, tol.time),
@@ -396,6 +390,7 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol, 
 // lists of conclusive misses and inconclusive figures.
 void finish(Validation& v, double predicted_step_s) {
   const Tolerances& tol = v.tolerances;
+  const double drift = v.speed_drift ? std::abs(*v.speed_drift) : 0.0;  // see Validation::speed_drift
   for (Figure& f : v.time) {
     const bool step = f.name == "step_s";
     f.relative_error = relative_error(f.predicted, f.measured);
@@ -404,13 +399,13 @@ void finish(Validation& v, double predicted_step_s) {
     const double noise = !f.has_spread ? 0.0
                          : step        ? (f.measured > 0.0 ? f.spread / f.measured : 0.0)
                                        : (predicted_step_s > 0.0 ? f.spread / predicted_step_s : 0.0);
-    f.conclusive = noise <= tol.time;
+    f.conclusive = noise + drift <= tol.time;
   }
   for (Figure& f : v.throughput) {  // judged like the step, whose spread it shares
     f.relative_error = relative_error(f.predicted, f.measured);
     f.within = std::abs(f.relative_error) <= tol.time;
     const double noise = f.has_spread && f.measured > 0.0 ? f.spread / f.measured : 0.0;
-    f.conclusive = noise <= tol.time;
+    f.conclusive = noise + drift <= tol.time;
   }
   v.outside.clear();
   v.inconclusive.clear();
@@ -432,18 +427,9 @@ void keep_worst(std::vector<Figure>& into, const std::vector<Figure>& other) {
 
 Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const Tolerances& tol) {
   if (rounds.empty()) throw InputError("validate: no measurement to compare with the plan");
-  std::vector<double> probes;
-  for (std::size_t r = 0; r < rounds.size(); ++r) {
-    const std::string src = rounds.size() > 1 ? fmt::format("measurement.json (round {})", r + 1) : std::string("measurement.json");
-    if (!rounds[r].is_object()) continue;  // validate_one names the problem
-    if (const auto probe = json_fields::nullable_number(rounds[r], "speed_probe_flops_per_s", src, "", json_fields::Sign::non_negative))
-      if (*probe > 0.0) probes.push_back(*probe);
-  }
-  // Every round is scaled by the median probe, or by none unless every round has one.
-  const double run_probe = !probes.empty() && probes.size() == rounds.size() ? spread_of(probes).median : 0.0;
   std::vector<Validation> vs;
   vs.reserve(rounds.size());
-  for (const json& m : rounds) vs.push_back(validate_one(plan, m, tol, run_probe));
+  for (const json& m : rounds) vs.push_back(validate_one(plan, m, tol));
   const double predicted_step = plan.time->step_s;
   if (vs.size() == 1) {
     finish(vs.front(), predicted_step);
@@ -471,10 +457,15 @@ Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const
     f.spread = sp.iqr();
     f.has_spread = true;
   }
-  v.round_speed_scales.clear();
-  for (const json& m : rounds)  // each round's own probe over calibration's, for the record
-    if (const auto probe = json_fields::nullable_number(m, "speed_probe_flops_per_s", "measurement.json"))
-      if (run_probe > 0.0 && v.calibration_probe_flops_per_s > 0.0) v.round_speed_scales.push_back(*probe / v.calibration_probe_flops_per_s);
+  {
+    std::vector<double> probes;
+    for (const Validation& x : vs)
+      if (x.probe_flops_per_s > 0.0) probes.push_back(x.probe_flops_per_s);
+    if (!probes.empty()) {
+      v.probe_flops_per_s = spread_of(probes).median;
+      if (v.calibration_probe_flops_per_s > 0.0) v.speed_drift = v.probe_flops_per_s / v.calibration_probe_flops_per_s - 1.0;
+    }
+  }
   if (v.sync_wait_s) {
     std::vector<double> w;
     for (const Validation& x : vs) w.push_back(x.sync_wait_s.value_or(0.0));
@@ -671,8 +662,7 @@ json validation_to_json(const Validation& v) {
   if (v.sync_wait_s) j["sync_wait_s"] = *v.sync_wait_s;
   j["speed_probe"] = {{"run_flops_per_s", v.probe_flops_per_s > 0.0 ? json(v.probe_flops_per_s) : json(nullptr)},
                       {"calibration_flops_per_s", v.calibration_probe_flops_per_s > 0.0 ? json(v.calibration_probe_flops_per_s) : json(nullptr)},
-                      {"drift", v.speed_drift ? json(*v.speed_drift) : json(nullptr)},
-                      {"round_scales", v.round_speed_scales}};
+                      {"drift", v.speed_drift ? json(*v.speed_drift) : json(nullptr)}};
   j["op_time_source"] = v.op_time_source;
   j["most_different_op"] = v.most_different ? op_json(*v.most_different) : json(nullptr);
   j["ops"] = ops;

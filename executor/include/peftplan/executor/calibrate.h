@@ -196,10 +196,10 @@ class Backend;
 // Calibration takes it as it begins and as it ends (calibration_noise) and the profile keeps the
 // same program's rate among the calibration programs (reference_step_flops_per_s, into
 // host_calibration.speed_probe_flops_per_s); peftplan-exec takes it before each round's steps
-// (measurement.json "speed_probe_flops_per_s"), and validation scales the run's measured seconds
-// by the median of the rounds' probes over calibration's, to the machine's speed at calibration
-// (planner::Validation::speed_drift) — a shared machine's speed drifts; `peftplan run` takes it
-// before it plans, to recalibrate a cached profile the machine has drifted far from. A step
+// (measurement.json "speed_probe_flops_per_s"), so validation can tell how much faster or slower
+// the machine ran than when it was calibrated (planner::Validation::speed_drift) — a shared
+// machine's speed drifts — and `peftplan run` takes it before it plans, to recalibrate a cached
+// profile the machine has drifted far from. A step
 // program rather than a GEMM: the spells that slow a shared host reach the small kernels, the
 // step loop and the collectives, which a GEMM timed alone hides (see calibrate.cpp).
 double speed_probe(Backend& backend, Communicator* world, double window_s);

@@ -40,9 +40,7 @@
 // the parts have none). A time figure whose spread is wider than its tolerance — judged the way
 // its error is, relative to the figure for step_s, as a share of the predicted step for the
 // parts — is "inconclusive": neither a hit nor a miss, listed apart and never a failure by
-// itself. Memory and collective bytes are never inconclusive: each is the worst round's. Measured
-// seconds are scaled to calibration's machine speed when both sides have the speed probe
-// (Validation::speed_drift).
+// itself. Memory and collective bytes are never inconclusive: each is the worst round's.
 #pragma once
 
 #include <cstdint>
@@ -135,17 +133,11 @@ struct Validation {
   std::vector<std::string> notes;    // what a measurement lacks or the plan does not predict
   // The machine's speed during the run relative to calibration: the measurement's
   // speed_probe_flops_per_s over the plan's cluster host_calibration.speed_probe_flops_per_s,
-  // minus 1 (the median over rounds); absent when either side lacks the probe. A shared machine's
-  // speed drifts (the development VM's step time moved 25% between spells minutes apart), and a
-  // profile predicts the machine as it was calibrated; so when both probes are there, every
-  // measured second of a round — step, parts, op times, waits — is scaled by that round's probe
-  // over calibration's (speed_scale: 1.1 when the round's probe ran 10% faster) to calibration's
-  // speed before it is compared, and the rounds' spread is the spread of the scaled rounds. The
-  // probe is the executor's reference step program (executor/calibrate.h, speed_probe), taken
-  // before each round's steps.
+  // minus 1 (the median over rounds); absent when either side lacks the probe. A prediction for a
+  // machine that ran 10% slower cannot be judged to better than 10%, so |speed_drift| widens every
+  // time figure's uncertainty as its spread does: a time figure is conclusive when spread (as a
+  // share, see finish in validate.cpp) + |speed_drift| is within the time tolerance.
   std::optional<double> speed_drift;
-  double speed_scale = 1.0;                 // this measurement's (one round's) factor
-  std::vector<double> round_speed_scales;   // every round's, in round order (none without probes)
   double probe_flops_per_s = 0.0;        // the run's probe (median over rounds), 0 = none
   double calibration_probe_flops_per_s = 0.0;  // the plan's cluster's
 };
