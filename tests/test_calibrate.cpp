@@ -131,27 +131,33 @@ Calibration synthetic_calibration() {
   return cal;
 }
 
-// Whole calibration steps: every compute rate is scaled so that the programs' simulated steps
-// match their measured wall time (geometric mean over the programs), the time the op timers
-// miss (a rank descheduled between ops) included.
+// One rank's executor program of tiny-llama-2l with LoRA r 4, fp32, eager attention.
+sim::Program one_rank_program(std::int64_t micro_batch, std::int64_t seq_len) {
+  planner::PlanInput in;
+  in.model = models::load_model("tiny-llama-2l");
+  models::AdapterSpec a;
+  a.lora.r = 4;
+  in.peft.adapters = {a};
+  in.training.micro_batch = micro_batch;
+  in.training.seq_len = seq_len;
+  in.training.precision = planner::Precision::fp32;
+  in.training.attention = planner::Attention::eager;
+  in.profile = planner::RuntimeProfile::executor;
+  in.strategy.ranks = 1;
+  return planner::build_program(in).program;
+}
+
+// Whole calibration steps: with programs of one size the per-call and per-work factors cannot be
+// told apart, and every compute rate is scaled so that the programs' simulated steps match their
+// measured wall time as one factor would (the geometric mean over the programs), the time the op
+// timers miss (a rank descheduled between ops) included.
 TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
   Calibration cal = synthetic_calibration();
   cal.ranks = 1;
   cal.shared = {{1, 1e11, 1e11, 40e9}};
   cal.collectives.clear();
   cal.fits.clear();
-  planner::PlanInput in;
-  in.model = models::load_model("tiny-llama-2l");
-  models::AdapterSpec a;
-  a.lora.r = 4;
-  in.peft.adapters = {a};
-  in.training.micro_batch = 2;
-  in.training.seq_len = 32;
-  in.training.precision = planner::Precision::fp32;
-  in.training.attention = planner::Attention::eager;
-  in.profile = planner::RuntimeProfile::executor;
-  in.strategy.ranks = 1;
-  const sim::Program prog = planner::build_program(in).program;
+  const sim::Program prog = one_rank_program(2, 32);
   const double base = sim::simulate(prog, make_profile(cal)).step_s;
   ASSERT_GT(base, 0.0);
   cal.programs = {{"a", prog, 1.3 * base, {}, 0.0}, {"b", prog, 1.5 * base, {}, 0.0}};
@@ -174,21 +180,7 @@ TEST(Calibrate, StepFactorsTellPerCallOverheadFromWork) {
   cal.fits.clear();
   sim::Cluster base = make_profile(cal);
   for (std::size_t i = 1; i < sim::kKernelSlots; ++i) base.host_calibration.kernel_overhead_s[i] = 20e-6;
-  auto program = [](std::int64_t micro_batch, std::int64_t seq_len) {
-    planner::PlanInput in;
-    in.model = models::load_model("tiny-llama-2l");
-    models::AdapterSpec a;
-    a.lora.r = 4;
-    in.peft.adapters = {a};
-    in.training.micro_batch = micro_batch;
-    in.training.seq_len = seq_len;
-    in.training.precision = planner::Precision::fp32;
-    in.training.attention = planner::Attention::eager;
-    in.profile = planner::RuntimeProfile::executor;
-    in.strategy.ranks = 1;
-    return planner::build_program(in).program;
-  };
-  const sim::Program small = program(1, 16), large = program(8, 128);
+  const sim::Program small = one_rank_program(1, 16), large = one_rank_program(8, 128);
   sim::Cluster truth = base;
   apply_step_factors({0.6, 1.4}, truth);
   const std::vector<ProgramSample> programs = {{"small", small, sim::simulate(small, truth).step_s, {}, 0.0},
