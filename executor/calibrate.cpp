@@ -339,7 +339,7 @@ double speed_probe(Backend& be, Communicator* world, double window_s) {
   // The reference step program (calibration_plan(0, 2, 128, ranks): DDP, fp32, B 2 × S 128), timed
   // as a run's steps are: its steady step (planner::steady_step_s). A GEMM mix timed alone tracked
   // the runs poorly on the development VM (correlation -0.37 between a round's probe and its step
-  // time over 80 rounds of the main job; adjacent rounds of two strategies' steps: 0.6-0.67): a
+  // time over 80 rounds of the main job; two strategies' steps in the same round: 0.54-0.67): a
   // shared host's slow spells reach the small kernels, the step loop and the collectives, which
   // a GEMM hides. The step count follows from the first step's time (every rank takes the
   // slowest rank's, so all run the same steps): window_s of steps after it, 3 at least.
@@ -1305,8 +1305,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   // The reference step program's rate while the programs ran (program 0 is the probe's program;
   // its median round): the speed the profile's predictions are for, which runs' probes are
   // compared with. Not the probes around the programs: one calibration's probes ran 64 and 59
-  // GFLOP/s per rank while its programs, measured between them, ran as a machine at 47 does, and
-  // the run after it, scaled by 47/61.6, came out 21-25% faster than predicted (2026-12-03).
+  // GFLOP/s per rank, its predictions matched the runs after it, whose probes read about 47, and
+  // a run scaled by 47/61.6 came out 21-25% faster than predicted (2026-12-03).
   if (!cal.programs.empty() && cal.programs.front().step_s > 0.0)
     cal.reference_step_flops_per_s = cal.programs.front().step.model_flops_per_step / cal.programs.front().step_s;
   cal.probe_after_flops_per_s = speed_probe(*backend, &world, kLongProbeWindowS);

@@ -131,6 +131,16 @@ Calibration synthetic_calibration() {
   return cal;
 }
 
+// synthetic_calibration for one rank: no collectives.
+Calibration one_rank_calibration() {
+  Calibration cal = synthetic_calibration();
+  cal.ranks = 1;
+  cal.shared = {{1, 1e11, 1e11, 40e9}};
+  cal.collectives.clear();
+  cal.fits.clear();
+  return cal;
+}
+
 // One rank's executor program of tiny-llama-2l with LoRA r 4, fp32, eager attention.
 sim::Program one_rank_program(std::int64_t micro_batch, std::int64_t seq_len) {
   planner::PlanInput in;
@@ -152,11 +162,7 @@ sim::Program one_rank_program(std::int64_t micro_batch, std::int64_t seq_len) {
 // measured wall time as one factor would (the geometric mean over the programs), the time the op
 // timers miss (a rank descheduled between ops) included.
 TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
-  Calibration cal = synthetic_calibration();
-  cal.ranks = 1;
-  cal.shared = {{1, 1e11, 1e11, 40e9}};
-  cal.collectives.clear();
-  cal.fits.clear();
+  Calibration cal = one_rank_calibration();
   const sim::Program prog = one_rank_program(2, 32);
   const double base = sim::simulate(prog, make_profile(cal)).step_s;
   ASSERT_GT(base, 0.0);
@@ -173,11 +179,7 @@ TEST(Calibrate, StepFactorMakesSimulatedStepsMatchMeasuredOnes) {
 // overheads x0.6 and the work x1.4 of a profile (so, measured on that profile changed so) give
 // those factors back, and the profile they are applied to predicts both programs' steps.
 TEST(Calibrate, StepFactorsTellPerCallOverheadFromWork) {
-  Calibration cal = synthetic_calibration();
-  cal.ranks = 1;
-  cal.shared = {{1, 1e11, 1e11, 40e9}};
-  cal.collectives.clear();
-  cal.fits.clear();
+  Calibration cal = one_rank_calibration();
   sim::Cluster base = make_profile(cal);
   for (std::size_t i = 1; i < sim::kKernelSlots; ++i) base.host_calibration.kernel_overhead_s[i] = 20e-6;
   const sim::Program small = one_rank_program(1, 16), large = one_rank_program(8, 128);
