@@ -12,14 +12,19 @@
 # error|, over every configuration and over the conclusive ones.
 # Not a ctest: it is a benchmark (about 25 minutes with 5 rounds; --quick: a subset in about two).
 #
-# usage: bench/accuracy.sh [--quick] [--build DIR] [--steps K] [--rounds R] [--out DIR]
+# --judge DIR judges the rounds recorded in DIR by an earlier run again (peftplan compare only: no
+# calibration, no run), as the build given judges them — how a change to the verdict reads on the
+# same measurements.
+#
+# usage: bench/accuracy.sh [--quick] [--build DIR] [--steps K] [--rounds R] [--out DIR | --judge DIR]
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 build="$here/build/acc"
 quick=0
 steps=10  # 4 ranks on 2 cores settle over several steps; the median of the steps after the first is compared
 rounds=5  # peftplan run's default: the median of 5 interleaved rounds
-out="$(mktemp -d /tmp/peftplan-accuracy.XXXXXX)"
+out=""
+judge=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --quick) quick=1 ;;
@@ -27,10 +32,13 @@ while [[ $# -gt 0 ]]; do
     --steps) steps="$2"; shift ;;
     --rounds) rounds="$2"; shift ;;
     --out) out="$2"; shift ;;
-    *) echo "usage: $0 [--quick] [--build DIR] [--steps K] [--rounds R] [--out DIR]" >&2; exit 2 ;;
+    --judge) out="$2"; judge=1; shift ;;
+    *) echo "usage: $0 [--quick] [--build DIR] [--steps K] [--rounds R] [--out DIR | --judge DIR]" >&2; exit 2 ;;
   esac
   shift
 done
+[[ -n "$out" ]] || out="$(mktemp -d /tmp/peftplan-accuracy.XXXXXX)"
+if [[ $judge == 1 && ! -f "$out/configs.txt" ]]; then echo "--judge $out: no configs.txt there (not an accuracy run's folder)" >&2; exit 2; fi
 peftplan="$build/cli/peftplan"
 [[ -x "$peftplan" ]] || { echo "no $peftplan (build first)" >&2; exit 2; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -56,37 +64,39 @@ rows="$out/rows.tsv"
 : > "$rows"
 # The configurations, one per line: name, rank count, then peftplan run's flags.
 configs="$out/configs.txt"
-: > "$configs"
-for n in "${ranks_list[@]}"; do
-  for model in "${models[@]}"; do
-    for strat in "${strategies[@]}"; do
-      flags="--strategy ${strat%+off}"
-      [[ "$strat" == *+off ]] && flags="$flags --offload-optimizer cpu"
-      for ck in "${ckpts[@]}"; do
-        for base in "${bases[@]}"; do
-          echo "$model.n$n.$strat.ckpt-$ck.$base $n --model $model --lora-r 8 --lora-alpha 16 --lora-targets all-linear --gpus $n $flags --checkpointing $ck --base-dtype $base $(size_flags "$model")" >> "$configs"
+if [[ $judge == 0 ]]; then
+  : > "$configs"
+  for n in "${ranks_list[@]}"; do
+    for model in "${models[@]}"; do
+      for strat in "${strategies[@]}"; do
+        flags="--strategy ${strat%+off}"
+        [[ "$strat" == *+off ]] && flags="$flags --offload-optimizer cpu"
+        for ck in "${ckpts[@]}"; do
+          for base in "${bases[@]}"; do
+            echo "$model.n$n.$strat.ckpt-$ck.$base $n --model $model --lora-r 8 --lora-alpha 16 --lora-targets all-linear --gpus $n $flags --checkpointing $ck --base-dtype $base $(size_flags "$model")" >> "$configs"
+          done
         done
       done
     done
   done
-done
-# one profile per rank count: a profile's rates are per rank with that many ranks sharing the cores
-for n in "${ranks_list[@]}"; do
-  cal="$out/calibration.$n.json"
-  [[ -f "$cal" ]] || "$peftplan" calibrate --ranks "$n" --quick --out "$cal" > "$out/calibrate.$n.log" 2>&1
-done
-# Rounds interleaved over the whole matrix: pass k runs every configuration once (one round), so a
-# slow spell of the machine lands on one round of many configurations, not on every round of one;
-# then `peftplan compare` combines each configuration's rounds (the median, the spread) as
-# `peftplan run --rounds` does.
-for k in $(seq 1 "$rounds"); do
-  while read -r name n args; do
-    dir="$out/$name"
-    # shellcheck disable=SC2086
-    "$peftplan" run $args --steps "$steps" --rounds 1 --data "$data" --calibration "$out/calibration.$n.json" \
-      --out "$dir/round-$k" < /dev/null > "$dir.round-$k.log" 2>&1 || true  # mpirun would read the list
-  done < "$configs"
-done
+  # one profile per rank count: a profile's rates are per rank with that many ranks sharing the cores
+  for n in "${ranks_list[@]}"; do
+    cal="$out/calibration.$n.json"
+    [[ -f "$cal" ]] || "$peftplan" calibrate --ranks "$n" --quick --out "$cal" > "$out/calibrate.$n.log" 2>&1
+  done
+  # Rounds interleaved over the whole matrix: pass k runs every configuration once (one round), so a
+  # slow spell of the machine lands on one round of many configurations, not on every round of one;
+  # then `peftplan compare` combines each configuration's rounds (the median, the spread) as
+  # `peftplan run --rounds` does.
+  for k in $(seq 1 "$rounds"); do
+    while read -r name n args; do
+      dir="$out/$name"
+      # shellcheck disable=SC2086
+      "$peftplan" run $args --steps "$steps" --rounds 1 --data "$data" --calibration "$out/calibration.$n.json" \
+        --out "$dir/round-$k" < /dev/null > "$dir.round-$k.log" 2>&1 || true  # mpirun would read the list
+    done < "$configs"
+  done
+fi
 while read -r name n args; do
   dir="$out/$name"
   measurements=()

@@ -76,7 +76,7 @@ std::string cpu_model_name() {
 // profile's by more than `recalibrate_beyond`: the profile's time tolerance, whatever
 // --tolerance-time says — a drift that alone would make every time figure inconclusive (see
 // planner::Validation::speed_drift), so a run on the old profile could not judge time at all.
-// A smaller drift is left to the verdict, which widens each figure's uncertainty by it: the
+// A smaller drift is left to the verdict, which judges each figure at both speeds: the
 // development VM's probe wanders ±10% from minute to minute, and recalibrating on every such
 // swing cost each run 25 s for a profile no better than the last. A profile given with
 // --calibration is the user's: used as it is (validation reports the drift).
@@ -399,11 +399,20 @@ void add_run_command(CLI::App& app, int& exit_code) {
         job.rounds.push_back(std::move(m));
       }
 
+    // The machine's speed over the job: the strategies' rounds were interleaved, so every probe
+    // of every strategy measured the same span (planner::validate_rounds, job_probe).
+    std::optional<planner::JobProbe> job_probe;
+    if (several) {
+      std::vector<const nlohmann::json*> all;
+      for (const Job& job : jobs)
+        for (const auto& m : job.rounds) all.push_back(&m);
+      job_probe = planner::job_probe_median(all);
+    }
     for (Job& job : jobs) {
       const fs::path& dir = job.dir;
       const int N = job.pf.input.strategy.ranks;
       if (several) fmt::print("\n== {}: predicted versus measured ({})\n", job.strategy, shown(dir));
-      job.v = planner::validate_rounds(job.plan, job.rounds, tol);
+      job.v = planner::validate_rounds(job.plan, job.rounds, tol, job_probe);
       const planner::Validation& v = job.v;
       const nlohmann::json& m = job.rounds.at(static_cast<std::size_t>(v.op_round));
       fmt::print("{}", validation_tables(v, false));

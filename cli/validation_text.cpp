@@ -37,6 +37,7 @@ std::string figure_line(const planner::Figure& f) {
   std::string s = fmt::format("{}: predicted {:.6g}, measured {:.6g} ({}, tolerance {:.4g}%", f.key(), f.predicted, f.measured,
                               pct(f.relative_error), 100.0 * f.tolerance);
   if (time && f.has_spread) s += fmt::format(", spread {:.3f} ms", f.spread * 1e3);
+  if (f.error_at_run_speed) s += fmt::format(", {} at the run's speed", pct(*f.error_at_run_speed));
   return s + ")";
 }
 
@@ -104,11 +105,32 @@ std::string validation_tables(const planner::Validation& v, bool markdown) {
 
 std::string speed_line(const planner::Validation& v) {
   if (!v.speed_drift) return {};
-  return fmt::format("machine speed: the reference step ran {:.2f} GFLOP/s per rank, {} than the {:.2f} of calibration ({}); a time figure is "
-                     "conclusive when its spread plus this drift is within the tolerance\n",
-                     v.probe_flops_per_s / 1e9, *v.speed_drift >= 0.0 ? "faster" : "slower", v.calibration_probe_flops_per_s / 1e9,
+  const std::string over = v.job_probe    ? fmt::format(" (the median of the job's {} probes, every strategy's rounds)", v.probes)
+                           : v.probes > 1 ? fmt::format(" (the median of {} rounds' probes)", v.probes)
+                                          : "";
+  return fmt::format("machine speed: the reference step ran {:.2f} GFLOP/s per rank{}, {} than the {:.2f} of calibration ({}); a time figure is "
+                     "conclusive when its spread is within the tolerance and its verdict is the same at this speed as at calibration's\n",
+                     v.probe_flops_per_s / 1e9, over, *v.speed_drift >= 0.0 ? "faster" : "slower", v.calibration_probe_flops_per_s / 1e9,
                      pct(*v.speed_drift));
 }
+
+namespace {
+std::string unsure_reason(const planner::Figure& f, const planner::Validation& v) {
+  using U = planner::Figure::Unsure;
+  switch (f.unsure) {
+    case U::speed_decides:
+      return fmt::format("{} the tolerance at calibration's speed, {} at the run's: the machine-speed drift decides", f.within ? "within" : "outside",
+                         f.within ? "outside" : "within");
+    case U::drift_wide:
+      return fmt::format("outside at both speeds, but the spread plus the machine-speed drift ({}) is wider than the tolerance: a miss a wrong "
+                         "probe could make",
+                         v.speed_drift ? pct(*v.speed_drift) : std::string("n/a"));
+    case U::spread:
+    case U::no: break;
+  }
+  return "spread wider than the tolerance";
+}
+}  // namespace
 
 std::string verdict_lines(const planner::Validation& v) {
   std::string s;
@@ -116,8 +138,7 @@ std::string verdict_lines(const planner::Validation& v) {
     for (const auto& f : *section) {
       if (f.verdict() == planner::Verdict::outside) s += "outside tolerance: " + figure_line(f) + "\n";
       else if (f.verdict() == planner::Verdict::inconclusive)
-        s += fmt::format("inconclusive (spread{} wider than the tolerance): {}\n", v.speed_drift ? " + machine-speed drift" : "",
-                         figure_line(f));
+        s += fmt::format("inconclusive ({}): {}\n", unsure_reason(f, v), figure_line(f));
     }
   return s;
 }
@@ -178,8 +199,8 @@ std::string validation_report(const planner::Plan& plan, const planner::Validati
                    plan.cluster.name, profile, v.rounds, v.steps, v.rounds > 1 ? "; then the median of the rounds" : "");
   s += "## Figures\n\n" + validation_tables(v, true);
   s += "\nSpread: the interquartile range of the rounds (of the steps with one round). A time figure whose spread is wider than "
-       "the tolerance is inconclusive: the machine was too noisy to tell a hit from a miss. How far the machine's speed moved "
-       "since calibration (the speed probe) counts with the spread.\n";
+       "the tolerance is inconclusive: the machine was too noisy to tell a hit from a miss. So is one whose verdict changes when "
+       "the prediction is taken at the run's speed (the speed probe's drift since calibration) instead of calibration's.\n";
   if (v.speed_drift) s += fmt::format("\n{}", speed_line(v));
   s += fmt::format("\n## Op by op\n\nMeasured op times from round {}'s {}.\n\n", v.op_round + 1, v.op_time_source);
   if (v.most_different) s += "Differs most: " + planner::describe(*v.most_different) + "\n\n";

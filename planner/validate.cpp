@@ -385,27 +385,52 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
   return v;
 }
 
-// Settles each figure's verdict: within tolerance (a part also when its error is a small share
-// of the step), conclusive when its spread is within the tolerance judged the same way, and the
-// lists of conclusive misses and inconclusive figures.
+// Settles each figure's verdict. A time figure is within tolerance when its relative error is (a
+// part also when its error is a small share of the step). With a speed drift it is judged twice:
+// as predicted, and with the prediction at the run's speed (predicted seconds / (1 + drift)), the
+// machine having moved by the drift. It is conclusive when its spread is within the tolerance
+// (judged the same way) and both verdicts agree; a miss also needs spread + |drift| within the
+// tolerance. The probe tracks the run's speed only roughly (README, "Predicted versus
+// measured": with one rank it read a median 38% faster while the steps ran as predicted), so a
+// verdict that hangs on which reading is right is inconclusive, and so is a miss that a wrong
+// probe could make: a step 21% slow on a probe 17% fast is outside at both speeds, and proves
+// nothing about the model when the probe itself is that far out.
 void finish(Validation& v, double predicted_step_s) {
   const Tolerances& tol = v.tolerances;
-  const double drift = v.speed_drift ? std::abs(*v.speed_drift) : 0.0;  // see Validation::speed_drift
+  const double drift = v.speed_drift ? std::abs(*v.speed_drift) : 0.0;
+  const double at_run_speed = v.speed_drift && *v.speed_drift > -1.0 ? 1.0 / (1.0 + *v.speed_drift) : 1.0;
+  const auto settle = [&](Figure& f, double noise, bool within_at_run_speed) {
+    using U = Figure::Unsure;
+    f.unsure = noise > tol.time                          ? U::spread
+               : within_at_run_speed != f.within         ? U::speed_decides
+               : !f.within && noise + drift > tol.time   ? U::drift_wide
+                                                         : U::no;
+    f.conclusive = f.unsure == U::no;
+  };
   for (Figure& f : v.time) {
     const bool step = f.name == "step_s";
+    const auto within_at = [&](double scale) {  // predictions times `scale`
+      const double rel = relative_error(f.predicted * scale, f.measured);
+      const double share = predicted_step_s > 0.0 ? (f.measured - f.predicted * scale) / (predicted_step_s * scale) : rel;
+      return std::abs(rel) <= tol.time || (!step && std::abs(share) <= tol.time);
+    };
     f.relative_error = relative_error(f.predicted, f.measured);
     f.share_of_step = step ? 0.0 : predicted_step_s > 0.0 ? (f.measured - f.predicted) / predicted_step_s : f.relative_error;
-    f.within = std::abs(f.relative_error) <= tol.time || (!step && std::abs(f.share_of_step) <= tol.time);
+    f.within = within_at(1.0);
+    f.error_at_run_speed.reset();
+    if (v.speed_drift) f.error_at_run_speed = relative_error(f.predicted * at_run_speed, f.measured);
     const double noise = !f.has_spread ? 0.0
                          : step        ? (f.measured > 0.0 ? f.spread / f.measured : 0.0)
                                        : (predicted_step_s > 0.0 ? f.spread / predicted_step_s : 0.0);
-    f.conclusive = noise + drift <= tol.time;
+    settle(f, noise, within_at(at_run_speed));
   }
-  for (Figure& f : v.throughput) {  // judged like the step, whose spread it shares
+  for (Figure& f : v.throughput) {  // judged like the step, whose spread it shares; tokens/s scale the other way
     f.relative_error = relative_error(f.predicted, f.measured);
     f.within = std::abs(f.relative_error) <= tol.time;
+    f.error_at_run_speed.reset();
+    if (v.speed_drift) f.error_at_run_speed = relative_error(f.predicted / at_run_speed, f.measured);
     const double noise = f.has_spread && f.measured > 0.0 ? f.spread / f.measured : 0.0;
-    f.conclusive = noise + drift <= tol.time;
+    settle(f, noise, f.error_at_run_speed ? std::abs(*f.error_at_run_speed) <= tol.time : f.within);
   }
   v.outside.clear();
   v.inconclusive.clear();
@@ -425,15 +450,37 @@ void keep_worst(std::vector<Figure>& into, const std::vector<Figure>& other) {
 
 }  // namespace
 
-Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const Tolerances& tol) {
+std::optional<JobProbe> job_probe_median(std::span<const json* const> measurements) {
+  std::vector<double> probes;
+  for (const json* m : measurements)
+    if (const auto p = json_fields::nullable_number(*m, "speed_probe_flops_per_s", "measurement.json"); p && *p > 0.0) probes.push_back(*p);
+  if (probes.empty()) return std::nullopt;
+  const auto n = static_cast<std::int32_t>(probes.size());
+  return JobProbe{spread_of(std::move(probes)).median, n};
+}
+
+Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const Tolerances& tol, const std::optional<JobProbe>& job_probe) {
   if (rounds.empty()) throw InputError("validate: no measurement to compare with the plan");
   std::vector<Validation> vs;
   vs.reserve(rounds.size());
   for (const json& m : rounds) vs.push_back(validate_one(plan, m, tol));
   const double predicted_step = plan.time->step_s;
+  // The machine's speed: the job's probe when given (see the header), else this plan's rounds'.
+  const auto set_speed = [&](Validation& v, double probe, std::int32_t count, bool job) {
+    v.probe_flops_per_s = probe;
+    v.probes = count;
+    v.job_probe = job;
+    if (v.calibration_probe_flops_per_s > 0.0 && probe > 0.0) v.speed_drift = probe / v.calibration_probe_flops_per_s - 1.0;
+  };
   if (vs.size() == 1) {
-    finish(vs.front(), predicted_step);
-    return std::move(vs.front());
+    Validation& v = vs.front();
+    v.probes = v.probe_flops_per_s > 0.0 ? 1 : 0;
+    if (job_probe) {
+      v.calibration_probe_flops_per_s = plan.cluster.host_calibration.speed_probe_flops_per_s;
+      set_speed(v, job_probe->flops_per_s, job_probe->probes, true);
+    }
+    finish(v, predicted_step);
+    return std::move(v);
   }
   // The round with the median step shows the op-by-op view; every figure is combined.
   std::vector<double> steps;
@@ -457,14 +504,14 @@ Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const
     f.spread = sp.iqr();
     f.has_spread = true;
   }
-  {
+  if (job_probe) {
+    v.calibration_probe_flops_per_s = plan.cluster.host_calibration.speed_probe_flops_per_s;
+    set_speed(v, job_probe->flops_per_s, job_probe->probes, true);
+  } else {
     std::vector<double> probes;
     for (const Validation& x : vs)
       if (x.probe_flops_per_s > 0.0) probes.push_back(x.probe_flops_per_s);
-    if (!probes.empty()) {
-      v.probe_flops_per_s = spread_of(probes).median;
-      if (v.calibration_probe_flops_per_s > 0.0) v.speed_drift = v.probe_flops_per_s / v.calibration_probe_flops_per_s - 1.0;
-    }
+    if (!probes.empty()) set_speed(v, spread_of(probes).median, static_cast<std::int32_t>(probes.size()), false);
   }
   if (v.sync_wait_s) {
     std::vector<double> w;
@@ -482,6 +529,22 @@ Tolerances tolerances_for(RuntimeProfile profile) {
     case RuntimeProfile::executor: return {0.02, 0.15};
     default: return {0.05, 0.15};
   }
+}
+
+std::string_view name_of(Figure::Unsure u) {
+  switch (u) {
+    case Figure::Unsure::no: return "no";
+    case Figure::Unsure::spread: return "spread";
+    case Figure::Unsure::speed_decides: return "speed_decides";
+    case Figure::Unsure::drift_wide: return "drift_wide";
+  }
+  return "?";
+}
+
+std::optional<Figure::Unsure> unsure_from_name(std::string_view s) {
+  for (auto u : {Figure::Unsure::spread, Figure::Unsure::speed_decides, Figure::Unsure::drift_wide})
+    if (s == name_of(u)) return u;
+  return std::nullopt;
 }
 
 std::string_view name_of(Verdict v) {
@@ -619,6 +682,8 @@ json validation_to_json(const Validation& v) {
   }
   for (const Figure& f : v.time) {
     time[f.name] = {{"predicted", f.predicted}, {"measured", f.measured}, {"relative_error", f.relative_error},
+                    {"inconclusive_because", f.unsure == Figure::Unsure::no ? json(nullptr) : json(name_of(f.unsure))},
+                    {"relative_error_at_run_speed", f.error_at_run_speed ? json(*f.error_at_run_speed) : json(nullptr)},
                     {"within_tolerance", f.within}, {"verdict", name_of(f.verdict())},
                     {"spread_s", f.has_spread ? json(f.spread) : json(nullptr)}, {"rounds", f.rounds}};
     if (f.name != "step_s") time[f.name]["error_share_of_step"] = f.share_of_step;
@@ -645,6 +710,8 @@ json validation_to_json(const Validation& v) {
   json tput = json::object();
   for (const Figure& f : v.throughput)
     tput[f.name] = {{"predicted", f.predicted}, {"measured", f.measured}, {"relative_error", f.relative_error},
+                    {"inconclusive_because", f.unsure == Figure::Unsure::no ? json(nullptr) : json(name_of(f.unsure))},
+                    {"relative_error_at_run_speed", f.error_at_run_speed ? json(*f.error_at_run_speed) : json(nullptr)},
                     {"within_tolerance", f.within}, {"verdict", name_of(f.verdict())}};
   j["memory"] = mem;
   j["time"] = time;
@@ -662,7 +729,9 @@ json validation_to_json(const Validation& v) {
   if (v.sync_wait_s) j["sync_wait_s"] = *v.sync_wait_s;
   j["speed_probe"] = {{"run_flops_per_s", v.probe_flops_per_s > 0.0 ? json(v.probe_flops_per_s) : json(nullptr)},
                       {"calibration_flops_per_s", v.calibration_probe_flops_per_s > 0.0 ? json(v.calibration_probe_flops_per_s) : json(nullptr)},
-                      {"drift", v.speed_drift ? json(*v.speed_drift) : json(nullptr)}};
+                      {"drift", v.speed_drift ? json(*v.speed_drift) : json(nullptr)},
+                      {"probes", v.probes},
+                      {"over", v.job_probe ? "job" : "rounds"}};
   j["op_time_source"] = v.op_time_source;
   j["most_different_op"] = v.most_different ? op_json(*v.most_different) : json(nullptr);
   j["ops"] = ops;
@@ -715,6 +784,14 @@ Validation validation_from_json(const json& j, std::string_view source) {
         for (const auto& r : f["rounds"])
           if (r.is_number()) x.rounds.push_back(r.get<double>());
       x.share_of_step = json_fields::number(f, "error_share_of_step", source, x.share_of_step, where + ".");
+      x.error_at_run_speed = json_fields::nullable_number(f, "relative_error_at_run_speed", source, where + ".");
+      if (const std::string why = json_fields::string(f, "inconclusive_because", source, "", where + "."); !why.empty()) {
+        const auto u = unsure_from_name(why);
+        if (!u) throw fail(where + ".inconclusive_because", fmt::format("must be \"spread\", \"speed_decides\" or \"drift_wide\", got \"{}\"", why));
+        x.unsure = *u;
+      } else if (!x.conclusive) {
+        x.unsure = Figure::Unsure::spread;  // a validation.json from before the reason was written
+      }
       into.push_back(std::move(x));
     }
   };

@@ -89,10 +89,23 @@ struct Figure {
   double spread = 0.0;
   bool has_spread = false;
   std::vector<double> rounds;
+  // Time figures with a speed drift: the relative error of the prediction at the run's speed
+  // (predicted seconds / (1 + drift); tokens/s times it), beside the raw one (finish in
+  // validate.cpp: a verdict the two readings disagree on is inconclusive).
+  std::optional<double> error_at_run_speed;
   bool conclusive = true;
+  // Why a time figure is inconclusive (finish in validate.cpp): its spread is wider than the
+  // tolerance; the verdicts at calibration's and at the run's speed differ; or it is outside at
+  // both but its spread plus |drift| is wider than the tolerance (a miss the machine could explain).
+  enum class Unsure : std::uint8_t { no, spread, speed_decides, drift_wide };
+  Unsure unsure = Unsure::no;
   Verdict verdict() const { return !conclusive ? Verdict::inconclusive : within ? Verdict::within : Verdict::outside; }
   std::string key() const { return section + "." + name; }
 };
+
+// "spread", "speed_decides", "drift_wide" (validation.json's inconclusive_because), "no".
+std::string_view name_of(Figure::Unsure u);
+std::optional<Figure::Unsure> unsure_from_name(std::string_view s);
 
 // Predicted and measured seconds per step of one program op (index >= 0) or of all the ops
 // that share (phase, kernel, label) (index -1, layer -1).
@@ -134,11 +147,13 @@ struct Validation {
   // The machine's speed during the run relative to calibration: the measurement's
   // speed_probe_flops_per_s over the plan's cluster host_calibration.speed_probe_flops_per_s,
   // minus 1 (the median over rounds); absent when either side lacks the probe. A prediction for a
-  // machine that ran 10% slower cannot be judged to better than 10%, so |speed_drift| widens every
-  // time figure's uncertainty as its spread does: a time figure is conclusive when spread (as a
-  // share, see finish in validate.cpp) + |speed_drift| is within the time tolerance.
+  // machine that ran 10% slower cannot be judged to better than 10%: a time figure is conclusive
+  // when its spread is within the tolerance and its verdict is the same at the run's speed
+  // (predictions / (1 + speed_drift)) as at calibration's (finish in validate.cpp).
   std::optional<double> speed_drift;
   double probe_flops_per_s = 0.0;        // the run's probe (median over rounds), 0 = none
+  std::int32_t probes = 0;               // how many probes probe_flops_per_s is the median of
+  bool job_probe = false;                // the median is over a job's interleaved plans (below)
   double calibration_probe_flops_per_s = 0.0;  // the plan's cluster's
 };
 
@@ -177,7 +192,23 @@ std::vector<std::size_t> steady_samples(std::span<const double> times, std::size
 double steady_step_s(const std::vector<double>& step_times);
 
 // Several rounds of one plan (see above); each must be a measurement of that plan.
-Validation validate_rounds(const Plan& predicted, std::span<const nlohmann::json> rounds, const Tolerances& tolerances = {});
+// `job_probe`: when the plan's rounds were interleaved with other plans' (peftplan
+// run's strategies), the median of every plan's every round's speed probe, which then stands for
+// this plan's own (job_probe_median): the machine ran the whole job in one span, so each plan's
+// median of its R probes is the same speed measured with R samples instead of R × plans. On the
+// development VM one job's three strategies' medians of five probes read 46.7, 51.5 and 51.7
+// GFLOP/s per rank (2026-12-03): ZeRO-3 alone judged a +3.6% drift, the job +14.4%, and its step,
+// 16.5% faster than predicted with a 2.5% spread, came out a conclusive miss on its own probes.
+struct JobProbe {
+  double flops_per_s = 0.0;  // the median
+  std::int32_t probes = 0;   // over how many
+};
+Validation validate_rounds(const Plan& predicted, std::span<const nlohmann::json> rounds, const Tolerances& tolerances = {},
+                           const std::optional<JobProbe>& job_probe = std::nullopt);
+
+// The median speed probe over a job's measurements, every plan's every round (each one's
+// speed_probe_flops_per_s; those without one are skipped); nullopt when none has one.
+std::optional<JobProbe> job_probe_median(std::span<const nlohmann::json* const> measurements);
 Validation validate(const Plan& predicted, const nlohmann::json& measurement, const Tolerances& tolerances = {});
 
 // A totals-only measurement of the user's own job ("schema": "peftplan.measurement-totals/1",
