@@ -8,6 +8,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/planner/accelerate_config.h"
 #include "peftplan/planner/ds_config.h"
+#include "peftplan/planner/launcher_config.h"
 
 namespace peftplan::cli {
 namespace {
@@ -129,47 +130,12 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   if (!f.accelerate_config.empty() && f.strategy != "ddp")
     throw InputError(fmt::format("--accelerate-config {} with --strategy {}: the accelerate config sets the strategy; drop --strategy",
                                  f.accelerate_config, f.strategy));
-  if (!f.ds_config.empty()) {
-    planner::DsConfigInputs di;
-    di.world_size = in.strategy.ranks;
-    di.training = t;
-    di.hidden = in.model.hidden;
-    planner::DsConfig ds = planner::read_ds_config(models::read_json_file(f.ds_config), f.ds_config, di);
-    in.strategy = ds.strategy;
-    in.training = ds.training;
-    r.warnings.insert(r.warnings.end(), ds.warnings.begin(), ds.warnings.end());
-  }
+  if (!f.ds_config.empty()) planner::apply_ds_config(in, models::read_json_file(f.ds_config), f.ds_config, r.warnings);
   if (!f.accelerate_config.empty()) {
     if (!f.ds_config.empty())
       throw InputError("--accelerate-config and --ds-config: give one launcher's config, not both");
-    planner::AccelerateConfig ac = planner::read_accelerate_config_file(f.accelerate_config);
-    // --gpus overrides num_processes, as `accelerate launch --num_processes` does.
-    const std::int32_t ranks = f.gpus ? *f.gpus : ac.strategy.ranks > 0 ? ac.strategy.ranks : in.strategy.ranks;
-    if (ranks > total)
-      throw input_error(f.accelerate_config, "num_processes", fmt::format("must not exceed the cluster's {} GPUs ({})", total, r.cluster.name),
-                        std::to_string(ranks));
-    if (f.gpus && ac.strategy.ranks > 0 && ac.strategy.ranks != *f.gpus)
-      r.warnings.push_back(fmt::format("{}: --gpus {} overrides num_processes {} (as accelerate launch --num_processes does)",
-                                       f.accelerate_config, *f.gpus, ac.strategy.ranks));
-    in.strategy = ac.strategy;
-    in.strategy.ranks = ranks;
-    // HYBRID_SHARD shards within a machine: num_processes / num_machines ranks, or a node's GPUs.
-    if (in.strategy.stage == Stage::fsdp_hybrid_shard)
-      in.strategy.shard_group = ac.num_machines > 1 ? ranks / ac.num_machines : std::min(r.cluster.gpus_per_node, ranks);
-    if (ac.precision) in.training.precision = *ac.precision;
-    if (ac.no_mixed_precision && (in.training.precision == Precision::bf16_mixed || in.training.precision == Precision::fp16_mixed)) {
-      // 'no': no autocast, the model in its torch_dtype; bf16 is what fine-tuning recipes load.
-      in.training.precision = Precision::bf16_pure;
-      r.warnings.push_back(fmt::format("{}: mixed_precision 'no' is planned as --precision bf16-pure (the model loaded in bf16, "
-                                       "no autocast); give --precision fp32 for an fp32 model", f.accelerate_config));
-    }
-    if (in.strategy.fsdp.activation_checkpointing) {  // FSDP's checkpoint_wrapper on every decoder layer
-      in.training.checkpointing = Checkpointing::full;
-      in.training.checkpoint_reentrant = false;
-    }
-    // An accelerate job runs transformers + PEFT: the hf profile, unless another was asked for.
-    if (f.profile.empty()) in.profile = planner::RuntimeProfile::hf;
-    r.warnings.insert(r.warnings.end(), ac.warnings.begin(), ac.warnings.end());
+    planner::apply_accelerate_config(in, planner::read_accelerate_config_file(f.accelerate_config), f.accelerate_config, r.cluster, f.gpus,
+                                     !f.profile.empty(), r.warnings);
   }
   return r;
 }

@@ -1,6 +1,8 @@
 // The explorer's window (see explorer.h).
 #include "explorer.h"
 
+#include <filesystem>
+
 #include <QApplication>
 #include <QCheckBox>
 #include <QComboBox>
@@ -35,20 +37,46 @@
 #include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
+#include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/explain.h"
+#include "peftplan/planner/launcher_config.h"
+#include "peftplan/planner/validate.h"
 #include "peftplan/reports/colours.h"
 #include "peftplan/reports/svg.h"
 #include "peftplan/sim/cluster.h"
+#include "timeline_view.h"
 
 namespace peftplan::gui {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-planner::PlanInput input_of(const Scenario& s, sim::Cluster& cluster) {
+// "every-K" -> K, or nullopt.
+std::optional<std::int64_t> every_k(const std::string& c) {
+  if (c.rfind("every-", 0) != 0) return std::nullopt;
+  try {
+    const std::int64_t k = std::stoll(c.substr(6));
+    if (k > 0) return k;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+bool is_yaml(const std::string& path) {
+  const std::string ext = std::filesystem::path(path).extension().string();
+  return ext == ".yaml" || ext == ".yml";
+}
+
+// The plan input a scenario describes (the launcher config, when given, last: it sets the
+// strategy as `plan --ds-config` / `--accelerate-config` do). Warnings from the files are appended.
+planner::PlanInput input_of(const Scenario& s, sim::Cluster& cluster, std::vector<std::string>& warnings) {
   planner::PlanInput in;
   in.model = models::load_model(s.model);
-  if (s.lora_r > 0) {
+  if (!s.adapter_config.empty()) {
+    std::filesystem::path p = s.adapter_config;
+    if (std::filesystem::is_directory(p)) p /= "adapter_config.json";
+    in.peft.adapters.push_back(models::adapter_from_config(models::read_json_file(p.string()), p.string()));
+  } else if (s.lora_r > 0) {
     models::AdapterSpec a;
     a.type = models::PeftType::lora;
     a.lora.r = s.lora_r;
@@ -61,24 +89,39 @@ planner::PlanInput input_of(const Scenario& s, sim::Cluster& cluster) {
       a.lora.targets.names.push_back(s.targets.substr(at));
     }
     in.peft.adapters.push_back(a);
-    if (s.qlora) {
-      models::Quantization q;
-      q.dtype = DType::nf4;
-      q.double_quant = true;
-      in.peft.quantization = q;
-    }
   } else {
     in.training.full_finetune = true;
   }
+  if (s.qlora && !in.training.full_finetune) {
+    models::Quantization q;
+    q.dtype = DType::nf4;
+    q.double_quant = true;
+    in.peft.quantization = q;
+  }
   in.training.micro_batch = s.micro_batch;
   in.training.seq_len = s.seq_len;
-  in.training.attention = planner::Attention::flash;
+  in.training.grad_accum = s.grad_accum;
+  in.training.attention = planner::from_name(s.attention, planner::kAttentions).value_or(planner::Attention::flash);
   if (auto p = planner::from_name(s.precision, planner::kPrecisions)) in.training.precision = *p;
   if (s.checkpointing == "full") in.training.checkpointing = planner::Checkpointing::full;
+  else if (const auto k = every_k(s.checkpointing)) {
+    in.training.checkpointing = planner::Checkpointing::every_k;
+    in.training.checkpoint_every = *k;
+  }
   in.profile = planner::from_name(s.profile, planner::kRuntimeProfiles).value_or(planner::RuntimeProfile::deepspeed);
   cluster = sim::resolve_cluster(s.cluster);
   in.strategy.ranks = std::min(s.gpus, sim::total_gpus(cluster));
   in.strategy.stage = planner::from_name(s.strategy, planner::kStages).value_or(planner::Stage::ddp);
+  if (in.strategy.stage == planner::Stage::fsdp_hybrid_shard) in.strategy.shard_group = std::min(cluster.gpus_per_node, in.strategy.ranks);
+  if (s.offload_optimizer) in.strategy.offload_optimizer = planner::OffloadDevice::cpu;
+  if (s.offload_param) in.strategy.offload_param = planner::OffloadDevice::cpu;
+  if (!s.launcher_config.empty()) {
+    if (is_yaml(s.launcher_config))
+      planner::apply_accelerate_config(in, planner::read_accelerate_config_file(s.launcher_config), s.launcher_config, cluster,
+                                       in.strategy.ranks, true, warnings);
+    else
+      planner::apply_ds_config(in, models::read_json_file(s.launcher_config), s.launcher_config, warnings);
+  }
   return in;
 }
 
@@ -118,19 +161,21 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
   r.generation = generation;
   try {
     sim::Cluster cluster;
-    const planner::PlanInput in = input_of(s, cluster);
+    const planner::PlanInput in = input_of(s, cluster, r.warnings);
     planner::PlanOptions po;
     const planner::Plan base = planner::make_plan(in, cluster, po);
+    const std::string yours(planner::name_of(in.strategy.stage));
     r.strategies = reports::seed_strategies(in, cluster, po.headroom_fraction);
     r.knobs = reports::knob_deltas(base);
     r.recommendation = planner::recommend(in, cluster, {}, planner::Constraints{}, planner::Objective::tokens_per_s);
     const auto headroom = static_cast<std::int64_t>(base.headroom_fraction * static_cast<double>(base.device_capacity_bytes));
     const std::int64_t spare = static_cast<std::int64_t>(base.device_capacity_bytes) - headroom - static_cast<std::int64_t>(base.used_peak_bytes);
-    r.verdict = base.fits ? fmt::format("{} fits with {:.1f} GiB to spare ({:.1f} GiB in use of {:.1f} GiB, {:.0f}% headroom kept)", s.strategy,
+    r.verdict = base.fits ? fmt::format("{} fits with {:.1f} GiB to spare ({:.1f} GiB in use of {:.1f} GiB, {:.0f}% headroom kept)", yours,
                                         static_cast<double>(spare) / kGiB, to_gib(base.used_peak_bytes), to_gib(base.device_capacity_bytes),
                                         100 * base.headroom_fraction)
-                          : fmt::format("{} does not fit: {}{}", s.strategy, base.reasons.empty() ? std::string() : base.reasons.front(),
+                          : fmt::format("{} does not fit: {}{}", yours, base.reasons.empty() ? std::string() : base.reasons.front(),
                                         then_try(base.suggestions));
+    r.base = base;
   } catch (const InputError& e) {
     r.error = e.what();
   }
@@ -141,7 +186,9 @@ nlohmann::json scenario_to_json(const Scenario& s) {
   return {{"schema", schemas::kScenario}, {"model", s.model},   {"lora_r", s.lora_r},         {"targets", s.targets},
           {"qlora", s.qlora},             {"micro_batch", s.micro_batch}, {"seq_len", s.seq_len}, {"precision", s.precision},
           {"checkpointing", s.checkpointing}, {"cluster", s.cluster}, {"gpus", s.gpus},       {"profile", s.profile},
-          {"strategy", s.strategy}};
+          {"strategy", s.strategy}, {"attention", s.attention}, {"grad_accum", s.grad_accum},
+          {"offload_optimizer", s.offload_optimizer}, {"offload_param", s.offload_param},
+          {"adapter_config", s.adapter_config}, {"launcher_config", s.launcher_config}};
 }
 
 Scenario scenario_from_json(const nlohmann::json& j, std::string_view source) {
@@ -163,7 +210,16 @@ Scenario scenario_from_json(const nlohmann::json& j, std::string_view source) {
   if (!planner::from_name(s.precision, planner::kPrecisions))
     throw input_error(source, "precision", "must be one of " + planner::names_of(planner::kPrecisions), "\"" + s.precision + "\"");
   text("checkpointing", s.checkpointing);
-  if (s.checkpointing != "none" && s.checkpointing != "full") throw input_error(source, "checkpointing", "must be none or full", "\"" + s.checkpointing + "\"");
+  if (s.checkpointing != "none" && s.checkpointing != "full" && !every_k(s.checkpointing))
+    throw input_error(source, "checkpointing", "must be none, full or every-K with a positive K", "\"" + s.checkpointing + "\"");
+  text("attention", s.attention);
+  if (!planner::from_name(s.attention, planner::kAttentions))
+    throw input_error(source, "attention", "must be one of " + planner::names_of(planner::kAttentions), "\"" + s.attention + "\"");
+  integer("grad_accum", s.grad_accum, 1, 1 << 20);
+  s.offload_optimizer = json_fields::boolean(j, "offload_optimizer", source, s.offload_optimizer);
+  s.offload_param = json_fields::boolean(j, "offload_param", source, s.offload_param);
+  text("adapter_config", s.adapter_config);
+  text("launcher_config", s.launcher_config);
   text("cluster", s.cluster);
   integer("gpus", s.gpus, 1, 100000);
   text("profile", s.profile);
@@ -199,7 +255,15 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
   precision_ = new QComboBox(inputs);
   for (auto p : planner::kPrecisions) precision_->addItem(QString::fromUtf8(planner::name_of(p).data()));
   checkpointing_ = new QComboBox(inputs);
-  checkpointing_->addItems({"none", "full"});
+  checkpointing_->addItems({"none", "full", "every-2", "every-4", "every-8"});
+  attention_ = new QComboBox(inputs);
+  for (auto a : planner::kAttentions) attention_->addItem(QString::fromUtf8(planner::name_of(a).data()));
+  grad_accum_ = new QSpinBox(inputs);
+  grad_accum_->setRange(1, 1 << 20);
+  offload_optimizer_ = new QCheckBox("optimizer to the CPU", inputs);
+  offload_param_ = new QCheckBox("parameters to the CPU", inputs);
+  files_ = new QLabel(inputs);
+  files_->setWordWrap(true);
   cluster_ = new QComboBox(inputs);
   for (const auto& p : sim::preset_names()) cluster_->addItem(QString::fromStdString(p));
   cluster_->setEditable(true);  // a spelling such as 2x8xH100-SXM-NDR
@@ -215,21 +279,44 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
   form->addRow("", qlora_);
   form->addRow("micro-batch", micro_batch_);
   form->addRow("sequence", seq_len_);
+  form->addRow("accumulation", grad_accum_);
   form->addRow("precision", precision_);
   form->addRow("checkpointing", checkpointing_);
+  form->addRow("attention", attention_);
   form->addRow("cluster", cluster_);
   form->addRow("GPUs", gpus_);
   form->addRow("runtime profile", profile_);
   form->addRow("your strategy", strategy_);
+  form->addRow("offload", offload_optimizer_);
+  form->addRow("", offload_param_);
+  form->addRow(files_);
   tabs_ = new QTabWidget(split);
   memory_view_ = new QChartView(tabs_);
   time_view_ = new QChartView(tabs_);
   recommendation_ = new QTextBrowser(tabs_);
   knobs_ = new QTableWidget(tabs_);
+  timeline_ = new TimelineView(tabs_);
+  auto* compare_page = new QWidget(tabs_);
+  auto* compare_layout = new QVBoxLayout(compare_page);
+  compare_note_ = new QLabel("Scenario → Pin as B keeps what is shown; then every change is compared with it here.", compare_page);
+  compare_note_->setWordWrap(true);
+  compare_ = new QTableWidget(compare_page);
+  compare_layout->addWidget(compare_note_);
+  compare_layout->addWidget(compare_, 1);
+  auto* measured_page = new QWidget(tabs_);
+  auto* measured_layout = new QVBoxLayout(measured_page);
+  measured_note_ = new QLabel("File → Open run… shows a peftplan run folder or a validation.json: predicted against measured.", measured_page);
+  measured_note_->setWordWrap(true);
+  measured_ = new QTableWidget(measured_page);
+  measured_layout->addWidget(measured_note_);
+  measured_layout->addWidget(measured_, 1);
   tabs_->addTab(memory_view_, "memory");
   tabs_->addTab(time_view_, "time");
   tabs_->addTab(recommendation_, "recommendation");
   tabs_->addTab(knobs_, "what moves");
+  tabs_->addTab(timeline_, "timeline");
+  tabs_->addTab(compare_page, "compare");
+  tabs_->addTab(measured_page, "measured");
   split->addWidget(inputs);
   split->addWidget(tabs_);
   split->setStretchFactor(1, 3);
@@ -248,9 +335,38 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
     const QString f = QFileDialog::getSaveFileName(this, "Save scenario", "scenario.json", "scenario (*.json)");
     if (!f.isEmpty()) save_scenario(f.toStdString());
   });
+  file->addSeparator();
+  file->addAction("Open adapter_config.json…", this, [this] {
+    const QString f = QFileDialog::getOpenFileName(this, "PEFT adapter_config.json", {}, "adapter config (*.json)");
+    if (!f.isEmpty()) set_adapter_config(f.toStdString());
+  });
+  file->addAction("Open ds_config.json or accelerate YAML…", this, [this] {
+    const QString f = QFileDialog::getOpenFileName(this, "Launcher config", {}, "ds_config.json or accelerate config (*.json *.yaml *.yml)");
+    if (!f.isEmpty()) set_launcher_config(f.toStdString());
+  });
+  file->addAction("Back to the controls (forget the files)", this, [this] {
+    set_adapter_config("");
+    set_launcher_config("");
+  });
+  file->addAction("Open run…", this, [this] {
+    const QString f = QFileDialog::getOpenFileName(this, "A peftplan run's summary.json or validation.json", {}, "run (*.json)");
+    if (!f.isEmpty()) open_run(f.toStdString());
+  });
+  file->addSeparator();
   file->addAction("Export report…", this, [this] {
     const QString d = QFileDialog::getSaveFileName(this, "Export report (a folder)", "report");
     if (!d.isEmpty()) export_report(d.toStdString());
+  });
+  file->addAction("Export launcher config…", this, [this] {
+    const bool accelerate = result_.base && (planner::is_fsdp(result_.base->input.strategy.stage) ||
+                                             result_.base->input.profile == planner::RuntimeProfile::hf);
+    const QString f = QFileDialog::getSaveFileName(this, "Export launcher config", accelerate ? "accelerate_config.yaml" : "ds_config.json");
+    if (!f.isEmpty()) export_launcher_config(f.toStdString());
+  });
+  QMenu* scenario_menu = menuBar()->addMenu("&Scenario");
+  scenario_menu->addAction("Pin as B (compare)", this, [this] {
+    pin_scenario();
+    show_view("compare");
   });
 
   worker_ = std::thread([this] {
@@ -271,9 +387,10 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
 
   set_scenario(Scenario{});
   auto changed = [this] { request(); };
-  for (QComboBox* c : {model_, targets_, precision_, checkpointing_, cluster_, profile_, strategy_}) connect(c, &QComboBox::currentTextChanged, this, changed);
-  for (QSpinBox* b : {lora_r_, micro_batch_, seq_len_, gpus_}) connect(b, qOverload<int>(&QSpinBox::valueChanged), this, changed);
-  connect(qlora_, &QCheckBox::toggled, this, changed);
+  for (QComboBox* c : {model_, targets_, precision_, checkpointing_, attention_, cluster_, profile_, strategy_})
+    connect(c, &QComboBox::currentTextChanged, this, changed);
+  for (QSpinBox* b : {lora_r_, micro_batch_, seq_len_, grad_accum_, gpus_}) connect(b, qOverload<int>(&QSpinBox::valueChanged), this, changed);
+  for (QCheckBox* b : {qlora_, offload_optimizer_, offload_param_}) connect(b, &QCheckBox::toggled, this, changed);
   request();
 }
 
@@ -296,10 +413,16 @@ Scenario Explorer::scenario() const {
   s.seq_len = seq_len_->value();
   s.precision = precision_->currentText().toStdString();
   s.checkpointing = checkpointing_->currentText().toStdString();
+  s.attention = attention_->currentText().toStdString();
+  s.grad_accum = grad_accum_->value();
   s.cluster = cluster_->currentText().toStdString();
   s.gpus = gpus_->value();
   s.profile = profile_->currentText().toStdString();
   s.strategy = strategy_->currentText().toStdString();
+  s.offload_optimizer = offload_optimizer_->isChecked();
+  s.offload_param = offload_param_->isChecked();
+  s.adapter_config = adapter_config_;
+  s.launcher_config = launcher_config_;
   return s;
 }
 
@@ -313,12 +436,209 @@ void Explorer::set_scenario(const Scenario& s) {
   seq_len_->setValue(s.seq_len);
   precision_->setCurrentText(QString::fromStdString(s.precision));
   checkpointing_->setCurrentText(QString::fromStdString(s.checkpointing));
+  attention_->setCurrentText(QString::fromStdString(s.attention));
+  grad_accum_->setValue(s.grad_accum);
   cluster_->setCurrentText(QString::fromStdString(s.cluster));
   gpus_->setValue(s.gpus);
   profile_->setCurrentText(QString::fromStdString(s.profile));
   strategy_->setCurrentText(QString::fromStdString(s.strategy));
+  offload_optimizer_->setChecked(s.offload_optimizer);
+  offload_param_->setChecked(s.offload_param);
+  adapter_config_ = s.adapter_config;
+  launcher_config_ = s.launcher_config;
+  show_files();
   loading_ = false;
   request();
+}
+
+void Explorer::show_files() {
+  std::string text;
+  if (!adapter_config_.empty()) text += "adapter: " + adapter_config_ + " (in place of rank and targets)\n";
+  if (!launcher_config_.empty()) text += "launcher: " + launcher_config_ + " (sets the strategy and offload)";
+  files_->setText(QString::fromStdString(text));
+  for (QWidget* w : std::initializer_list<QWidget*>{lora_r_, targets_}) w->setEnabled(adapter_config_.empty());
+  for (QWidget* w : std::initializer_list<QWidget*>{strategy_, offload_optimizer_, offload_param_}) w->setEnabled(launcher_config_.empty());
+}
+
+bool Explorer::set_adapter_config(const std::string& path) {
+  Scenario s = scenario();
+  s.adapter_config = path;
+  try {
+    sim::Cluster c;
+    std::vector<std::string> w;
+    (void)input_of(s, c, w);  // read now: a bad file changes nothing
+  } catch (const InputError& e) {
+    show_error(e.what());
+    return false;
+  }
+  set_scenario(s);
+  return true;
+}
+
+bool Explorer::set_launcher_config(const std::string& path) {
+  Scenario s = scenario();
+  s.launcher_config = path;
+  try {
+    if (!path.empty() && is_yaml(path)) {
+      s.profile = "hf";  // an accelerate job runs transformers + PEFT
+      // Its num_processes is the GPU count (the control then overrides it, as accelerate launch
+      // --num_processes does).
+      const planner::AccelerateConfig ac = planner::read_accelerate_config_file(path);
+      if (ac.strategy.ranks > 0) s.gpus = ac.strategy.ranks;
+    }
+    sim::Cluster c;
+    std::vector<std::string> w;
+    const planner::PlanInput in = input_of(s, c, w);  // read now: a bad file changes nothing
+    // The controls show what the file sets (and stay locked while it is in use).
+    s.strategy = std::string(planner::name_of(in.strategy.stage));
+    s.offload_optimizer = in.strategy.offload_optimizer == planner::OffloadDevice::cpu;
+    s.offload_param = in.strategy.offload_param == planner::OffloadDevice::cpu;
+    s.micro_batch = static_cast<int>(in.training.micro_batch);
+    s.grad_accum = static_cast<int>(in.training.grad_accum);
+    s.precision = std::string(planner::name_of(in.training.precision));
+  } catch (const InputError& e) {
+    show_error(e.what());
+    return false;
+  }
+  set_scenario(s);
+  return true;
+}
+
+bool Explorer::export_launcher_config(const std::string& path) {
+  if (!result_.base) return false;
+  try {
+    const planner::PlanInput& in = result_.base->input;
+    const bool accelerate = planner::is_fsdp(in.strategy.stage) || in.profile == planner::RuntimeProfile::hf;
+    if (accelerate) {
+      const std::int32_t per_node = std::max(1, result_.base->cluster.gpus_per_node);
+      write_text_atomic(path, planner::write_accelerate_config(in.strategy, in.training, (in.strategy.ranks + per_node - 1) / per_node));
+    } else {
+      write_text_atomic(path, planner::write_ds_config(in.strategy, in.training).dump(2) + "\n");
+    }
+    return true;
+  } catch (const InputError& e) {
+    show_error(e.what());
+    return false;
+  }
+}
+
+bool Explorer::show_view(const std::string& name) {
+  for (int i = 0; i < tabs_->count(); ++i)
+    if (tabs_->tabText(i).toStdString() == name) {
+      tabs_->setCurrentIndex(i);
+      return true;
+    }
+  return false;
+}
+
+QWidget* Explorer::timeline() const { return timeline_; }
+
+void Explorer::pin_scenario() {
+  if (result_.strategies.empty()) return;
+  pinned_ = std::make_pair(scenario(), result_);
+  build_comparison();
+}
+
+void Explorer::build_comparison() {
+  if (!pinned_) return;
+  const auto& [bs, b] = *pinned_;
+  const Scenario as = scenario();
+  // What differs between the two scenarios, field by field.
+  const nlohmann::json ja = scenario_to_json(as), jb = scenario_to_json(bs);
+  std::string differs;
+  for (const auto& [k, v] : ja.items())
+    if (jb.contains(k) && jb[k] != v) differs += fmt::format("{}{} {} → {}", differs.empty() ? "" : ", ", k, jb[k].dump(), v.dump());
+  compare_note_->setText(QString::fromStdString(fmt::format("A: the scenario shown now; B: the pinned one. {}",
+                                                            differs.empty() ? "They do not differ." : "A differs from B in: " + differs + ".")));
+  std::vector<std::string> labels;
+  for (const Result* r : {static_cast<const Result*>(&result_), &b})
+    for (const auto& c : r->strategies)
+      if (std::find(labels.begin(), labels.end(), c.label) == labels.end()) labels.push_back(c.label);
+  auto find = [](const Result& r, const std::string& label) -> const planner::Plan* {
+    for (const auto& c : r.strategies)
+      if (c.label == label && c.plan) return &*c.plan;
+    return nullptr;
+  };
+  compare_->clear();
+  compare_->setColumnCount(9);
+  compare_->setHorizontalHeaderLabels({"strategy", "A in use (GiB)", "B in use (GiB)", "A step (s)", "B step (s)", "A tokens/s", "B tokens/s",
+                                       "A", "B"});
+  compare_->setRowCount(static_cast<int>(labels.size()));
+  for (int i = 0; i < static_cast<int>(labels.size()); ++i) {
+    const auto& l = labels[static_cast<std::size_t>(i)];
+    const planner::Plan* pa = find(result_, l);
+    const planner::Plan* pb = find(b, l);
+    auto gib = [](const planner::Plan* p) { return p ? QString::asprintf("%.2f", to_gib(p->used_peak_bytes)) : QString("-"); };
+    auto step = [](const planner::Plan* p) { return p && p->time ? QString::asprintf("%.4f", p->time->step_s) : QString("-"); };
+    auto tok = [](const planner::Plan* p) { return p && p->time ? QString::asprintf("%.0f", p->time->tokens_per_s) : QString("-"); };
+    auto fits = [](const planner::Plan* p) { return p ? QString(p->fits ? "fits" : "does not fit") : QString("-"); };
+    const QStringList cells = {QString::fromStdString(l), gib(pa), gib(pb), step(pa), step(pb), tok(pa), tok(pb), fits(pa), fits(pb)};
+    for (int c = 0; c < cells.size(); ++c) compare_->setItem(i, c, new QTableWidgetItem(cells[c]));
+  }
+  compare_->horizontalHeader()->setStretchLastSection(true);
+}
+
+bool Explorer::open_run(const std::string& path) {
+  try {
+    namespace fs = std::filesystem;
+    // One validation.json per strategy: a run folder's summary.json names them, a strategy's
+    // folder holds one, or the file itself is one.
+    std::vector<std::pair<std::string, fs::path>> files;
+    fs::path p = path;
+    if (fs::is_directory(p)) p = fs::exists(p / "summary.json") ? p / "summary.json" : p / "validation.json";
+    const nlohmann::json j = models::read_json_file(p.string());
+    if (j.is_object() && j.contains("runs")) {
+      const auto& runs = json_fields::required(j, "runs", p.string());
+      if (!runs.is_array()) throw input_error(p.string(), "runs", "must be an array of strategies' runs", runs.dump());
+      for (std::size_t i = 0; i < runs.size(); ++i) {
+        const std::string where = fmt::format("runs[{}].", i);
+        const std::string strategy = json_fields::string(runs[i], "strategy", p.string(), "", where);
+        fs::path dir = json_fields::string(runs[i], "dir", p.string(), "", where);
+        if (dir.is_relative()) dir = p.parent_path() / dir.filename();
+        files.emplace_back(strategy, dir / "validation.json");
+      }
+    } else {
+      files.emplace_back(p.parent_path().filename().string(), p);
+    }
+    std::vector<std::pair<std::string, planner::Validation>> vs;
+    for (const auto& [name, f] : files) vs.emplace_back(name, planner::validation_from_json(models::read_json_file(f.string()), f.string()));
+    measured_->clear();
+    measured_->setColumnCount(7);
+    measured_->setHorizontalHeaderLabels({"strategy", "figure", "predicted", "measured", "error", "spread", "verdict"});
+    int rows = 0;
+    for (const auto& [name, v] : vs) rows += static_cast<int>(v.memory.size() + v.time.size() + v.comm.size() + v.throughput.size());
+    measured_->setRowCount(rows);
+    int row = 0;
+    std::string summary;
+    for (const auto& [name, v] : vs) {
+      for (const auto* section : {&v.memory, &v.time, &v.comm, &v.throughput})
+        for (const planner::Figure& f : *section) {
+          const bool time = f.section == "time";
+          const bool bytes = f.section == "memory" || f.section == "comm";
+          auto value = [&](double x) {
+            return bytes ? QString::fromStdString(human_bytes(static_cast<std::uint64_t>(x)))
+                         : time ? QString::asprintf("%.3f ms", x * 1e3) : QString::asprintf("%.1f", x);
+          };
+          const QStringList cells = {QString::fromStdString(name), QString::fromStdString(f.key()), value(f.predicted), value(f.measured),
+                                     QString::asprintf("%+.2f%%", 100 * f.relative_error),
+                                     f.has_spread ? QString::asprintf("%.3f ms", f.spread * 1e3) : QString(),
+                                     QString::fromUtf8(planner::name_of(f.verdict()).data())};
+          for (int c = 0; c < cells.size(); ++c) measured_->setItem(row, c, new QTableWidgetItem(cells[c]));
+          ++row;
+        }
+      summary += fmt::format("{}{}: {}", summary.empty() ? "" : "; ", name,
+                             !v.outside.empty() ? fmt::format("{} outside", v.outside.size())
+                             : !v.inconclusive.empty() ? fmt::format("within, {} inconclusive", v.inconclusive.size())
+                                                       : std::string("within tolerance"));
+    }
+    measured_->horizontalHeader()->setStretchLastSection(true);
+    measured_note_->setText(QString::fromStdString(fmt::format("{}: {}", path, summary)));
+    show_view("measured");
+    return true;
+  } catch (const InputError& e) {
+    show_error(e.what());
+    return false;
+  }
 }
 
 void Explorer::show_error(const std::string& message) {
@@ -386,9 +706,16 @@ void Explorer::show_result(Result r) {
   }
   result_ = std::move(r);
   verdict_->setStyleSheet(result_.verdict.find("does not fit") != std::string::npos ? "color:#b00" : "color:#070");
-  verdict_->setText(QString::fromStdString(result_.verdict));
+  std::string verdict = result_.verdict;
+  for (const auto& w : result_.warnings) verdict += "\nwarning: " + w;
+  verdict_->setText(QString::fromStdString(verdict));
   build_memory_view();
   build_time_view();
+  if (result_.base)
+    timeline_->set_lanes(reports::predicted_timeline(*result_.base),
+                         fmt::format("the step of {} as simulated ({:.3f} s): wheel to zoom, drag to pan, double-click for the whole step",
+                                     planner::name_of(result_.base->input.strategy.stage), result_.base->time ? result_.base->time->step_s : 0.0));
+  build_comparison();
   std::string html;
   if (result_.recommendation) {
     const auto& rec = *result_.recommendation;
@@ -510,7 +837,8 @@ void Explorer::build_time_view() {
   QStringList names;
   for (const auto& s : result_.strategies) {
     const auto& t = *s.plan->time;
-    names << QString::fromStdString(fmt::format("{} ({:.0f} tok/s)", s.label, t.tokens_per_s));
+    names << QString::fromStdString(fmt::format("{} ({:.0f} tok/s, MFU {:.1f}%, exposed comm. {:.3f} s)", s.label, t.tokens_per_s, 100 * t.mfu,
+                                                t.exposed_comm_s));
     *compute << t.compute_s;
     *comm << t.exposed_comm_s;
     *rest << std::max(0.0, t.step_s - t.compute_s - t.exposed_comm_s);

@@ -1,8 +1,10 @@
 // The what-if explorer's window: inputs on the left, views on the right (memory per strategy,
-// step time, the recommendation, what moves when one knob changes), a verdict line at the
-// bottom. Presentation only: every number comes from the planner (reports::seed_strategies,
-// planner::recommend, reports::knob_deltas), re-planned off the GUI thread on every change, the
-// newest request winning.
+// step time, the recommendation, what moves when one knob changes, the step timeline of your
+// strategy, two scenarios side by side, a run's predicted against measured), a verdict line at
+// the bottom. Presentation only: every number comes from the planner (reports::seed_strategies,
+// planner::recommend, reports::knob_deltas, reports::predicted_timeline,
+// planner::validation_from_json), re-planned off the GUI thread on every change, the newest
+// request winning.
 #pragma once
 
 #include <atomic>
@@ -38,6 +40,8 @@ struct Result {
   std::vector<reports::StrategyColumn> strategies;
   std::optional<planner::Recommendation> recommendation;
   std::vector<reports::KnobDelta> knobs;
+  std::optional<planner::Plan> base;  // the scenario's own configuration (your strategy)
+  std::vector<std::string> warnings;  // from a launcher config (keys peftplan does not model)
   std::string verdict;
 };
 
@@ -50,11 +54,21 @@ struct Scenario {
   int micro_batch = 2;
   int seq_len = 2048;
   std::string precision = "bf16";
-  std::string checkpointing = "none";
+  std::string checkpointing = "none";  // none, full, every-K
+  std::string attention = "flash";     // eager, flash
+  int grad_accum = 1;
   std::string cluster = "8xA100-80GB";
   int gpus = 8;
   std::string profile = "deepspeed";
   std::string strategy = "ddp";  // the configuration the verdict and the knobs are about
+  bool offload_optimizer = false;  // to the CPU (ZeRO)
+  bool offload_param = false;      // to the CPU (ZeRO-3, FSDP)
+  // Files in place of controls: PEFT's adapter_config.json (the adapter: rank, alpha, targets,
+  // quantisation stay the QLoRA box's) and a launcher's config — DeepSpeed's ds_config.json or
+  // accelerate's YAML — which sets the strategy (planner::apply_ds_config,
+  // apply_accelerate_config). Empty: the controls say.
+  std::string adapter_config;
+  std::string launcher_config;
 };
 
 // Plans a scenario (the work of one re-plan; public for tests and the benchmark).
@@ -89,6 +103,26 @@ class Explorer : public QMainWindow {
   bool save_scenario(const std::string& path);
   bool load_scenario(const std::string& path);
   bool export_report(const std::string& dir);  // `peftplan report`'s files for what is shown
+  // The launcher config of your strategy as shown: ds_config.json for a DeepSpeed plan (ZeRO),
+  // accelerate's YAML for FSDP and for DDP under the hf profile (planner::write_ds_config,
+  // write_accelerate_config). The file's kind follows the plan, not the name given.
+  bool export_launcher_config(const std::string& path);
+  // Files in place of controls (see Scenario); each is read at once, and a bad one changes
+  // nothing. A launcher config also sets the strategy and offload controls (shown, then locked)
+  // and, for accelerate's YAML, the hf profile. An empty path goes back to the controls.
+  bool set_adapter_config(const std::string& path);
+  bool set_launcher_config(const std::string& path);
+  // A `peftplan run` folder (its summary.json, or one strategy's validation.json) or a
+  // validation.json: predicted against measured, figure by figure, in the "measured" view.
+  bool open_run(const std::string& path);
+  // Keeps what is shown as scenario B; the "compare" view puts the current scenario (A) beside it.
+  void pin_scenario();
+  QWidget* timeline() const;
+  QTableWidget* comparison() const { return compare_; }
+  QTableWidget* measured() const { return measured_; }
+  // Shows the view of that name ("memory", "time", "recommendation", "what moves", "timeline",
+  // "compare", "measured"); false when there is none.
+  bool show_view(const std::string& name);
 
  signals:
   void planned();  // the views show a new result
@@ -99,16 +133,26 @@ class Explorer : public QMainWindow {
   void show_result(Result r);     // on the GUI thread
   void build_memory_view();
   void build_time_view();
+  void build_comparison();
+  void show_files();  // the files in place of controls, and which controls they lock
 
-  QComboBox *model_, *targets_, *precision_, *checkpointing_, *cluster_, *profile_, *strategy_;
-  QSpinBox *lora_r_, *micro_batch_, *seq_len_, *gpus_;
-  QCheckBox* qlora_;
+  QComboBox *model_, *targets_, *precision_, *checkpointing_, *attention_, *cluster_, *profile_, *strategy_;
+  QSpinBox *lora_r_, *micro_batch_, *seq_len_, *grad_accum_, *gpus_;
+  QCheckBox *qlora_, *offload_optimizer_, *offload_param_;
+  QLabel* files_;
   QTabWidget* tabs_;
   QChartView *memory_view_, *time_view_;
   QTextBrowser* recommendation_;
   QTableWidget* knobs_;
+  class TimelineView* timeline_;
+  QTableWidget* compare_;
+  QLabel* compare_note_;
+  QTableWidget* measured_;
+  QLabel* measured_note_;
   QLabel* verdict_;
   Result result_;
+  std::string adapter_config_, launcher_config_;
+  std::optional<std::pair<Scenario, Result>> pinned_;  // scenario B
   bool loading_ = false;
   // The worker: one thread, one pending request (a newer one replaces it), joined on close.
   std::mutex mu_;

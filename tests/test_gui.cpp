@@ -3,6 +3,8 @@
 // ends showing the last one (how fast the loop answers is a benchmark's question, not a test's).
 // Each test saves a screenshot of the views it checks.
 #include <QDir>
+#include <QCheckBox>
+#include <QComboBox>
 #include <QFile>
 #include <fstream>
 #include <QLabel>
@@ -18,7 +20,14 @@
 #include <QtCharts/QStackedBarSeries>
 
 #include "explorer.h"
+#include "timeline_view.h"
+#include "peftplan/common/schemas.h"
+#include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
+#include "peftplan/planner/accelerate_config.h"
+#include "peftplan/planner/ds_config.h"
+#include "peftplan/planner/validate.h"
+#include "peftplan/reports/report.h"
 #include "peftplan/sim/cluster.h"
 
 using namespace peftplan;
@@ -193,6 +202,207 @@ class TestGui : public QObject {
     const QString text = QString::fromUtf8(html.readAll());
     const auto& ddp = *w.result().strategies[1].plan;
     QVERIFY(text.contains(QString("data-field=\"memory.device.at_peak.activations_bytes\" data-value=\"%1\"").arg(ddp.memory.at_peak_bytes[5])));
+  }
+
+  static QString dir_for(const QString& name) {
+    const QString dir = QString(PEFTPLAN_SCREENSHOT_DIR) + "/" + name;
+    QDir(dir).removeRecursively();
+    QDir().mkpath(dir);
+    return dir;
+  }
+  static void write(const QString& path, const std::string& text) {
+    std::ofstream f(path.toStdString());
+    f << text;
+  }
+
+  // The timeline shows the selected strategy's simulated step: one bar per op of the plan's
+  // timeline (reports::predicted_timeline of the same plan), ZeRO-3 with its all-gathers on a
+  // lane of their own; the wheel's zoom narrows the view around the pointer.
+  void timeline_shows_the_selected_strategys_ops() {
+    gui::Explorer w;
+    w.show();
+    gui::Scenario s = w.scenario();
+    s.model = "llama-2-13b";
+    s.strategy = "zero3";
+    w.set_scenario(s);
+    settle(w);
+    auto* view = qobject_cast<gui::TimelineView*>(w.timeline());
+    QVERIFY(view);
+    const planner::Plan p = plan(s, planner::Stage::zero3);
+    std::size_t expected = 0;
+    for (const auto& l : reports::predicted_timeline(p)) expected += l.bars.size();
+    QCOMPARE(view->bar_count(), expected);
+    QCOMPARE(view->step_s(), p.time->step_s);
+    bool gathers = false;
+    for (const auto& l : view->lanes())
+      for (const auto& b : l.bars) gathers = gathers || (b.collective && b.name.find("gather") != std::string::npos);
+    QVERIFY(gathers);
+    QVERIFY(w.show_view("timeline"));
+    shot(w, "timeline-13b-zero3");
+    const double mid = 0.5 * p.time->step_s;
+    view->zoom(4.0, mid);
+    QVERIFY(std::abs((view->view_end_s() - view->view_begin_s()) - p.time->step_s / 4) < 1e-9 * p.time->step_s);
+    QVERIFY(view->view_begin_s() < mid && view->view_end_s() > mid);
+    shot(w, "timeline-13b-zero3-zoomed");
+    // DDP: no all-gathers, a different program.
+    s.strategy = "ddp";
+    w.set_scenario(s);
+    settle(w);
+    std::size_t ddp = 0;
+    for (const auto& l : reports::predicted_timeline(plan(s, planner::Stage::ddp))) ddp += l.bars.size();
+    QCOMPARE(view->bar_count(), ddp);
+    QVERIFY(ddp != expected);
+    QCOMPARE(view->view_begin_s(), 0.0);  // a new plan is shown whole
+  }
+
+  // A ds_config.json sets the strategy and offload controls (and locks them) and the plan is
+  // the file's; a bad one shows its error naming the file and key and changes nothing; the
+  // launcher config exported for the plan shown reads back into the same strategy.
+  void launcher_configs_set_the_strategy() {
+    gui::Explorer w;
+    w.show();
+    settle(w);
+    const QString dir = dir_for("launcher");
+    write(dir + "/ds_config.json", R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+      "bf16": {"enabled": true},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})");
+    QVERIFY(w.set_launcher_config((dir + "/ds_config.json").toStdString()));
+    settle(w);
+    QCOMPARE(QString::fromStdString(w.scenario().strategy), QString("zero3"));
+    QVERIFY(w.scenario().offload_optimizer);
+    QVERIFY(w.result().base);
+    QCOMPARE(w.result().base->input.strategy.stage, planner::Stage::zero3);
+    QCOMPARE(w.result().base->input.strategy.offload_optimizer, planner::OffloadDevice::cpu);
+    QVERIFY(w.verdict_line()->text().startsWith("zero3 "));
+    bool locked = false;
+    for (QComboBox* c : w.findChildren<QComboBox*>())
+      if (c->currentText() == "zero3") locked = !c->isEnabled();
+    QVERIFY2(locked, "the strategy control is locked while the file sets it");
+    shot(w, "ds-config-zero3");
+    // Export: the plan's ds_config.json reads back into the same strategy.
+    QVERIFY(w.export_launcher_config((dir + "/exported.json").toStdString()));
+    planner::DsConfigInputs di;
+    di.world_size = w.result().base->input.strategy.ranks;
+    di.training = w.result().base->input.training;
+    const planner::DsConfig back = planner::read_ds_config(models::read_json_file((dir + "/exported.json").toStdString()), "exported.json", di);
+    QCOMPARE(back.strategy.stage, planner::Stage::zero3);
+    QCOMPARE(back.strategy.offload_optimizer, planner::OffloadDevice::cpu);
+    // A bad file: the error names it and the key; nothing changes.
+    write(dir + "/bad.json", R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 7}})");
+    QVERIFY(!w.set_launcher_config((dir + "/bad.json").toStdString()));
+    QVERIFY2(w.verdict_line()->text().contains("bad.json") && w.verdict_line()->text().contains("zero_optimization.stage"),
+             qPrintable(w.verdict_line()->text()));
+    QCOMPARE(QString::fromStdString(w.scenario().launcher_config), dir + "/ds_config.json");
+    // accelerate's YAML (the fms-acceleration benchmarks' file): FSDP FULL_SHARD under the hf profile.
+    QVERIFY(w.set_launcher_config(PEFTPLAN_SOURCE_DIR "/tests/data/accelerate/fms-acceleration-benchmarks.yaml"));
+    settle(w);
+    QCOMPARE(QString::fromStdString(w.scenario().strategy), QString("fsdp-full-shard"));
+    QCOMPARE(QString::fromStdString(w.scenario().profile), QString("hf"));
+    QCOMPARE(w.result().base->input.strategy.stage, planner::Stage::fsdp_full_shard);
+    QVERIFY(w.export_launcher_config((dir + "/exported.yaml").toStdString()));
+    QCOMPARE(planner::read_accelerate_config_file((dir + "/exported.yaml").toStdString()).strategy.stage, planner::Stage::fsdp_full_shard);
+    shot(w, "accelerate-fsdp");
+    // Back to the controls.
+    QVERIFY(w.set_launcher_config(""));
+    settle(w);
+    QVERIFY(w.scenario().launcher_config.empty());
+  }
+
+  // An adapter_config.json stands in for rank and targets: the plan's trainable parameters are
+  // the file's (r 16 on q_proj and v_proj, as the rank-16 controls would give).
+  void adapter_config_sets_the_adapter() {
+    gui::Explorer w;
+    w.show();
+    gui::Scenario s = w.scenario();
+    s.lora_r = 64;
+    s.targets = "all-linear";
+    w.set_scenario(s);
+    settle(w);
+    const auto before = w.result().base->memory.at_peak_bytes[static_cast<std::size_t>(sim::MemCategory::trainable_weights)];
+    QVERIFY(w.set_adapter_config(PEFTPLAN_SOURCE_DIR "/tests/data/adapters/qv16"));
+    settle(w);
+    s.lora_r = 16;
+    s.targets = "q_proj,v_proj";
+    const planner::Plan p = plan(s, planner::Stage::ddp);
+    const auto cat = static_cast<std::size_t>(sim::MemCategory::trainable_weights);
+    QCOMPARE(w.result().base->memory.at_peak_bytes[cat], p.memory.at_peak_bytes[cat]);
+    QVERIFY(w.result().base->memory.at_peak_bytes[cat] < before);
+    QVERIFY(!w.set_adapter_config(PEFTPLAN_SOURCE_DIR "/tests/data/no-such-adapter.json"));
+    QVERIFY(w.verdict_line()->text().contains("no-such-adapter.json"));
+  }
+
+  // Two scenarios side by side: B pinned at micro-batch 2, A at 4; each cell is its plan's.
+  void compare_puts_two_scenarios_side_by_side() {
+    gui::Explorer w;
+    w.show();
+    settle(w);
+    gui::Scenario s = w.scenario();
+    w.pin_scenario();
+    s.micro_batch = 4;
+    w.set_scenario(s);
+    settle(w);
+    QTableWidget* t = w.comparison();
+    QCOMPARE(t->rowCount(), static_cast<int>(w.result().strategies.size()));
+    int row = -1;
+    for (int i = 0; i < t->rowCount(); ++i)
+      if (t->item(i, 0)->text() == "zero2") row = i;
+    QVERIFY(row >= 0);
+    gui::Scenario b = s;
+    b.micro_batch = 2;
+    QCOMPARE(t->item(row, 1)->text(), QString::asprintf("%.2f", to_gib(plan(s, planner::Stage::zero2).used_peak_bytes)));
+    QCOMPARE(t->item(row, 2)->text(), QString::asprintf("%.2f", to_gib(plan(b, planner::Stage::zero2).used_peak_bytes)));
+    QVERIFY(w.findChild<QLabel*>() != nullptr);
+    QVERIFY(w.show_view("compare"));
+    shot(w, "compare");
+  }
+
+  // A run folder (summary.json naming each strategy's folder) shows every figure predicted
+  // against measured with its verdict; a bad validation.json names the file and field and
+  // changes nothing.
+  void a_run_folder_shows_predicted_against_measured() {
+    gui::Explorer w;
+    w.show();
+    settle(w);
+    const QString dir = dir_for("run");
+    nlohmann::json runs = nlohmann::json::array();
+    for (const char* strategy : {"ddp", "zero3"}) {
+      planner::Validation v;
+      planner::Figure peak, step;
+      peak.section = "memory";
+      peak.name = "peak";
+      peak.predicted = peak.measured = 1000.0;
+      step.section = "time";
+      step.name = "step_s";
+      step.predicted = 0.040;
+      step.measured = std::string(strategy) == "ddp" ? 0.044 : 0.050;
+      step.tolerance = 0.15;
+      step.relative_error = step.measured / step.predicted - 1.0;
+      step.within = std::abs(step.relative_error) <= 0.15;
+      step.has_spread = true;
+      step.spread = 0.001;
+      v.memory = {peak};
+      v.time = {step};
+      if (!step.within) v.outside = {"time.step_s"};
+      v.within_tolerance = step.within;
+      QDir().mkpath(dir + "/" + strategy);
+      write(dir + "/" + strategy + "/validation.json", planner::validation_to_json(v).dump());
+      runs.push_back({{"strategy", strategy}, {"dir", (dir + "/" + strategy).toStdString()}});
+    }
+    write(dir + "/summary.json", nlohmann::json{{"schema", schemas::kRunSummary}, {"rounds", 5}, {"runs", runs}}.dump());
+    QVERIFY(w.open_run(dir.toStdString()));
+    QTableWidget* t = w.measured();
+    QCOMPARE(t->rowCount(), 4);
+    QCOMPARE(t->item(1, 1)->text(), QString("time.step_s"));
+    QCOMPARE(t->item(1, 4)->text(), QString("+10.00%"));
+    QCOMPARE(t->item(1, 6)->text(), QString("within"));
+    QCOMPARE(t->item(3, 0)->text(), QString("zero3"));
+    QCOMPARE(t->item(3, 6)->text(), QString("outside"));
+    shot(w, "measured");
+    write(dir + "/ddp/validation.json", R"({"schema": "peftplan.validation/1"})");
+    QVERIFY(!w.open_run((dir + "/ddp/validation.json").toStdString()));
+    QVERIFY2(w.verdict_line()->text().contains("validation.json") && w.verdict_line()->text().contains("schema"),
+             qPrintable(w.verdict_line()->text()));
+    QCOMPARE(t->rowCount(), 4);
   }
 
   void a_burst_of_changes_ends_on_the_last() {

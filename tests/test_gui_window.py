@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """peftplan-gui in a real X window (Xvfb, Qt's xcb platform, not offscreen): it starts, shows the
 default scenario, saves a screenshot that is not blank and has the memory chart's colours, and
-exits cleanly.
+exits cleanly. Then its scripted use offscreen (inputs from files, a view, a screenshot; bad
+files exit 2).
 
 usage: test_gui_window.py PEFTPLAN_GUI XVFB_RUN
 """
@@ -31,6 +32,43 @@ class Window(unittest.TestCase):
             self.assertGreater(len(colours), 50, "a blank window")
             for rgb in ((0x4e, 0x79, 0xa7), (0x59, 0xa1, 0x4f)):  # base_weights, activations (reports/colours.h)
                 self.assertIn(rgb, colours, "the memory chart is not drawn")
+
+
+class Scripted(unittest.TestCase):
+    """The command line, offscreen: inputs from a scenario, a ds_config.json and a view, then a
+    screenshot; a bad file exits 2 naming it."""
+
+    def run_gui(self, *args):
+        env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+        return subprocess.run([GUI, *args], env=env, capture_output=True, text=True, timeout=300)
+
+    def test_scenario_launcher_config_and_view(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            scenario = os.path.join(tmp, "s.json")
+            with open(scenario, "w") as f:
+                f.write('{"schema": "peftplan.scenario/1", "model": "llama-2-13b", "micro_batch": 1, "seq_len": 4096}')
+            ds = os.path.join(tmp, "ds_config.json")
+            with open(ds, "w") as f:
+                f.write('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}')
+            png = os.path.join(tmp, "timeline.png")
+            r = self.run_gui("--scenario", scenario, "--ds-config", ds, "--view", "timeline", "--screenshot", png)
+            self.assertEqual(r.returncode, 0, r.stdout[-2000:] + r.stderr[-2000:])
+            width, height, rows = read_png(png)
+            colours = {p for row in rows[::3] for p in row[::3]}
+            self.assertIn((0xe1, 0x57, 0x59), colours, "the timeline's collectives are not drawn")  # kCommColour
+
+    def test_bad_files_exit_2(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            bad = os.path.join(tmp, "bad_ds.json")
+            with open(bad, "w") as f:
+                f.write('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 7}}')
+            r = self.run_gui("--ds-config", bad, "--screenshot", os.path.join(tmp, "x.png"))
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("bad_ds.json", r.stderr)
+            self.assertIn("zero_optimization.stage", r.stderr)
+            r = self.run_gui("--view", "nowhere")
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("--view nowhere", r.stderr)
 
 
 if __name__ == "__main__":

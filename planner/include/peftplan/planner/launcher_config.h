@@ -1,0 +1,38 @@
+// A launcher's config applied to a plan input: DeepSpeed's ds_config.json or accelerate's launch
+// YAML (FSDP or MULTI_GPU) taking over the strategy and the training settings it covers. One rule
+// for every front end that reads such a file (`plan --ds-config`, `--accelerate-config`, the
+// explorer's File menu and its --ds-config / --accelerate-config).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "peftplan/planner/accelerate_config.h"
+#include "peftplan/planner/plan.h"
+#include "peftplan/sim/cluster.h"
+
+namespace peftplan::planner {
+
+// ds_config.json (read_ds_config): the strategy (stage, offload, bucket sizes) and the training
+// settings it covers replace `in`'s, its "auto" entries resolved from `in` (micro-batch,
+// accumulation, precision, the model's hidden size); the ranks stay `in`'s. Warnings (unmodelled
+// keys) are appended. Throws InputError naming `source` and the key; also when `in`'s strategy is
+// an FSDP one (a DeepSpeed config runs ZeRO).
+void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings);
+
+// accelerate's YAML (read_accelerate_config): the strategy (DDP or an FSDP one, with its knobs)
+// replaces `in`'s, on num_processes ranks unless `gpus` is given (as `accelerate launch
+// --num_processes` overrides it; a warning says so when they differ); its mixed_precision sets
+// the precision ('no' is planned as pure bf16, with a warning); FSDP's activation_checkpointing
+// means non-reentrant full checkpointing; and unless `profile_given`, the profile becomes hf (an
+// accelerate job runs transformers + PEFT). Throws InputError naming `source`: more processes
+// than the cluster's GPUs.
+void apply_accelerate_config(PlanInput& in, const AccelerateConfig& config, std::string_view source, const sim::Cluster& cluster,
+                             std::optional<std::int32_t> gpus, bool profile_given, std::vector<std::string>& warnings);
+
+}  // namespace peftplan::planner

@@ -1,0 +1,58 @@
+// A launcher's config applied to a plan input (see launcher_config.h).
+#include "peftplan/planner/launcher_config.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "peftplan/common/error.h"
+#include "peftplan/planner/ds_config.h"
+
+namespace peftplan::planner {
+
+void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings) {
+  if (is_fsdp(in.strategy.stage))
+    throw InputError(fmt::format("{}: a DeepSpeed config runs ZeRO, not {} (give FSDP's settings in an accelerate config)", source,
+                                 name_of(in.strategy.stage)));
+  DsConfigInputs di;
+  di.world_size = in.strategy.ranks;
+  di.training = in.training;
+  di.hidden = in.model.hidden;
+  DsConfig ds = read_ds_config(config, source, di);
+  in.strategy = ds.strategy;
+  in.training = ds.training;
+  warnings.insert(warnings.end(), ds.warnings.begin(), ds.warnings.end());
+}
+
+void apply_accelerate_config(PlanInput& in, const AccelerateConfig& ac, std::string_view source, const sim::Cluster& cluster,
+                             std::optional<std::int32_t> gpus, bool profile_given, std::vector<std::string>& warnings) {
+  const std::int32_t total = sim::total_gpus(cluster);
+  const std::int32_t ranks = gpus ? *gpus : ac.strategy.ranks > 0 ? ac.strategy.ranks : in.strategy.ranks;
+  if (ranks > total)
+    throw input_error(source, "num_processes", fmt::format("must not exceed the cluster's {} GPUs ({})", total, cluster.name), std::to_string(ranks));
+  if (gpus && ac.strategy.ranks > 0 && ac.strategy.ranks != *gpus)
+    warnings.push_back(fmt::format("{}: --gpus {} overrides num_processes {} (as accelerate launch --num_processes does)", source, *gpus,
+                                   ac.strategy.ranks));
+  in.strategy = ac.strategy;
+  in.strategy.ranks = ranks;
+  // HYBRID_SHARD shards within a machine: num_processes / num_machines ranks, or a node's GPUs.
+  if (in.strategy.stage == Stage::fsdp_hybrid_shard)
+    in.strategy.shard_group = ac.num_machines > 1 ? ranks / ac.num_machines : std::min(cluster.gpus_per_node, ranks);
+  if (ac.precision) in.training.precision = *ac.precision;
+  if (ac.no_mixed_precision && (in.training.precision == Precision::bf16_mixed || in.training.precision == Precision::fp16_mixed)) {
+    // 'no': no autocast, the model in its torch_dtype; bf16 is what fine-tuning recipes load.
+    in.training.precision = Precision::bf16_pure;
+    warnings.push_back(fmt::format("{}: mixed_precision 'no' is planned as --precision bf16-pure (the model loaded in bf16, "
+                                   "no autocast); give --precision fp32 for an fp32 model",
+                                   source));
+  }
+  if (in.strategy.fsdp.activation_checkpointing) {  // FSDP's checkpoint_wrapper on every decoder layer
+    in.training.checkpointing = Checkpointing::full;
+    in.training.checkpoint_reentrant = false;
+  }
+  // An accelerate job runs transformers + PEFT: the hf profile, unless another was asked for.
+  if (!profile_given) in.profile = RuntimeProfile::hf;
+  warnings.insert(warnings.end(), ac.warnings.begin(), ac.warnings.end());
+}
+
+}  // namespace peftplan::planner
