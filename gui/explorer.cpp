@@ -67,9 +67,9 @@ bool is_yaml(const std::string& path) {
   return ext == ".yaml" || ext == ".yml";
 }
 
-// The plan input a scenario describes (the launcher config, when given, last: it sets the
-// strategy as `plan --ds-config` / `--accelerate-config` do). Warnings from the files are appended.
-planner::PlanInput input_of(const Scenario& s, sim::Cluster& cluster, std::vector<std::string>& warnings) {
+}  // namespace
+
+planner::PlanInput scenario_input(const Scenario& s, sim::Cluster& cluster, std::vector<std::string>& warnings) {
   planner::PlanInput in;
   in.model = models::load_model(s.model);
   if (!s.adapter_config.empty()) {
@@ -125,6 +125,8 @@ planner::PlanInput input_of(const Scenario& s, sim::Cluster& cluster, std::vecto
   return in;
 }
 
+namespace {
+
 QColor colour(std::string_view hex) { return QColor(QString::fromUtf8(hex.data(), static_cast<int>(hex.size()))); }
 
 // How the explorer names a knob in the planner's suggestions: its control's label, or the
@@ -161,7 +163,7 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
   r.generation = generation;
   try {
     sim::Cluster cluster;
-    const planner::PlanInput in = input_of(s, cluster, r.warnings);
+    const planner::PlanInput in = scenario_input(s, cluster, r.warnings);
     planner::PlanOptions po;
     const planner::Plan base = planner::make_plan(in, cluster, po);
     const std::string yours(planner::name_of(in.strategy.stage));
@@ -466,7 +468,7 @@ bool Explorer::set_adapter_config(const std::string& path) {
   try {
     sim::Cluster c;
     std::vector<std::string> w;
-    (void)input_of(s, c, w);  // read now: a bad file changes nothing
+    (void)scenario_input(s, c, w);  // read now: a bad file changes nothing
   } catch (const InputError& e) {
     show_error(e.what());
     return false;
@@ -488,7 +490,7 @@ bool Explorer::set_launcher_config(const std::string& path) {
     }
     sim::Cluster c;
     std::vector<std::string> w;
-    const planner::PlanInput in = input_of(s, c, w);  // read now: a bad file changes nothing
+    const planner::PlanInput in = scenario_input(s, c, w);  // read now: a bad file changes nothing
     // The controls show what the file sets (and stay locked while it is in use).
     s.strategy = std::string(planner::name_of(in.strategy.stage));
     s.offload_optimizer = in.strategy.offload_optimizer == planner::OffloadDevice::cpu;
@@ -605,14 +607,18 @@ bool Explorer::open_run(const std::string& path) {
     measured_->clear();
     measured_->setColumnCount(7);
     measured_->setHorizontalHeaderLabels({"strategy", "figure", "predicted", "measured", "error", "spread", "verdict"});
+    // Every figure but the memory categories neither side has (as `run` prints them).
+    auto shown = [](const planner::Figure& f) { return f.section != "memory" || f.name == "peak" || f.predicted != 0.0 || f.measured != 0.0; };
     int rows = 0;
-    for (const auto& [name, v] : vs) rows += static_cast<int>(v.memory.size() + v.time.size() + v.comm.size() + v.throughput.size());
+    for (const auto& [name, v] : vs)
+      for (const auto* section : {&v.memory, &v.time, &v.comm, &v.throughput}) rows += static_cast<int>(std::count_if(section->begin(), section->end(), shown));
     measured_->setRowCount(rows);
     int row = 0;
     std::string summary;
     for (const auto& [name, v] : vs) {
       for (const auto* section : {&v.memory, &v.time, &v.comm, &v.throughput})
         for (const planner::Figure& f : *section) {
+          if (!shown(f)) continue;
           const bool time = f.section == "time";
           const bool bytes = f.section == "memory" || f.section == "comm";
           auto value = [&](double x) {
@@ -631,6 +637,7 @@ bool Explorer::open_run(const std::string& path) {
                              : !v.inconclusive.empty() ? fmt::format("within, {} inconclusive", v.inconclusive.size())
                                                        : std::string("within tolerance"));
     }
+    measured_->resizeColumnsToContents();
     measured_->horizontalHeader()->setStretchLastSection(true);
     measured_note_->setText(QString::fromStdString(fmt::format("{}: {}", path, summary)));
     show_view("measured");

@@ -71,6 +71,11 @@ struct Scenario {
   std::string launcher_config;
 };
 
+// The plan input and cluster a scenario describes (a launcher config, when given, last: it sets
+// the strategy as `plan --ds-config` / `--accelerate-config` do); warnings from its files are
+// appended. Throws InputError for bad input.
+planner::PlanInput scenario_input(const Scenario& s, sim::Cluster& cluster, std::vector<std::string>& warnings);
+
 // Plans a scenario (the work of one re-plan; public for tests and the benchmark).
 Result plan_scenario(const Scenario& s, std::uint64_t generation);
 

@@ -1,6 +1,6 @@
 // peftplan-gui: the what-if explorer. --scenario FILE (a saved scenario), then --model, --peft,
 // --cluster, --gpus, --lora-r, --micro-batch, --strategy, --ds-config / --accelerate-config
-// start from given inputs; --view NAME shows that view; --screenshot FILE renders the window
+// start from given inputs; --run PATH opens a run's comparison; --view NAME shows that view; --screenshot FILE renders the window
 // (offscreen works: QT_QPA_PLATFORM=offscreen) once the first plan is shown, saves it as PNG and
 // exits. A bad file or value prints its error and exits with code 2.
 #include <cstdio>
@@ -42,9 +42,10 @@ int main(int argc, char** argv) {
   const QCommandLineOption strategy("strategy", "your strategy (ddp, zero1, zero2, zero3, fsdp-full-shard, ...)", "S");
   const QCommandLineOption ds("ds-config", "DeepSpeed ds_config.json (sets the strategy)", "FILE");
   const QCommandLineOption accel("accelerate-config", "accelerate launch YAML, FSDP or MULTI_GPU (sets the strategy)", "FILE");
+  const QCommandLineOption run("run", "a peftplan run folder or validation.json: predicted against measured (the measured view)", "PATH");
   const QCommandLineOption view("view", "the view shown: memory, time, recommendation, what moves, timeline, compare, measured", "NAME");
   const QCommandLineOption shot("screenshot", "save the window as PNG once planned, and exit", "FILE");
-  cli.addOptions({scenario, model, peft, cluster, gpus, lora, mb, strategy, ds, accel, view, shot});
+  cli.addOptions({scenario, model, peft, cluster, gpus, lora, mb, strategy, ds, accel, run, view, shot});
   cli.process(app);
   peftplan::gui::Explorer w;
   try {
@@ -74,6 +75,7 @@ int main(int argc, char** argv) {
   if (cli.isSet(ds) && cli.isSet(accel)) return bad_input("--ds-config and --accelerate-config: give one launcher's config, not both");
   for (const auto* o : {&ds, &accel})
     if (cli.isSet(*o) && !w.set_launcher_config(cli.value(*o).toStdString())) return bad_input(w.verdict_line()->text().toStdString());
+  if (cli.isSet(run) && !w.open_run(cli.value(run).toStdString())) return bad_input(w.verdict_line()->text().toStdString());
   if (cli.isSet(view) && !w.show_view(cli.value(view).toStdString()))
     return bad_input("--view " + cli.value(view).toStdString() + ": no such view (memory, time, recommendation, what moves, timeline, compare, measured)");
   w.show();
