@@ -8,6 +8,7 @@
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/program.h"
 #include "peftplan/planner/recommend.h"
+#include "peftplan/sim/caching_allocator.h"
 #include "peftplan/sim/cluster.h"
 #include "peftplan/sim/memory.h"
 #include "peftplan/sim/timeline.h"
@@ -82,6 +83,27 @@ void BM_MakePlan(benchmark::State& state) {  // what `peftplan plan` does, expla
   for (auto _ : state) benchmark::DoNotOptimize(planner::make_plan(in, cluster).fits);
 }
 BENCHMARK(BM_MakePlan)->Unit(benchmark::kMicrosecond);
+
+// What each of the explorer's columns costs (reports::seed_strategies: no DDP reference for an
+// explanation; buffer names kept for the hover formulas and the timeline).
+void BM_MakePlanNoExplanation(benchmark::State& state) {
+  const planner::PlanInput in = llama70b(planner::Stage::zero3, 1);
+  const sim::Cluster cluster = sim::resolve_cluster("8x8xH100-SXM-NDR");
+  planner::PlanOptions po;
+  po.explain = false;
+  for (auto _ : state) benchmark::DoNotOptimize(planner::make_plan(in, cluster, po).fits);
+}
+BENCHMARK(BM_MakePlanNoExplanation)->Unit(benchmark::kMicrosecond);
+
+// The caching allocator's replay over the same program (two steps): `reserved` and `used`.
+void BM_ReplayCachingAllocator(benchmark::State& state) {
+  planner::PlanInput in = llama70b(planner::Stage::zero3, 1);
+  const planner::BuiltProgram built = planner::build_program(in, {false});
+  const sim::AllocatorConfig config = sim::AllocatorConfig::parse("", 80ull << 30);
+  for (auto _ : state) benchmark::DoNotOptimize(sim::replay_caching_allocator(built.program, config).reserved_peak_bytes);
+  state.counters["ops"] = static_cast<double>(built.program.ops.size());
+}
+BENCHMARK(BM_ReplayCachingAllocator)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

@@ -3,15 +3,20 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <span>
 #include <system_error>
+#include <thread>
 
 #include <fmt/format.h>
 
 #include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
+#include "peftplan/planner/program.h"
 #include "peftplan/reports/colours.h"
 #include "peftplan/reports/svg.h"
 
@@ -230,21 +235,47 @@ std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, con
     add(Stage::zero2, OffloadDevice::cpu, OffloadDevice::none, false);
     add(Stage::zero3, OffloadDevice::cpu, OffloadDevice::cpu, false);
   }
-  std::vector<StrategyColumn> out;
+  // Each column is a make_plan of its own (no DDP reference for an explanation the columns do
+  // not show), the PEFT columns sharing one inventory, planned side by side over the cores: the
+  // explorer re-plans every column on each change (bench/bench_gui).
   planner::PlanOptions po;
   po.headroom_fraction = headroom;
-  for (const auto& w : wants) {
-    planner::PlanInput in = input;
-    in.strategy.stage = w.stage;
-    in.strategy.offload_optimizer = w.opt;
-    in.strategy.offload_param = w.param;
-    in.strategy.shard_group = 0;
-    if (w.full_ft) {
-      in.peft = {};
-      in.training.full_finetune = true;
-      in.inventory.reset();
+  po.explain = false;
+  planner::PlanInput shared = input;
+  if (!shared.inventory) shared.inventory = std::make_shared<const planner::ModelInventory>(planner::make_inventory(shared.model, shared.peft));
+  std::vector<std::optional<planner::Plan>> plans(wants.size());
+  std::vector<std::exception_ptr> errors(wants.size());
+  auto plan_one = [&](std::size_t i) {
+    const Want& w = wants[i];
+    try {
+      planner::PlanInput in = shared;
+      in.strategy.stage = w.stage;
+      in.strategy.offload_optimizer = w.opt;
+      in.strategy.offload_param = w.param;
+      in.strategy.shard_group = 0;
+      if (w.full_ft) {
+        in.peft = {};
+        in.training.full_finetune = true;
+        in.inventory.reset();
+      }
+      plans[i] = planner::make_plan(in, cluster, po);
+    } catch (...) {
+      errors[i] = std::current_exception();
     }
-    out.push_back(plan_column(w.label, w.args, planner::make_plan(in, cluster, po)));
+  };
+  const std::size_t threads = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, wants.size());
+  std::atomic<std::size_t> next{0};
+  std::vector<std::thread> pool;
+  for (std::size_t t = 1; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (std::size_t i; (i = next++) < wants.size();) plan_one(i);
+    });
+  for (std::size_t i; (i = next++) < wants.size();) plan_one(i);
+  for (auto& t : pool) t.join();
+  std::vector<StrategyColumn> out;
+  for (std::size_t i = 0; i < wants.size(); ++i) {
+    if (errors[i]) std::rethrow_exception(errors[i]);  // the first column's error, as planning them in turn would throw
+    out.push_back(plan_column(wants[i].label, wants[i].args, std::move(*plans[i])));
   }
   return out;
 }
