@@ -9,8 +9,8 @@
 #include <fmt/format.h>
 
 #include "commands.h"
-#include "emit.h"
 #include "plan_flags.h"
+#include "peftplan/reports/launch_files.h"
 #include "ranges.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
@@ -178,7 +178,7 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
     const auto t0 = std::chrono::steady_clock::now();
     const planner::Recommendation r = planner::recommend(rp.input, rp.cluster, space, constraints, *objective);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!o->emit.empty() && !r.ranked.empty()) emit_launch_files(o->emit, r.ranked.front(), rp, flags.model);
+    if (!o->emit.empty() && !r.ranked.empty()) reports::emit_launch_files(o->emit, r.ranked.front(), rp.cluster, rp.input.training.eval_batch, flags.model);
     if (o->json) fmt::print("{}\n", planner::recommendation_to_json(r, o->top).dump(2));
     else print_text(r, rp, *o, seconds);
     if (!o->emit.empty() && !o->json) {

@@ -42,6 +42,7 @@
 #include "peftplan/planner/launcher_config.h"
 #include "peftplan/planner/validate.h"
 #include "peftplan/reports/colours.h"
+#include "peftplan/reports/launch_files.h"
 #include "peftplan/reports/svg.h"
 #include "peftplan/sim/cluster.h"
 #include "timeline_view.h"
@@ -365,6 +366,10 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
     const QString f = QFileDialog::getSaveFileName(this, "Export launcher config", accelerate ? "accelerate_config.yaml" : "ds_config.json");
     if (!f.isEmpty()) export_launcher_config(f.toStdString());
   });
+  file->addAction("Export launch files…", this, [this] {
+    const QString d = QFileDialog::getExistingDirectory(this, "Export launch files into a folder");
+    if (!d.isEmpty()) export_launch_files(d.toStdString());
+  });
   QMenu* scenario_menu = menuBar()->addMenu("&Scenario");
   scenario_menu->addAction("Pin as B (compare)", this, [this] {
     pin_scenario();
@@ -517,6 +522,22 @@ bool Explorer::export_launcher_config(const std::string& path) {
     } else {
       write_text_atomic(path, planner::write_ds_config(in.strategy, in.training).dump(2) + "\n");
     }
+    return true;
+  } catch (const InputError& e) {
+    show_error(e.what());
+    return false;
+  }
+}
+
+bool Explorer::export_launch_files(const std::string& dir) {
+  if (!result_.base) return false;
+  try {
+    planner::Candidate row;
+    row.input = result_.base->input;
+    row.family = std::string(planner::name_of(row.input.strategy.stage));
+    if (row.input.strategy.offload_optimizer == planner::OffloadDevice::cpu) row.family += " + offload optimizer";
+    if (row.input.strategy.offload_param == planner::OffloadDevice::cpu) row.family += " + offload param";
+    reports::emit_launch_files(dir, row, result_.base->cluster, row.input.training.eval_batch, scenario().model, "peftplan-gui");
     return true;
   } catch (const InputError& e) {
     show_error(e.what());

@@ -112,6 +112,10 @@ class Explorer : public QMainWindow {
   // accelerate's YAML for FSDP and for DDP under the hf profile (planner::write_ds_config,
   // write_accelerate_config). The file's kind follows the plan, not the name given.
   bool export_launcher_config(const std::string& path);
+  // The files to launch your strategy with, as `recommend --emit` writes them for its top row
+  // (reports::emit_launch_files): plan.json, the launcher's config, adapter_config.json, train.py
+  // and launch.sh.
+  bool export_launch_files(const std::string& dir);
   // Files in place of controls (see Scenario); each is read at once, and a bad one changes
   // nothing. A launcher config also sets the strategy and offload controls (shown, then locked)
   // and, for accelerate's YAML, the hf profile. An empty path goes back to the controls.

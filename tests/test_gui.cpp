@@ -26,6 +26,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/planner/accelerate_config.h"
 #include "peftplan/planner/ds_config.h"
+#include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/validate.h"
 #include "peftplan/reports/report.h"
 #include "peftplan/sim/cluster.h"
@@ -279,6 +280,13 @@ class TestGui : public QObject {
       if (c->currentText() == "zero3") locked = !c->isEnabled();
     QVERIFY2(locked, "the strategy control is locked while the file sets it");
     shot(w, "ds-config-zero3");
+    // The launch files of the plan shown, as recommend --emit writes them; plan.json is the plan.
+    QVERIFY(w.export_launch_files((dir + "/launch").toStdString()));
+    for (const char* f : {"plan.json", "ds_config.json", "accelerate_config.yaml", "adapter_config.json", "train.py", "launch.sh"})
+      QVERIFY2(QFile::exists(dir + "/launch/" + f), f);
+    const planner::PlanFile pf = planner::read_plan_file((dir + "/launch/plan.json").toStdString());
+    QCOMPARE(pf.input.strategy.stage, planner::Stage::zero3);
+    QCOMPARE(pf.input.strategy.offload_optimizer, planner::OffloadDevice::cpu);
     // Export: the plan's ds_config.json reads back into the same strategy.
     QVERIFY(w.export_launcher_config((dir + "/exported.json").toStdString()));
     planner::DsConfigInputs di;

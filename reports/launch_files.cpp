@@ -1,5 +1,5 @@
-// The launch files of a recommended row (see emit.h).
-#include "emit.h"
+// The launch files of a configuration (see launch_files.h).
+#include "peftplan/reports/launch_files.h"
 
 #include <filesystem>
 #include <string>
@@ -13,7 +13,7 @@
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/plan_file.h"
 
-namespace peftplan::cli {
+namespace peftplan::reports {
 namespace {
 
 void replace_all(std::string& s, std::string_view key, std::string_view value) {
@@ -33,7 +33,7 @@ std::string model_id_for(const std::string& model_arg) {
 
 // The train.py template: @NAME@ fields are filled in by train_py().
 constexpr std::string_view kTrainPy = R"PY(#!/usr/bin/env python3
-"""Fine-tunes @MODEL_ID@ as `peftplan recommend` planned it: @FAMILY@, micro-batch @MB@ x
+"""Fine-tunes @MODEL_ID@ as peftplan planned it: @FAMILY@, micro-batch @MB@ x
 accumulation @ACCUM@ per GPU on @GPUS@ GPU(s), checkpointing @CKPT@, @SEQ@-token sequences,
 precision @PRECISION@ (profile @PROFILE@).
 
@@ -238,13 +238,14 @@ std::string train_py(const planner::Candidate& row, const std::string& model_id,
   return s;
 }
 
-void emit_launch_files(const std::filesystem::path& dir, const planner::Candidate& row, const ResolvedPlan& base, const std::string& model_arg) {
+void emit_launch_files(const std::filesystem::path& dir, const planner::Candidate& row, const sim::Cluster& planned_on, std::int64_t eval_batch,
+                       const std::string& model_arg, const std::string& tool) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) throw InputError(fmt::format("--emit {}: the folder cannot be made ({})", dir.string(), ec.message()));
+  if (ec) throw input_error(dir.string(), "", fmt::format("the folder cannot be made ({})", ec.message()));
   planner::PlanInput in = row.input;
-  in.training.eval_batch = base.input.training.eval_batch;  // the search planned without the evaluation peak
-  const sim::Cluster cluster = planner::cluster_for_gpus(base.cluster, in.strategy.ranks);
+  in.training.eval_batch = eval_batch;  // a search plans without the evaluation peak
+  const sim::Cluster cluster = planner::cluster_for_gpus(planned_on, in.strategy.ranks);
   const std::int32_t per_node = std::max(1, cluster.gpus_per_node);
   const std::int32_t machines = (in.strategy.ranks + per_node - 1) / per_node;
   const std::int32_t procs_per_machine = std::min(in.strategy.ranks, per_node);
@@ -260,7 +261,7 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
     write_text_atomic(dir / "ds_config.json", planner::write_ds_config(in.strategy, in.training).dump(2) + "\n");
     // accelerate's DeepSpeed launch config: the ds_config file carries every ZeRO setting.
     write_text_atomic(dir / "accelerate_config.yaml",
-                      fmt::format("# accelerate launch --config_file accelerate_config.yaml train.py (written by peftplan recommend)\n"
+                      fmt::format("# accelerate launch --config_file accelerate_config.yaml train.py (written by {})\n"
                                   "compute_environment: LOCAL_MACHINE\n"
                                   "distributed_type: DEEPSPEED\n"
                                   "deepspeed_config:\n"
@@ -273,7 +274,7 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
                                   "rdzv_backend: static\n"
                                   "same_network: true\n"
                                   "use_cpu: false\n",
-                                  in.strategy.stage == planner::Stage::zero3 ? "true" : "false", machines, in.strategy.ranks));
+                                  tool, in.strategy.stage == planner::Stage::zero3 ? "true" : "false", machines, in.strategy.ranks));
   } else {
     write_text_atomic(dir / "accelerate_config.yaml", planner::write_accelerate_config(in.strategy, in.training, machines));
   }
@@ -288,7 +289,7 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
 
   std::string sh = fmt::format(
       "#!/bin/sh\n"
-      "# Launch lines for {family} on {gpus} GPU(s) ({machines} machine(s) x {ppm}), written by peftplan recommend.\n"
+      "# Launch lines for {family} on {gpus} GPU(s) ({machines} machine(s) x {ppm}), written by {tool}.\n"
       "# Run from this folder; pass the data to train.py (--data FILE or --dataset NAME). On several machines run the\n"
       "# same line on each with MACHINE_RANK=0..{last} and MAIN_ADDR set to machine 0's address.\n"
       "set -e\n"
@@ -300,7 +301,7 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
       "    exec accelerate launch --config_file accelerate_config.yaml --num_machines {machines} --num_processes {gpus} \\\n"
       "      --machine_rank \"$MACHINE_RANK\" --main_process_ip \"$MAIN_ADDR\" --main_process_port 29500 train.py \"$@\" ;;\n",
       fmt::arg("family", row.family), fmt::arg("gpus", in.strategy.ranks), fmt::arg("machines", machines), fmt::arg("ppm", procs_per_machine),
-      fmt::arg("last", machines - 1));
+      fmt::arg("last", machines - 1), fmt::arg("tool", tool));
   if (deepspeed)
     sh += fmt::format("  deepspeed) shift\n"
                       "    exec deepspeed --num_nodes {} --num_gpus {} --node_rank \"$MACHINE_RANK\" --master_addr \"$MAIN_ADDR\" --master_port 29500 \\\n"
@@ -326,4 +327,4 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
                                std::filesystem::perm_options::add, ec);
 }
 
-}  // namespace peftplan::cli
+}  // namespace peftplan::reports
