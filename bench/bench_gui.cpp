@@ -1,7 +1,8 @@
 // The explorer's responsiveness (issue 16): what one keystroke costs and whether the window keeps
 // answering while plans run. Not a Google Benchmark: the event loop is the thing measured.
 //   1. one re-plan of every strategy (reports::seed_strategies: the memory and time views'
-//      columns) for Llama-2-70B LoRA on 8 x 8 H100 over NDR, 64 GPUs, one thread — the budget
+//      columns, planned side by side over the cores) for Llama-2-70B LoRA on 8 x 8 H100 over NDR,
+//      64 GPUs — the budget
 //      per keystroke is 16 ms (a 60 Hz frame); and the explorer's whole update (those, the knob
 //      deltas and the recommendation's search), which runs off the GUI thread;
 //   2. a burst of 100 micro-batch changes posted 2 ms apart through the event loop (as keystrokes

@@ -74,8 +74,8 @@ std::string cpu_model_name() {
 // when it predates the speed probe, and when the machine's speed has moved away from it.
 // "Moved away" is the probe (executor/calibrate.h, speed_probe) taken now differing from the
 // profile's by more than `recalibrate_beyond`: the profile's time tolerance, whatever
-// --tolerance-time says — a drift that alone would make every time figure inconclusive (see
-// planner::Validation::speed_drift), so a run on the old profile could not judge time at all.
+// --tolerance-time says — a drift beyond which no miss could be conclusive (see
+// planner::Validation::speed_drift), so a run on the old profile could judge time one way only.
 // A smaller drift is left to the verdict, which judges each figure at both speeds: the
 // development VM's probe wanders ±10% from minute to minute, and recalibrating on every such
 // swing cost each run 25 s for a profile no better than the last. A profile given with

@@ -46,23 +46,7 @@ fs::path measured_trace_path(const fs::path& dir, const planner::Validation& v) 
 }
 
 std::vector<MeasuredStrategy> read_run(const fs::path& path, std::string& machine) {
-  std::vector<fs::path> dirs;
-  if (fs::is_regular_file(path)) {
-    dirs.push_back(path.parent_path());  // a validation.json: its folder
-  } else if (fs::is_regular_file(path / "validation.json")) {
-    dirs.push_back(path);
-  } else if (fs::is_regular_file(path / "summary.json")) {
-    const auto summary = models::read_json_file((path / "summary.json").string());
-    if (!summary.contains("runs") || !summary["runs"].is_array())
-      throw input_error((path / "summary.json").string(), "runs", "must list the run's strategies");
-    for (const auto& r : summary["runs"]) {
-      if (!r.contains("strategy") || !r["strategy"].is_string())
-        throw input_error((path / "summary.json").string(), "runs[].strategy", "must be a strategy name");
-      dirs.push_back(path / r["strategy"].get<std::string>());
-    }
-  } else {
-    throw InputError(fmt::format("--run {}: no validation.json or summary.json here (give a peftplan run folder or a validation.json)", path.string()));
-  }
+  const std::vector<fs::path> dirs = planner::run_folders(path);
   std::vector<MeasuredStrategy> out;
   for (const auto& d : dirs) {
     const planner::PlanFile pf = planner::read_plan_file(d / "plan.json");

@@ -109,7 +109,8 @@ std::string speed_line(const planner::Validation& v) {
                            : v.probes > 1 ? fmt::format(" (the median of {} rounds' probes)", v.probes)
                                           : "";
   return fmt::format("machine speed: the reference step ran {:.2f} GFLOP/s per rank{}, {} than the {:.2f} of calibration ({}); a time figure is "
-                     "conclusive when its spread is within the tolerance and its verdict is the same at this speed as at calibration's\n",
+                     "conclusive when its spread is within the tolerance and its verdict is the same at this speed as at calibration's (a miss also "
+                     "needs its spread plus this drift within the tolerance)\n",
                      v.probe_flops_per_s / 1e9, over, *v.speed_drift >= 0.0 ? "faster" : "slower", v.calibration_probe_flops_per_s / 1e9,
                      pct(*v.speed_drift));
 }
@@ -200,7 +201,8 @@ std::string validation_report(const planner::Plan& plan, const planner::Validati
   s += "## Figures\n\n" + validation_tables(v, true);
   s += "\nSpread: the interquartile range of the rounds (of the steps with one round). A time figure whose spread is wider than "
        "the tolerance is inconclusive: the machine was too noisy to tell a hit from a miss. So is one whose verdict changes when "
-       "the prediction is taken at the run's speed (the speed probe's drift since calibration) instead of calibration's.\n";
+       "the prediction is taken at the run's speed (the speed probe's drift since calibration) instead of calibration's, and a miss "
+       "whose spread plus that drift is wider than the tolerance (a probe that far out could make it).\n";
   if (v.speed_drift) s += fmt::format("\n{}", speed_line(v));
   s += fmt::format("\n## Op by op\n\nMeasured op times from round {}'s {}.\n\n", v.op_round + 1, v.op_time_source);
   if (v.most_different) s += "Differs most: " + planner::describe(*v.most_different) + "\n\n";

@@ -1,6 +1,7 @@
 // The explorer's window (see explorer.h).
 #include "explorer.h"
 
+#include <charconv>
 #include <filesystem>
 
 #include <QApplication>
@@ -55,12 +56,11 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // "every-K" -> K, or nullopt.
 std::optional<std::int64_t> every_k(const std::string& c) {
   if (c.rfind("every-", 0) != 0) return std::nullopt;
-  try {
-    const std::int64_t k = std::stoll(c.substr(6));
-    if (k > 0) return k;
-  } catch (const std::exception&) {
-  }
-  return std::nullopt;
+  std::int64_t k = 0;
+  const char* end = c.data() + c.size();
+  const auto [at, ec] = std::from_chars(c.data() + 6, end, k);
+  if (ec != std::errc() || at != end || k <= 0) return std::nullopt;
+  return k;
 }
 
 bool is_yaml(const std::string& path) {
@@ -75,13 +75,14 @@ planner::PlanInput scenario_input(const Scenario& s, sim::Cluster& cluster, std:
   in.model = models::load_model(s.model);
   if (!s.adapter_config.empty()) {
     std::filesystem::path p = s.adapter_config;
-    if (std::filesystem::is_directory(p)) p /= "adapter_config.json";
+    std::error_code ec;
+    if (std::filesystem::is_directory(p, ec)) p /= "adapter_config.json";
     in.peft.adapters.push_back(models::adapter_from_config(models::read_json_file(p.string()), p.string()));
   } else if (s.lora_r > 0) {
     models::AdapterSpec a;
     a.type = models::PeftType::lora;
     a.lora.r = s.lora_r;
-    a.lora.alpha = s.lora_r;
+    a.lora.alpha = s.lora_alpha > 0 ? s.lora_alpha : s.lora_r;
     if (s.targets == "all-linear") a.lora.targets.kind = models::ModuleSelector::Kind::all_linear;
     else {
       a.lora.targets.kind = models::ModuleSelector::Kind::list;
@@ -162,6 +163,7 @@ std::string then_try(const std::vector<planner::Suggestion>& s) {
 Result plan_scenario(const Scenario& s, std::uint64_t generation) {
   Result r;
   r.generation = generation;
+  r.scenario = s;
   try {
     sim::Cluster cluster;
     const planner::PlanInput in = scenario_input(s, cluster, r.warnings);
@@ -186,7 +188,7 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
 }
 
 nlohmann::json scenario_to_json(const Scenario& s) {
-  return {{"schema", schemas::kScenario}, {"model", s.model},   {"lora_r", s.lora_r},         {"targets", s.targets},
+  return {{"schema", schemas::kScenario}, {"model", s.model},   {"lora_r", s.lora_r},         {"lora_alpha", s.lora_alpha}, {"targets", s.targets},
           {"qlora", s.qlora},             {"micro_batch", s.micro_batch}, {"seq_len", s.seq_len}, {"precision", s.precision},
           {"checkpointing", s.checkpointing}, {"cluster", s.cluster}, {"gpus", s.gpus},       {"profile", s.profile},
           {"strategy", s.strategy}, {"attention", s.attention}, {"grad_accum", s.grad_accum},
@@ -205,6 +207,7 @@ Scenario scenario_from_json(const nlohmann::json& j, std::string_view source) {
   };
   text("model", s.model);
   integer("lora_r", s.lora_r, 0, 4096);
+  integer("lora_alpha", s.lora_alpha, 0, 1 << 20);
   text("targets", s.targets);
   s.qlora = json_fields::boolean(j, "qlora", source, s.qlora);
   integer("micro_batch", s.micro_batch, 1, 4096);
@@ -247,6 +250,9 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
   lora_r_ = new QSpinBox(inputs);
   lora_r_->setRange(0, 4096);
   lora_r_->setSpecialValueText("full fine-tuning");
+  lora_alpha_ = new QSpinBox(inputs);
+  lora_alpha_->setRange(0, 1 << 20);
+  lora_alpha_->setSpecialValueText("= rank");
   targets_ = new QComboBox(inputs);
   targets_->addItems({"q_proj,v_proj", "q_proj,k_proj,v_proj,o_proj", "all-linear"});
   qlora_ = new QCheckBox("nf4 base (QLoRA)", inputs);
@@ -278,6 +284,7 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
   for (auto s : planner::kStages) strategy_->addItem(QString::fromUtf8(planner::name_of(s).data()));
   form->addRow("model", model_);
   form->addRow("LoRA rank", lora_r_);
+  form->addRow("LoRA alpha", lora_alpha_);
   form->addRow("targets", targets_);
   form->addRow("", qlora_);
   form->addRow("micro-batch", micro_batch_);
@@ -361,8 +368,7 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
     if (!d.isEmpty()) export_report(d.toStdString());
   });
   file->addAction("Export launcher config…", this, [this] {
-    const bool accelerate = result_.base && (planner::is_fsdp(result_.base->input.strategy.stage) ||
-                                             result_.base->input.profile == planner::RuntimeProfile::hf);
+    const bool accelerate = result_.base && !planner::launches_with_deepspeed(result_.base->input);
     const QString f = QFileDialog::getSaveFileName(this, "Export launcher config", accelerate ? "accelerate_config.yaml" : "ds_config.json");
     if (!f.isEmpty()) export_launcher_config(f.toStdString());
   });
@@ -396,7 +402,7 @@ Explorer::Explorer(QWidget* parent) : QMainWindow(parent) {
   auto changed = [this] { request(); };
   for (QComboBox* c : {model_, targets_, precision_, checkpointing_, attention_, cluster_, profile_, strategy_})
     connect(c, &QComboBox::currentTextChanged, this, changed);
-  for (QSpinBox* b : {lora_r_, micro_batch_, seq_len_, grad_accum_, gpus_}) connect(b, qOverload<int>(&QSpinBox::valueChanged), this, changed);
+  for (QSpinBox* b : {lora_r_, lora_alpha_, micro_batch_, seq_len_, grad_accum_, gpus_}) connect(b, qOverload<int>(&QSpinBox::valueChanged), this, changed);
   for (QCheckBox* b : {qlora_, offload_optimizer_, offload_param_}) connect(b, &QCheckBox::toggled, this, changed);
   request();
 }
@@ -414,6 +420,7 @@ Scenario Explorer::scenario() const {
   Scenario s;
   s.model = model_->currentText().toStdString();
   s.lora_r = lora_r_->value();
+  s.lora_alpha = lora_alpha_->value();
   s.targets = targets_->currentText().toStdString();
   s.qlora = qlora_->isChecked();
   s.micro_batch = micro_batch_->value();
@@ -437,11 +444,13 @@ void Explorer::set_scenario(const Scenario& s) {
   loading_ = true;  // one request for the whole scenario, not one per control
   model_->setCurrentText(QString::fromStdString(s.model));
   lora_r_->setValue(s.lora_r);
+  lora_alpha_->setValue(s.lora_alpha);
   targets_->setCurrentText(QString::fromStdString(s.targets));
   qlora_->setChecked(s.qlora);
   micro_batch_->setValue(s.micro_batch);
   seq_len_->setValue(s.seq_len);
   precision_->setCurrentText(QString::fromStdString(s.precision));
+  if (checkpointing_->findText(QString::fromStdString(s.checkpointing)) < 0) checkpointing_->addItem(QString::fromStdString(s.checkpointing));
   checkpointing_->setCurrentText(QString::fromStdString(s.checkpointing));
   attention_->setCurrentText(QString::fromStdString(s.attention));
   grad_accum_->setValue(s.grad_accum);
@@ -461,10 +470,13 @@ void Explorer::set_scenario(const Scenario& s) {
 void Explorer::show_files() {
   std::string text;
   if (!adapter_config_.empty()) text += "adapter: " + adapter_config_ + " (in place of rank and targets)\n";
-  if (!launcher_config_.empty()) text += "launcher: " + launcher_config_ + " (sets the strategy and offload)";
+  if (!launcher_config_.empty())
+    text += "launcher: " + launcher_config_ + " (sets the strategy, offload, micro-batch, accumulation and precision; edit the file, or File → Back to "
+            "the controls)";
   files_->setText(QString::fromStdString(text));
-  for (QWidget* w : std::initializer_list<QWidget*>{lora_r_, targets_}) w->setEnabled(adapter_config_.empty());
-  for (QWidget* w : std::initializer_list<QWidget*>{strategy_, offload_optimizer_, offload_param_}) w->setEnabled(launcher_config_.empty());
+  for (QWidget* w : std::initializer_list<QWidget*>{lora_r_, lora_alpha_, targets_}) w->setEnabled(adapter_config_.empty());
+  for (QWidget* w : std::initializer_list<QWidget*>{strategy_, offload_optimizer_, offload_param_, micro_batch_, grad_accum_, precision_})
+    w->setEnabled(launcher_config_.empty());
 }
 
 bool Explorer::set_adapter_config(const std::string& path) {
@@ -486,6 +498,10 @@ bool Explorer::set_launcher_config(const std::string& path) {
   Scenario s = scenario();
   s.launcher_config = path;
   try {
+    if (!path.empty() && !is_yaml(path)) {  // a DeepSpeed config runs ZeRO under DeepSpeed, whatever was shown before
+      if (const auto stage = planner::from_name(s.strategy, planner::kStages); stage && planner::is_fsdp(*stage)) s.strategy = "ddp";
+      if (s.profile == "hf") s.profile = "deepspeed";
+    }
     if (!path.empty() && is_yaml(path)) {
       s.profile = "hf";  // an accelerate job runs transformers + PEFT
       // Its num_processes is the GPU count (the control then overrides it, as accelerate launch
@@ -515,8 +531,7 @@ bool Explorer::export_launcher_config(const std::string& path) {
   if (!result_.base) return false;
   try {
     const planner::PlanInput& in = result_.base->input;
-    const bool accelerate = planner::is_fsdp(in.strategy.stage) || in.profile == planner::RuntimeProfile::hf;
-    if (accelerate) {
+    if (!planner::launches_with_deepspeed(in)) {
       const std::int32_t per_node = std::max(1, result_.base->cluster.gpus_per_node);
       write_text_atomic(path, planner::write_accelerate_config(in.strategy, in.training, (in.strategy.ranks + per_node - 1) / per_node));
     } else {
@@ -537,7 +552,7 @@ bool Explorer::export_launch_files(const std::string& dir) {
     row.family = std::string(planner::name_of(row.input.strategy.stage));
     if (row.input.strategy.offload_optimizer == planner::OffloadDevice::cpu) row.family += " + offload optimizer";
     if (row.input.strategy.offload_param == planner::OffloadDevice::cpu) row.family += " + offload param";
-    reports::emit_launch_files(dir, row, result_.base->cluster, row.input.training.eval_batch, scenario().model, "peftplan-gui");
+    reports::emit_launch_files(dir, row, result_.base->cluster, row.input.training.eval_batch, result_.scenario.model, "peftplan-gui");
     return true;
   } catch (const InputError& e) {
     show_error(e.what());
@@ -558,14 +573,14 @@ QWidget* Explorer::timeline() const { return timeline_; }
 
 void Explorer::pin_scenario() {
   if (result_.strategies.empty()) return;
-  pinned_ = std::make_pair(scenario(), result_);
+  pinned_ = std::make_pair(result_.scenario, result_);
   build_comparison();
 }
 
 void Explorer::build_comparison() {
   if (!pinned_) return;
   const auto& [bs, b] = *pinned_;
-  const Scenario as = scenario();
+  const Scenario& as = result_.scenario;
   // What differs between the two scenarios, field by field.
   const nlohmann::json ja = scenario_to_json(as), jb = scenario_to_json(bs);
   std::string differs;
@@ -604,25 +619,10 @@ void Explorer::build_comparison() {
 bool Explorer::open_run(const std::string& path) {
   try {
     namespace fs = std::filesystem;
-    // One validation.json per strategy: a run folder's summary.json names them, a strategy's
-    // folder holds one, or the file itself is one.
+    // One validation.json per strategy (planner::run_folders: `report --run`'s rule), each named
+    // by its folder.
     std::vector<std::pair<std::string, fs::path>> files;
-    fs::path p = path;
-    if (fs::is_directory(p)) p = fs::exists(p / "summary.json") ? p / "summary.json" : p / "validation.json";
-    const nlohmann::json j = models::read_json_file(p.string());
-    if (j.is_object() && j.contains("runs")) {
-      const auto& runs = json_fields::required(j, "runs", p.string());
-      if (!runs.is_array()) throw input_error(p.string(), "runs", "must be an array of strategies' runs", runs.dump());
-      for (std::size_t i = 0; i < runs.size(); ++i) {
-        const std::string where = fmt::format("runs[{}].", i);
-        const std::string strategy = json_fields::string(runs[i], "strategy", p.string(), "", where);
-        fs::path dir = json_fields::string(runs[i], "dir", p.string(), "", where);
-        if (dir.is_relative()) dir = p.parent_path() / dir.filename();
-        files.emplace_back(strategy, dir / "validation.json");
-      }
-    } else {
-      files.emplace_back(p.parent_path().filename().string(), p);
-    }
+    for (const fs::path& d : planner::run_folders(path)) files.emplace_back(d.filename().string(), d / "validation.json");
     std::vector<std::pair<std::string, planner::Validation>> vs;
     for (const auto& [name, f] : files) vs.emplace_back(name, planner::validation_from_json(models::read_json_file(f.string()), f.string()));
     measured_->clear();
@@ -698,7 +698,7 @@ bool Explorer::export_report(const std::string& dir) {
   if (result_.strategies.empty()) return false;
   try {
     reports::ReportInput ri;
-    const Scenario s = scenario();
+    const Scenario& s = result_.scenario;
     ri.title = fmt::format("{} on {} ({} GPUs), from peftplan-gui", s.model, s.cluster, s.gpus);
     ri.provenance.version = reports::version_string();
     ri.provenance.command = fmt::format("peftplan-gui scenario {}", scenario_to_json(s).dump());
@@ -730,6 +730,7 @@ void Explorer::show_result(Result r) {
   shown_generation_ = r.generation;
   if (!r.error.empty()) {  // bad input changes nothing but the verdict line
     show_error(r.error);
+    emit answered(false);
     return;
   }
   result_ = std::move(r);
@@ -767,6 +768,7 @@ void Explorer::show_result(Result r) {
   }
   knobs_->horizontalHeader()->setStretchLastSection(true);
   emit planned();
+  emit answered(true);
 }
 
 std::string Explorer::segment_formula(sim::MemCategory cat, int strategy) const {

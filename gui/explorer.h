@@ -33,22 +33,11 @@ class QChartView;
 
 namespace peftplan::gui {
 
-// Everything the views show for one scenario, computed off the GUI thread.
-struct Result {
-  std::uint64_t generation = 0;
-  std::string error;  // bad input: the message, and nothing else changes
-  std::vector<reports::StrategyColumn> strategies;
-  std::optional<planner::Recommendation> recommendation;
-  std::vector<reports::KnobDelta> knobs;
-  std::optional<planner::Plan> base;  // the scenario's own configuration (your strategy)
-  std::vector<std::string> warnings;  // from a launcher config (keys peftplan does not model)
-  std::string verdict;
-};
-
 // The scenario's inputs, as the controls hold them.
 struct Scenario {
   std::string model = "llama-2-7b";
   int lora_r = 16;            // 0: full fine-tuning
+  int lora_alpha = 0;         // LoRA's alpha (the scale alpha / r); 0: equal to the rank
   std::string targets = "q_proj,v_proj";
   bool qlora = false;
   int micro_batch = 2;
@@ -70,6 +59,20 @@ struct Scenario {
   std::string adapter_config;
   std::string launcher_config;
 };
+
+// Everything the views show for one scenario, computed off the GUI thread.
+struct Result {
+  std::uint64_t generation = 0;
+  Scenario scenario;  // what was planned (the controls may have moved on since)
+  std::string error;  // bad input: the message, and nothing else changes
+  std::vector<reports::StrategyColumn> strategies;
+  std::optional<planner::Recommendation> recommendation;
+  std::vector<reports::KnobDelta> knobs;
+  std::optional<planner::Plan> base;  // the scenario's own configuration (your strategy)
+  std::vector<std::string> warnings;  // from a launcher config (keys peftplan does not model)
+  std::string verdict;
+};
+
 
 // The plan input and cluster a scenario describes (a launcher config, when given, last: it sets
 // the strategy as `plan --ds-config` / `--accelerate-config` do); warnings from its files are
@@ -128,6 +131,7 @@ class Explorer : public QMainWindow {
   void pin_scenario();
   QWidget* timeline() const;
   QTableWidget* comparison() const { return compare_; }
+  QLabel* comparison_note() const { return compare_note_; }
   QTableWidget* measured() const { return measured_; }
   // Shows the view of that name ("memory", "time", "recommendation", "what moves", "timeline",
   // "compare", "measured"); false when there is none.
@@ -135,6 +139,8 @@ class Explorer : public QMainWindow {
 
  signals:
   void planned();  // the views show a new result
+  // The newest change is answered: a result shown (ok) or its error in the verdict line.
+  void answered(bool ok);
 
  private:
   void request();                 // a control changed: plan it off the GUI thread
@@ -146,7 +152,7 @@ class Explorer : public QMainWindow {
   void show_files();  // the files in place of controls, and which controls they lock
 
   QComboBox *model_, *targets_, *precision_, *checkpointing_, *attention_, *cluster_, *profile_, *strategy_;
-  QSpinBox *lora_r_, *micro_batch_, *seq_len_, *grad_accum_, *gpus_;
+  QSpinBox *lora_r_, *lora_alpha_, *micro_batch_, *seq_len_, *grad_accum_, *gpus_;
   QCheckBox *qlora_, *offload_optimizer_, *offload_param_;
   QLabel* files_;
   QTabWidget* tabs_;

@@ -13,6 +13,9 @@
 #include "explorer.h"
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
+#include "peftplan/planner/specs.h"
+
+#include <fmt/format.h>
 
 namespace {
 
@@ -53,18 +56,25 @@ int main(int argc, char** argv) {
         cli.isSet(scenario)
             ? peftplan::gui::scenario_from_json(peftplan::models::read_json_file(cli.value(scenario).toStdString()), cli.value(scenario).toStdString())
             : w.scenario();
-    auto number = [&](const QCommandLineOption& o, int& into) {
+    // Each flag in its control's range (a spin box would clamp a value outside it silently).
+    auto number = [&](const QCommandLineOption& o, int& into, int lo, int hi) {
       bool ok = false;
       const int v = cli.value(o).toInt(&ok);
-      if (!ok || v < 0) throw peftplan::InputError("--" + o.names().front().toStdString() + " must be a non-negative integer, got " + cli.value(o).toStdString());
+      if (!ok || v < lo || v > hi)
+        throw peftplan::input_error("--" + o.names().front().toStdString(), "", fmt::format("must be an integer in [{}, {}]", lo, hi),
+                                    cli.value(o).toStdString());
       into = v;
     };
     if (cli.isSet(model)) s.model = cli.value(model).toStdString();
     if (cli.isSet(cluster)) s.cluster = cli.value(cluster).toStdString();
-    if (cli.isSet(gpus)) number(gpus, s.gpus);
-    if (cli.isSet(lora)) number(lora, s.lora_r);
-    if (cli.isSet(mb)) number(mb, s.micro_batch);
-    if (cli.isSet(strategy)) s.strategy = cli.value(strategy).toStdString();
+    if (cli.isSet(gpus)) number(gpus, s.gpus, 1, 100000);
+    if (cli.isSet(lora)) number(lora, s.lora_r, 0, 4096);
+    if (cli.isSet(mb)) number(mb, s.micro_batch, 1, 4096);
+    if (cli.isSet(strategy)) {
+      s.strategy = cli.value(strategy).toStdString();
+      if (!peftplan::planner::from_name(s.strategy, peftplan::planner::kStages))
+        throw peftplan::input_error("--strategy", "", "must be one of " + peftplan::planner::names_of(peftplan::planner::kStages), s.strategy);
+    }
     w.set_scenario(s);
   } catch (const peftplan::InputError& e) {
     return bad_input(e.what());
@@ -81,11 +91,16 @@ int main(int argc, char** argv) {
   w.show();
   if (cli.isSet(shot)) {
     const QString file = cli.value(shot);
-    QObject::connect(&w, &peftplan::gui::Explorer::planned, &w, [&w, file] {
+    QObject::connect(&w, &peftplan::gui::Explorer::answered, &w, [&w, file](bool ok) {
       if (!w.settled()) return;  // an older request's answer: wait for the newest
+      if (!ok) {  // bad input (a model, a cluster, a file of the scenario): its line, exit code 2
+        bad_input(w.verdict_line()->text().toStdString());
+        QApplication::exit(2);
+        return;
+      }
       QTimer::singleShot(200, &w, [&w, file] {  // let the charts lay out
-        const bool ok = w.grab().save(file, "PNG");
-        QApplication::exit(ok ? 0 : 2);
+        const bool saved = w.grab().save(file, "PNG");
+        QApplication::exit(saved ? 0 : 2);
       });
     });
   }

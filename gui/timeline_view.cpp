@@ -29,7 +29,7 @@ void TimelineView::set_lanes(std::vector<reports::TimelineLane> lanes, std::stri
   end_s_ = 0.0;
   for (const auto& l : lanes_)
     for (const auto& b : l.bars) end_s_ = std::max(end_s_, b.end_s);
-  setMinimumHeight(kAxisHeight + static_cast<int>(std::max<std::size_t>(lanes_.size(), 2)) * kLaneHeight + 2 * kMargin);
+  setMinimumHeight(kAxisHeight + static_cast<int>(std::max<std::size_t>(lanes_.size(), 2)) * kLaneHeight + 2 * kMargin + kLegendHeight);
   show_all();
 }
 
@@ -73,7 +73,8 @@ double TimelineView::t_of(double x) const {
 std::pair<int, int> TimelineView::bar_at(QPoint p) const {
   const int lane = (p.y() - kAxisHeight - kMargin) / kLaneHeight;
   if (p.y() < kAxisHeight + kMargin || lane < 0 || lane >= static_cast<int>(lanes_.size()) || p.x() < kLabelWidth) return {-1, -1};
-  const double t = t_of(p.x()), slack = (t1_ - t0_) / std::max(1, width()) * 2;  // two pixels either side
+  const double plot = std::max(1, width() - kLabelWidth - kMargin);
+  const double t = t_of(p.x()), slack = (t1_ - t0_) / plot * 2;  // two pixels either side
   const auto& bars = lanes_[static_cast<std::size_t>(lane)].bars;
   int best = -1;
   double best_d = slack;
@@ -104,7 +105,7 @@ void TimelineView::paintEvent(QPaintEvent*) {
   p.setPen(QColor("#999"));
   for (double t = std::ceil(t0_ * 1e3 / tick) * tick; t <= t1_ * 1e3 + 1e-12; t += tick) {
     const int x = static_cast<int>(std::lround(x_of(t / 1e3)));
-    p.drawLine(x, kAxisHeight - 6, x, height() - kMargin);
+    p.drawLine(x, kAxisHeight - 6, x, kAxisHeight + kMargin + static_cast<int>(lanes_.size()) * kLaneHeight);
     p.drawText(QRect(x - 40, 16, 80, 12), Qt::AlignCenter, QString::fromStdString(fmt::format("{:.4g} ms", t)));
   }
   // The legend under the lanes: each phase drawn, and collectives.

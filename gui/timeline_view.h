@@ -43,7 +43,7 @@ class TimelineView : public QWidget {
   void mouseDoubleClickEvent(QMouseEvent*) override;
 
  private:
-  static constexpr int kLabelWidth = 190, kAxisHeight = 34, kLaneHeight = 26, kMargin = 10;
+  static constexpr int kLabelWidth = 190, kAxisHeight = 34, kLaneHeight = 26, kMargin = 10, kLegendHeight = 24;
   double x_of(double t) const;
   double t_of(double x) const;
   void clamp_view();

@@ -10,6 +10,8 @@
 
 namespace peftplan::planner {
 
+bool launches_with_deepspeed(const PlanInput& in) { return in.profile != RuntimeProfile::hf && !is_fsdp(in.strategy.stage); }
+
 void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings) {
   if (is_fsdp(in.strategy.stage))
     throw InputError(fmt::format("{}: a DeepSpeed config runs ZeRO, not {} (give FSDP's settings in an accelerate config)", source,

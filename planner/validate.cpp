@@ -2,6 +2,7 @@
 #include "peftplan/planner/validate.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -450,6 +451,27 @@ void keep_worst(std::vector<Figure>& into, const std::vector<Figure>& other) {
 
 }  // namespace
 
+std::vector<std::filesystem::path> run_folders(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return {path.parent_path()};  // a validation.json: its folder
+  if (fs::is_regular_file(path / "validation.json", ec)) return {path};
+  if (!fs::is_regular_file(path / "summary.json", ec))
+    throw InputError(fmt::format("{}: no validation.json or summary.json here (give a peftplan run folder or a validation.json)", path.string()));
+  const std::string source = (path / "summary.json").string();
+  const json summary = models::read_json_file(source);
+  const json* runs = json_fields::find(summary, "runs");
+  if (!runs || !runs->is_array()) throw input_error(source, "runs", "must list the run's strategies");
+  std::vector<fs::path> dirs;
+  for (std::size_t i = 0; i < runs->size(); ++i) {
+    const std::string strategy = json_fields::string((*runs)[i], "strategy", source, "", fmt::format("runs[{}].", i));
+    if (strategy.empty() || strategy.find('/') != std::string::npos || strategy == "." || strategy == "..")
+      throw input_error(source, fmt::format("runs[{}].strategy", i), "must be a strategy name (its folder beside summary.json)", (*runs)[i].dump());
+    dirs.push_back(path / strategy);
+  }
+  return dirs;
+}
+
 std::optional<JobProbe> job_probe_median(std::span<const json* const> measurements) {
   std::vector<double> probes;
   for (const json* m : measurements)
@@ -788,6 +810,7 @@ Validation validation_from_json(const json& j, std::string_view source) {
       if (const std::string why = json_fields::string(f, "inconclusive_because", source, "", where + "."); !why.empty()) {
         const auto u = unsure_from_name(why);
         if (!u) throw fail(where + ".inconclusive_because", fmt::format("must be \"spread\", \"speed_decides\" or \"drift_wide\", got \"{}\"", why));
+        if (x.conclusive) throw fail(where + ".inconclusive_because", fmt::format("is \"{}\" but the verdict is not inconclusive", why));
         x.unsure = *u;
       } else if (!x.conclusive) {
         x.unsure = Figure::Unsure::spread;  // a validation.json from before the reason was written
@@ -797,6 +820,15 @@ Validation validation_from_json(const json& j, std::string_view source) {
   };
   timed_figures("time", v.time);
   timed_figures("throughput", v.throughput);
+  if (const nlohmann::json* sp = json_fields::find(j, "speed_probe")) {  // the machine's speed (validation_to_json)
+    v.probe_flops_per_s = json_fields::nullable_number(*sp, "run_flops_per_s", source, "speed_probe.").value_or(0.0);
+    v.calibration_probe_flops_per_s = json_fields::nullable_number(*sp, "calibration_flops_per_s", source, "speed_probe.").value_or(0.0);
+    v.speed_drift = json_fields::nullable_number(*sp, "drift", source, "speed_probe.");
+    v.probes = static_cast<std::int32_t>(json_fields::integer(*sp, "probes", source, 0, "speed_probe.", 0, 1 << 30));
+    const std::string over = json_fields::string(*sp, "over", source, "rounds", "speed_probe.");
+    if (over != "rounds" && over != "job") throw fail("speed_probe.over", fmt::format("must be \"rounds\" or \"job\", got \"{}\"", over));
+    v.job_probe = over == "job";
+  }
   // JSON objects come back sorted by name: restore the order validate() makes them in.
   auto rank_of = [](const std::vector<std::string>& order, const std::string& name) {
     const auto it = std::find(order.begin(), order.end(), name);

@@ -11,6 +11,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/planner/accelerate_config.h"
 #include "peftplan/planner/ds_config.h"
+#include "peftplan/planner/launcher_config.h"
 #include "peftplan/planner/plan_file.h"
 
 namespace peftplan::reports {
@@ -249,7 +250,7 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
   const std::int32_t per_node = std::max(1, cluster.gpus_per_node);
   const std::int32_t machines = (in.strategy.ranks + per_node - 1) / per_node;
   const std::int32_t procs_per_machine = std::min(in.strategy.ranks, per_node);
-  const bool deepspeed = in.profile != planner::RuntimeProfile::hf;
+  const bool deepspeed = planner::launches_with_deepspeed(in);
   const std::string model_id = model_id_for(model_arg);
 
   planner::PlanFile pf;

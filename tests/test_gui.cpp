@@ -9,6 +9,7 @@
 #include <fstream>
 #include <QLabel>
 #include <QElapsedTimer>
+#include <QImage>
 #include <QSignalSpy>
 #include <QTabWidget>
 #include <QTableWidget>
@@ -310,6 +311,11 @@ class TestGui : public QObject {
     QVERIFY(w.export_launcher_config((dir + "/exported.yaml").toStdString()));
     QCOMPARE(planner::read_accelerate_config_file((dir + "/exported.yaml").toStdString()).strategy.stage, planner::Stage::fsdp_full_shard);
     shot(w, "accelerate-fsdp");
+    // A ds_config.json after the FSDP YAML: ZeRO under DeepSpeed again, not a refusal.
+    QVERIFY(w.set_launcher_config((dir + "/ds_config.json").toStdString()));
+    settle(w);
+    QCOMPARE(w.result().base->input.strategy.stage, planner::Stage::zero3);
+    QCOMPARE(w.result().base->input.profile, planner::RuntimeProfile::deepspeed);
     // Back to the controls.
     QVERIFY(w.set_launcher_config(""));
     settle(w);
@@ -359,7 +365,7 @@ class TestGui : public QObject {
     b.micro_batch = 2;
     QCOMPARE(t->item(row, 1)->text(), QString::asprintf("%.2f", to_gib(plan(s, planner::Stage::zero2).used_peak_bytes)));
     QCOMPARE(t->item(row, 2)->text(), QString::asprintf("%.2f", to_gib(plan(b, planner::Stage::zero2).used_peak_bytes)));
-    QVERIFY(w.findChild<QLabel*>() != nullptr);
+    QVERIFY2(w.comparison_note()->text().contains("micro_batch 2 → 4"), qPrintable(w.comparison_note()->text()));
     QVERIFY(w.show_view("compare"));
     shot(w, "compare");
   }
@@ -411,6 +417,36 @@ class TestGui : public QObject {
     QVERIFY2(w.verdict_line()->text().contains("validation.json") && w.verdict_line()->text().contains("schema"),
              qPrintable(w.verdict_line()->text()));
     QCOMPARE(t->rowCount(), 4);
+  }
+
+  // Every view that depends on the inputs changes when a knob does: four GPUs instead of eight
+  // for Llama-2-13B (the memory per GPU, the step, the search's answer, the deltas, your
+  // strategy's timeline and the A column of the comparison all move). The measured view shows a
+  // run, not the inputs.
+  void every_view_changes_when_a_knob_does() {
+    gui::Explorer w;
+    w.show();
+    gui::Scenario s = w.scenario();
+    s.model = "llama-2-13b";
+    s.strategy = "zero3";
+    w.set_scenario(s);
+    settle(w);
+    w.pin_scenario();
+    const std::vector<std::string> views = {"memory", "time", "recommendation", "what moves", "timeline", "compare"};
+    std::vector<QImage> before;
+    for (const auto& v : views) {
+      QVERIFY(w.show_view(v));
+      before.push_back(w.views()->currentWidget()->grab().toImage());
+    }
+    s.gpus = 4;
+    w.set_scenario(s);
+    settle(w);
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      QVERIFY(w.show_view(views[i]));
+      const QImage after = w.views()->currentWidget()->grab().toImage();
+      QVERIFY2(after != before[i], views[i].c_str());
+      shot(w, QString::fromStdString("changed-" + views[i]).replace(' ', '-'));
+    }
   }
 
   void a_burst_of_changes_ends_on_the_last() {

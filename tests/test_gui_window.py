@@ -69,6 +69,14 @@ class Scripted(unittest.TestCase):
             r = self.run_gui("--view", "nowhere")
             self.assertEqual(r.returncode, 2, r.stderr)
             self.assertIn("--view nowhere", r.stderr)
+            # A bad value planned (an unknown model) ends a screenshot run with its line, not a hang.
+            r = self.run_gui("--model", "no-such-model", "--screenshot", os.path.join(tmp, "y.png"))
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("no-such-model", r.stderr)
+            for flag, value in (("--gpus", "0"), ("--micro-batch", "0"), ("--strategy", "zero9")):
+                r = self.run_gui(flag, value, "--screenshot", os.path.join(tmp, "z.png"))
+                self.assertEqual(r.returncode, 2, flag + ": " + r.stderr)
+                self.assertIn(flag, r.stderr)
 
 
 if __name__ == "__main__":

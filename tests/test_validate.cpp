@@ -455,6 +455,21 @@ TEST(Validate, MachineSpeedDriftCountsWithTheSpread) {
   EXPECT_EQ(find(far.time, "step_s").verdict(), Verdict::inconclusive);
   EXPECT_EQ(find(far.time, "step_s").unsure, Figure::Unsure::drift_wide);
   EXPECT_TRUE(far.within_tolerance);
+  // validation.json keeps the reason and the machine's speed; a reason on a conclusive figure is refused.
+  json fj = validation_to_json(far);
+  const Validation back = validation_from_json(fj, "validation.json");
+  EXPECT_EQ(find(back.time, "step_s").unsure, Figure::Unsure::drift_wide);
+  ASSERT_TRUE(back.speed_drift.has_value());
+  EXPECT_NEAR(*back.speed_drift, *far.speed_drift, 1e-12);
+  EXPECT_EQ(back.probes, 5);
+  EXPECT_FALSE(back.job_probe);
+  fj["time"]["comm_s"]["inconclusive_because"] = "spread";
+  try {
+    (void)validation_from_json(fj, "v.json");
+    ADD_FAILURE() << "a reason on a conclusive figure was read";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("v.json: time.comm_s.inconclusive_because"), std::string::npos) << e.what();
+  }
   EXPECT_NEAR(j.at("speed_probe").at("drift").get<double>(), 0.12, 1e-12);
   EXPECT_NEAR(j.at("speed_probe").at("calibration_flops_per_s").get<double>(), 50e9, 1e-3);
   // The same rounds without a probe on either side: no drift, and a 5% spread is conclusive.

@@ -18,6 +18,11 @@
 
 namespace peftplan::planner {
 
+// Whether a plan is launched under DeepSpeed (a ds_config.json, ZeRO under the deepspeed or
+// executor profile) or accelerate alone (its YAML: FSDP, or DDP under the hf profile). One rule
+// for every writer of launch files.
+bool launches_with_deepspeed(const PlanInput& in);
+
 // ds_config.json (read_ds_config): the strategy (stage, offload, bucket sizes) and the training
 // settings it covers replace `in`'s, its "auto" entries resolved from `in` (micro-batch,
 // accumulation, precision, the model's hidden size); the ranks stay `in`'s. Warnings (unmodelled

@@ -44,6 +44,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <span>
 #include <string>
@@ -148,8 +149,9 @@ struct Validation {
   // speed_probe_flops_per_s over the plan's cluster host_calibration.speed_probe_flops_per_s,
   // minus 1 (the median over rounds); absent when either side lacks the probe. A prediction for a
   // machine that ran 10% slower cannot be judged to better than 10%: a time figure is conclusive
-  // when its spread is within the tolerance and its verdict is the same at the run's speed
-  // (predictions / (1 + speed_drift)) as at calibration's (finish in validate.cpp).
+  // when its spread is within the tolerance, its verdict is the same at the run's speed
+  // (predictions / (1 + speed_drift)) as at calibration's, and, for a miss, spread + |drift| is
+  // within the tolerance too (finish in validate.cpp).
   std::optional<double> speed_drift;
   double probe_flops_per_s = 0.0;        // the run's probe (median over rounds), 0 = none
   std::int32_t probes = 0;               // how many probes probe_flops_per_s is the median of
@@ -224,6 +226,13 @@ Validation validate(const Plan& predicted, const nlohmann::json& measurement, co
 // world size other than the plan's ranks, architecture fields that differ from the plan's model.
 Validation validate_totals(const Plan& predicted, const nlohmann::json& measurement, std::string_view source,
                            const std::optional<std::string>& plan_config_sha256, const Tolerances& tolerances = {});
+
+// The folders of a `peftplan run`'s strategies, each holding its validation.json (and plan.json,
+// measurement.json): `path` is a validation.json (its folder), a strategy's folder, or a run
+// folder whose summary.json lists the strategies (each in `path`/<strategy>, so a moved or copied
+// run folder still reads its own). One rule for `report --run` and the explorer. Throws
+// InputError naming the file and field, or `path` when it holds none of these.
+std::vector<std::filesystem::path> run_folders(const std::filesystem::path& path);
 
 // validation.json ("schema": "peftplan.validation/2"): memory.<category> and memory.peak
 // {predicted_bytes, measured_bytes, relative_error}; time.<figure> {predicted, measured,
