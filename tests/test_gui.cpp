@@ -206,6 +206,16 @@ class TestGui : public QObject {
     QVERIFY(text.contains(QString("data-field=\"memory.device.at_peak.activations_bytes\" data-value=\"%1\"").arg(ddp.memory.at_peak_bytes[5])));
   }
 
+  // Llama-2-13B with ZeRO-3 shown, the rest the defaults; the scenario shown.
+  static gui::Scenario show_13b_zero3(gui::Explorer& w) {
+    w.show();
+    gui::Scenario s = w.scenario();
+    s.model = "llama-2-13b";
+    s.strategy = "zero3";
+    w.set_scenario(s);
+    settle(w);
+    return s;
+  }
   static QString dir_for(const QString& name) {
     const QString dir = QString(PEFTPLAN_SCREENSHOT_DIR) + "/" + name;
     QDir(dir).removeRecursively();
@@ -222,12 +232,7 @@ class TestGui : public QObject {
   // lane of their own; the wheel's zoom narrows the view around the pointer.
   void timeline_shows_the_selected_strategys_ops() {
     gui::Explorer w;
-    w.show();
-    gui::Scenario s = w.scenario();
-    s.model = "llama-2-13b";
-    s.strategy = "zero3";
-    w.set_scenario(s);
-    settle(w);
+    gui::Scenario s = show_13b_zero3(w);
     auto* view = qobject_cast<gui::TimelineView*>(w.timeline());
     QVERIFY(view);
     const planner::Plan p = plan(s, planner::Stage::zero3);
@@ -425,12 +430,7 @@ class TestGui : public QObject {
   // run, not the inputs.
   void every_view_changes_when_a_knob_does() {
     gui::Explorer w;
-    w.show();
-    gui::Scenario s = w.scenario();
-    s.model = "llama-2-13b";
-    s.strategy = "zero3";
-    w.set_scenario(s);
-    settle(w);
+    gui::Scenario s = show_13b_zero3(w);
     w.pin_scenario();
     const std::vector<std::string> views = {"memory", "time", "recommendation", "what moves", "timeline", "compare"};
     std::vector<QImage> before;
