@@ -382,6 +382,12 @@ std::vector<json> rounds_at(const Plan& p, const std::vector<double>& factors) {
   return out;
 }
 
+// The same rounds, each with the speed probe the executor takes before its steps.
+std::vector<json> with_probe(std::vector<json> rounds, const std::vector<double>& probes) {
+  for (std::size_t r = 0; r < rounds.size(); ++r) rounds[r]["speed_probe_flops_per_s"] = probes[r];
+  return rounds;
+}
+
 }  // namespace
 
 // A noisy machine: five rounds whose median step is 60% over the prediction but whose rounds
@@ -424,10 +430,6 @@ TEST(Validate, NoisyRoundsAreInconclusiveNotAMiss) {
 TEST(Validate, MachineSpeedDriftCountsWithTheSpread) {
   Plan p = tiny_plan(Stage::zero2, 2);
   p.cluster.host_calibration.speed_probe_flops_per_s = 50e9;
-  auto with_probe = [](std::vector<json> rounds, std::vector<double> probes) {
-    for (std::size_t r = 0; r < rounds.size(); ++r) rounds[r]["speed_probe_flops_per_s"] = probes[r];
-    return rounds;
-  };
   const Validation slow = validate_rounds(p, with_probe(rounds_at(p, {1.09, 1.1, 1.1, 1.1, 1.105}), {47e9, 48e9, 48e9, 49e9, 60e9}));
   ASSERT_TRUE(slow.speed_drift.has_value());
   EXPECT_NEAR(*slow.speed_drift, -0.04, 1e-12);  // median probe 48 over 50
@@ -487,10 +489,6 @@ TEST(Validate, MachineSpeedDriftCountsWithTheSpread) {
 TEST(Validate, JobProbeStandsForEveryPlansOwn) {
   Plan p = tiny_plan(Stage::zero3, 2);
   p.cluster.host_calibration.speed_probe_flops_per_s = 45e9;
-  auto with_probe = [](std::vector<json> rounds, std::vector<double> probes) {
-    for (std::size_t r = 0; r < rounds.size(); ++r) rounds[r]["speed_probe_flops_per_s"] = probes[r];
-    return rounds;
-  };
   const std::vector<json> own = with_probe(rounds_at(p, {0.79, 0.795, 0.8, 0.805, 0.81}), {44e9, 46e9, 46.62e9, 47e9, 49e9});
   const std::vector<json> other = with_probe(rounds_at(p, {1.0, 1.0, 1.0, 1.0, 1.0}), {51e9, 52e9, 53e9, 51.5e9, 55e9});
   const std::vector<json> third = with_probe(rounds_at(p, {1.0, 1.0, 1.0, 1.0, 1.0}), {50e9, 51.48e9, 54e9, 52e9, 56e9});
