@@ -4,15 +4,27 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "cuda/cuda_backend.h"
 #include "peftplan/common/error.h"
 #include "peftplan/executor/backend.h"
 
 namespace peftplan::executor {
 
-std::vector<std::string> backend_names() { return {"cpu"}; }
+std::vector<std::string> backend_names() {
+  std::vector<std::string> names = {"cpu"};
+  if (cuda_backend_built()) names.emplace_back("cuda");
+  return names;
+}
+
+std::string backend_unavailable(std::string_view name) {
+  if (name == "cpu") return {};
+  if (name == "cuda") return cuda_backend_unavailable();
+  return fmt::format("this build has {}", fmt::join(backend_names(), ", "));
+}
 
 std::unique_ptr<Backend> make_backend(std::string_view name, int threads) {
   if (name == "cpu") return make_cpu_backend(threads);
+  if (name == "cuda" && cuda_backend_built()) return make_cuda_backend();
   throw InputError(fmt::format("backend {}: this build has {}", name, fmt::join(backend_names(), ", ")));
 }
 

@@ -63,7 +63,11 @@ void expect_near(const Vec& got, const std::vector<double>& want, double tol, co
 
 class BackendOps : public ::testing::TestWithParam<std::string> {
  protected:
-  void SetUp() override { be_ = make_backend(GetParam(), 1); }
+  void SetUp() override {
+    // A GPU backend built here but with no GPU to run on skips, saying why.
+    if (const std::string why = backend_unavailable(GetParam()); !why.empty()) GTEST_SKIP() << GetParam() << ": " << why;
+    be_ = make_backend(GetParam(), 1);
+  }
   Backend& be() { return *be_; }
   std::unique_ptr<Backend> be_;
 };

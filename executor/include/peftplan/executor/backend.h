@@ -16,8 +16,8 @@
 // dtypes it converts (supports_storage). Timing is by marks on the compute stream (CUDA events
 // on a device), read after one synchronize() per step, not by a synchronize after every op.
 //
-// A CUDA backend (cuBLAS GEMMs, its own stream and device memory) adds a file pair and a
-// factory; nothing here changes. Collectives are not here: see communicator.h.
+// The CUDA backend (executor/cuda/: cuBLAS GEMMs, its own stream and device memory) is a file
+// pair and a factory behind make_backend("cuda"). Collectives are not here: see communicator.h.
 #pragma once
 
 #include <cstdint>
@@ -152,6 +152,10 @@ std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
 // The backends this build has, by name ("cpu"; a CUDA build adds "cuda"), and a factory: the
 // backend-ops test runs every Backend method on each of them (tests/test_backend_ops.cpp).
 std::vector<std::string> backend_names();
+// Empty when `name` can run on this machine; otherwise why not (a CUDA build on a machine with no
+// GPU: "no CUDA device: ..."), for tests that skip with a message and for peftplan-exec's error.
+std::string backend_unavailable(std::string_view name);
+// A backend by name; `threads` is the CPU backend's OpenMP threads (the CUDA backend ignores it).
 std::unique_ptr<Backend> make_backend(std::string_view name, int threads = 0);
 
 }  // namespace peftplan::executor

@@ -1,0 +1,428 @@
+// The CUDA backend: the Backend interface (backend.h) on one NVIDIA GPU. GEMMs go to cuBLAS in
+// full fp32 (no TF32: the executor profile computes in fp32 and the backend-ops test holds every
+// backend to the same fp64 references); the row- and element-wise ops are the kernels of
+// cuda_kernels.cu, launched from here. Everything is enqueued on one compute stream;
+// timing marks are CUDA events on it. Device memory is cudaMalloc'd exactly as asked (the tracked
+// allocator above counts every byte; no caching here), host memory is pinned (cudaMallocHost).
+//
+// Row-major operands meet column-major cuBLAS by reading each row-major [r, c] matrix as the
+// column-major [c, r] matrix it already is in memory (its transpose): y = x·Wᵀ becomes
+// yᵀ = W·xᵀ, i.e. gemm(T, N) of the stored W and x, with no copies. Each call below names the
+// product it computes in row-major terms.
+//
+// Deliberately not here: bf16 compute (the Backend computes in fp32; issue 17's bf16 program is
+// the next step), fused flash attention, multi-stream overlap (collectives are the
+// Communicator's), and checking token ids on the device (the data loader checks them at the edge).
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <new>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cuda_backend.h"
+#include "cuda_kernels.h"
+#include "peftplan/common/error.h"
+#include "peftplan/executor/kernels.h"
+
+namespace peftplan::executor {
+namespace {
+
+// ------------------------------------------------------------------------------- error checks
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw InternalError(fmt::format("cuda backend: {}: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
+}
+void check_cublas(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw InternalError(fmt::format("cuda backend: {}: {} ({})", what, cublasGetStatusString(s), cublasGetStatusName(s)));
+}
+#define PEFTPLAN_CUDA(call) check_cuda((call), #call)
+#define PEFTPLAN_CUBLAS(call) check_cublas((call), #call)
+// A kernel launch reports its configuration errors at once, its faults at the next synchronize.
+#define PEFTPLAN_LAUNCH(call) check_cuda((call), #call)
+
+// SplitMix64 (Steele, Lea, Flood 2014) of the dropout key, as cpu_backend.cpp mixes it; the
+// kernels mix in the element index.
+std::uint64_t splitmix64(std::uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+cuda::Storage storage_of(DType d) {
+  return d == DType::bf16 ? cuda::Storage::bf16 : d == DType::fp16 ? cuda::Storage::fp16 : cuda::Storage::fp32;
+}
+
+int to_int(Index v, const char* what) {
+  if (v < 0 || v > 0x7fffffff) throw InternalError(fmt::format("cuda backend: {} = {} does not fit cuBLAS's int", what, v));
+  return static_cast<int>(v);
+}
+
+// ----------------------------------------------------------------------------- memory sources
+
+class DeviceMemory final : public MemoryResource {
+ public:
+  std::string_view name() const override { return "cuda device"; }
+  void* allocate(std::uint64_t bytes) override {
+    void* p = nullptr;
+    // cudaMalloc aligns to 256 bytes; a 0-byte request still gets its own address.
+    if (cudaMalloc(&p, bytes == 0 ? 256 : bytes) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error so later calls are not blamed
+      throw std::bad_alloc();
+    }
+    return p;
+  }
+  void deallocate(void* p, std::uint64_t) override { cudaFree(p); }
+};
+class PinnedHostMemory final : public MemoryResource {
+ public:
+  std::string_view name() const override { return "cuda pinned host"; }
+  void* allocate(std::uint64_t bytes) override {
+    void* p = nullptr;
+    if (cudaMallocHost(&p, bytes == 0 ? 64 : bytes) != cudaSuccess) {
+      cudaGetLastError();
+      throw std::bad_alloc();
+    }
+    return p;
+  }
+  void deallocate(void* p, std::uint64_t) override { cudaFreeHost(p); }
+};
+
+// cuBLAS's workspace, set explicitly so its bytes are known: 32 MiB, NVIDIA's recommendation for
+// Hopper (cuBLAS documentation, "cublasSetWorkspace()": 32 MiB on Hopper, 4 MiB elsewhere), which
+// PyTorch also uses on sm_90 (aten/src/ATen/cuda/CublasHandlePool.cpp,
+// getChosenWorkspaceSize's ":4096:8" default).
+std::uint64_t cublas_workspace_bytes(int major) { return major >= 9 ? (32ull << 20) : (4ull << 20); }
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() {
+    PEFTPLAN_CUDA(cudaGetDevice(&device_));
+    PEFTPLAN_CUDA(cudaGetDeviceProperties(&props_, device_));
+    PEFTPLAN_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    PEFTPLAN_CUBLAS(cublasCreate(&blas_));
+    PEFTPLAN_CUBLAS(cublasSetStream(blas_, stream_));
+    // Full fp32 products: no TF32 (CUBLAS_DEFAULT_MATH is already that; said here for the reader).
+    PEFTPLAN_CUBLAS(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
+    workspace_bytes_ = cublas_workspace_bytes(props_.major);
+    PEFTPLAN_CUDA(cudaMalloc(&workspace_, workspace_bytes_));
+    PEFTPLAN_CUBLAS(cublasSetWorkspace(blas_, workspace_, workspace_bytes_));
+    PEFTPLAN_CUDA(cudaMalloc(reinterpret_cast<void**>(&discarded_loss_), sizeof(double)));
+    int version = 0;
+    PEFTPLAN_CUBLAS(cublasGetVersion(blas_, &version));
+    cublas_version_ = version;
+  }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    for (cudaEvent_t e : marks_) cudaEventDestroy(e);
+    cublasDestroy(blas_);
+    cudaFree(workspace_);
+    cudaFree(discarded_loss_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string_view name() const override { return "cuda"; }
+  std::string description() const override {
+    return fmt::format("cuda: {} (sm_{}{}, {} SMs, {:.0f} GiB), cuBLAS {}.{}.{}", props_.name, props_.major, props_.minor,
+                       props_.multiProcessorCount, props_.totalGlobalMem / double(1ull << 30), cublas_version_ / 10000,
+                       cublas_version_ / 100 % 100, cublas_version_ % 100);
+  }
+  int threads() const override { return 1; }
+  // cuBLAS works in the workspace set above and allocates nothing else per call.
+  std::uint64_t gemm_library_scratch_bytes(Index, Index, Index) const override { return workspace_bytes_; }
+
+  MemoryResource& device_memory() override { return device_memory_; }
+  MemoryResource& host_memory() override { return host_memory_; }
+  // Both directions finish before returning: the host buffer may be a temporary (upload) or read
+  // at once (download). Offload copies that overlap compute belong on a copy stream (issue 17).
+  void copy_to_device(void* dst, const void* src, std::uint64_t bytes) override {
+    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    PEFTPLAN_CUDA(cudaStreamSynchronize(stream_));
+  }
+  void copy_to_host(void* dst, const void* src, std::uint64_t bytes) override {
+    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    PEFTPLAN_CUDA(cudaStreamSynchronize(stream_));
+  }
+  void copy_device(void* dst, const void* src, std::uint64_t bytes) override {
+    // cudaMemcpy between overlapping device ranges is undefined: stage through the workspace
+    // when they overlap (only ever small moves in the program) or copy in two halves.
+    const auto* s = static_cast<const char*>(src);
+    auto* d = static_cast<char*>(dst);
+    if (bytes == 0 || s == d) return;
+    const bool overlap = d < s + bytes && s < d + bytes;
+    if (!overlap) {
+      PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+      return;
+    }
+    for (std::uint64_t off = 0; off < bytes; off += workspace_bytes_) {
+      const std::uint64_t len = std::min<std::uint64_t>(workspace_bytes_, bytes - off);
+      const std::uint64_t o = d < s ? off : bytes - off - len;  // move toward the destination's side first
+      PEFTPLAN_CUDA(cudaMemcpyAsync(workspace_, s + o, len, cudaMemcpyDeviceToDevice, stream_));
+      PEFTPLAN_CUDA(cudaMemcpyAsync(d + o, workspace_, len, cudaMemcpyDeviceToDevice, stream_));
+    }
+  }
+  void fill_zero(void* dst, std::uint64_t bytes) override { PEFTPLAN_CUDA(cudaMemsetAsync(dst, 0, bytes, stream_)); }
+  void synchronize() override { PEFTPLAN_CUDA(cudaStreamSynchronize(stream_)); }
+
+  void reserve_marks(std::size_t slots) override {
+    while (marks_.size() < slots) {
+      cudaEvent_t e;
+      PEFTPLAN_CUDA(cudaEventCreate(&e));
+      marks_.push_back(e);
+    }
+  }
+  void record_mark(std::size_t slot) override { PEFTPLAN_CUDA(cudaEventRecord(marks_.at(slot), stream_)); }
+  double seconds_between(std::size_t from, std::size_t to) override {
+    float ms = 0.0f;
+    PEFTPLAN_CUDA(cudaEventElapsedTime(&ms, marks_.at(from), marks_.at(to)));
+    return ms / 1000.0;
+  }
+
+  bool supports_storage(DType d) const override { return d == DType::fp32 || d == DType::bf16 || d == DType::fp16; }
+  void convert(const void* src, DType from, void* dst, DType to, Index n) override {
+    if (!supports_storage(from) || !supports_storage(to))
+      throw InternalError(fmt::format("the cuda backend converts fp32, bf16 and fp16, not {} to {}", name_of(from), name_of(to)));
+    if (n == 0) return;
+    if (from == to) return copy_device(dst, src, storage_bytes(to, n));
+    PEFTPLAN_LAUNCH(cuda::convert(stream_, src, storage_of(from), dst, storage_of(to), n));
+  }
+
+  // ------------------------------------------------------------------------------ GEMMs
+  // y[M,N] (=|+=) x[M,K]·W[N,K]ᵀ: yᵀ = W·xᵀ.
+  void linear_forward(const float* x, const float* W, const float* bias, float* y, Index M, Index K, Index N,
+                      bool accumulate) override {
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, 1.0f, W, K, x, K, accumulate ? 1.0f : 0.0f, y, N);
+    if (bias != nullptr) {
+      PEFTPLAN_LAUNCH(cuda::add_bias(stream_, y, bias, M, N));
+    }
+  }
+  // dx[M,K] (=|+=) dy[M,N]·W[N,K]: dxᵀ = Wᵀ·dyᵀ.
+  void linear_backward_input(const float* dy, const float* W, float* dx, Index M, Index K, Index N,
+                             bool accumulate) override {
+    gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, 1.0f, W, K, dy, N, accumulate ? 1.0f : 0.0f, dx, K);
+  }
+  void dropout_forward(const float* x, float* out, Index n, const DropoutKey& key) override {
+    PEFTPLAN_LAUNCH(cuda::dropout(stream_, x, out, n, splitmix64(key.seed), key.p));
+  }
+  // u[M,r] = x_in·Aᵀ; y[M,N] += scale·u·Bᵀ.
+  void lora_forward(const float* x_in, const float* A, const float* B, float scale, float* u, float* y, Index M,
+                    Index K, Index N, Index r) override {
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, r, M, K, 1.0f, A, K, x_in, K, 0.0f, u, r);
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, r, scale, B, r, u, r, 1.0f, y, N);
+  }
+  // du = scale·dy·B; dB += scale·dyᵀ·u; dA += duᵀ·x_in; dx += drop'(du·A).
+  void lora_backward(const float* dy, const float* x_in, const float* A, const float* B, const float* u, float scale,
+                     const DropoutKey& key, float* dA, float* dB, float* dx, float* scratch, Index M, Index K, Index N,
+                     Index r) override {
+    float* du = scratch;
+    gemm(CUBLAS_OP_N, CUBLAS_OP_N, r, M, N, scale, B, r, dy, N, 0.0f, du, r);
+    gemm(CUBLAS_OP_N, CUBLAS_OP_T, r, N, M, scale, u, r, dy, N, 1.0f, dB, r);
+    gemm(CUBLAS_OP_N, CUBLAS_OP_T, K, r, M, 1.0f, x_in, K, du, r, 1.0f, dA, K);
+    if (dx == nullptr) return;
+    if (key.p <= 0.0) {
+      gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, M, r, 1.0f, A, K, du, r, 1.0f, dx, K);
+      return;
+    }
+    float* g = scratch + M * r;
+    gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, M, r, 1.0f, A, K, du, r, 0.0f, g, K);
+    PEFTPLAN_LAUNCH(cuda::dropout_backward_add(stream_, g, dx, M * K, splitmix64(key.seed), key.p));
+  }
+
+  // ------------------------------------------------------------------------- row kernels
+  void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* rstd, Index M, Index H) override {
+    PEFTPLAN_LAUNCH(cuda::rmsnorm_forward(stream_, x, w, eps, y, rstd, M, H));
+  }
+  void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx, Index M,
+                        Index H, bool accumulate) override {
+    PEFTPLAN_LAUNCH(cuda::rmsnorm_backward(stream_, dy, x, w, rstd, dx, M, H, accumulate));
+  }
+  // The tables are made once per run: computed on the host by the CPU kernel (HF's fp32 formula,
+  // kernels.h rope_tables) and uploaded, so both backends rotate by the very same angles.
+  void rope_tables(float* tables, Index S, Index d, double theta) override {
+    const Index half = cpu::rope_table_elems(S, d);
+    std::vector<float> host(static_cast<std::size_t>(2 * half));
+    cpu::rope_tables(host.data(), host.data() + half, S, d, theta);
+    copy_to_device(tables, host.data(), host.size() * sizeof(float));
+  }
+  void rope_forward(float* x, const float* tables, Index B, Index S, Index nheads, Index d) override {
+    rope(x, tables, B, S, nheads, d, 1.0f);
+  }
+  void rope_backward(float* dx, const float* tables, Index B, Index S, Index nheads, Index d) override {
+    rope(dx, tables, B, S, nheads, d, -1.0f);
+  }
+
+  // Eager causal GQA attention. Per (batch, kv head), the rep = nh/nkv query heads that share it
+  // are one strided-batched GEMM (their q columns are d apart; k and v are shared: stride 0):
+  //   scores P_h = q_h·kᵀ·(1/√d)   → Pᵀ = k·q_hᵀ        gemm(T, N)
+  //   out_h = P_h·v                → out_hᵀ = vᵀ·P_hᵀ    gemm(N, N)
+  // with the causal softmax between them over all B·nh·S rows.
+  void attention_forward(const float* q, const float* k, const float* v, float* P, float* out, Index B, Index S,
+                         Index nh, Index nkv, Index d) override {
+    PEFTPLAN_CHECK_MSG(nkv > 0 && nh % nkv == 0, "heads {} not a multiple of kv heads {}", nh, nkv);
+    const Index rep = nh / nkv;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (Index b = 0; b < B; ++b)
+      for (Index kvh = 0; kvh < nkv; ++kvh) {
+        const Index h0 = kvh * rep;
+        gemm_batched(CUBLAS_OP_T, CUBLAS_OP_N, S, S, d, scale, kv(k, b, kvh, S, nkv, d), nkv * d, 0,
+                     qh(q, b, h0, S, nh, d), nh * d, d, 0.0f, P + (b * nh + h0) * S * S, S, S * S, rep);
+      }
+    PEFTPLAN_LAUNCH(cuda::causal_softmax(stream_, P, B * nh * S, S));
+    for (Index b = 0; b < B; ++b)
+      for (Index kvh = 0; kvh < nkv; ++kvh) {
+        const Index h0 = kvh * rep;
+        gemm_batched(CUBLAS_OP_N, CUBLAS_OP_N, d, S, S, 1.0f, kv(v, b, kvh, S, nkv, d), nkv * d, 0,
+                     P + (b * nh + h0) * S * S, S, S * S, 0.0f, qh(out, b, h0, S, nh, d), nh * d, d, rep);
+      }
+  }
+  // Backward per (batch, kv head), in groups of at most `workers` query heads (scratch holds one
+  // S×S dP per worker):
+  //   dP_h = dout_h·vᵀ       → dP_hᵀ = v·dout_hᵀ      gemm(T, N), batched
+  //   dS_h = softmax'(P_h, dP_h)·(1/√d)                k_softmax_backward
+  //   dq_h = dS_h·k          → dq_hᵀ = kᵀ·dS_hᵀ       gemm(N, N), batched
+  //   dv += P_hᵀ·dout_h      → dvᵀ += dout_hᵀ·P_h     gemm(N, T), one head at a time (shared output)
+  //   dk += dS_hᵀ·q_h        → dkᵀ += q_hᵀ·dS_h       gemm(N, T), one head at a time
+  void attention_backward(const float* dout, const float* q, const float* k, const float* v, const float* P, float* dq,
+                          float* dk, float* dv, float* scratch, Index scratch_elems, Index B, Index S, Index nh,
+                          Index nkv, Index d) override {
+    PEFTPLAN_CHECK_MSG(nkv > 0 && nh % nkv == 0, "heads {} not a multiple of kv heads {}", nh, nkv);
+    const Index workers = scratch_elems / (S * S);
+    PEFTPLAN_CHECK_MSG(workers >= 1, "attention backward scratch {} < S*S = {}", scratch_elems, S * S);
+    const Index rep = nh / nkv;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (Index b = 0; b < B; ++b)
+      for (Index kvh = 0; kvh < nkv; ++kvh) {
+        const float* kk = kv(k, b, kvh, S, nkv, d);
+        const float* vv = kv(v, b, kvh, S, nkv, d);
+        float* dkk = kv(dk, b, kvh, S, nkv, d);
+        float* dvv = kv(dv, b, kvh, S, nkv, d);
+        for (Index g0 = 0; g0 < rep; g0 += workers) {
+          const Index heads = std::min(workers, rep - g0), h0 = kvh * rep + g0;
+          const float* Ph = P + (b * nh + h0) * S * S;
+          gemm_batched(CUBLAS_OP_T, CUBLAS_OP_N, S, S, d, 1.0f, vv, nkv * d, 0, qh(dout, b, h0, S, nh, d), nh * d, d,
+                       0.0f, scratch, S, S * S, heads);
+          PEFTPLAN_LAUNCH(cuda::softmax_backward(stream_, Ph, scratch, heads * S, S, scale));
+          gemm_batched(CUBLAS_OP_N, CUBLAS_OP_N, d, S, S, 1.0f, kk, nkv * d, 0, scratch, S, S * S, 0.0f,
+                       qh(dq, b, h0, S, nh, d), nh * d, d, heads);
+          for (Index j = 0; j < heads; ++j) {
+            const float first = g0 + j == 0 ? 0.0f : 1.0f;  // the first head overwrites dk, dv
+            gemm(CUBLAS_OP_N, CUBLAS_OP_T, d, S, S, 1.0f, qh(dout, b, h0 + j, S, nh, d), nh * d, Ph + j * S * S, S,
+                 first, dvv, nkv * d);
+            gemm(CUBLAS_OP_N, CUBLAS_OP_T, d, S, S, 1.0f, qh(q, b, h0 + j, S, nh, d), nh * d, scratch + j * S * S, S,
+                 first, dkk, nkv * d);
+          }
+        }
+      }
+  }
+
+  // ------------------------------------------------------------------------- elementwise
+  void swiglu_forward(const float* gate, const float* up, float* act, Index n) override {
+    PEFTPLAN_LAUNCH(cuda::swiglu_forward(stream_, gate, up, act, n));
+  }
+  void swiglu_backward(const float* dact, const float* gate, const float* up, float* dgate, float* dup,
+                       Index n) override {
+    PEFTPLAN_LAUNCH(cuda::swiglu_backward(stream_, dact, gate, up, dgate, dup, n));
+  }
+  void embedding_forward(const std::int32_t* tokens, const float* table, float* out, Index M, Index, Index H) override {
+    PEFTPLAN_LAUNCH(cuda::embedding(stream_, tokens, table, out, M, H));
+  }
+  void cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M, Index V,
+                             double* loss_sum) override {
+    PEFTPLAN_LAUNCH(cuda::cross_entropy(stream_, logits, targets, nullptr, 0.0, M, V, loss_sum));
+  }
+  // The loss sum of the backward pass is not returned through the Backend (the forward's is);
+  // it goes to a scratch scalar of the backend's own.
+  void cross_entropy_backward(const float* logits, const std::int32_t* targets, float* dlogits, double count, Index M,
+                              Index V) override {
+    PEFTPLAN_CHECK_MSG(count > 0, "cross-entropy token count must be positive, got {}", count);
+    PEFTPLAN_LAUNCH(cuda::cross_entropy(stream_, logits, targets, dlogits, 1.0 / count, M, V, discarded_loss_));
+  }
+  void add(const float* a, const float* b, float* out, Index n) override {
+    PEFTPLAN_LAUNCH(cuda::add(stream_, a, b, out, n));
+  }
+  void sum_squares(const float* x, Index n, double* out) override {
+    PEFTPLAN_LAUNCH(cuda::sum_squares(stream_, x, n, out));
+  }
+  void scale(float* x, float s, Index n) override {
+    PEFTPLAN_LAUNCH(cuda::scale(stream_, x, s, n));
+  }
+  void adamw_step(float* param, const float* grad, float* m, float* v, Index n, std::int64_t step, double lr,
+                  double beta1, double beta2, double eps, double weight_decay) override {
+    PEFTPLAN_CHECK_MSG(step >= 1, "AdamW step count is 1-based, got {}", step);
+    // The scalars as optim.cpp adamw_step forms them (Python floats, cast to fp32 by each ATen op).
+    const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+    const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+    const cuda::AdamWScalars c{static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(1.0 - beta1),
+                         static_cast<float>(beta2), static_cast<float>(1.0 - beta2),
+                         static_cast<float>(-(lr / bc1)), static_cast<float>(std::sqrt(bc2)),
+                         static_cast<float>(eps), weight_decay != 0.0};
+    PEFTPLAN_LAUNCH(cuda::adamw(stream_, param, grad, m, v, n, c));
+  }
+
+ private:
+  // Column-major gemm on the compute stream: C[m,n] = alpha·op(A)·op(B) + beta·C.
+  void gemm(cublasOperation_t ta, cublasOperation_t tb, Index m, Index n, Index k, float alpha, const float* A,
+            Index lda, const float* B, Index ldb, float beta, float* C, Index ldc) {
+    if (m == 0 || n == 0) return;
+    PEFTPLAN_CUBLAS(cublasSgemm(blas_, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha, A,
+                                to_int(lda, "lda"), B, to_int(ldb, "ldb"), &beta, C, to_int(ldc, "ldc")));
+  }
+  void gemm_batched(cublasOperation_t ta, cublasOperation_t tb, Index m, Index n, Index k, float alpha,
+                    const float* A, Index lda, Index sa, const float* B, Index ldb, Index sb, float beta, float* C,
+                    Index ldc, Index sc, Index batch) {
+    if (m == 0 || n == 0 || batch == 0) return;
+    PEFTPLAN_CUBLAS(cublasSgemmStridedBatched(blas_, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha,
+                                              A, to_int(lda, "lda"), sa, B, to_int(ldb, "ldb"), sb, &beta, C,
+                                              to_int(ldc, "ldc"), sc, to_int(batch, "batch")));
+  }
+  // Head h of batch b in [B,S,heads,d] (row stride heads·d).
+  static const float* kv(const float* t, Index b, Index h, Index S, Index heads, Index d) { return t + b * S * heads * d + h * d; }
+  static float* kv(float* t, Index b, Index h, Index S, Index heads, Index d) { return t + b * S * heads * d + h * d; }
+  static const float* qh(const float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
+  static float* qh(float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
+  void rope(float* x, const float* tables, Index B, Index S, Index nheads, Index d, float sign) {
+    const Index half = cpu::rope_table_elems(S, d);
+    PEFTPLAN_LAUNCH(cuda::rope(stream_, x, tables, tables + half, B, S, nheads, d, sign));
+  }
+
+  int device_ = 0;
+  cudaDeviceProp props_{};
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  void* workspace_ = nullptr;
+  std::uint64_t workspace_bytes_ = 0;
+  double* discarded_loss_ = nullptr;  // cross_entropy_backward's loss sum, not read
+  int cublas_version_ = 0;
+  std::vector<cudaEvent_t> marks_;
+  DeviceMemory device_memory_;
+  PinnedHostMemory host_memory_;
+};
+
+}  // namespace
+
+bool cuda_backend_built() { return true; }
+
+std::string cuda_backend_unavailable() {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fmt::format("no CUDA device: {}", cudaGetErrorString(e));
+  }
+  if (count == 0) return "no CUDA device";
+  return {};
+}
+
+std::unique_ptr<Backend> make_cuda_backend() {
+  if (const std::string why = cuda_backend_unavailable(); !why.empty())
+    throw InputError(fmt::format("backend cuda: {}", why));
+  return std::make_unique<CudaBackend>();
+}
+
+}  // namespace peftplan::executor

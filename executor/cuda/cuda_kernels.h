@@ -1,0 +1,48 @@
+// Launchers of the CUDA backend's kernels (cuda_kernels.cu), called by cuda_backend.cpp: each
+// enqueues one kernel on `stream` and returns the launch's error (a fault inside a kernel shows
+// at the next synchronize). Shapes and semantics are kernels.h's and backend.h's; this header is
+// kept free of our other headers so that nvcc compiles the kernels without them.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace peftplan::executor::cuda {
+
+using Index = std::int64_t;
+
+enum class Storage : std::uint8_t { fp32, bf16, fp16 };
+
+// AdamW's per-step scalars in fp32, as optim.cpp adamw_step forms them.
+struct AdamWScalars {
+  float decay, lerp_w, beta2, one_m_beta2, neg_step_size, bc2_sqrt, eps;
+  bool decoupled;
+};
+
+cudaError_t dropout(cudaStream_t s, const float* x, float* out, Index n, std::uint64_t mixed, double p);
+cudaError_t dropout_backward_add(cudaStream_t s, const float* g, float* dx, Index n, std::uint64_t mixed, double p);
+cudaError_t add_bias(cudaStream_t s, float* y, const float* bias, Index M, Index N);
+cudaError_t rmsnorm_forward(cudaStream_t s, const float* x, const float* w, float eps, float* y, float* rstd, Index M, Index H);
+cudaError_t rmsnorm_backward(cudaStream_t s, const float* dy, const float* x, const float* w, const float* rstd, float* dx,
+                             Index M, Index H, bool accumulate);
+cudaError_t rope(cudaStream_t s, float* x, const float* cos, const float* sin, Index B, Index S, Index nheads, Index d,
+                 float sign);
+// Causal softmax in place over `rows` score rows of length S (row r is query position r % S).
+cudaError_t causal_softmax(cudaStream_t s, float* P, Index rows, Index S);
+// dP (in place) = P ⊙ (dP − Σ P⊙dP) · scale over `rows` rows, zero above the diagonal.
+cudaError_t softmax_backward(cudaStream_t s, const float* P, float* dP, Index rows, Index S, float scale);
+cudaError_t swiglu_forward(cudaStream_t s, const float* g, const float* u, float* a, Index n);
+cudaError_t swiglu_backward(cudaStream_t s, const float* da, const float* g, const float* u, float* dg, float* du, Index n);
+cudaError_t embedding(cudaStream_t s, const std::int32_t* tokens, const float* table, float* out, Index M, Index H);
+// *loss_sum += Σ rows' loss; with dlogits non-null also the gradient (dlogits may alias logits).
+cudaError_t cross_entropy(cudaStream_t s, const float* logits, const std::int32_t* targets, float* dlogits,
+                          double inv_count, Index M, Index V, double* loss_sum);
+cudaError_t add(cudaStream_t s, const float* a, const float* b, float* out, Index n);
+cudaError_t scale(cudaStream_t s, float* x, float f, Index n);
+// *out = Σ x² in fp64.
+cudaError_t sum_squares(cudaStream_t s, const float* x, Index n, double* out);
+cudaError_t adamw(cudaStream_t s, float* param, const float* grad, float* m, float* v, Index n, const AdamWScalars& c);
+cudaError_t convert(cudaStream_t s, const void* src, Storage from, void* dst, Storage to, Index n);
+
+}  // namespace peftplan::executor::cuda
