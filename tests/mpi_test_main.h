@@ -8,11 +8,10 @@
 
 #include <gtest/gtest.h>
 
+#include "comm_world.h"
 #include "peftplan/executor/communicator.h"
 
 namespace peftplan::testing {
-
-inline executor::Communicator* g_world = nullptr;  // owned by run_mpi_tests() while tests run
 
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:

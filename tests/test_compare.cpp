@@ -130,7 +130,6 @@ TEST(CompareCli, TotalsWithinAndOutsideTolerance) {
   fs::remove_all(dir);
 }
 
-#ifdef PEFTPLAN_HAVE_EXEC
 // Executor rounds read back through compare give the figures `peftplan run` wrote.
 TEST(CompareCli, ExecutorRoundsGiveRunsFigures) {
   const fs::path dir = temp_dir("rounds");
@@ -158,7 +157,6 @@ TEST(CompareCli, ExecutorRoundsGiveRunsFigures) {
                  (dir / "t.json").string(), "schema");
   fs::remove_all(dir);
 }
-#endif
 
 #ifdef PEFTPLAN_TORCH_PYTHON
 // tools/peftplan_callback.py's plain functions on a torch loop on the CPU, read back by compare:

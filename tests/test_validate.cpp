@@ -645,7 +645,7 @@ TEST(Validate, MissingKeyIsAnInputError) {
   }
 }
 
-#ifdef PEFTPLAN_HAVE_EXEC
+#ifdef PEFTPLAN_HAVE_MPI  // RunCli.* run 2 ranks under mpirun
 namespace {
 
 struct CliRun {

@@ -1,11 +1,14 @@
-// peftplan-exec: the executor, one process per rank under mpirun. Each mode is a CLI11
-// subcommand whose work lives in the executor library; main() only initialises MPI, parses, and
+// peftplan-exec: the executor, one process per rank under mpirun (or alone for one rank). Each
+// mode is a CLI11 subcommand whose work lives in the executor library; main() only starts the job
+// (executor::WorldRuntime: MPI where the build has it, one rank where it does not), parses, and
 // maps failures to exit codes (2 bad input, 3 internal or MPI error), ending the whole job with
 // MPI_Abort when one rank fails so that no peer waits in a collective forever.
-//   mpirun -np N peftplan-exec calibrate --out FILE [--quick] [--rounds R] [--attempts A]
-//   mpirun -np N peftplan-exec probe --out FILE [--window S]   (the machine-speed probe; calibrate.h)
-//   mpirun -np N peftplan-exec PLAN.json [--out DIR] [--quiet]   (N = the plan's ranks; see executor/runner.h)
+//   mpirun -np N peftplan-exec calibrate --out FILE [--quick] [--rounds R] [--attempts A] [--backend B]
+//   mpirun -np N peftplan-exec probe --out FILE [--window S] [--backend B]   (the machine-speed probe; calibrate.h)
+//   mpirun -np N peftplan-exec PLAN.json [--out DIR] [--quiet] [--backend B]   (N = the plan's ranks; see executor/runner.h)
 //   mpirun -np N peftplan-exec PLAN.json... [--rounds R] [--quiet]   (several plans and rounds, interleaved: run_rounds)
+// --backend names the Backend the ranks compute on (backend.h backend_names: "cpu", and "cuda" in
+// a CUDA build); its default is $PEFTPLAN_BACKEND when set, else "cpu".
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -20,12 +23,14 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/paths.h"
 #include "peftplan/common/schemas.h"
+#include "peftplan/executor/backend.h"
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/executor/communicator.h"
 #include "peftplan/executor/plan_file.h"
@@ -36,8 +41,17 @@ namespace {
 
 using namespace peftplan;
 
-void calibrate(const std::string& out, bool quick, int rounds, int attempts) {
-  auto world = executor::make_mpi_communicator();
+// The backend a run computes on, refused as bad input (exit 2) when this build or machine has
+// no such backend, with the reason (backend.h backend_unavailable).
+std::string checked_backend(const std::string& name) {
+  if (const std::string why = executor::backend_unavailable(name); !why.empty())
+    throw InputError(fmt::format("--backend {}: {}", name, why));
+  return name;
+}
+
+void calibrate(const executor::WorldRuntime& job, const std::string& out, bool quick, int rounds, int attempts,
+               const std::string& backend) {
+  auto world = job.make_world_communicator();
   const bool root = world->rank() == 0;
   // Retaken while the machine is noisy (calibrate.h, kCalibrationAttempts); rank 0 judges, every
   // rank follows its decision.
@@ -46,7 +60,8 @@ void calibrate(const std::string& out, bool quick, int rounds, int attempts) {
   double quietest = std::numeric_limits<double>::infinity();
   for (int attempt = 1; attempt <= attempts; ++attempt) {
     executor::Calibration c =
-        executor::run_calibration(*world, {.quick = quick, .rounds = rounds, .threads_chosen = std::getenv("OMP_NUM_THREADS") != nullptr},
+        executor::run_calibration(*world, {.quick = quick, .rounds = rounds, .threads_chosen = std::getenv("OMP_NUM_THREADS") != nullptr,
+                                           .backend = backend},
                                   root ? stdout : nullptr);
     double noise = root ? executor::calibration_noise(c) : 0.0;
     world->all_reduce(&noise, &noise, 1, executor::CommDType::fp64, executor::ReduceOp::max);
@@ -74,9 +89,9 @@ int threads_per_rank();
 
 // The machine-speed probe with every rank of the job at once, as calibrate and runs take it;
 // rank 0 writes {"schema": "peftplan.speed-probe/1", "flops_per_s": x, "ranks": N, "window_s": w}.
-void probe(const std::string& out, double window_s) {
-  auto world = executor::make_mpi_communicator();
-  auto backend = executor::make_cpu_backend(threads_per_rank());  // the OpenMP threads a run's rank has
+void probe(const executor::WorldRuntime& job, const std::string& out, double window_s, const std::string& backend_name) {
+  auto world = job.make_world_communicator();
+  auto backend = executor::make_backend(backend_name, threads_per_rank());  // the OpenMP threads a run's rank has
   const double rate = executor::speed_probe(*backend, world->size() > 1 ? world.get() : nullptr, window_s);
   if (world->rank() != 0) return;
   const nlohmann::json j = {{"schema", schemas::kSpeedProbe}, {"flops_per_s", rate}, {"ranks", world->size()},
@@ -137,9 +152,9 @@ int report_failure(const std::exception& e, int rank) {
 }
 
 void run_plan_files(const std::vector<std::string>& plan_paths, const std::string& out_dir, int rounds, bool quiet,
-                    const executor::MpiRuntime& mpi) {
-  auto world = executor::make_mpi_communicator();
-  auto backend = executor::make_cpu_backend(threads_per_rank());
+                    const std::string& backend_name, const executor::WorldRuntime& job) {
+  auto world = job.make_world_communicator();
+  auto backend = executor::make_backend(backend_name, threads_per_rank());
   std::FILE* progress = world->rank() == 0 && !quiet ? stdout : nullptr;
   try {
     executor::run_rounds({plan_paths.begin(), plan_paths.end()}, rounds, *backend, progress, world.get(), session_options_from_env(),
@@ -151,7 +166,7 @@ void run_plan_files(const std::vector<std::string>& plan_paths, const std::strin
     // A collective this rank issued may still be in flight, one a peer never joins (the
     // watchdog's error is exactly that), and the communicator's destructor would wait for it
     // forever: the job ends here, while the communicator still exists.
-    mpi.abort(report_failure(e, world->rank()));
+    job.abort(report_failure(e, world->rank()));
   }
 }
 
@@ -166,14 +181,14 @@ int main(int argc, char** argv) {
   // (opal_progress calls sched_yield when nothing progressed; Open MPI's mpi_yield_when_idle MCA
   // parameter). Set before MPI_Init so every launcher's ranks get it; a user's own value wins.
   ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", /*overwrite=*/0);
-  std::unique_ptr<executor::MpiRuntime> mpi;
+  std::unique_ptr<executor::WorldRuntime> job;
   try {
-    mpi = std::make_unique<executor::MpiRuntime>(&argc, &argv);
+    job = std::make_unique<executor::WorldRuntime>(&argc, &argv);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "peftplan-exec: MPI error: {}\n", e.what());
+    fmt::print(stderr, "peftplan-exec: cannot start the job: {}\n", e.what());
     return 3;
   }
-  CLI::App app{"peftplan-exec: the peftplan executor (one process per rank, under mpirun)"};
+  CLI::App app{"peftplan-exec: the peftplan executor (one process per rank: under mpirun, or alone for one rank)"};
   app.require_subcommand(0, 1);
   std::vector<std::string> plan_paths;
   std::string run_out;
@@ -184,6 +199,14 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   bool quiet = false;
   app.add_flag("--quiet", quiet, "no progress lines (errors still go to stderr)");
+  const char* backend_env = std::getenv("PEFTPLAN_BACKEND");
+  std::string backend = backend_env != nullptr && *backend_env ? backend_env : "cpu";
+  const auto add_backend = [&](CLI::App* to) {
+    to->add_option("--backend", backend, fmt::format("the backend the ranks compute on ({}; default: $PEFTPLAN_BACKEND, else cpu)",
+                                                     fmt::join(executor::backend_names(), ", ")))
+        ->capture_default_str();
+  };
+  add_backend(&app);
   std::string out;
   bool quick = false;
   auto* cal = app.add_subcommand("calibrate", "measure this host and write a cluster profile");
@@ -193,30 +216,32 @@ int main(int argc, char** argv) {
   cal->add_option("--rounds", rounds, "interleaved rounds of the calibration step programs")->check(CLI::Range(1, 100));
   int attempts = executor::kCalibrationAttempts;
   cal->add_option("--attempts", attempts, "calibrations at most while the machine is noisy (the quietest is kept)")->check(CLI::Range(1, 10));
-  cal->callback([&] { calibrate(out, quick, rounds, attempts); });
+  add_backend(cal);
+  cal->callback([&] { calibrate(*job, out, quick, rounds, attempts, checked_backend(backend)); });
   std::string probe_out;
   auto* prb = app.add_subcommand("probe", "measure the machine's speed as calibrate does (GEMM FLOP/s per rank, every rank at once)");
   prb->add_option("--out", probe_out, "JSON file to write")->required();
   double probe_window = executor::kLongProbeWindowS;
   prb->add_option("--window", probe_window, "seconds to run the GEMM mix")->capture_default_str()->check(CLI::Range(0.01, 60.0));
-  prb->callback([&] { probe(probe_out, probe_window); });
+  add_backend(prb);
+  prb->callback([&] { probe(*job, probe_out, probe_window, checked_backend(backend)); });
   int code = 0;
   try {
     app.parse(argc, argv);
     if (app.get_subcommands().empty()) {
       if (plan_paths.empty()) throw InputError("give a plan.json to run, or a mode (calibrate); see --help");
-      run_plan_files(plan_paths, run_out, run_rounds, quiet, *mpi);
+      run_plan_files(plan_paths, run_out, run_rounds, quiet, checked_backend(backend), *job);
     }
   } catch (const CLI::ParseError& e) {
-    code = mpi->world_rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints
+    code = job->rank() == 0 ? app.exit(e) : e.get_exit_code();  // rank 0 prints
     if (code != 0) code = 2;
   } catch (const executor::NonFiniteError& e) {
-    code = report_failure(e, mpi->world_rank());  // no peer waits: exit 1
+    code = report_failure(e, job->rank());  // no peer waits: exit 1
   } catch (const InputError& e) {
-    code = report_failure(e, mpi->world_rank());
-    if (mpi->world_size() > 1) mpi->abort(code);  // peers may wait in a collective: end the job
+    code = report_failure(e, job->rank());
+    if (job->size() > 1) job->abort(code);  // peers may wait in a collective: end the job
   } catch (const std::exception& e) {
-    mpi->abort(report_failure(e, mpi->world_rank()));
+    job->abort(report_failure(e, job->rank()));
   }
   return code;
 }

@@ -1,6 +1,7 @@
 // The executor's seam for collectives: a Communicator interface with NCCL's names and NCCL's
 // buffer conventions (device or host pointers as void* + element type + element count, async
-// operations completed through a handle), and the MPI implementation's factory.
+// operations completed through a handle), the implementations' factories (MPI, one rank), and
+// the job's world (WorldRuntime: MPI's where the build has MPI, one rank where it does not).
 //
 // Semantics (NVIDIA/nccl docs "Collective Operations", and nccl-tests doc/PERFORMANCE.md for
 // sizes):
@@ -116,7 +117,7 @@ class Communicator {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::string_view backend() const = 0;  // "mpi", "nccl"
+  virtual std::string_view backend() const = 0;  // "mpi", "nccl", "self"
 
   // --- asynchronous forms: enqueue and return at once ---------------------------------------
   virtual std::unique_ptr<CommRequest> all_reduce_async(const void* send, void* recv,
@@ -171,7 +172,7 @@ class CommError : public std::runtime_error {
 };
 
 // ---------------------------------------------------------------------------------------------
-// MPI (executor/comm/mpi_communicator.cpp)
+// MPI (executor/comm/mpi_communicator.cpp; only in a build that found MPI)
 // ---------------------------------------------------------------------------------------------
 
 // Owns MPI's initialisation for a scope, normally main()'s: MPI_Init_thread asking for
@@ -203,5 +204,47 @@ class MpiRuntime {
 // A communicator over all ranks of the job (a duplicate of MPI_COMM_WORLD) with its own
 // communication thread. Requires a live MpiRuntime.
 std::unique_ptr<Communicator> make_mpi_communicator();
+
+// ---------------------------------------------------------------------------------------------
+// One rank (executor/comm/self_communicator.cpp): always built
+// ---------------------------------------------------------------------------------------------
+
+// A communicator of one rank (rank 0, size 1), with no library under it: every operation runs
+// on the calling thread before its async form returns (all_reduce, broadcast and an all_gather or
+// reduce_scatter that is not in place copy send to recv; barrier does nothing), and is counted
+// like the MPI communicator's. It refuses what the MPI communicator refuses (reducing fp16/bf16,
+// a root other than 0), so that a one-rank run fails where a multi-rank one would. split() gives
+// another one-rank communicator (null for a negative color); progress() is null.
+std::unique_ptr<Communicator> make_self_communicator();
+
+// ---------------------------------------------------------------------------------------------
+// The job's world, for main(): comm/world_mpi.cpp where the build has MPI, comm/world_self.cpp
+// where it does not (CMake compiles one of them in)
+// ---------------------------------------------------------------------------------------------
+
+// Owns the job's start and end for a scope, normally main()'s. With MPI: an MpiRuntime (the job
+// started by mpirun, or one rank started alone: MPI's singleton). Without: one rank, rank 0 of 1.
+class WorldRuntime {
+ public:
+  WorldRuntime(int* argc, char*** argv);  // throws CommError when MPI cannot start
+  ~WorldRuntime();
+  WorldRuntime(const WorldRuntime&) = delete;
+  WorldRuntime& operator=(const WorldRuntime&) = delete;
+
+  int rank() const;
+  int size() const;
+  // "mpi" or "self": what make_world_communicator() builds on.
+  std::string_view kind() const;
+  // A new communicator over every rank of the job (make_mpi_communicator() or
+  // make_self_communicator()).
+  std::unique_ptr<Communicator> make_world_communicator() const;
+  // Ends every rank of the job now, exiting with `code`: MPI_Abort with MPI; without, this
+  // process's _Exit after flushing stdout and stderr. For main() after an error on one rank.
+  [[noreturn]] void abort(int code) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace peftplan::executor
