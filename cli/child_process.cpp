@@ -75,10 +75,17 @@ double run_speed_probe(int ranks) {
   return rate;
 }
 
+std::string profile_stem() {
+  // A profile describes one backend's speed: the GPU's is kept apart from the CPU's.
+  const char* backend = std::getenv("PEFTPLAN_BACKEND");
+  return backend && *backend && std::string_view(backend) != "cpu" ? fmt::format("calibration.{}", backend) : "calibration";
+}
+
 fs::path default_profile_path() {
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return fs::path(xdg) / "peftplan" / "calibration.json";
-  if (const char* home = std::getenv("HOME"); home && *home) return fs::path(home) / ".cache" / "peftplan" / "calibration.json";
-  return fs::path("calibration.json");
+  const std::string name = profile_stem() + ".json";
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return fs::path(xdg) / "peftplan" / name;
+  if (const char* home = std::getenv("HOME"); home && *home) return fs::path(home) / ".cache" / "peftplan" / name;
+  return fs::path(name);
 }
 
 }  // namespace peftplan::cli

@@ -30,5 +30,8 @@ double run_speed_probe(int ranks);
 
 // $XDG_CACHE_HOME/peftplan/calibration.json, else ~/.cache/peftplan/calibration.json.
 std::filesystem::path default_profile_path();
+// "calibration", or "calibration.<backend>" when PEFTPLAN_BACKEND names a backend other than the
+// CPU's (peftplan-exec runs on the backend that variable names; each backend has its profiles).
+std::string profile_stem();
 
 }  // namespace peftplan::cli

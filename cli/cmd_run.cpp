@@ -81,7 +81,7 @@ std::string cpu_model_name() {
 // swing cost each run 25 s for a profile no better than the last. A profile given with
 // --calibration is the user's: used as it is (validation reports the drift).
 sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double recalibrate_beyond) {
-  const fs::path path = given.empty() ? default_profile_path().replace_filename(fmt::format("calibration.{}.json", N))
+  const fs::path path = given.empty() ? default_profile_path().replace_filename(fmt::format("{}.{}.json", profile_stem(), N))
                                       : fs::absolute(given);
   std::string why = fmt::format("no calibrated profile for {} rank(s) at {}", N, path.string());
   if (fs::is_regular_file(path)) {

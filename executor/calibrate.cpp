@@ -1169,7 +1169,12 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
                        static_cast<double>(cal.ram_bytes) / static_cast<double>(1ULL << 30), N,
                        cal.omp_threads, quick ? ", quick" : ""));
 
-  const std::unique_ptr<Backend> backend = make_backend(options.backend);
+  std::unique_ptr<Backend> owned;
+  Backend* backend = options.backend_instance;
+  if (backend == nullptr) {
+    owned = make_backend(options.backend);
+    backend = owned.get();
+  }
   cal.probe_before_flops_per_s = speed_probe(*backend, &world, kLongProbeWindowS);
 
   // 1. GEMM shapes, rank 0 alone (the others wait in a sleeping barrier).

@@ -21,6 +21,11 @@ nlohmann::json measurement_to_json(const Measurement& m) {
   dev["peak_op"] = m.device_peak_op;
   dev["peak_op_index"] = m.memory.device_peak_op;
   dev["untracked_gemm_scratch_bytes"] = m.untracked_gemm_scratch_bytes;
+  if (m.device_total_bytes > 0) {  // a device that is not the host: its reserved and in-use kinds
+    dev["reserved_peak_bytes"] = m.device_reserved_peak_bytes;
+    dev["in_use_bytes"] = m.device_in_use_bytes;
+    dev["total_bytes"] = m.device_total_bytes;
+  }
   host["peak_bytes"] = m.memory.host_peak_bytes;
   host["peak_op"] = m.host_peak_op;
   host["peak_op_index"] = m.memory.host_peak_op;

@@ -10,6 +10,11 @@ Measurement Session::measurement() const {
   const Impl& s = *impl_;
   Measurement m = s.meas;
   m.memory = s.alloc.stats();
+  if (const std::optional<Backend::MemoryKinds> k = s.be.device_memory_kinds()) {
+    m.device_reserved_peak_bytes = k->reserved_peak_bytes;
+    m.device_in_use_bytes = k->in_use_bytes;
+    m.device_total_bytes = k->total_bytes;
+  }
   auto op_name = [&](std::int32_t i) -> std::string {
     if (i < 0) return "";
     const auto& op = s.program.ops[static_cast<std::size_t>(i)];

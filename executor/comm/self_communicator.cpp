@@ -12,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -39,6 +40,7 @@ void check_reducible(CommDType t) {
 
 class SelfCommunicator final : public Communicator {
  public:
+  explicit SelfCommunicator(MemoryCopy copy) : copy_(std::move(copy)) {}
   int rank() const override { return 0; }
   int size() const override { return 1; }
   std::string_view backend() const override { return "self"; }
@@ -72,7 +74,7 @@ class SelfCommunicator final : public Communicator {
 
   std::unique_ptr<Communicator> split(int color, int) override {
     if (color < 0) return nullptr;
-    return make_self_communicator();
+    return make_self_communicator(copy_);
   }
 
   CommCounters counters() const override {
@@ -85,11 +87,17 @@ class SelfCommunicator final : public Communicator {
   }
 
  private:
+  MemoryCopy copy_;  // empty: memmove (host memory)
   // Copies `bytes` from send to recv unless they are one buffer, and counts it under `kind`
   // (nccl-tests sizes: with one rank the whole array is the one block).
   std::unique_ptr<CommRequest> run(CommKind kind, const void* send, void* recv, std::size_t bytes) {
     const auto t0 = std::chrono::steady_clock::now();
-    if (send != recv && bytes > 0) std::memmove(recv, send, bytes);
+    if (send != recv && bytes > 0) {
+      if (copy_)
+        copy_(recv, send, bytes);
+      else
+        std::memmove(recv, send, bytes);
+    }
     const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
     {
       std::lock_guard lock(m_);
@@ -107,6 +115,8 @@ class SelfCommunicator final : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_self_communicator() { return std::make_unique<SelfCommunicator>(); }
+std::unique_ptr<Communicator> make_self_communicator(MemoryCopy copy) {
+  return std::make_unique<SelfCommunicator>(std::move(copy));
+}
 
 }  // namespace peftplan::executor

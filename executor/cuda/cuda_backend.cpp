@@ -66,19 +66,41 @@ int to_int(Index v, const char* what) {
 
 // ----------------------------------------------------------------------------- memory sources
 
+// Device memory from CUDA's stream-ordered allocator (cudaMallocAsync on the compute stream):
+// a free is ordered after the kernels that use the block and never synchronises the device,
+// unlike cudaFree, which would stall every step the program frees an activation in. The pool
+// keeps what it has reserved (release threshold: everything), so its reserved high-water mark is
+// the "reserved" memory kind of our allocator; the tracked allocator above still counts exactly
+// the bytes asked for ("allocated").
 class DeviceMemory final : public MemoryResource {
  public:
+  void bind(cudaStream_t stream, int device) {
+    stream_ = stream;
+    PEFTPLAN_CUDA(cudaDeviceGetDefaultMemPool(&pool_, device));
+    std::uint64_t keep_all = ~0ull;
+    PEFTPLAN_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep_all));
+  }
   std::string_view name() const override { return "cuda device"; }
   void* allocate(std::uint64_t bytes) override {
     void* p = nullptr;
-    // cudaMalloc aligns to 256 bytes; a 0-byte request still gets its own address.
-    if (cudaMalloc(&p, bytes == 0 ? 256 : bytes) != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-free error so later calls are not blamed
+    // A 0-byte request still gets its own address.
+    if (cudaMallocAsync(&p, bytes == 0 ? 256 : bytes, stream_) != cudaSuccess) {
+      cudaGetLastError();  // clear the error so later calls are not blamed
       throw std::bad_alloc();
     }
     return p;
   }
-  void deallocate(void* p, std::uint64_t) override { cudaFree(p); }
+  void deallocate(void* p, std::uint64_t) override { cudaFreeAsync(p, stream_); }
+  // The pool's reserved bytes now and at their highest (cudaMemPoolAttrReservedMem*).
+  std::uint64_t reserved_high() const {
+    std::uint64_t v = 0;
+    PEFTPLAN_CUDA(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &v));
+    return v;
+  }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaMemPool_t pool_ = nullptr;
 };
 class PinnedHostMemory final : public MemoryResource {
  public:
@@ -106,6 +128,7 @@ class CudaBackend final : public Backend {
     PEFTPLAN_CUDA(cudaGetDevice(&device_));
     PEFTPLAN_CUDA(cudaGetDeviceProperties(&props_, device_));
     PEFTPLAN_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    device_memory_.bind(stream_, device_);
     PEFTPLAN_CUBLAS(cublasCreate(&blas_));
     PEFTPLAN_CUBLAS(cublasSetStream(blas_, stream_));
     // Full fp32 products: no TF32 (CUBLAS_DEFAULT_MATH is already that; said here for the reader).
@@ -168,6 +191,11 @@ class CudaBackend final : public Backend {
     }
   }
   void fill_zero(void* dst, std::uint64_t bytes) override { PEFTPLAN_CUDA(cudaMemsetAsync(dst, 0, bytes, stream_)); }
+  std::optional<MemoryKinds> device_memory_kinds() override {
+    std::size_t free = 0, total = 0;
+    PEFTPLAN_CUDA(cudaMemGetInfo(&free, &total));
+    return MemoryKinds{device_memory_.reserved_high(), total - free, total};
+  }
   void synchronize() override { PEFTPLAN_CUDA(cudaStreamSynchronize(stream_)); }
 
   void reserve_marks(std::size_t slots) override {

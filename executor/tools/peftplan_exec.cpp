@@ -49,9 +49,24 @@ std::string checked_backend(const std::string& name) {
   return name;
 }
 
+// The job's communicator for a backend: the world (MPI's, or one rank's) on the CPU backend;
+// on a device backend one rank whose collectives copy with the backend (Backend::copy_device),
+// never touching device buffers from the host. Several GPU ranks need the NCCL communicator,
+// which is not built yet: refused, naming the backend.
+std::unique_ptr<executor::Communicator> world_for(const executor::WorldRuntime& job, executor::Backend* be) {
+  if (be == nullptr || be->name() == "cpu") return job.make_world_communicator();
+  if (job.size() > 1)
+    throw InputError(fmt::format("--backend {}: runs one rank for now (this job has {}): several GPU ranks need the NCCL "
+                                 "communicator, which this build does not have yet",
+                                 be->name(), job.size()));
+  return executor::make_self_communicator([be](void* dst, const void* src, std::uint64_t n) { be->copy_device(dst, src, n); });
+}
+
 void calibrate(const executor::WorldRuntime& job, const std::string& out, bool quick, int rounds, int attempts,
                const std::string& backend) {
-  auto world = job.make_world_communicator();
+  // The CPU backend is made inside run_calibration, after it sets the ranks' OpenMP threads.
+  std::unique_ptr<executor::Backend> device = backend == "cpu" ? nullptr : executor::make_backend(backend);
+  auto world = world_for(job, device.get());
   const bool root = world->rank() == 0;
   // Retaken while the machine is noisy (calibrate.h, kCalibrationAttempts); rank 0 judges, every
   // rank follows its decision.
@@ -61,7 +76,7 @@ void calibrate(const executor::WorldRuntime& job, const std::string& out, bool q
   for (int attempt = 1; attempt <= attempts; ++attempt) {
     executor::Calibration c =
         executor::run_calibration(*world, {.quick = quick, .rounds = rounds, .threads_chosen = std::getenv("OMP_NUM_THREADS") != nullptr,
-                                           .backend = backend},
+                                           .backend = backend, .backend_instance = device.get()},
                                   root ? stdout : nullptr);
     double noise = root ? executor::calibration_noise(c) : 0.0;
     world->all_reduce(&noise, &noise, 1, executor::CommDType::fp64, executor::ReduceOp::max);
@@ -90,8 +105,8 @@ int threads_per_rank();
 // The machine-speed probe with every rank of the job at once, as calibrate and runs take it;
 // rank 0 writes {"schema": "peftplan.speed-probe/1", "flops_per_s": x, "ranks": N, "window_s": w}.
 void probe(const executor::WorldRuntime& job, const std::string& out, double window_s, const std::string& backend_name) {
-  auto world = job.make_world_communicator();
   auto backend = executor::make_backend(backend_name, threads_per_rank());  // the OpenMP threads a run's rank has
+  auto world = world_for(job, backend.get());
   const double rate = executor::speed_probe(*backend, world->size() > 1 ? world.get() : nullptr, window_s);
   if (world->rank() != 0) return;
   const nlohmann::json j = {{"schema", schemas::kSpeedProbe}, {"flops_per_s", rate}, {"ranks", world->size()},
@@ -153,8 +168,8 @@ int report_failure(const std::exception& e, int rank) {
 
 void run_plan_files(const std::vector<std::string>& plan_paths, const std::string& out_dir, int rounds, bool quiet,
                     const std::string& backend_name, const executor::WorldRuntime& job) {
-  auto world = job.make_world_communicator();
   auto backend = executor::make_backend(backend_name, threads_per_rank());
+  auto world = world_for(job, backend.get());
   std::FILE* progress = world->rank() == 0 && !quiet ? stdout : nullptr;
   try {
     executor::run_rounds({plan_paths.begin(), plan_paths.end()}, rounds, *backend, progress, world.get(), session_options_from_env(),

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -63,6 +64,17 @@ class Backend {
   // Device -> device (on the compute stream; the ranges may overlap).
   virtual void copy_device(void* dst, const void* src, std::uint64_t bytes) = 0;
   virtual void fill_zero(void* dst, std::uint64_t bytes) = 0;
+  // The device's memory in the two kinds beyond "allocated" (the tracked allocator's live bytes):
+  // reserved, the bytes the backend's memory source holds from the driver at its highest, and in
+  // use, the device's total minus its free memory now (cudaMemGetInfo: the CUDA context, cuBLAS
+  // and every other user of the device included, measured rather than assumed). nullopt where
+  // the device is the host (the CPU backend).
+  struct MemoryKinds {
+    std::uint64_t reserved_peak_bytes = 0;
+    std::uint64_t in_use_bytes = 0;
+    std::uint64_t total_bytes = 0;
+  };
+  virtual std::optional<MemoryKinds> device_memory_kinds() { return std::nullopt; }
   // Waits until every enqueued kernel and copy has finished (for timing and host reads).
   virtual void synchronize() = 0;
 

@@ -27,6 +27,8 @@
 
 namespace peftplan::executor {
 
+class Backend;
+
 struct CalibrateOptions {
   bool quick = false;  // fewer shapes, sizes and repetitions: seconds instead of about a minute
   int rounds = 5;      // rounds of the calibration step programs (at least 1; the fastest is kept)
@@ -36,6 +38,9 @@ struct CalibrateOptions {
   // The backend that runs the GEMM timings, the speed probe and the step programs (backend.h
   // backend_names); the profile describes it.
   std::string backend = "cpu";
+  // When set, the backend to use (peftplan-exec makes it first, so that a one-rank communicator
+  // can copy with it); otherwise make_backend(backend).
+  Backend* backend_instance = nullptr;
 };
 
 // y[M,N] = x[M,K] · W[N,K]^T, the executor's linear layer (cpu::linear_forward).

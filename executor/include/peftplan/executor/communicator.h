@@ -31,6 +31,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -215,7 +216,12 @@ std::unique_ptr<Communicator> make_mpi_communicator();
 // like the MPI communicator's. It refuses what the MPI communicator refuses (reducing fp16/bf16,
 // a root other than 0), so that a one-rank run fails where a multi-rank one would. split() gives
 // another one-rank communicator (null for a negative color); progress() is null.
-std::unique_ptr<Communicator> make_self_communicator();
+//
+// `copy` moves the bytes when send and recv differ (default: memmove): a backend whose device is
+// not the host passes its device-to-device copy (Backend::copy_device), so that one rank's
+// collectives on GPU buffers never touch them from the host.
+using MemoryCopy = std::function<void(void* dst, const void* src, std::uint64_t bytes)>;
+std::unique_ptr<Communicator> make_self_communicator(MemoryCopy copy = {});
 
 // ---------------------------------------------------------------------------------------------
 // The job's world, for main(): comm/world_mpi.cpp where the build has MPI, comm/world_self.cpp

@@ -53,6 +53,9 @@ struct Measurement {
   MemoryStats memory;                   // the tracked allocator at the end
   std::uint64_t untracked_gemm_scratch_bytes = 0;  // the largest GEMM library scratch of the
                                         // step (outside the tracked allocator; an estimate)
+  // The backend's other memory kinds at the end of the run (Backend::device_memory_kinds; all 0
+  // on the CPU backend): memory.device.reserved_peak_bytes, in_use_bytes, total_bytes.
+  std::uint64_t device_reserved_peak_bytes = 0, device_in_use_bytes = 0, device_total_bytes = 0;
   std::string device_peak_op;           // "alloc <buffer>" as plan --json names it
   std::string host_peak_op;
   std::vector<OpTime> op_times;
