@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 17 in one run, for a GPU machine that has CUDA, CMake, ninja and
+# PyTorch with transformers and PEFT but none of our Debian packages and no network:
+#   scripts/device-prepare.sh            # on the build machine: .device/deps, carried with the tree
+#   scripts/device-check.sh DIR          # on the GPU machine, from the repository root
+# It builds what the checks need from the carried tree (build/device, the `device` preset),
+# runs the backend-ops tests on the GPU (ctest -L device), the cuBLAS GEMM throughput at the 1B
+# model's shapes, plan-and-run on the GPU at one rank (no mpirun) for DDP and ZeRO-3, and a
+# transformers + PEFT run of the same model captured by tools/peftplan_callback.py and compared
+# with `plan --profile hf`. Logs and figures go to DIR; the summary to stdout. Exit code 0 when
+# every check passed, 1 when one failed (the others still run), 2 on a missing prerequisite.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/device-check.sh DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+t0=$SECONDS
+status=0
+step() { echo "== [$((SECONDS - t0)) s] $*"; }
+failed() { echo "FAILED: $*"; status=1; }
+jobs=$(nproc)
+
+step "environment"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvcc --version | tail -1
+  cmake --version | head -1
+  python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
+} 2>&1 | tee "$out/env.txt"
+
+if [[ ! -d .device/deps ]]; then
+  echo "device-check: .device/deps is missing: run scripts/device-prepare.sh on the build machine and carry .device" >&2
+  exit 2
+fi
+
+step "configure and build (build/device, $jobs jobs)"
+if ! cmake --preset device >"$out/configure.log" 2>&1; then
+  tail -40 "$out/configure.log"
+  exit 2
+fi
+if ! cmake --build --preset device -j "$jobs" --target test_backend_ops peftplan peftplan-exec peftplan-cuda-gemm \
+    >"$out/build.log" 2>&1; then
+  grep -E "error|Error" "$out/build.log" | head -40
+  exit 2
+fi
+bin=build/device
+
+step "backend-ops tests on the GPU (ctest -L '^device$')"
+if (cd "$bin" && ctest -L '^device$' --output-on-failure) >"$out/device-tests.log" 2>&1; then
+  grep -E "tests passed|Total Test time" "$out/device-tests.log"
+else
+  grep -E "Failed|failed|Error" "$out/device-tests.log" | head -40
+  failed "device tests"
+fi
+if grep -q "Skipped" "$out/device-tests.log"; then grep -B2 "Skipped" "$out/device-tests.log" | head -20; failed "device tests skipped on a GPU machine"; fi
+
+step "cuBLAS GEMM throughput at tinyllama-1.1b's shapes (M = 4 x 1024 tokens)"
+"$bin/executor/peftplan-cuda-gemm" --model tinyllama-1.1b --tokens 4096 --json "$out/gemm.json" 2>&1 | tee "$out/gemm.txt" ||
+  failed "GEMM probe"
+
+step "plan-and-run on the GPU: tinyllama-1.1b, LoRA r 16 on q,k,v,o, one rank, DDP and ZeRO-3"
+export XDG_CACHE_HOME="$out/cache" PEFTPLAN_BACKEND=cuda
+if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --strategy ddp,zero3 --lora-r 16 --lora-alpha 16 \
+    --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --micro-batch 4 --seq-len 1024 --steps 8 --rounds 2 \
+    --out "$out/run" >"$out/run.log" 2>&1; then
+  tail -60 "$out/run.log"
+else
+  tail -80 "$out/run.log"
+  failed "plan-and-run on the GPU"
+fi
+# The memory kinds beyond allocated, measured on the device (measurement.json), and the losses.
+python3 - "$out/run" <<'PY' || failed "reading the GPU run's measurements"
+import json, pathlib, sys
+for m in sorted(pathlib.Path(sys.argv[1]).glob("*/measurement.json")):
+    j = json.loads(m.read_text()); d = j["memory"]["device"]; g = 2.0 ** 30
+    losses = j.get("losses", [])
+    print(f"{m.parent.name}: allocated peak {d['peak_bytes'] / g:.3f} GiB, reserved peak {d.get('reserved_peak_bytes', 0) / g:.3f} GiB, "
+          f"in use {d.get('in_use_bytes', 0) / g:.3f} GiB of {d.get('total_bytes', 0) / g:.1f}; "
+          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no losses")
+PY
+unset PEFTPLAN_BACKEND
+
+step "transformers + PEFT, captured by tools/peftplan_callback.py, compared with plan --profile hf"
+if [[ -f tools/device/hf_train.py ]]; then
+  if PYTHONUNBUFFERED=1 python3 tools/device/hf_train.py --out "$out/hf" --steps 12 >"$out/hf.log" 2>&1; then
+    tail -20 "$out/hf.log"
+    if [[ -x tools/device/hf_compare.sh ]]; then
+      PEFTPLAN="$bin/cli/peftplan" tools/device/hf_compare.sh "$out/hf" 2>&1 | tee "$out/hf-compare.txt"
+    fi
+  else
+    tail -40 "$out/hf.log"
+    failed "transformers + PEFT run"
+  fi
+else
+  echo "tools/device/hf_train.py not in this tree: skipped"
+fi
+
+step "done: exit $status"
+exit $status
