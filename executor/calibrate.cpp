@@ -455,7 +455,7 @@ CollectivePoint time_collective(Communicator& comm, sim::Collective kind, std::u
 
 // --- pure parts -----------------------------------------------------------------------------
 
-std::vector<GemmShape> calibration_gemm_shapes(bool quick) {
+std::vector<GemmShape> calibration_gemm_shapes(bool quick, bool device) {
   // K x N of the executor's linears: tiny-llama (H 64, I 176), ~100M Llama (H 640, I 1728,
   // V 32000) and a GPT-2-small-like 768x2048.
   constexpr std::pair<std::int64_t, std::int64_t> kn[] = {
@@ -469,10 +469,17 @@ std::vector<GemmShape> calibration_gemm_shapes(bool quick) {
       if (quick && N == 32000) continue;
       out.push_back({M, K, N});
     }
+  // A GPU runs all of the above in its launch overhead (the first H200 calibration fitted a
+  // 462 TFLOP/s fp32 plateau, 7x the chip's 67): add a 1B-class layer (TinyLlama-1.1B: H 2048,
+  // I 5632, V 32000) at 4 x 1024 tokens, where cuBLAS reaches its sustained rate.
+  if (device)
+    for (auto [K, N] : {std::pair<std::int64_t, std::int64_t>{2048, 2048}, {2048, 5632}, {5632, 2048}, {2048, 32000}})
+      out.push_back({4096, K, N});
   return out;
 }
 
-std::vector<GemmShape> gemm_mix(bool quick) {
+std::vector<GemmShape> gemm_mix(bool quick, bool device) {
+  if (device) return {{4096, 2048, 2048}, {4096, 2048, 5632}, {4096, 5632, 2048}};  // as calibration_gemm_shapes
   const std::int64_t M = quick ? 256 : 1024;
   return {{M, 640, 640}, {M, 640, 1728}, {M, 1728, 640}};
 }
@@ -1175,15 +1182,16 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     owned = make_backend(options.backend);
     backend = owned.get();
   }
+  const bool device = backend->name() != "cpu";  // a GPU: shapes and programs sized for it
   cal.probe_before_flops_per_s = speed_probe(*backend, &world, kLongProbeWindowS);
 
   // 1. GEMM shapes, rank 0 alone (the others wait in a sleeping barrier).
   say(log, "measuring GEMM shapes on one rank...\n");
   if (me == 0) {
-    for (const auto& s : calibration_gemm_shapes(quick))
+    for (const auto& s : calibration_gemm_shapes(quick, device))
       cal.gemm.push_back(time_gemm(*backend, s, quick ? 0.02 : 0.2, quick ? 2 : 3));
     double flops = 0.0, seconds = 0.0;
-    for (const auto& s : gemm_mix(quick)) {
+    for (const auto& s : gemm_mix(quick, device)) {
       const GemmResult r = time_gemm(*backend, s, quick ? 0.02 : 0.2, quick ? 2 : 3);
       flops += gemm_flops(s);
       seconds += r.seconds;
@@ -1194,7 +1202,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   world.barrier();
 
   // 2. 1..N ranks computing at once, then streaming memory at once.
-  const auto mix = gemm_mix(quick);
+  const auto mix = gemm_mix(quick, device);
   const double window_s = quick ? 0.15 : 0.6;
   const std::size_t triad_n = quick ? (4u << 20) : (16u << 20);  // doubles per array
   for (int n = 1; n <= N; ++n) {
@@ -1235,7 +1243,10 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   // tell a kernel's per-call overhead from its rate: steps of milliseconds to a few hundred
   // milliseconds.
   say(log, fmt::format("measuring the executor's kernels with {} rank(s) at once, {} rounds...\n", N, options.rounds));
-  constexpr std::pair<std::int64_t, std::int64_t> kSizes[] = {{2, 128}, {8, 256}};
+  // On a GPU the larger program runs at S 1024 (B 8): at S 256 its attention and GEMMs still
+  // ran in launch overhead on an H200, and the fitted rates predicted a 1B model's step 3.5x
+  // too slow.
+  const std::pair<std::int64_t, std::int64_t> kSizes[] = {{2, 128}, {8, device ? 1024 : 256}};
   constexpr int kPrograms = 3, kRuns = 2 * kPrograms;
   // Rounds of the six programs, interleaved (a slow spell of the machine lands on every program
   // alike, not on one); each program keeps its median round's op times and step, and every

@@ -243,11 +243,13 @@ std::vector<sim::CollectiveTable> collective_tables(std::span<const CollectivePo
 // --- pure parts ---------------------------------------------------------------------------
 
 // The executor's GEMM shapes: M in {256, 1024, 2048} × K×N of tiny-llama and ~100M Llama layers
-// (quick: M in {256, 1024}, without the 32000-wide head).
-std::vector<GemmShape> calibration_gemm_shapes(bool quick);
+// (quick: M in {256, 1024}, without the 32000-wide head); on a device (a GPU) also a
+// TinyLlama-1.1B layer and head at M = 4096.
+std::vector<GemmShape> calibration_gemm_shapes(bool quick, bool device = false);
 // The mix the shared-core rates and the representative figure use: one Llama layer's
-// q/o (640x640), gate/up (640x1728) and down (1728x640) at M = 1024 (quick: 256).
-std::vector<GemmShape> gemm_mix(bool quick);
+// q/o (640x640), gate/up (640x1728) and down (1728x640) at M = 1024 (quick: 256); on a device,
+// TinyLlama-1.1B's (2048x2048, 2048x5632, 5632x2048) at M = 4096.
+std::vector<GemmShape> gemm_mix(bool quick, bool device = false);
 // Collective sizes S in bytes: 8 B .. 64 MiB in ×2 steps (quick: 16 B .. 4 MiB in ×4 steps).
 std::vector<std::uint64_t> calibration_sizes(bool quick);
 
