@@ -1,7 +1,8 @@
 // `peftplan calibrate`: measure this machine and write a cluster profile the simulator uses.
-// It launches the executor under mpirun (`mpirun -np N peftplan-exec calibrate --out FILE`),
-// which measures GEMMs, memory bandwidth and collectives, prints nccl-tests-like tables and
-// writes the profile; this command then reads the profile back through sim to check it.
+// It launches the executor under mpirun (`mpirun -np N peftplan-exec calibrate --out FILE`; one
+// rank alone, without mpirun), which measures GEMMs, memory bandwidth and collectives, prints
+// nccl-tests-like tables and writes the profile; this command then reads the profile back
+// through sim to check it.
 // It never links MPI: the executor binary does the MPI work in its own processes.
 #include <sys/wait.h>
 #include <unistd.h>
@@ -66,7 +67,9 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
     if (out.has_parent_path()) fs::create_directories(out.parent_path());
     // Unbound ranks, as `peftplan run` starts them: Open MPI binds up to two ranks to one core
     // each by default, which would calibrate one rank with one core while it trains with all.
-    std::vector<std::string> args = local_mpirun(o->mpirun, o->ranks);
+    // One rank starts alone, as `peftplan run` starts one: no launcher, so it also calibrates
+    // where peftplan-exec was built without MPI.
+    std::vector<std::string> args = o->ranks > 1 ? local_mpirun(o->mpirun, o->ranks) : std::vector<std::string>{};
     args.insert(args.end(), {find_exec().string(), "calibrate", "--out", out.string()});
     if (o->quick) args.push_back("--quick");
     args.insert(args.end(), {"--rounds", std::to_string(o->rounds), "--attempts", std::to_string(o->attempts)});
@@ -75,7 +78,7 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
     fmt::print("$ {}\n", line);
     const int code = run_child(args);
     if (code != 0)
-      throw std::runtime_error(fmt::format("peftplan calibrate: {} exited with code {}", o->mpirun, code));
+      throw std::runtime_error(fmt::format("peftplan calibrate: {} exited with code {}", args.front(), code));
     const sim::Cluster c = sim::read_cluster_file(out);
     const auto mib = sim::collective_cost(sim::Collective::all_reduce, 1ULL << 20,
                                           std::min(2, sim::total_gpus(c)), c);
