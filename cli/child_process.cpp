@@ -1,6 +1,8 @@
 // Starting peftplan-exec and mpirun (see child_process.h).
 #include "child_process.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -77,8 +79,13 @@ double run_speed_probe(int ranks) {
 
 std::string profile_stem() {
   // A profile describes one backend's speed: the GPU's is kept apart from the CPU's.
-  const char* backend = std::getenv("PEFTPLAN_BACKEND");
-  return backend && *backend && std::string_view(backend) != "cpu" ? fmt::format("calibration.{}", backend) : "calibration";
+  const char* env = std::getenv("PEFTPLAN_BACKEND");
+  const std::string_view backend = env ? env : "";
+  if (backend.empty() || backend == "cpu") return "calibration";
+  // A backend's name, never a path: letters and digits only (peftplan-exec refuses unknown names).
+  if (!std::all_of(backend.begin(), backend.end(), [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) != 0; }))
+    throw input_error("PEFTPLAN_BACKEND", "", "must name a backend (cpu, cuda): letters and digits", std::string(backend));
+  return fmt::format("calibration.{}", backend);
 }
 
 fs::path default_profile_path() {

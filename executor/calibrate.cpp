@@ -636,6 +636,10 @@ sim::Cluster make_profile(const Calibration& cal) {
   sim::GpuSpec gpu;
   gpu.name = fmt::format("cpu-{}-{}c", slug(cal.cpu_model), cal.cores);
   gpu.memory_bytes = cal.ram_bytes / static_cast<std::uint64_t>(cal.ranks);
+  if (cal.device_memory_bytes > 0) {  // a GPU backend: the verdicts judge its memory, not the host's
+    gpu.name = slug(cal.device);
+    gpu.memory_bytes = cal.device_memory_bytes;
+  }
   gpu.hbm_bytes_per_s = all.memory_bytes_per_s;
   gpu.fp32_flops_per_s =
       cal.gemm_curve.plateau_flops_per_s * all.gemm_flops_per_s / one.gemm_flops_per_s;
@@ -1113,6 +1117,8 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
       {"cpu_model", cal.cpu_model},
       {"cores", cal.cores},
       {"ram_GiB", static_cast<double>(cal.ram_bytes) / static_cast<double>(1ULL << 30)},
+      {"device", cal.device},
+      {"device_memory_bytes", cal.device_memory_bytes},
       {"ranks", cal.ranks},
       {"omp_threads_per_rank", cal.omp_threads},
       {"gemm", gemm},
@@ -1182,7 +1188,14 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     owned = make_backend(options.backend);
     backend = owned.get();
   }
-  const bool device = backend->name() != "cpu";  // a GPU: shapes and programs sized for it
+  // A backend whose device is not the host (a GPU): shapes and programs sized for it, and the
+  // profile's memory is the device's.
+  const std::optional<Backend::MemoryKinds> device_kinds = backend->device_memory_kinds();
+  const bool device = device_kinds.has_value();
+  if (device) {
+    cal.device = backend->description();
+    cal.device_memory_bytes = device_kinds->total_bytes;
+  }
   cal.probe_before_flops_per_s = speed_probe(*backend, &world, kLongProbeWindowS);
 
   // 1. GEMM shapes, rank 0 alone (the others wait in a sleeping barrier).

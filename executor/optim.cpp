@@ -16,22 +16,28 @@ namespace {
 constexpr std::int64_t kParallelMin = 1 << 14;
 }
 
-template <typename T>
-void adamw_step(T* param, const T* grad, T* m, T* v, std::int64_t n, std::int64_t step, double lr,
-                const AdamWConfig& cfg) {
+AdamWScalars adamw_scalars(std::int64_t step, double lr, const AdamWConfig& cfg) {
   PEFTPLAN_CHECK_MSG(step >= 1, "AdamW step count is 1-based, got {}", step);
   // torch/optim/adam.py _single_tensor_adam (AdamW = decoupled_weight_decay=True); scalars are
   // Python floats there, i.e. double, then cast to the tensor dtype by each ATen op.
-  const T decay = static_cast<T>(1.0 - lr * cfg.weight_decay);                 // param.mul_
-  const T lerp_w = static_cast<T>(1.0 - cfg.beta1);                            // exp_avg.lerp_
-  const T beta2 = static_cast<T>(cfg.beta2);                                   // exp_avg_sq.mul_
-  const T one_m_beta2 = static_cast<T>(1.0 - cfg.beta2);                       // addcmul_ value
   const double bias_correction1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(step));
   const double bias_correction2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(step));
-  const T neg_step_size = static_cast<T>(-(lr / bias_correction1));            // addcdiv_ value
-  const T bc2_sqrt = static_cast<T>(std::sqrt(bias_correction2));
-  const T eps = static_cast<T>(cfg.eps);
-  const bool decoupled = cfg.weight_decay != 0.0;
+  return {1.0 - lr * cfg.weight_decay, 1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, -(lr / bias_correction1),
+          std::sqrt(bias_correction2), cfg.eps, cfg.weight_decay != 0.0};
+}
+
+template <typename T>
+void adamw_step(T* param, const T* grad, T* m, T* v, std::int64_t n, std::int64_t step, double lr,
+                const AdamWConfig& cfg) {
+  const AdamWScalars c = adamw_scalars(step, lr, cfg);
+  const T decay = static_cast<T>(c.decay);
+  const T lerp_w = static_cast<T>(c.lerp_w);
+  const T beta2 = static_cast<T>(c.beta2);
+  const T one_m_beta2 = static_cast<T>(c.one_m_beta2);
+  const T neg_step_size = static_cast<T>(c.neg_step_size);
+  const T bc2_sqrt = static_cast<T>(c.bc2_sqrt);
+  const T eps = static_cast<T>(c.eps);
+  const bool decoupled = c.decoupled;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (std::int64_t i = 0; i < n; ++i) {
     T p = param[i];

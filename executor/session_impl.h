@@ -156,6 +156,7 @@ struct Session::Impl {
   Impl(const planner::PlanFile& p, Backend& b, TokenData tokens, Communicator* c, const SessionOptions& o)
       : plan(p), be(b), data(std::move(tokens)), comm(c), alloc(b.device_memory(), b.host_memory()),
         options(o) {
+    be.reset_device_memory_peak();  // this run's reserved peak, not an earlier run's (backend.h)
     scalars = static_cast<double*>(be.device_memory().allocate(kScalarSlots * sizeof(double)));
   }
   ~Impl() { be.device_memory().deallocate(scalars, kScalarSlots * sizeof(double)); }

@@ -8,7 +8,7 @@ namespace peftplan::executor {
 bool cuda_backend_built() { return false; }
 
 std::string cuda_backend_unavailable() {
-  return "this build has no CUDA backend (the CUDA toolkit, cuBLAS and NCCL were not found at configure time)";
+  return "this build has no CUDA backend (configured without the CUDA toolkit, or with PEFTPLAN_WITH_CUDA=OFF)";
 }
 
 std::unique_ptr<Backend> make_cuda_backend() { throw InputError("backend cuda: " + cuda_backend_unavailable()); }

@@ -28,6 +28,7 @@
 #include "cuda_kernels.h"
 #include "peftplan/common/error.h"
 #include "peftplan/executor/kernels.h"
+#include "peftplan/executor/optim.h"
 
 namespace peftplan::executor {
 namespace {
@@ -68,34 +69,50 @@ int to_int(Index v, const char* what) {
 
 // Device memory from CUDA's stream-ordered allocator (cudaMallocAsync on the compute stream):
 // a free is ordered after the kernels that use the block and never synchronises the device,
-// unlike cudaFree, which would stall every step the program frees an activation in. The pool
-// keeps what it has reserved (release threshold: everything), so its reserved high-water mark is
-// the "reserved" memory kind of our allocator; the tracked allocator above still counts exactly
-// the bytes asked for ("allocated").
+// unlike cudaFree, which would stall every step the program frees an activation in. The backend
+// has a pool of its own that keeps what it has reserved (release threshold: everything), so the
+// pool's reserved high-water mark is the "reserved" memory kind of our allocator; the tracked
+// allocator above still counts exactly the bytes asked for ("allocated").
 class DeviceMemory final : public MemoryResource {
  public:
   void bind(cudaStream_t stream, int device) {
     stream_ = stream;
-    PEFTPLAN_CUDA(cudaDeviceGetDefaultMemPool(&pool_, device));
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    PEFTPLAN_CUDA(cudaMemPoolCreate(&pool_, &props));
     std::uint64_t keep_all = ~0ull;
     PEFTPLAN_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep_all));
+  }
+  ~DeviceMemory() override {
+    if (pool_ != nullptr) cudaMemPoolDestroy(pool_);
   }
   std::string_view name() const override { return "cuda device"; }
   void* allocate(std::uint64_t bytes) override {
     void* p = nullptr;
     // A 0-byte request still gets its own address.
-    if (cudaMallocAsync(&p, bytes == 0 ? 256 : bytes, stream_) != cudaSuccess) {
+    const cudaError_t e = cudaMallocFromPoolAsync(&p, bytes == 0 ? 256 : bytes, pool_, stream_);
+    if (e == cudaErrorMemoryAllocation) {
       cudaGetLastError();  // clear the error so later calls are not blamed
       throw std::bad_alloc();
     }
+    check_cuda(e, "cudaMallocFromPoolAsync");  // anything else (a fault from an earlier kernel) is not "out of memory"
     return p;
   }
   void deallocate(void* p, std::uint64_t) override { cudaFreeAsync(p, stream_); }
-  // The pool's reserved bytes now and at their highest (cudaMemPoolAttrReservedMem*).
+  // The pool's reserved bytes at their highest since reset_peak() (cudaMemPoolAttrReservedMemHigh).
   std::uint64_t reserved_high() const {
     std::uint64_t v = 0;
     PEFTPLAN_CUDA(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &v));
     return v;
+  }
+  // Returns what no live block uses to the driver and restarts the high-water mark (the only
+  // value CUDA lets it be set to is 0). The stream must be idle: the caller synchronises.
+  void reset_peak() {
+    PEFTPLAN_CUDA(cudaMemPoolTrimTo(pool_, 0));
+    std::uint64_t zero = 0;
+    PEFTPLAN_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReservedMemHigh, &zero));
   }
 
  private:
@@ -107,10 +124,12 @@ class PinnedHostMemory final : public MemoryResource {
   std::string_view name() const override { return "cuda pinned host"; }
   void* allocate(std::uint64_t bytes) override {
     void* p = nullptr;
-    if (cudaMallocHost(&p, bytes == 0 ? 64 : bytes) != cudaSuccess) {
+    const cudaError_t e = cudaMallocHost(&p, bytes == 0 ? 64 : bytes);
+    if (e == cudaErrorMemoryAllocation) {
       cudaGetLastError();
       throw std::bad_alloc();
     }
+    check_cuda(e, "cudaMallocHost");
     return p;
   }
   void deallocate(void* p, std::uint64_t) override { cudaFreeHost(p); }
@@ -164,12 +183,15 @@ class CudaBackend final : public Backend {
   MemoryResource& host_memory() override { return host_memory_; }
   // Both directions finish before returning: the host buffer may be a temporary (upload) or read
   // at once (download). Offload copies that overlap compute belong on a copy stream (issue 17).
+  // Every copy says cudaMemcpyDefault: with unified addressing the driver knows which side each
+  // pointer is on, and callers do move bytes between two host buffers (offloaded states) through
+  // these methods, for which a stated direction would be wrong.
   void copy_to_device(void* dst, const void* src, std::uint64_t bytes) override {
-    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_));
+    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
     PEFTPLAN_CUDA(cudaStreamSynchronize(stream_));
   }
   void copy_to_host(void* dst, const void* src, std::uint64_t bytes) override {
-    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
     PEFTPLAN_CUDA(cudaStreamSynchronize(stream_));
   }
   void copy_device(void* dst, const void* src, std::uint64_t bytes) override {
@@ -180,17 +202,21 @@ class CudaBackend final : public Backend {
     if (bytes == 0 || s == d) return;
     const bool overlap = d < s + bytes && s < d + bytes;
     if (!overlap) {
-      PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+      PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
       return;
     }
     for (std::uint64_t off = 0; off < bytes; off += workspace_bytes_) {
       const std::uint64_t len = std::min<std::uint64_t>(workspace_bytes_, bytes - off);
       const std::uint64_t o = d < s ? off : bytes - off - len;  // move toward the destination's side first
-      PEFTPLAN_CUDA(cudaMemcpyAsync(workspace_, s + o, len, cudaMemcpyDeviceToDevice, stream_));
-      PEFTPLAN_CUDA(cudaMemcpyAsync(d + o, workspace_, len, cudaMemcpyDeviceToDevice, stream_));
+      PEFTPLAN_CUDA(cudaMemcpyAsync(workspace_, s + o, len, cudaMemcpyDefault, stream_));
+      PEFTPLAN_CUDA(cudaMemcpyAsync(d + o, workspace_, len, cudaMemcpyDefault, stream_));
     }
   }
   void fill_zero(void* dst, std::uint64_t bytes) override { PEFTPLAN_CUDA(cudaMemsetAsync(dst, 0, bytes, stream_)); }
+  void reset_device_memory_peak() override {
+    synchronize();
+    device_memory_.reset_peak();
+  }
   std::optional<MemoryKinds> device_memory_kinds() override {
     std::size_t free = 0, total = 0;
     PEFTPLAN_CUDA(cudaMemGetInfo(&free, &total));
@@ -382,14 +408,11 @@ class CudaBackend final : public Backend {
   }
   void adamw_step(float* param, const float* grad, float* m, float* v, Index n, std::int64_t step, double lr,
                   double beta1, double beta2, double eps, double weight_decay) override {
-    PEFTPLAN_CHECK_MSG(step >= 1, "AdamW step count is 1-based, got {}", step);
-    // The scalars as optim.cpp adamw_step forms them (Python floats, cast to fp32 by each ATen op).
-    const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-    const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-    const cuda::AdamWScalars c{static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(1.0 - beta1),
-                         static_cast<float>(beta2), static_cast<float>(1.0 - beta2),
-                         static_cast<float>(-(lr / bc1)), static_cast<float>(std::sqrt(bc2)),
-                         static_cast<float>(eps), weight_decay != 0.0};
+    const AdamWScalars d = adamw_scalars(step, lr, AdamWConfig{beta1, beta2, eps, weight_decay});
+    const cuda::AdamWScalars c{static_cast<float>(d.decay),         static_cast<float>(d.lerp_w),
+                               static_cast<float>(d.beta2),         static_cast<float>(d.one_m_beta2),
+                               static_cast<float>(d.neg_step_size), static_cast<float>(d.bc2_sqrt),
+                               static_cast<float>(d.eps),           d.decoupled};
     PEFTPLAN_LAUNCH(cuda::adamw(stream_, param, grad, m, v, n, c));
   }
 

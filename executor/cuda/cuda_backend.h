@@ -1,5 +1,5 @@
-// The CUDA backend's factory, private to the executor library. CMake compiles cuda_backend.cu
-// where the CUDA toolkit is found and cuda_absent.cpp elsewhere, so no shared code has an #if:
+// The CUDA backend's factory, private to the executor library. CMake compiles cuda_backend.cpp
+// and cuda_kernels.cu where the CUDA toolkit is found and cuda_absent.cpp elsewhere, so no shared code has an #if:
 // backends.cpp asks cuda_backend_built() whether to list "cuda", and the backend-ops test asks
 // backend_unavailable() whether this machine has a device to run it on.
 #pragma once

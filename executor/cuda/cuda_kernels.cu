@@ -3,8 +3,8 @@
 // enqueues it on a stream and returns the launch's error. One thread block per row where a row
 // reduces (RMSNorm, softmax, cross-entropy), a grid-stride loop elsewhere; fp32 arithmetic in the
 // same order of operations as the CPU kernels where the CPU has one (kernels.cpp, optim.cpp).
-// This file includes no header of ours beyond cuda_kernels.h (nvcc compiles it; fmt and the
-// C++20 headers stay with the host compiler).
+// This file includes no header of ours beyond cuda_kernels.h and kernels.h's plain declarations
+// (nvcc compiles it; fmt and the C++20 headers stay with the host compiler).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -12,12 +12,13 @@
 #include <cstdint>
 
 #include "cuda_kernels.h"
+#include "peftplan/executor/kernels.h"  // plain declarations: cpu::kIgnoreIndex
 
 namespace peftplan::executor::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr std::int32_t kIgnoreIndex = -100;  // torch.nn.CrossEntropyLoss's default (kernels.h)
+using cpu::kIgnoreIndex;  // torch.nn.CrossEntropyLoss's default
 
 // Grid-stride loops: enough blocks to fill the device a few times over, never more than needed.
 int blocks_for(Index n) {

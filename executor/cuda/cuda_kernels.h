@@ -14,7 +14,7 @@ using Index = std::int64_t;
 
 enum class Storage : std::uint8_t { fp32, bf16, fp16 };
 
-// AdamW's per-step scalars in fp32, as optim.cpp adamw_step forms them.
+// AdamW's per-step scalars in fp32, as optim.h adamw_scalars forms them.
 struct AdamWScalars {
   float decay, lerp_w, beta2, one_m_beta2, neg_step_size, bc2_sqrt, eps;
   bool decoupled;

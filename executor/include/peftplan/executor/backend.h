@@ -75,6 +75,9 @@ class Backend {
     std::uint64_t total_bytes = 0;
   };
   virtual std::optional<MemoryKinds> device_memory_kinds() { return std::nullopt; }
+  // Starts the reserved peak afresh (a Session calls it first, so that each run's figure is its
+  // own, not the highest of every run this backend served); waits for the device. No-op here.
+  virtual void reset_device_memory_peak() {}
   // Waits until every enqueued kernel and copy has finished (for timing and host reads).
   virtual void synchronize() = 0;
 

@@ -158,6 +158,10 @@ struct Calibration {
   std::string cpu_model;          // /proc/cpuinfo "model name"
   int cores = 0;                  // logical CPUs
   std::uint64_t ram_bytes = 0;    // physical memory of the host
+  // The device the backend computes on when it is not the host (Backend::device_memory_kinds):
+  // its description and memory, which the profile's GPU then has; empty / 0 on the CPU backend.
+  std::string device;
+  std::uint64_t device_memory_bytes = 0;
   int ranks = 1;                  // ranks in the run (N)
   int omp_threads = 1;            // OpenMP threads per rank (Eigen's GEMM threads)
   std::vector<GemmResult> gemm;   // one rank alone, every calibration shape

@@ -32,6 +32,20 @@ template <typename T>
 void adamw_step(T* param, const T* grad, T* m, T* v, std::int64_t n, std::int64_t step, double lr,
                 const AdamWConfig& cfg);
 
+// The per-step scalars of that update, in double as PyTorch's Python floats are (each ATen op
+// casts its scalar to the tensor dtype): every backend's AdamW forms them here.
+struct AdamWScalars {
+  double decay;          // 1 − lr·wd (param.mul_)
+  double lerp_w;         // 1 − β1 (exp_avg.lerp_)
+  double beta2;          // β2 (exp_avg_sq.mul_)
+  double one_m_beta2;    // 1 − β2 (addcmul_ value)
+  double neg_step_size;  // −lr / (1 − β1^step) (addcdiv_ value)
+  double bc2_sqrt;       // sqrt(1 − β2^step)
+  double eps;
+  bool decoupled;        // wd != 0
+};
+AdamWScalars adamw_scalars(std::int64_t step, double lr, const AdamWConfig& cfg);
+
 // torch.optim.SGD hyper-parameters (PyTorch defaults, plus the momentum we normally use).
 struct SgdConfig {
   double momentum = 0.0;      // 0 disables the buffer
