@@ -38,14 +38,14 @@ if ! cmake --preset device >"$out/configure.log" 2>&1; then
   tail -40 "$out/configure.log"
   exit 2
 fi
-if ! cmake --build --preset device -j "$jobs" --target test_backend_ops peftplan peftplan-exec peftplan-cuda-gemm \
+if ! cmake --build --preset device -j "$jobs" --target test_backend_ops test_executor peftplan peftplan-exec peftplan-cuda-gemm \
     >"$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -40
   exit 2
 fi
 bin=build/device
 
-step "backend-ops tests on the GPU (ctest -L '^device$')"
+step "device tests: backend-ops on the GPU and a training step against the CPU backend's (ctest -L '^device$')"
 if (cd "$bin" && ctest -L '^device$' --output-on-failure) >"$out/device-tests.log" 2>&1; then
   grep -E "tests passed|Total Test time" "$out/device-tests.log"
 else

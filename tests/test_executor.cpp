@@ -139,6 +139,54 @@ TEST(ExecutorMemory, MeasuredEqualsPredictedExactly) {
   }
 }
 
+// A device backend (the CUDA backend, where the build has it) trains as the CPU backend does: the
+// same plans give the same losses and gradient norms over three steps to fp32 rounding (the
+// kernels differ in summation order, not in arithmetic), and its tracked memory is the walk's,
+// category by category, as on the CPU. These cases are ctest entries labelled `device`; without
+// a device they skip, saying why (backend.h backend_unavailable).
+std::vector<std::string> device_backends() {
+  std::vector<std::string> out;
+  for (const std::string& n : backend_names())
+    if (n != "cpu") out.push_back(n);
+  return out;
+}
+
+class ExecutorDevice : public ::testing::TestWithParam<std::string> {};
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(ExecutorDevice);
+
+TEST_P(ExecutorDevice, TrainsAsTheCpuBackendDoes) {
+  if (const std::string why = backend_unavailable(GetParam()); !why.empty()) GTEST_SKIP() << GetParam() << ": " << why;
+  const std::unique_ptr<Backend> dev = make_backend(GetParam());
+  std::vector<Config> cases;
+  { Config c; c.dropout = 0.1; c.targets = {"q_proj", "k_proj", "v_proj", "o_proj"}; cases.push_back(c); }
+  { Config c; c.ckpt = planner::Checkpointing::full; c.base = DType::bf16; cases.push_back(c); }
+  { Config c; c.accum = 3; c.B = 1; cases.push_back(c); }
+  { Config c; c.model = "tiny-llama-tied"; c.targets = {"q_proj", "v_proj", "gate_proj", "down_proj"}; cases.push_back(c); }
+  { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.targets = {"k_proj", "down_proj"}; c.S = 32; cases.push_back(c); }
+  for (const Config& c : cases) {
+    planner::PlanFile pf = make_plan(c);
+    pf.input.training.lr = 3e-3;
+    Session on_cpu(pf, cpu_backend(), corpus(pf));
+    Session on_dev(pf, *dev, corpus(pf));
+    const std::string what = fmt::format("{} on {}: {} targets {} dropout {} accum {} ckpt {}", c.model, GetParam(), c.targets.size(),
+                                         fmt::join(c.targets, ","), c.dropout, c.accum, planner::name_of(c.ckpt));
+    for (int k = 0; k < 3; ++k) {
+      const StepStats want = on_cpu.step();
+      const StepStats got = on_dev.step();
+      EXPECT_NEAR(got.loss, want.loss, 1e-4 * std::abs(want.loss)) << what << ", step " << k + 1;
+      EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-3 * want.grad_norm + 1e-7) << what << ", step " << k + 1;
+    }
+    const sim::MemoryProfile walk = sim::walk_memory(on_dev.program());
+    for (int k = 0; k < sim::kNumCategories; ++k)
+      EXPECT_EQ(on_dev.memory().peak_bytes[static_cast<std::size_t>(k)], walk.category_peak_bytes[static_cast<std::size_t>(k)])
+          << what << ": " << sim::name_of(static_cast<sim::MemCategory>(k));
+    EXPECT_EQ(on_dev.memory().device_peak_bytes, walk.device_peak_bytes) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, ExecutorDevice, ::testing::ValuesIn(device_backends()),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
 // The executor interprets programs built without names (sim/ops.h: operands by slot, state
 // buffers by role, tensors by inventory index) for every strategy and offload it runs: on one
 // rank each is the same arithmetic as DDP, so the losses and gradient norms agree, and every
