@@ -35,18 +35,19 @@ namespace {
 
 // ------------------------------------------------------------------------------- error checks
 
-void check_cuda(cudaError_t e, const char* what) {
+// Each names the call, where it is, and the library's own error string and name.
+void check_cuda(cudaError_t e, const char* what, const char* file, int line) {
   if (e != cudaSuccess)
-    throw InternalError(fmt::format("cuda backend: {}: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
+    throw InternalError(fmt::format("{}:{}: cuda backend: {}: {} ({})", file, line, what, cudaGetErrorString(e), cudaGetErrorName(e)));
 }
-void check_cublas(cublasStatus_t s, const char* what) {
+void check_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
   if (s != CUBLAS_STATUS_SUCCESS)
-    throw InternalError(fmt::format("cuda backend: {}: {} ({})", what, cublasGetStatusString(s), cublasGetStatusName(s)));
+    throw InternalError(fmt::format("{}:{}: cuda backend: {}: {} ({})", file, line, what, cublasGetStatusString(s), cublasGetStatusName(s)));
 }
-#define PEFTPLAN_CUDA(call) check_cuda((call), #call)
-#define PEFTPLAN_CUBLAS(call) check_cublas((call), #call)
+#define PEFTPLAN_CUDA(call) check_cuda((call), #call, __FILE__, __LINE__)
+#define PEFTPLAN_CUBLAS(call) check_cublas((call), #call, __FILE__, __LINE__)
 // A kernel launch reports its configuration errors at once, its faults at the next synchronize.
-#define PEFTPLAN_LAUNCH(call) check_cuda((call), #call)
+#define PEFTPLAN_LAUNCH(call) check_cuda((call), #call, __FILE__, __LINE__)
 
 // SplitMix64 (Steele, Lea, Flood 2014) of the dropout key, as cpu_backend.cpp mixes it; the
 // kernels mix in the element index.
@@ -97,7 +98,7 @@ class DeviceMemory final : public MemoryResource {
       cudaGetLastError();  // clear the error so later calls are not blamed
       throw std::bad_alloc();
     }
-    check_cuda(e, "cudaMallocFromPoolAsync");  // anything else (a fault from an earlier kernel) is not "out of memory"
+    check_cuda(e, "cudaMallocFromPoolAsync", __FILE__, __LINE__);  // anything else (a fault from an earlier kernel) is not "out of memory"
     return p;
   }
   void deallocate(void* p, std::uint64_t) override { cudaFreeAsync(p, stream_); }
@@ -129,7 +130,7 @@ class PinnedHostMemory final : public MemoryResource {
       cudaGetLastError();
       throw std::bad_alloc();
     }
-    check_cuda(e, "cudaMallocHost");
+    check_cuda(e, "cudaMallocHost", __FILE__, __LINE__);
     return p;
   }
   void deallocate(void* p, std::uint64_t) override { cudaFreeHost(p); }
@@ -141,33 +142,47 @@ class PinnedHostMemory final : public MemoryResource {
 // getChosenWorkspaceSize's ":4096:8" default).
 std::uint64_t cublas_workspace_bytes(int major) { return major >= 9 ? (32ull << 20) : (4ull << 20); }
 
+// What the backend creates beside its memory sources, each released when it was made — also when
+// the constructor stops half-way.
+struct Handles {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  void* workspace = nullptr;
+  double* discarded_loss = nullptr;  // cross_entropy_backward's loss sum, not read
+  std::vector<cudaEvent_t> marks;
+  Handles() = default;
+  Handles(const Handles&) = delete;
+  Handles& operator=(const Handles&) = delete;
+  ~Handles() {
+    for (cudaEvent_t e : marks) cudaEventDestroy(e);
+    if (blas != nullptr) cublasDestroy(blas);
+    if (workspace != nullptr) cudaFree(workspace);
+    if (discarded_loss != nullptr) cudaFree(discarded_loss);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend() {
     PEFTPLAN_CUDA(cudaGetDevice(&device_));
     PEFTPLAN_CUDA(cudaGetDeviceProperties(&props_, device_));
-    PEFTPLAN_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    device_memory_.bind(stream_, device_);
-    PEFTPLAN_CUBLAS(cublasCreate(&blas_));
-    PEFTPLAN_CUBLAS(cublasSetStream(blas_, stream_));
+    PEFTPLAN_CUDA(cudaStreamCreateWithFlags(&h_.stream, cudaStreamNonBlocking));
+    device_memory_.bind(h_.stream, device_);
+    PEFTPLAN_CUBLAS(cublasCreate(&h_.blas));
+    PEFTPLAN_CUBLAS(cublasSetStream(h_.blas, h_.stream));
     // Full fp32 products: no TF32 (CUBLAS_DEFAULT_MATH is already that; said here for the reader).
-    PEFTPLAN_CUBLAS(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
+    PEFTPLAN_CUBLAS(cublasSetMathMode(h_.blas, CUBLAS_DEFAULT_MATH));
     workspace_bytes_ = cublas_workspace_bytes(props_.major);
-    PEFTPLAN_CUDA(cudaMalloc(&workspace_, workspace_bytes_));
-    PEFTPLAN_CUBLAS(cublasSetWorkspace(blas_, workspace_, workspace_bytes_));
-    PEFTPLAN_CUDA(cudaMalloc(reinterpret_cast<void**>(&discarded_loss_), sizeof(double)));
+    PEFTPLAN_CUDA(cudaMalloc(&h_.workspace, workspace_bytes_));
+    PEFTPLAN_CUBLAS(cublasSetWorkspace(h_.blas, h_.workspace, workspace_bytes_));
+    PEFTPLAN_CUDA(cudaMalloc(reinterpret_cast<void**>(&h_.discarded_loss), sizeof(double)));
     int version = 0;
-    PEFTPLAN_CUBLAS(cublasGetVersion(blas_, &version));
+    PEFTPLAN_CUBLAS(cublasGetVersion(h_.blas, &version));
     cublas_version_ = version;
   }
-  ~CudaBackend() override {
-    cudaStreamSynchronize(stream_);
-    for (cudaEvent_t e : marks_) cudaEventDestroy(e);
-    cublasDestroy(blas_);
-    cudaFree(workspace_);
-    cudaFree(discarded_loss_);
-    cudaStreamDestroy(stream_);
-  }
+  // Work still queued finishes before the pool and the handles go (members, in reverse order).
+  ~CudaBackend() override { cudaStreamSynchronize(h_.stream); }
 
   std::string_view name() const override { return "cuda"; }
   std::string description() const override {
@@ -187,12 +202,12 @@ class CudaBackend final : public Backend {
   // pointer is on, and callers do move bytes between two host buffers (offloaded states) through
   // these methods, for which a stated direction would be wrong.
   void copy_to_device(void* dst, const void* src, std::uint64_t bytes) override {
-    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
-    PEFTPLAN_CUDA(cudaStreamSynchronize(stream_));
+    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, h_.stream));
+    PEFTPLAN_CUDA(cudaStreamSynchronize(h_.stream));
   }
   void copy_to_host(void* dst, const void* src, std::uint64_t bytes) override {
-    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
-    PEFTPLAN_CUDA(cudaStreamSynchronize(stream_));
+    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, h_.stream));
+    PEFTPLAN_CUDA(cudaStreamSynchronize(h_.stream));
   }
   void copy_device(void* dst, const void* src, std::uint64_t bytes) override {
     // cudaMemcpy between overlapping device ranges is undefined: stage through the workspace
@@ -202,17 +217,17 @@ class CudaBackend final : public Backend {
     if (bytes == 0 || s == d) return;
     const bool overlap = d < s + bytes && s < d + bytes;
     if (!overlap) {
-      PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+      PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, h_.stream));
       return;
     }
     for (std::uint64_t off = 0; off < bytes; off += workspace_bytes_) {
       const std::uint64_t len = std::min<std::uint64_t>(workspace_bytes_, bytes - off);
       const std::uint64_t o = d < s ? off : bytes - off - len;  // move toward the destination's side first
-      PEFTPLAN_CUDA(cudaMemcpyAsync(workspace_, s + o, len, cudaMemcpyDefault, stream_));
-      PEFTPLAN_CUDA(cudaMemcpyAsync(d + o, workspace_, len, cudaMemcpyDefault, stream_));
+      PEFTPLAN_CUDA(cudaMemcpyAsync(h_.workspace, s + o, len, cudaMemcpyDefault, h_.stream));
+      PEFTPLAN_CUDA(cudaMemcpyAsync(d + o, h_.workspace, len, cudaMemcpyDefault, h_.stream));
     }
   }
-  void fill_zero(void* dst, std::uint64_t bytes) override { PEFTPLAN_CUDA(cudaMemsetAsync(dst, 0, bytes, stream_)); }
+  void fill_zero(void* dst, std::uint64_t bytes) override { PEFTPLAN_CUDA(cudaMemsetAsync(dst, 0, bytes, h_.stream)); }
   void reset_device_memory_peak() override {
     synchronize();
     device_memory_.reset_peak();
@@ -222,19 +237,19 @@ class CudaBackend final : public Backend {
     PEFTPLAN_CUDA(cudaMemGetInfo(&free, &total));
     return MemoryKinds{device_memory_.reserved_high(), total - free, total};
   }
-  void synchronize() override { PEFTPLAN_CUDA(cudaStreamSynchronize(stream_)); }
+  void synchronize() override { PEFTPLAN_CUDA(cudaStreamSynchronize(h_.stream)); }
 
   void reserve_marks(std::size_t slots) override {
-    while (marks_.size() < slots) {
+    while (h_.marks.size() < slots) {
       cudaEvent_t e;
       PEFTPLAN_CUDA(cudaEventCreate(&e));
-      marks_.push_back(e);
+      h_.marks.push_back(e);
     }
   }
-  void record_mark(std::size_t slot) override { PEFTPLAN_CUDA(cudaEventRecord(marks_.at(slot), stream_)); }
+  void record_mark(std::size_t slot) override { PEFTPLAN_CUDA(cudaEventRecord(h_.marks.at(slot), h_.stream)); }
   double seconds_between(std::size_t from, std::size_t to) override {
     float ms = 0.0f;
-    PEFTPLAN_CUDA(cudaEventElapsedTime(&ms, marks_.at(from), marks_.at(to)));
+    PEFTPLAN_CUDA(cudaEventElapsedTime(&ms, h_.marks.at(from), h_.marks.at(to)));
     return ms / 1000.0;
   }
 
@@ -244,7 +259,7 @@ class CudaBackend final : public Backend {
       throw InternalError(fmt::format("the cuda backend converts fp32, bf16 and fp16, not {} to {}", name_of(from), name_of(to)));
     if (n == 0) return;
     if (from == to) return copy_device(dst, src, storage_bytes(to, n));
-    PEFTPLAN_LAUNCH(cuda::convert(stream_, src, storage_of(from), dst, storage_of(to), n));
+    PEFTPLAN_LAUNCH(cuda::convert(h_.stream, src, storage_of(from), dst, storage_of(to), n));
   }
 
   // ------------------------------------------------------------------------------ GEMMs
@@ -253,7 +268,7 @@ class CudaBackend final : public Backend {
                       bool accumulate) override {
     gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, 1.0f, W, K, x, K, accumulate ? 1.0f : 0.0f, y, N);
     if (bias != nullptr) {
-      PEFTPLAN_LAUNCH(cuda::add_bias(stream_, y, bias, M, N));
+      PEFTPLAN_LAUNCH(cuda::add_bias(h_.stream, y, bias, M, N));
     }
   }
   // dx[M,K] (=|+=) dy[M,N]·W[N,K]: dxᵀ = Wᵀ·dyᵀ.
@@ -262,7 +277,7 @@ class CudaBackend final : public Backend {
     gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, 1.0f, W, K, dy, N, accumulate ? 1.0f : 0.0f, dx, K);
   }
   void dropout_forward(const float* x, float* out, Index n, const DropoutKey& key) override {
-    PEFTPLAN_LAUNCH(cuda::dropout(stream_, x, out, n, splitmix64(key.seed), key.p));
+    PEFTPLAN_LAUNCH(cuda::dropout(h_.stream, x, out, n, splitmix64(key.seed), key.p));
   }
   // u[M,r] = x_in·Aᵀ; y[M,N] += scale·u·Bᵀ.
   void lora_forward(const float* x_in, const float* A, const float* B, float scale, float* u, float* y, Index M,
@@ -285,16 +300,16 @@ class CudaBackend final : public Backend {
     }
     float* g = scratch + M * r;
     gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, M, r, 1.0f, A, K, du, r, 0.0f, g, K);
-    PEFTPLAN_LAUNCH(cuda::dropout_backward_add(stream_, g, dx, M * K, splitmix64(key.seed), key.p));
+    PEFTPLAN_LAUNCH(cuda::dropout_backward_add(h_.stream, g, dx, M * K, splitmix64(key.seed), key.p));
   }
 
   // ------------------------------------------------------------------------- row kernels
   void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* rstd, Index M, Index H) override {
-    PEFTPLAN_LAUNCH(cuda::rmsnorm_forward(stream_, x, w, eps, y, rstd, M, H));
+    PEFTPLAN_LAUNCH(cuda::rmsnorm_forward(h_.stream, x, w, eps, y, rstd, M, H));
   }
   void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx, Index M,
                         Index H, bool accumulate) override {
-    PEFTPLAN_LAUNCH(cuda::rmsnorm_backward(stream_, dy, x, w, rstd, dx, M, H, accumulate));
+    PEFTPLAN_LAUNCH(cuda::rmsnorm_backward(h_.stream, dy, x, w, rstd, dx, M, H, accumulate));
   }
   // The tables are made once per run: computed on the host by the CPU kernel (HF's fp32 formula,
   // kernels.h rope_tables) and uploaded, so both backends rotate by the very same angles.
@@ -327,7 +342,7 @@ class CudaBackend final : public Backend {
         gemm_batched(CUBLAS_OP_T, CUBLAS_OP_N, S, S, d, scale, kv(k, b, kvh, S, nkv, d), nkv * d, 0,
                      qh(q, b, h0, S, nh, d), nh * d, d, 0.0f, P + (b * nh + h0) * S * S, S, S * S, rep);
       }
-    PEFTPLAN_LAUNCH(cuda::causal_softmax(stream_, P, B * nh * S, S));
+    PEFTPLAN_LAUNCH(cuda::causal_softmax(h_.stream, P, B * nh * S, S));
     for (Index b = 0; b < B; ++b)
       for (Index kvh = 0; kvh < nkv; ++kvh) {
         const Index h0 = kvh * rep;
@@ -361,7 +376,7 @@ class CudaBackend final : public Backend {
           const float* Ph = P + (b * nh + h0) * S * S;
           gemm_batched(CUBLAS_OP_T, CUBLAS_OP_N, S, S, d, 1.0f, vv, nkv * d, 0, qh(dout, b, h0, S, nh, d), nh * d, d,
                        0.0f, scratch, S, S * S, heads);
-          PEFTPLAN_LAUNCH(cuda::softmax_backward(stream_, Ph, scratch, heads * S, S, scale));
+          PEFTPLAN_LAUNCH(cuda::softmax_backward(h_.stream, Ph, scratch, heads * S, S, scale));
           gemm_batched(CUBLAS_OP_N, CUBLAS_OP_N, d, S, S, 1.0f, kk, nkv * d, 0, scratch, S, S * S, 0.0f,
                        qh(dq, b, h0, S, nh, d), nh * d, d, heads);
           for (Index j = 0; j < heads; ++j) {
@@ -377,34 +392,34 @@ class CudaBackend final : public Backend {
 
   // ------------------------------------------------------------------------- elementwise
   void swiglu_forward(const float* gate, const float* up, float* act, Index n) override {
-    PEFTPLAN_LAUNCH(cuda::swiglu_forward(stream_, gate, up, act, n));
+    PEFTPLAN_LAUNCH(cuda::swiglu_forward(h_.stream, gate, up, act, n));
   }
   void swiglu_backward(const float* dact, const float* gate, const float* up, float* dgate, float* dup,
                        Index n) override {
-    PEFTPLAN_LAUNCH(cuda::swiglu_backward(stream_, dact, gate, up, dgate, dup, n));
+    PEFTPLAN_LAUNCH(cuda::swiglu_backward(h_.stream, dact, gate, up, dgate, dup, n));
   }
   void embedding_forward(const std::int32_t* tokens, const float* table, float* out, Index M, Index, Index H) override {
-    PEFTPLAN_LAUNCH(cuda::embedding(stream_, tokens, table, out, M, H));
+    PEFTPLAN_LAUNCH(cuda::embedding(h_.stream, tokens, table, out, M, H));
   }
   void cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M, Index V,
                              double* loss_sum) override {
-    PEFTPLAN_LAUNCH(cuda::cross_entropy(stream_, logits, targets, nullptr, 0.0, M, V, loss_sum));
+    PEFTPLAN_LAUNCH(cuda::cross_entropy(h_.stream, logits, targets, nullptr, 0.0, M, V, loss_sum));
   }
   // The loss sum of the backward pass is not returned through the Backend (the forward's is);
   // it goes to a scratch scalar of the backend's own.
   void cross_entropy_backward(const float* logits, const std::int32_t* targets, float* dlogits, double count, Index M,
                               Index V) override {
     PEFTPLAN_CHECK_MSG(count > 0, "cross-entropy token count must be positive, got {}", count);
-    PEFTPLAN_LAUNCH(cuda::cross_entropy(stream_, logits, targets, dlogits, 1.0 / count, M, V, discarded_loss_));
+    PEFTPLAN_LAUNCH(cuda::cross_entropy(h_.stream, logits, targets, dlogits, 1.0 / count, M, V, h_.discarded_loss));
   }
   void add(const float* a, const float* b, float* out, Index n) override {
-    PEFTPLAN_LAUNCH(cuda::add(stream_, a, b, out, n));
+    PEFTPLAN_LAUNCH(cuda::add(h_.stream, a, b, out, n));
   }
   void sum_squares(const float* x, Index n, double* out) override {
-    PEFTPLAN_LAUNCH(cuda::sum_squares(stream_, x, n, out));
+    PEFTPLAN_LAUNCH(cuda::sum_squares(h_.stream, x, n, out));
   }
   void scale(float* x, float s, Index n) override {
-    PEFTPLAN_LAUNCH(cuda::scale(stream_, x, s, n));
+    PEFTPLAN_LAUNCH(cuda::scale(h_.stream, x, s, n));
   }
   void adamw_step(float* param, const float* grad, float* m, float* v, Index n, std::int64_t step, double lr,
                   double beta1, double beta2, double eps, double weight_decay) override {
@@ -413,7 +428,7 @@ class CudaBackend final : public Backend {
                                static_cast<float>(d.beta2),         static_cast<float>(d.one_m_beta2),
                                static_cast<float>(d.neg_step_size), static_cast<float>(d.bc2_sqrt),
                                static_cast<float>(d.eps),           d.decoupled};
-    PEFTPLAN_LAUNCH(cuda::adamw(stream_, param, grad, m, v, n, c));
+    PEFTPLAN_LAUNCH(cuda::adamw(h_.stream, param, grad, m, v, n, c));
   }
 
  private:
@@ -421,14 +436,14 @@ class CudaBackend final : public Backend {
   void gemm(cublasOperation_t ta, cublasOperation_t tb, Index m, Index n, Index k, float alpha, const float* A,
             Index lda, const float* B, Index ldb, float beta, float* C, Index ldc) {
     if (m == 0 || n == 0) return;
-    PEFTPLAN_CUBLAS(cublasSgemm(blas_, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha, A,
+    PEFTPLAN_CUBLAS(cublasSgemm(h_.blas, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha, A,
                                 to_int(lda, "lda"), B, to_int(ldb, "ldb"), &beta, C, to_int(ldc, "ldc")));
   }
   void gemm_batched(cublasOperation_t ta, cublasOperation_t tb, Index m, Index n, Index k, float alpha,
                     const float* A, Index lda, Index sa, const float* B, Index ldb, Index sb, float beta, float* C,
                     Index ldc, Index sc, Index batch) {
     if (m == 0 || n == 0 || batch == 0) return;
-    PEFTPLAN_CUBLAS(cublasSgemmStridedBatched(blas_, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha,
+    PEFTPLAN_CUBLAS(cublasSgemmStridedBatched(h_.blas, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha,
                                               A, to_int(lda, "lda"), sa, B, to_int(ldb, "ldb"), sb, &beta, C,
                                               to_int(ldc, "ldc"), sc, to_int(batch, "batch")));
   }
@@ -439,18 +454,14 @@ class CudaBackend final : public Backend {
   static float* qh(float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
   void rope(float* x, const float* tables, Index B, Index S, Index nheads, Index d, float sign) {
     const Index half = cpu::rope_table_elems(S, d);
-    PEFTPLAN_LAUNCH(cuda::rope(stream_, x, tables, tables + half, B, S, nheads, d, sign));
+    PEFTPLAN_LAUNCH(cuda::rope(h_.stream, x, tables, tables + half, B, S, nheads, d, sign));
   }
 
   int device_ = 0;
   cudaDeviceProp props_{};
-  cudaStream_t stream_ = nullptr;
-  cublasHandle_t blas_ = nullptr;
-  void* workspace_ = nullptr;
   std::uint64_t workspace_bytes_ = 0;
-  double* discarded_loss_ = nullptr;  // cross_entropy_backward's loss sum, not read
   int cublas_version_ = 0;
-  std::vector<cudaEvent_t> marks_;
+  Handles h_;  // before the memory sources: released after them
   DeviceMemory device_memory_;
   PinnedHostMemory host_memory_;
 };
