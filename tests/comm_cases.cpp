@@ -133,30 +133,6 @@ TEST(Comm, AsyncOperationsCompleteInCallOrder) {
   }
 }
 
-// The collective progresses on the communication thread while this thread computes and never
-// calls wait(): done() turns true during the compute loop.
-TEST(Comm, AsyncAllReduceOverlapsCompute) {
-  Communicator& c = world();
-  const int n = c.size();
-  if (n == 1) GTEST_SKIP() << "one rank: its all_reduce waits for no peer, so there is nothing to overlap";
-  const std::size_t count = 4u << 20;  // 16 MiB of fp32: milliseconds even on shared memory
-  std::vector<float> grad(count, 1.0f);
-  auto req = c.all_reduce_async(grad.data(), grad.data(), count, CommDType::fp32, ReduceOp::sum);
-  std::vector<double> work(4096, 1.0);
-  long chunks_before_done = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!req->done() && std::chrono::steady_clock::now() < deadline) {
-    for (auto& w : work) w = std::sqrt(w * 1.0000001 + 1e-9);  // "backward compute"
-    ++chunks_before_done;
-  }
-  EXPECT_TRUE(req->done()) << "the all_reduce did not complete while the caller computed";
-  EXPECT_GT(chunks_before_done, 0) << "the all_reduce finished before the caller computed";
-  req->wait();
-  EXPECT_EQ(grad.front(), static_cast<float>(n));
-  EXPECT_EQ(grad.back(), static_cast<float>(n));
-  EXPECT_GT(work[0], 0.0);
-}
-
 TEST(Comm, CountersUseNcclTestsSizes) {
   Communicator& c = world();
   const int n = c.size();
