@@ -1190,9 +1190,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   }
   // A backend whose device is not the host (a GPU): shapes and programs sized for it, and the
   // profile's memory is the device's.
-  const std::optional<Backend::MemoryKinds> device_kinds = backend->device_memory_kinds();
-  const bool device = device_kinds.has_value();
-  if (device) {
+  const bool device = !backend->device_is_host();
+  if (const std::optional<Backend::MemoryKinds> device_kinds = backend->device_memory_kinds()) {
     cal.device = backend->description();
     cal.device_memory_bytes = device_kinds->total_bytes;
   }

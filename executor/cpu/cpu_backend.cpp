@@ -53,6 +53,7 @@ class CpuBackend final : public Backend {
                        EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION);
   }
   int threads() const override { return threads_; }
+  bool device_is_host() const override { return true; }
   std::uint64_t gemm_library_scratch_bytes(Index M, Index N, Index K) const override {
     return cpu::gemm_packing_bytes(M, N, K, threads_);
   }

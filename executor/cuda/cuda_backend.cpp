@@ -191,6 +191,7 @@ class CudaBackend final : public Backend {
                        cublas_version_ / 100 % 100, cublas_version_ % 100);
   }
   int threads() const override { return 1; }
+  bool device_is_host() const override { return false; }
   // cuBLAS works in the workspace set above and allocates nothing else per call.
   std::uint64_t gemm_library_scratch_bytes(Index, Index, Index) const override { return workspace_bytes_; }
 

@@ -54,7 +54,7 @@ std::string checked_backend(const std::string& name) {
 // never touching device buffers from the host. Several GPU ranks need the NCCL communicator,
 // which is not built yet: refused, naming the backend.
 std::unique_ptr<executor::Communicator> world_for(const executor::WorldRuntime& job, executor::Backend* be) {
-  if (be == nullptr || be->name() == "cpu") return job.make_world_communicator();
+  if (be == nullptr || be->device_is_host()) return job.make_world_communicator();
   if (job.size() > 1)
     throw InputError(fmt::format("--backend {}: runs one rank for now (this job has {}): several GPU ranks need the NCCL "
                                  "communicator, which this build does not have yet",

@@ -51,6 +51,9 @@ class Backend {
   virtual std::string_view name() const = 0;   // "cpu", "cuda"
   virtual std::string description() const = 0; // "cpu: 2 threads (Eigen 3.4, OpenMP)"
   virtual int threads() const = 0;             // CPU threads the kernels use
+  // Whether device memory is host memory (the CPU backend): the host may then touch buffers,
+  // communicators copy them with memmove, and calibration sizes its work for a CPU.
+  virtual bool device_is_host() const = 0;
   // Bytes a GEMM library allocates outside our allocator for one [M,K]·[K,N] product (Eigen's
   // packed panels; cuBLAS's workspace later): reported beside the tracked categories.
   virtual std::uint64_t gemm_library_scratch_bytes(Index M, Index N, Index K) const = 0;
