@@ -95,6 +95,42 @@ void BM_MakePlanNoExplanation(benchmark::State& state) {
 }
 BENCHMARK(BM_MakePlanNoExplanation)->Unit(benchmark::kMicrosecond);
 
+// Each of the explorer's seven columns alone (reports::seed_strategies plans them the same way:
+// no explanation, buffer names kept for the hover formulas, the PEFT columns sharing one inventory): full fine-tuning under
+// DDP, then LoRA under DDP, ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-2 with the optimizer offloaded, ZeRO-3
+// with both offloaded. Their sum over the cores is one keystroke (bench_gui; budget 16 ms).
+void BM_ExplorerColumn(benchmark::State& state) {
+  using planner::OffloadDevice, planner::Stage;
+  struct Column {
+    const char* label;
+    Stage stage;
+    OffloadDevice opt, param;
+  };
+  static constexpr Column kColumns[] = {{"full FT ddp", Stage::ddp, OffloadDevice::none, OffloadDevice::none},
+                                        {"ddp", Stage::ddp, OffloadDevice::none, OffloadDevice::none},
+                                        {"zero1", Stage::zero1, OffloadDevice::none, OffloadDevice::none},
+                                        {"zero2", Stage::zero2, OffloadDevice::none, OffloadDevice::none},
+                                        {"zero3", Stage::zero3, OffloadDevice::none, OffloadDevice::none},
+                                        {"zero2 + offload optimizer", Stage::zero2, OffloadDevice::cpu, OffloadDevice::none},
+                                        {"zero3 + offload optimizer and param", Stage::zero3, OffloadDevice::cpu, OffloadDevice::cpu}};
+  const Column& c = kColumns[state.range(0)];
+  planner::PlanInput in = llama70b(c.stage, 1);
+  in.strategy.offload_optimizer = c.opt;
+  in.strategy.offload_param = c.param;
+  if (state.range(0) == 0) {
+    in.peft = {};
+    in.training.full_finetune = true;
+  } else {
+    in.inventory = std::make_shared<const planner::ModelInventory>(planner::make_inventory(in.model, in.peft));
+  }
+  const sim::Cluster cluster = sim::resolve_cluster("8x8xH100-SXM-NDR");
+  planner::PlanOptions po;
+  po.explain = false;
+  for (auto _ : state) benchmark::DoNotOptimize(planner::make_plan(in, cluster, po).fits);
+  state.SetLabel(c.label);
+}
+BENCHMARK(BM_ExplorerColumn)->DenseRange(0, 6)->Unit(benchmark::kMicrosecond);
+
 // The caching allocator's replay over the same program (two steps): `reserved` and `used`.
 void BM_ReplayCachingAllocator(benchmark::State& state) {
   planner::PlanInput in = llama70b(planner::Stage::zero3, 1);

@@ -161,56 +161,74 @@ std::uint64_t CachingAllocatorModel::max_split() const {
   return config_.max_split_size_bytes.value_or(std::numeric_limits<std::uint64_t>::max());
 }
 
-CachingAllocatorModel::BlockMap::iterator CachingAllocatorModel::prev_in_segment(BlockMap::iterator it) {
-  if (it == blocks_.begin()) return blocks_.end();
-  auto p = std::prev(it);
-  return p->second.segment == it->second.segment ? p : blocks_.end();
+std::uint32_t CachingAllocatorModel::new_block(const Block& b) {
+  if (unused_.empty()) {
+    blocks_.push_back(b);
+    return static_cast<std::uint32_t>(blocks_.size() - 1);
+  }
+  const std::uint32_t slot = unused_.back();
+  unused_.pop_back();
+  blocks_[slot] = b;
+  return slot;
 }
 
-CachingAllocatorModel::BlockMap::iterator CachingAllocatorModel::next_in_segment(BlockMap::iterator it) {
-  auto n = std::next(it);
-  return n != blocks_.end() && n->second.segment == it->second.segment ? n : blocks_.end();
+std::uint32_t CachingAllocatorModel::insert_after(std::uint32_t at, Block b) {
+  b.prev = at;
+  b.next = blocks_[at].next;
+  const std::uint32_t slot = new_block(b);  // may move the slab: no references held across it
+  blocks_[at].next = slot;
+  if (b.next != kNone) blocks_[b.next].prev = slot;
+  return slot;
 }
 
-bool CachingAllocatorModel::is_split(BlockMap::iterator it) {  // Block::is_split
-  return prev_in_segment(it) != blocks_.end() || next_in_segment(it) != blocks_.end();
+void CachingAllocatorModel::drop_block(std::uint32_t b) {
+  const Block& x = blocks_[b];
+  if (x.prev != kNone) blocks_[x.prev].next = x.next;
+  if (x.next != kNone) blocks_[x.next].prev = x.prev;
+  blocks_[b] = Block{};
+  unused_.push_back(b);
 }
 
-void CachingAllocatorModel::insert_free(std::uint64_t address) {  // BlockPool::insert_into_blocks
-  const Block& b = blocks_.at(address);
-  const bool inserted = pool_for(b.small).free_blocks.insert(FreeKey{b.stream, b.size, address}).second;
+std::uint32_t CachingAllocatorModel::live_block(BlockId id, std::string_view what) const {
+  const bool live = id.address != 0 && id.slot < blocks_.size() && blocks_[id.slot].address == id.address &&
+                    blocks_[id.slot].allocated && !blocks_[id.slot].recorded;
+  PEFTPLAN_CHECK_MSG(live, "{} of block {:#x}, which is not a live allocation", what, id.address);
+  return id.slot;
+}
+
+void CachingAllocatorModel::insert_free(std::uint32_t b) {  // BlockPool::insert_into_blocks
+  const Block& x = blocks_[b];
+  const bool inserted = pool_for(x.small).free_blocks.insert(FreeKey{x.stream, x.size, x.address, b});
   PEFTPLAN_CHECK(inserted);
 }
 
-void CachingAllocatorModel::erase_free(std::uint64_t address) {
-  const Block& b = blocks_.at(address);
-  const auto erased = pool_for(b.small).free_blocks.erase(FreeKey{b.stream, b.size, address});
+void CachingAllocatorModel::erase_free(std::uint32_t b) {
+  const Block& x = blocks_[b];
+  const auto erased = pool_for(x.small).free_blocks.erase(FreeKey{x.stream, x.size, x.address, b});
   PEFTPLAN_CHECK(erased == 1);
 }
 
-std::uint64_t CachingAllocatorModel::try_merge(std::uint64_t dst, bool with_prev,
-                                               std::uint64_t& subsumed) {
+std::uint32_t CachingAllocatorModel::try_merge(std::uint32_t dst, bool with_prev, std::uint64_t& subsumed) {
   // try_merge_blocks: a neighbour in the same segment (never across segments) that is free and
   // mapped alike is absorbed. dst itself is in no set while this runs.
   subsumed = 0;
-  auto d = blocks_.find(dst);
-  auto s = with_prev ? prev_in_segment(d) : next_in_segment(d);
-  if (s == blocks_.end() || s->second.allocated || s->second.mapped != d->second.mapped) return dst;
-  Pool& p = pool_for(s->second.small);
-  if (s->second.mapped) {
-    erase_free(s->first);
+  const std::uint32_t src = with_prev ? blocks_[dst].prev : blocks_[dst].next;
+  if (src == kNone || blocks_[src].allocated || blocks_[src].mapped != blocks_[dst].mapped) return dst;
+  Block& s = blocks_[src];
+  if (s.mapped) {
+    erase_free(src);
   } else {
-    const auto erased = p.unmapped.erase(UnmappedKey{s->second.stream, s->first});
+    const auto erased = pool_for(s.small).unmapped.erase(UnmappedKey{s.stream, s.address, src});
     PEFTPLAN_CHECK(erased == 1);
   }
-  subsumed = s->second.size;
+  subsumed = s.size;
   if (with_prev) {  // [src dst]: the merged block starts at src
-    s->second.size += d->second.size;
-    blocks_.erase(d);
-    return s->first;
+    s.size += blocks_[dst].size;
+    drop_block(dst);
+    return src;
   }
-  d->second.size += s->second.size;  // [dst src]
-  blocks_.erase(s);
+  blocks_[dst].size += s.size;  // [dst src]
+  drop_block(src);
   return dst;
 }
 
@@ -218,17 +236,16 @@ std::uint32_t CachingAllocatorModel::new_segment(std::uint64_t size, std::uint64
                                                  std::uint64_t align) {
   const std::uint64_t base = round_up(next_address_, align);
   next_address_ = base + size;
-  const std::uint32_t id = next_segment_++;
-  segments_.emplace(id, Segment{base, size, page_bytes});
-  return id;
+  segments_.push_back(Segment{base, size, page_bytes});
+  return static_cast<std::uint32_t>(segments_.size() - 1);
 }
 
-std::optional<std::uint64_t> CachingAllocatorModel::get_free_block(std::uint64_t size, int stream,
+std::optional<std::uint32_t> CachingAllocatorModel::get_free_block(std::uint64_t size, int stream,
                                                                    bool small) {
   // get_free_block: best fit, the smallest cached block of at least `size` in the request's
   // pool and on its stream (BlockComparatorSize orders by stream, size, address).
   Pool& p = pool_for(small);
-  auto it = p.free_blocks.lower_bound(FreeKey{stream, size, 0});
+  auto it = p.free_blocks.lower_bound(FreeKey{stream, size, 0, 0});
   if (it == p.free_blocks.end() || it->stream != stream) return std::nullopt;
 
   if (config_.expandable_segments) {
@@ -237,8 +254,8 @@ std::optional<std::uint64_t> CachingAllocatorModel::get_free_block(std::uint64_t
     // growing end. (The branch for blocks left over from expandable_segments being switched
     // off mid-run does not arise: the option is fixed for a model's life.)
     auto expandable_size = [&](const FreeKey& k) {
-      auto n = next_in_segment(blocks_.find(k.address));
-      return k.size + (n != blocks_.end() && !n->second.mapped ? n->second.size : 0);
+      const std::uint32_t n = blocks_[k.slot].next;
+      return k.size + (n != kNone && !blocks_[n].mapped ? blocks_[n].size : 0);
     };
     for (auto next = std::next(it);
          next != p.free_blocks.end() && next->stream == stream &&
@@ -253,12 +270,12 @@ std::optional<std::uint64_t> CachingAllocatorModel::get_free_block(std::uint64_t
   const std::uint64_t ms = max_split();
   if (size < ms && it->size >= ms) return std::nullopt;
   if (size >= ms && it->size >= size + kLargeBuffer) return std::nullopt;
-  const std::uint64_t address = it->address;
+  const std::uint32_t slot = it->slot;
   p.free_blocks.erase(it);
-  return address;
+  return slot;
 }
 
-std::optional<std::uint64_t> CachingAllocatorModel::alloc_block(std::uint64_t size,
+std::optional<std::uint32_t> CachingAllocatorModel::alloc_block(std::uint64_t size,
                                                                 std::uint64_t alloc_size,
                                                                 int stream, bool small,
                                                                 bool is_retry) {
@@ -270,12 +287,17 @@ std::optional<std::uint64_t> CachingAllocatorModel::alloc_block(std::uint64_t si
   // same test alloc_block makes against set_per_process_memory_fraction's maximum).
   if (alloc_size > config_.capacity_bytes - stats_.reserved_bytes.current) return std::nullopt;
   const std::uint32_t id = new_segment(alloc_size, 0, kRoundLarge);
-  const std::uint64_t base = segments_.at(id).base;
-  blocks_.emplace(base, Block{alloc_size, 0, id, stream, small, false, true});
+  Block b;
+  b.address = segments_[id].base;
+  b.size = alloc_size;
+  b.segment = id;
+  b.stream = stream;
+  b.small = small;
+  const std::uint32_t slot = new_block(b);
   increase(stats_.segments, 1);
   increase(stats_.reserved_bytes, alloc_size);
   ++stats_.num_device_alloc;
-  return base;  // like PyTorch's new block, not in the free set
+  return slot;  // like PyTorch's new block, not in the free set
 }
 
 bool CachingAllocatorModel::release_available_cached_blocks(std::uint64_t size, int stream,
@@ -290,36 +312,33 @@ bool CachingAllocatorModel::release_available_cached_blocks(std::uint64_t size, 
   Pool& p = pool_for(small);
   const std::uint64_t ms = max_split();
   const std::uint64_t key = std::max(size, ms);
-  auto it = p.free_blocks.lower_bound(FreeKey{stream, key, 0});
+  auto it = p.free_blocks.lower_bound(FreeKey{stream, key, 0, 0});
   if (it != p.free_blocks.end() && it->stream == stream) {
-    release_block(it->address);
+    release_block(it->slot);
     return true;
   }
   if (it == p.free_blocks.begin()) return false;
   std::uint64_t released = 0;
   --it;
   while (released < key && it->size >= ms && it->stream == stream) {
-    const std::uint64_t address = it->address;
+    const std::uint32_t slot = it->slot;
     released += it->size;
     const bool first = it == p.free_blocks.begin();
     if (!first) --it;
-    release_block(address);
+    release_block(slot);
     if (first) break;
   }
   return released >= key;
 }
 
-void CachingAllocatorModel::release_block(std::uint64_t address) {
+void CachingAllocatorModel::release_block(std::uint32_t b) {
   // release_block: cudaFree of a whole cached segment.
-  auto it = blocks_.find(address);
-  PEFTPLAN_CHECK(it != blocks_.end() && !it->second.allocated && !is_split(it) &&
-                 !is_expandable(it->second));
-  erase_free(address);
+  PEFTPLAN_CHECK(blocks_[b].address != 0 && !blocks_[b].allocated && !is_split(b) && !is_expandable(b));
+  erase_free(b);
   decrease(stats_.segments, 1);
-  decrease(stats_.reserved_bytes, it->second.size);
+  decrease(stats_.reserved_bytes, blocks_[b].size);
   ++stats_.num_device_free;
-  segments_.erase(it->second.segment);
-  blocks_.erase(it);
+  drop_block(b);
 }
 
 void CachingAllocatorModel::release_cached_blocks() {
@@ -333,86 +352,85 @@ void CachingAllocatorModel::release_cached_blocks() {
 void CachingAllocatorModel::release_blocks(bool small) {
   // release_blocks: cudaFree every cached block that is a whole segment; in expandable
   // segments unmap the whole pages of every free block, and drop a segment left with no pages.
-  std::vector<std::uint64_t> whole;
-  std::vector<std::uint64_t> to_unmap;
+  std::vector<std::uint32_t> whole;
+  std::vector<std::uint32_t> to_unmap;
   for (const FreeKey& k : pool_for(small).free_blocks) {
-    auto it = blocks_.find(k.address);
-    if (is_expandable(it->second))
-      to_unmap.push_back(k.address);
-    else if (!is_split(it))
-      whole.push_back(k.address);
+    if (is_expandable(k.slot))
+      to_unmap.push_back(k.slot);
+    else if (!is_split(k.slot))
+      whole.push_back(k.slot);
   }
-  for (std::uint64_t a : whole) release_block(a);
-  for (std::uint64_t a : to_unmap) {
-    const auto unmapped = unmap_block(a);
-    if (unmapped && !is_split(blocks_.find(*unmapped))) release_expandable_segment(*unmapped);
+  for (std::uint32_t b : whole) release_block(b);
+  for (std::uint32_t b : to_unmap) {
+    const auto unmapped = unmap_block(b);
+    if (unmapped && !is_split(*unmapped)) release_expandable_segment(*unmapped);
   }
 }
 
-std::optional<std::uint64_t> CachingAllocatorModel::unmap_block(std::uint64_t address) {
+std::optional<std::uint32_t> CachingAllocatorModel::unmap_block(std::uint32_t b) {
   // unmap_block with ExpandableSegment::unmap: only pages lying wholly inside the free block
   // are unmapped; the partial pages before and after stay mapped as free blocks.
-  auto it = blocks_.find(address);
-  const Block b = it->second;
-  const Segment& seg = segments_.at(b.segment);
+  const Block x = blocks_[b];
+  const Segment& seg = segments_[x.segment];
   const std::uint64_t page = seg.page_bytes;
-  const std::uint64_t begin = seg.base + round_up(address - seg.base, page);
-  const std::uint64_t end = seg.base + (address + b.size - seg.base) / page * page;
+  const std::uint64_t begin = seg.base + round_up(x.address - seg.base, page);
+  const std::uint64_t end = seg.base + (x.address + x.size - seg.base) / page * page;
   if (begin >= end) return std::nullopt;
-  erase_free(address);
+  erase_free(b);
 
-  Block hole = b;
+  Block hole = x;
+  hole.address = begin;
   hole.size = end - begin;
   hole.mapped = false;
-  if (begin > address) {
-    it->second.size = begin - address;
-    insert_free(address);
-    blocks_.emplace(begin, hole);
+  std::uint32_t at = b;  // the hole's slot
+  if (begin > x.address) {
+    blocks_[b].size = begin - x.address;
+    insert_free(b);
+    at = insert_after(b, hole);
   } else {
-    it->second = hole;
+    blocks_[b] = hole;  // keeps b's links
   }
-  if (address + b.size > end) {
-    Block after = b;
-    after.size = address + b.size - end;
-    blocks_.emplace(end, after);
-    insert_free(end);
+  if (x.address + x.size > end) {
+    Block after = x;
+    after.address = end;
+    after.size = x.address + x.size - end;
+    insert_free(insert_after(at, after));
   }
   std::uint64_t subsumed = 0;
-  std::uint64_t merged = try_merge(begin, true, subsumed);
+  std::uint32_t merged = try_merge(at, true, subsumed);
   merged = try_merge(merged, false, subsumed);
-  pool_for(b.small).unmapped.insert(UnmappedKey{b.stream, merged});
+  pool_for(x.small).unmapped.insert(UnmappedKey{x.stream, blocks_[merged].address, merged});
   decrease(stats_.reserved_bytes, end - begin);
   ++stats_.num_device_free;
   return merged;
 }
 
-void CachingAllocatorModel::release_expandable_segment(std::uint64_t address) {
+void CachingAllocatorModel::release_expandable_segment(std::uint32_t b) {
   // release_expandable_segment: the segment is one unmapped range again; drop it.
-  auto it = blocks_.find(address);
-  PEFTPLAN_CHECK(it != blocks_.end() && !it->second.mapped && !is_split(it));
-  const auto erased = pool_for(it->second.small).unmapped.erase(UnmappedKey{it->second.stream, address});
+  const Block& x = blocks_[b];
+  PEFTPLAN_CHECK(x.address != 0 && !x.mapped && !is_split(b));
+  const auto erased = pool_for(x.small).unmapped.erase(UnmappedKey{x.stream, x.address, b});
   PEFTPLAN_CHECK(erased == 1);
   decrease(stats_.expandable_segments, 1);
-  segments_.erase(it->second.segment);
-  blocks_.erase(it);
+  drop_block(b);
 }
 
-std::optional<std::uint64_t> CachingAllocatorModel::try_allocate_expandable_block(std::uint64_t size,
+std::optional<std::uint32_t> CachingAllocatorModel::try_allocate_expandable_block(std::uint64_t size,
                                                                                   int stream,
                                                                                   bool small) {
   // try_allocate_expandable_block: map pages onto the candidate (or after it) until one free
   // block of at least `size` exists. If a mapping fails, the pages mapped so far stay mapped.
-  std::uint64_t candidate = find_expandable_block(size, stream, small);
-  if (!blocks_.at(candidate).mapped) {
-    const auto mapped = map_block(candidate, std::min(blocks_.at(candidate).size, size));
+  std::uint32_t candidate = find_expandable_block(size, stream, small);
+  if (!blocks_[candidate].mapped) {
+    const auto mapped = map_block(candidate, std::min(blocks_[candidate].size, size));
     if (!mapped) return std::nullopt;
     candidate = *mapped;
   }
-  while (blocks_.at(candidate).size < size) {
-    auto next = next_in_segment(blocks_.find(candidate));
-    PEFTPLAN_CHECK(next != blocks_.end() && !next->second.mapped);
-    const std::uint64_t remaining = size - blocks_.at(candidate).size;
-    const auto mapped = map_block(next->first, std::min(remaining, next->second.size));
+  while (blocks_[candidate].size < size) {
+    const std::uint32_t next = blocks_[candidate].next;
+    PEFTPLAN_CHECK(next != kNone && !blocks_[next].mapped);
+    const std::uint64_t remaining = size - blocks_[candidate].size;
+    const auto mapped = map_block(next, std::min(remaining, blocks_[next].size));
     if (!mapped) return std::nullopt;
     candidate = *mapped;
   }
@@ -420,54 +438,58 @@ std::optional<std::uint64_t> CachingAllocatorModel::try_allocate_expandable_bloc
   return candidate;
 }
 
-std::uint64_t CachingAllocatorModel::find_expandable_block(std::uint64_t size, int stream,
-                                                           bool small) {
+std::uint32_t CachingAllocatorModel::find_expandable_block(std::uint64_t size, int stream, bool small) {
   // find_expandable_block: the lowest-addressed unmapped range on this stream that, together
   // with a free block just before it and the free or unmapped blocks after, has room for
   // `size`; failing that, a new expandable segment (pages of kSmallBuffer in the small pool,
   // kLargeBuffer in the large: 2 MiB and 20 MiB, as the Note [Expandable Segments] says).
   Pool& p = pool_for(small);
-  for (auto u = p.unmapped.lower_bound(UnmappedKey{stream, 0});
+  for (auto u = p.unmapped.lower_bound(UnmappedKey{stream, 0, 0});
        u != p.unmapped.end() && u->stream == stream; ++u) {
-    auto c = blocks_.find(u->address);
-    auto before = prev_in_segment(c);
-    if (before != blocks_.end() && !before->second.allocated) c = before;
+    std::uint32_t c = u->slot;
+    const std::uint32_t before = blocks_[c].prev;
+    if (before != kNone && !blocks_[before].allocated) c = before;
     std::uint64_t room = 0;  // has_available_address_space
-    for (auto b = c; room < size && b != blocks_.end() && !b->second.allocated; b = next_in_segment(b))
-      room += b->second.size;
-    if (room >= size) return c->first;
+    for (std::uint32_t b = c; room < size && b != kNone && !blocks_[b].allocated; b = blocks_[b].next)
+      room += blocks_[b].size;
+    if (room >= size) return c;
   }
   const std::uint64_t page = small ? kSmallBuffer : kLargeBuffer;
   const std::uint32_t id = new_segment(page * kExpandablePages, page, page);
-  const std::uint64_t base = segments_.at(id).base;
-  blocks_.emplace(base, Block{page * kExpandablePages, 0, id, stream, small, false, false});
-  p.unmapped.insert(UnmappedKey{stream, base});
+  Block b;
+  b.address = segments_[id].base;
+  b.size = page * kExpandablePages;
+  b.segment = id;
+  b.stream = stream;
+  b.small = small;
+  b.mapped = false;
+  const std::uint32_t slot = new_block(b);
+  p.unmapped.insert(UnmappedKey{stream, b.address, slot});
   increase(stats_.expandable_segments, 1);
-  return base;
+  return slot;
 }
 
-std::optional<std::uint64_t> CachingAllocatorModel::map_block(std::uint64_t address,
-                                                              std::uint64_t bytes) {
+std::optional<std::uint32_t> CachingAllocatorModel::map_block(std::uint32_t b, std::uint64_t bytes) {
   // map_block with ExpandableSegment::map: whole pages from the start of the unmapped range,
   // all or nothing; the new pages join the free block before them, if any.
-  auto it = blocks_.find(address);
-  Block& b = it->second;
-  const std::uint64_t page = segments_.at(b.segment).page_bytes;
-  PEFTPLAN_CHECK(!b.mapped && bytes > 0 && bytes <= b.size);
+  const Block x = blocks_[b];
+  const std::uint64_t page = segments_[x.segment].page_bytes;
+  PEFTPLAN_CHECK(!x.mapped && bytes > 0 && bytes <= x.size);
   const std::uint64_t mapped = round_up(bytes, page);
   if (mapped > config_.capacity_bytes - stats_.reserved_bytes.current) return std::nullopt;
-  Pool& p = pool_for(b.small);
-  p.unmapped.erase(UnmappedKey{b.stream, address});
-  if (mapped < b.size) {
-    Block tail = b;
-    tail.size = b.size - mapped;
-    blocks_.emplace(address + mapped, tail);
-    p.unmapped.insert(UnmappedKey{b.stream, address + mapped});
-    b.size = mapped;
+  Pool& p = pool_for(x.small);
+  p.unmapped.erase(UnmappedKey{x.stream, x.address, b});
+  if (mapped < x.size) {
+    Block tail = x;
+    tail.address = x.address + mapped;
+    tail.size = x.size - mapped;
+    blocks_[b].size = mapped;
+    const std::uint32_t t = insert_after(b, tail);
+    p.unmapped.insert(UnmappedKey{x.stream, tail.address, t});
   }
-  b.mapped = true;
+  blocks_[b].mapped = true;
   std::uint64_t subsumed = 0;
-  std::uint64_t merged = try_merge(address, true, subsumed);
+  std::uint32_t merged = try_merge(b, true, subsumed);
   merged = try_merge(merged, false, subsumed);
   insert_free(merged);
   increase(stats_.reserved_bytes, mapped);
@@ -475,30 +497,28 @@ std::optional<std::uint64_t> CachingAllocatorModel::map_block(std::uint64_t addr
   return merged;
 }
 
-bool CachingAllocatorModel::should_split(const Block& b, std::uint64_t size) const {
+bool CachingAllocatorModel::should_split(std::uint32_t b, std::uint64_t size) const {
   // should_split: in the small pool (and everywhere with expandable segments) any remainder of
   // at least kMinBlockSize is split off; in the large pool only a remainder of more than
   // kSmallSize, and only for a request below max_split_size.
-  const std::uint64_t remaining = b.size - size;
-  if (b.small || config_.expandable_segments) return remaining >= kMinBlockSize;
+  const std::uint64_t remaining = blocks_[b].size - size;
+  if (blocks_[b].small || config_.expandable_segments) return remaining >= kMinBlockSize;
   return size < max_split() && remaining > kSmallSize;
 }
 
-void CachingAllocatorModel::alloc_found_block(std::uint64_t address, std::uint64_t size,
-                                              std::uint64_t bytes, bool split) {
+void CachingAllocatorModel::alloc_found_block(std::uint32_t b, std::uint64_t size, std::uint64_t bytes,
+                                              bool split) {
   // alloc_found_block: the request takes the front of the block; a split-off remainder goes
   // back to the free set. inactive_split counts free pieces of partly used cudaMalloc
   // segments (expandable segments are left out of it, as in PyTorch).
-  auto it = blocks_.find(address);
-  Block& b = it->second;
   const bool counted = !is_expandable(b);
-  const bool already_split = is_split(it);
+  const bool already_split = is_split(b);
   if (split) {
-    Block remainder = b;
-    remainder.size = b.size - size;
-    b.size = size;
-    blocks_.emplace(address + size, remainder);
-    insert_free(address + size);
+    Block remainder = blocks_[b];
+    remainder.address += size;
+    remainder.size -= size;
+    blocks_[b].size = size;
+    insert_free(insert_after(b, remainder));
     if (counted && already_split) {
       decrease(stats_.inactive_split_bytes, size);
     } else if (counted) {
@@ -506,29 +526,29 @@ void CachingAllocatorModel::alloc_found_block(std::uint64_t address, std::uint64
       increase(stats_.inactive_split, 1);
     }
   } else if (counted && already_split) {
-    decrease(stats_.inactive_split_bytes, b.size);
+    decrease(stats_.inactive_split_bytes, blocks_[b].size);
     decrease(stats_.inactive_split, 1);
   }
-  b.allocated = true;
-  b.requested_bytes = bytes;
+  Block& x = blocks_[b];
+  x.allocated = true;
+  x.requested_bytes = bytes;
   // allocated_bytes counts block->size: the rounded size, or the whole block when the
   // remainder was too small to split off.
   increase(stats_.allocations, 1);
-  increase(stats_.allocated_bytes, b.size);
+  increase(stats_.allocated_bytes, x.size);
   increase(stats_.requested_bytes, bytes);
 }
 
-void CachingAllocatorModel::free_block(std::uint64_t address) {
+void CachingAllocatorModel::free_block(std::uint32_t b) {
   // free_block: merge with free neighbours of the same segment, back into the free set.
-  auto it = blocks_.find(address);
-  const bool counted = !is_expandable(it->second);
-  const std::uint64_t requested = it->second.requested_bytes;
-  it->second.allocated = false;
-  it->second.requested_bytes = 0;
+  const bool counted = !is_expandable(b);
+  const std::uint64_t requested = blocks_[b].requested_bytes;
+  blocks_[b].allocated = false;
+  blocks_[b].requested_bytes = 0;
   std::int64_t net_blocks = 0;
   std::int64_t net_bytes = 0;
   std::uint64_t subsumed = 0;
-  std::uint64_t merged = try_merge(address, true, subsumed);
+  std::uint32_t merged = try_merge(b, true, subsumed);
   if (subsumed > 0) {
     net_blocks -= 1;
     net_bytes -= static_cast<std::int64_t>(subsumed);
@@ -539,10 +559,9 @@ void CachingAllocatorModel::free_block(std::uint64_t address) {
     net_bytes -= static_cast<std::int64_t>(subsumed);
   }
   insert_free(merged);
-  auto m = blocks_.find(merged);
-  if (is_split(m)) {
+  if (is_split(merged)) {
     net_blocks += 1;
-    net_bytes += static_cast<std::int64_t>(m->second.size);
+    net_bytes += static_cast<std::int64_t>(blocks_[merged].size);
   }
   if (counted) {
     apply(stats_.inactive_split, net_blocks);
@@ -569,7 +588,7 @@ std::optional<BlockId> CachingAllocatorModel::malloc(std::uint64_t bytes, int st
   // A cached block first; else a new segment; else free enough oversize cached blocks and try
   // again; else free every cached segment (release_cached_blocks) and retry once. (The
   // free-memory callbacks and garbage collection in between do nothing in a default process.)
-  std::optional<std::uint64_t> found = get_free_block(size, stream, small);
+  std::optional<std::uint32_t> found = get_free_block(size, stream, small);
   if (!found) {
     found = alloc_block(size, alloc_size, stream, small, false);
     if (!found && release_available_cached_blocks(size, stream, small))
@@ -580,41 +599,38 @@ std::optional<BlockId> CachingAllocatorModel::malloc(std::uint64_t bytes, int st
     }
   }
   if (!found) return out_of_memory();
-  alloc_found_block(*found, size, bytes, should_split(blocks_.at(*found), size));
-  return BlockId{*found};
+  alloc_found_block(*found, size, bytes, should_split(*found, size));
+  return BlockId{blocks_[*found].address, *found};
 }
 
 void CachingAllocatorModel::free(BlockId id) {
   // NativeCachingAllocator::free: a null pointer is ignored.
   if (id.address == 0) return;
-  auto it = blocks_.find(id.address);
-  PEFTPLAN_CHECK_MSG(it != blocks_.end() && it->second.allocated && !it->second.recorded,
-                     "free of block {:#x}, which is not a live allocation", id.address);
+  const std::uint32_t b = live_block(id, "free");
   // DeviceCachingAllocator::free: allocated bytes drop by the block's size.
   decrease(stats_.allocations, 1);
-  decrease(stats_.allocated_bytes, it->second.size);
-  free_block(id.address);
+  decrease(stats_.allocated_bytes, blocks_[b].size);
+  free_block(b);
 }
 
 void CachingAllocatorModel::free_recorded(BlockId id) {
-  auto it = blocks_.find(id.address);
-  PEFTPLAN_CHECK_MSG(id.address != 0 && it != blocks_.end() && it->second.allocated && !it->second.recorded,
-                     "recorded free of block {:#x}, which is not a live allocation", id.address);
+  const std::uint32_t b = live_block(id, "recorded free");
+  Block& x = blocks_[b];
   // DeviceCachingAllocator::free: the stats drop before insert_events defers the block.
   decrease(stats_.allocations, 1);
-  decrease(stats_.allocated_bytes, it->second.size);
-  decrease(stats_.requested_bytes, it->second.requested_bytes);
-  it->second.requested_bytes = 0;
-  it->second.recorded = true;
-  recorded_.push_back(id.address);
+  decrease(stats_.allocated_bytes, x.size);
+  decrease(stats_.requested_bytes, x.requested_bytes);
+  x.requested_bytes = 0;
+  x.recorded = true;
+  recorded_.push_back(b);
 }
 
 void CachingAllocatorModel::release_oldest_recorded() {
   PEFTPLAN_CHECK(!recorded_.empty());
-  const std::uint64_t address = recorded_.front();
+  const std::uint32_t b = recorded_.front();
   recorded_.pop_front();
-  blocks_.at(address).recorded = false;
-  free_block(address);  // process_events: its last event completed
+  blocks_[b].recorded = false;
+  free_block(b);  // process_events: its last event completed
 }
 
 void CachingAllocatorModel::empty_cache() {
@@ -682,12 +698,23 @@ AllocatorReplay replay_caching_allocator(const Program& program, const Allocator
       note_oom(op_index, blocks[k].has_value());
     }
   };
-  auto run = [&](bool setup) {
-    for (std::size_t i = 0; i < program.ops.size(); ++i) {
+  // The ops the replay acts on, in program order, listed once for the setup and once for a step:
+  // allocs and frees of device buffers, and where buffers come in pieces every op that may touch
+  // one.
+  std::vector<std::uint32_t> setup_ops, step_ops;
+  for (std::size_t i = 0; i < program.ops.size(); ++i) {
+    const Op& op = program.ops[i];
+    bool acts = any_pieces;
+    if (op.kind == OpKind::alloc || op.kind == OpKind::free) {
+      const Buffer& buf = program.buffers[static_cast<std::size_t>(op.buffer)];
+      acts = !on_host(buf.category) && buf.view_of < 0;
+    }
+    if (acts) (op.phase == Phase::setup ? setup_ops : step_ops).push_back(static_cast<std::uint32_t>(i));
+  }
+  auto run = [&](const std::vector<std::uint32_t>& order) {
+    for (const std::uint32_t i : order) {
       const Op& op = program.ops[i];
-      if ((op.phase == Phase::setup) != setup) continue;
       if (op.kind != OpKind::alloc && op.kind != OpKind::free) {
-        if (!any_pieces) continue;
         touch(i, op, op.buffer);
         touch(i, op, op.buffer_out);
         touch(i, op, op.buffer_in);
@@ -697,7 +724,6 @@ AllocatorReplay replay_caching_allocator(const Program& program, const Allocator
       }
       const auto b = static_cast<std::size_t>(op.buffer);
       const Buffer& buf = program.buffers[b];
-      if (on_host(buf.category) || buf.view_of >= 0) continue;
       if (!buf.pieces.empty()) {  // its pieces come with their first use
         if (op.kind == OpKind::alloc) {
           if (active[b]) free_pieces(b);  // left live by the previous step
@@ -722,8 +748,8 @@ AllocatorReplay replay_caching_allocator(const Program& program, const Allocator
       }
     }
   };
-  run(true);
-  for (int s = 0; s < steps; ++s) run(false);
+  run(setup_ops);
+  for (int s = 0; s < steps; ++s) run(step_ops);
   r.allocated_peak_bytes = model.stats().allocated_bytes.peak;
   r.reserved_peak_bytes = model.stats().reserved_bytes.peak;
   r.num_alloc_retries = model.stats().num_alloc_retries;

@@ -15,15 +15,14 @@
 // program (the planner's `reserved`).
 #pragma once
 
+#include <algorithm>
 #include <compare>
 #include <cstdint>
 #include <deque>
 #include <limits>
-#include <map>
 #include <optional>
-#include <set>
 #include <string_view>
-#include <unordered_map>
+#include <vector>
 
 #include "peftplan/sim/program.h"
 
@@ -57,10 +56,12 @@ struct AllocatorConfig {
   static AllocatorConfig parse(std::string_view alloc_conf, std::uint64_t capacity);
 };
 
-// A live allocation: its modelled device address. address 0 is the null pointer PyTorch returns
-// for a 0-byte request (no block, no memory); freeing it does nothing.
+// A live allocation: its modelled device address, and the model's handle for the block (so that a
+// free finds it without a search). address 0 is the null pointer PyTorch returns for a 0-byte
+// request (no block, no memory); freeing it does nothing.
 struct BlockId {
   std::uint64_t address = 0;
+  std::uint32_t slot = 0;
   friend bool operator==(const BlockId&, const BlockId&) = default;
 };
 
@@ -125,10 +126,16 @@ class CachingAllocatorModel {
   const AllocatorConfig& config() const { return config_; }
 
  private:
+  static constexpr std::uint32_t kNone = 0xffffffffu;
+  // A block and its neighbours inside its segment (PyTorch's Block::prev / Block::next): blocks
+  // tile their segment in address order. Blocks live in a slab and are named by their slot.
   struct Block {
+    std::uint64_t address = 0;          // 0: the slot is unused
     std::uint64_t size = 0;             // bytes, a multiple of 512
     std::uint64_t requested_bytes = 0;  // what malloc() asked for, while allocated
     std::uint32_t segment = 0;          // owning segment
+    std::uint32_t prev = kNone;         // the block before it in its segment
+    std::uint32_t next = kNone;         // the block after it in its segment
     int stream = 0;
     bool small = false;      // small pool (blocks of requests <= 1 MiB)
     bool allocated = false;  // handed out by malloc()
@@ -145,58 +152,87 @@ class CachingAllocatorModel {
     int stream = 0;
     std::uint64_t size = 0;
     std::uint64_t address = 0;
+    std::uint32_t slot = 0;  // the block (addresses are unique, so it never decides the order)
     auto operator<=>(const FreeKey&) const = default;
   };
   struct UnmappedKey {  // unmapped ranges in address order per stream
     int stream = 0;
     std::uint64_t address = 0;
+    std::uint32_t slot = 0;
     auto operator<=>(const UnmappedKey&) const = default;
   };
-  struct Pool {
-    std::set<FreeKey> free_blocks;   // BlockPool::blocks: cached free, mapped blocks
-    std::set<UnmappedKey> unmapped;  // BlockPool::unmapped: expandable ranges without pages
+  // An ordered set in a sorted vector: a step program's pools hold tens of free blocks (40 at
+  // most in a Llama-2-70B ZeRO-3 replay), where shifting a few hundred bytes beats a tree's node
+  // allocation and pointer chasing. Erasing invalidates only the iterators at and after it.
+  template <typename K>
+  class FlatSet {
+   public:
+    using iterator = typename std::vector<K>::iterator;
+    iterator begin() { return v_.begin(); }
+    iterator end() { return v_.end(); }
+    std::size_t size() const { return v_.size(); }
+    iterator lower_bound(const K& k) { return std::lower_bound(v_.begin(), v_.end(), k); }
+    bool insert(const K& k) {
+      const auto it = lower_bound(k);
+      if (it != v_.end() && *it == k) return false;
+      v_.insert(it, k);
+      return true;
+    }
+    std::size_t erase(const K& k) {
+      const auto it = lower_bound(k);
+      if (it == v_.end() || !(*it == k)) return 0;
+      v_.erase(it);
+      return 1;
+    }
+    iterator erase(iterator it) { return v_.erase(it); }
+
+   private:
+    std::vector<K> v_;
   };
-  // Every block by address. Blocks tile their segment, so a block's neighbours inside its
-  // segment (Block::prev/next in PyTorch) are the adjacent entries with the same segment id.
-  using BlockMap = std::map<std::uint64_t, Block>;
+  struct Pool {
+    FlatSet<FreeKey> free_blocks;   // BlockPool::blocks: cached free, mapped blocks
+    FlatSet<UnmappedKey> unmapped;  // BlockPool::unmapped: expandable ranges without pages
+  };
 
   Pool& pool_for(bool small) { return small ? small_ : large_; }
   std::uint64_t max_split() const;
-  bool is_expandable(const Block& b) const { return segments_.at(b.segment).page_bytes != 0; }
-  BlockMap::iterator prev_in_segment(BlockMap::iterator it);
-  BlockMap::iterator next_in_segment(BlockMap::iterator it);
-  bool is_split(BlockMap::iterator it);
-  void insert_free(std::uint64_t address);
-  void erase_free(std::uint64_t address);
-  std::uint64_t try_merge(std::uint64_t dst, bool with_prev, std::uint64_t& subsumed);
+  bool is_expandable(std::uint32_t b) const { return segments_[blocks_[b].segment].page_bytes != 0; }
+  bool is_split(std::uint32_t b) const { return blocks_[b].prev != kNone || blocks_[b].next != kNone; }
+  std::uint32_t new_block(const Block& b);
+  std::uint32_t insert_after(std::uint32_t at, Block b);  // links b in right after `at`
+  void drop_block(std::uint32_t b);                         // unlinks b and frees its slot
+  std::uint32_t live_block(BlockId id, std::string_view what) const;
+  void insert_free(std::uint32_t b);
+  void erase_free(std::uint32_t b);
+  std::uint32_t try_merge(std::uint32_t dst, bool with_prev, std::uint64_t& subsumed);
 
-  std::optional<std::uint64_t> get_free_block(std::uint64_t size, int stream, bool small);
-  std::optional<std::uint64_t> alloc_block(std::uint64_t size, std::uint64_t alloc_size, int stream,
+  std::optional<std::uint32_t> get_free_block(std::uint64_t size, int stream, bool small);
+  std::optional<std::uint32_t> alloc_block(std::uint64_t size, std::uint64_t alloc_size, int stream,
                                            bool small, bool is_retry);
   bool release_available_cached_blocks(std::uint64_t size, int stream, bool small);
   void release_cached_blocks();
   void release_blocks(bool small);
-  void release_block(std::uint64_t address);
-  std::optional<std::uint64_t> unmap_block(std::uint64_t address);
-  void release_expandable_segment(std::uint64_t address);
-  std::optional<std::uint64_t> try_allocate_expandable_block(std::uint64_t size, int stream,
+  void release_block(std::uint32_t b);
+  std::optional<std::uint32_t> unmap_block(std::uint32_t b);
+  void release_expandable_segment(std::uint32_t b);
+  std::optional<std::uint32_t> try_allocate_expandable_block(std::uint64_t size, int stream,
                                                              bool small);
-  std::uint64_t find_expandable_block(std::uint64_t size, int stream, bool small);
-  std::optional<std::uint64_t> map_block(std::uint64_t address, std::uint64_t bytes);
-  bool should_split(const Block& b, std::uint64_t size) const;
-  void alloc_found_block(std::uint64_t address, std::uint64_t size, std::uint64_t bytes, bool split);
-  void free_block(std::uint64_t address);
+  std::uint32_t find_expandable_block(std::uint64_t size, int stream, bool small);
+  std::optional<std::uint32_t> map_block(std::uint32_t b, std::uint64_t bytes);
+  bool should_split(std::uint32_t b, std::uint64_t size) const;
+  void alloc_found_block(std::uint32_t b, std::uint64_t size, std::uint64_t bytes, bool split);
+  void free_block(std::uint32_t b);
   std::uint32_t new_segment(std::uint64_t size, std::uint64_t page_bytes, std::uint64_t align);
 
   AllocatorConfig config_;
   AllocatorStats stats_;
-  BlockMap blocks_;
+  std::vector<Block> blocks_;           // the slab
+  std::vector<std::uint32_t> unused_;   // its free slots
   Pool small_;
   Pool large_;
-  std::unordered_map<std::uint32_t, Segment> segments_;
-  std::deque<std::uint64_t> recorded_;  // freed blocks waiting for their events, oldest first
-  std::uint32_t next_segment_ = 0;
-  std::uint64_t next_address_;  // where the next segment's address range starts
+  std::vector<Segment> segments_;       // by id; a released segment's entry stays, unused
+  std::deque<std::uint32_t> recorded_;  // freed blocks waiting for their events, oldest first
+  std::uint64_t next_address_;          // where the next segment's address range starts
 };
 
 // A step program's device buffers replayed through the allocator: the setup buffers once, then
