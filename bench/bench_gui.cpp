@@ -22,6 +22,7 @@
 #include <QTimer>
 
 #include "explorer.h"
+#include "peftplan/common/heap.h"
 #include "peftplan/reports/report.h"
 
 using namespace peftplan;
@@ -47,6 +48,7 @@ std::vector<double> time_ms(int repeats, F&& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  keep_freed_heap_memory();  // as peftplan-gui's main does
   if (!std::getenv("QT_QPA_PLATFORM")) qputenv("QT_QPA_PLATFORM", "offscreen");
   QApplication app(argc, argv);
   int repeats = 7;

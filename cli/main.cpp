@@ -11,8 +11,10 @@
 #include "commands.h"
 #include "plan_flags.h"
 #include "peftplan/common/error.h"
+#include "peftplan/common/heap.h"
 
 int main(int argc, char** argv) {
+  peftplan::keep_freed_heap_memory();  // recommend and sweep plan thousands over the cores
   CLI::App app{"peftplan: plan, simulate and validate distributed PEFT (LoRA) fine-tuning"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "peftplan 0.1.0");

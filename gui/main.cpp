@@ -12,6 +12,7 @@
 
 #include "explorer.h"
 #include "peftplan/common/error.h"
+#include "peftplan/common/heap.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/specs.h"
 
@@ -28,6 +29,7 @@ int bad_input(std::string message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  peftplan::keep_freed_heap_memory();  // every change re-plans every strategy over the cores
   QApplication app(argc, argv);
   QApplication::setApplicationName("peftplan-gui");
   QCommandLineParser cli;

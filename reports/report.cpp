@@ -286,6 +286,7 @@ std::vector<KnobDelta> knob_deltas(const Plan& base) {
   planner::PlanOptions po;
   po.headroom_fraction = base.headroom_fraction;
   po.explain = false;
+  po.names = false;  // only the figures of each neighbour are shown
   auto try_one = [&](const std::string& knob, const std::string& change, planner::PlanInput in) {
     try {
       const Plan p = planner::make_plan(in, base.cluster, po);
