@@ -4,6 +4,7 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
+#include "peftplan/common/heap.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/program.h"
@@ -164,4 +165,11 @@ void BM_Recommend(benchmark::State& state) {
 }
 BENCHMARK(BM_Recommend)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  peftplan::keep_freed_heap_memory();  // as peftplan's and peftplan-gui's main do
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
