@@ -185,13 +185,37 @@ void explain(Plan& p) {
 
 }  // namespace
 
+PlanInput input_on(const PlanInput& input, const sim::Cluster& cluster) {
+  PlanInput in = input;
+  if (in.device_sm == 0) in.device_sm = cluster.gpu.compute_capability;
+  return in;
+}
+
+namespace {
+
+// make_plan after the build: `warnings` are validate(input)'s.
+Plan finish_plan(const PlanInput& input, std::vector<std::string> warnings, BuiltProgram built, const sim::Cluster& cluster,
+                 const PlanOptions& options);
+
+}  // namespace
+
 Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOptions& options) {
+  std::vector<std::string> warnings = validate(input);  // refuses contradictions before the builder meets them
+  return finish_plan(input, std::move(warnings), build_program(input_on(input, cluster), BuildOptions{options.names}), cluster, options);
+}
+
+Plan make_plan_with(const PlanInput& input, BuiltProgram built, const sim::Cluster& cluster, const PlanOptions& options) {
+  return finish_plan(input, validate(input), std::move(built), cluster, options);
+}
+
+namespace {
+
+Plan finish_plan(const PlanInput& input, std::vector<std::string> warnings, BuiltProgram built, const sim::Cluster& cluster,
+                 const PlanOptions& options) {
   Plan p;
-  p.input = input;
-  if (p.input.device_sm == 0) p.input.device_sm = cluster.gpu.compute_capability;
+  p.input = input_on(input, cluster);
   p.cluster = cluster;
-  p.warnings = validate(input);
-  BuiltProgram built = build_program(p.input, BuildOptions{options.names});
+  p.warnings = std::move(warnings);
   p.facts = built.facts;
   p.program = std::move(built.program);
   sim::verify_or_throw(p.program);  // what the walk, the allocator model and the timeline assume
@@ -206,6 +230,12 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   p.headroom_fraction = options.headroom_fraction;
   if (p.input.profile == RuntimeProfile::executor) {
     p.reserved_peak_bytes = p.used_peak_bytes = p.memory.device_peak_bytes;  // our allocator holds what it uses
+  } else if (options.skip_replay_when_allocated_overflows &&
+             p.memory.device_peak_bytes + p.outside_allocator_bytes +
+                     static_cast<std::uint64_t>(p.headroom_fraction * static_cast<double>(p.device_capacity_bytes)) >
+                 p.device_capacity_bytes) {
+    p.reserved_peak_bytes = p.memory.device_peak_bytes;  // reserved is at least this: judge() says it does not fit
+    p.used_peak_bytes = p.reserved_peak_bytes + p.outside_allocator_bytes;
   } else {
     const std::uint64_t room = p.device_capacity_bytes > p.outside_allocator_bytes ? p.device_capacity_bytes - p.outside_allocator_bytes : 0;
     const sim::AllocatorReplay a = sim::replay_caching_allocator(p.program, sim::AllocatorConfig::parse(p.input.alloc_conf, room));
@@ -273,6 +303,8 @@ Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOp
   if (options.explain) explain(p);
   return p;
 }
+
+}  // namespace
 
 nlohmann::json plan_to_json(const Plan& p) {
   using nlohmann::json;

@@ -18,6 +18,7 @@
 #include "peftplan/common/json_fields.h"
 #include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
+#include "peftplan/planner/series.h"
 
 namespace peftplan::planner {
 
@@ -142,14 +143,20 @@ class Search {
     if (constraints.host_ram_bytes_per_node) cluster_.host_ram_bytes_per_node = *constraints.host_ram_bytes_per_node;
   }
 
-  // One plan, as make_plan makes it; `timed` adds the simulated timeline.
-  Candidate evaluate(const PlanInput& in, const sim::Cluster& cl, const std::string& family, bool timed) {
+  // One plan, as make_plan makes it; `timed` adds the simulated timeline. With a series, its
+  // program at the input's micro-batch instead of a build (the same program: series.h). A probe
+  // that only asks whether the micro-batch fits (`yes_no`) skips the allocator replay when the
+  // allocated peak alone overflows.
+  Candidate evaluate(const PlanInput& in, const sim::Cluster& cl, const std::string& family, bool timed, MicroBatchSeries* series = nullptr,
+                     bool yes_no = false) {
     PlanOptions o;
     o.simulate_time = timed;
     o.headroom_fraction = constraints_.headroom_fraction;
     o.explain = false;
     o.names = false;
-    const Plan p = make_plan(in, cl, o);
+    o.skip_replay_when_allocated_overflows = yes_no;
+    Plan p = series ? make_plan_with(in, series->take(in.training.micro_batch), cl, o) : make_plan(in, cl, o);
+    if (series) series->give_back(std::move(p.program));
     ++evaluated_;
     if (timed) ++timed_;
     Candidate c;
@@ -235,10 +242,15 @@ class Search {
       cell.skipped = fmt::format("global batch {} over {} GPUs leaves less than micro-batch {}", *space_.global_batch, cell.gpus, lo0);
       return;
     }
+    // Without a global batch the accumulation is fixed, so once the smallest micro-batch fits,
+    // one series gives the cell's program at every micro-batch (series.h; nullopt: each is built
+    // in full) and bounds the search from above.
+    std::optional<MicroBatchSeries> series;
+    MicroBatchSeries* s = nullptr;
     // Memory only: the accumulation of a micro-batch that does not divide the global batch is
     // the user's, which changes no category the step's peak holds.
     auto fits = [&](std::int64_t mb, std::optional<Candidate>* keep) {
-      Candidate c = evaluate(input_for(f, cell.ckpt, cell.gpus, mb, accum_for(mb).value_or(1)), cl, f.label, false);
+      Candidate c = evaluate(input_for(f, cell.ckpt, cell.gpus, mb, accum_for(mb).value_or(1)), cl, f.label, false, s, keep == nullptr);
       const bool ok = c.fits;
       if (keep) *keep = std::move(c);
       return ok;
@@ -248,7 +260,24 @@ class Search {
       cell.closest = std::move(first);
       return;
     }
+    if (!space_.global_batch) {
+      series = MicroBatchSeries::make(input_on(input_for(f, cell.ckpt, cell.gpus, 1, base_.training.grad_accum), cl));
+      s = series ? &*series : nullptr;
+    }
     std::int64_t lo = lo0, hi = 0;  // lo fits; hi does not (0: not found yet)
+    if (s) {
+      // The series bounds the search from above: above `top` the allocated peak alone (with what
+      // lives outside the allocator and the headroom, which the first plan's spare memory already
+      // took off) is more than the GPU holds, so those micro-batches do not fit whatever the
+      // allocator reserves. Usually `top` itself fits and the search ends there.
+      const std::uint64_t device_budget = static_cast<std::uint64_t>(first->spare_bytes) + first->reserved_peak_bytes;
+      const std::int64_t top = std::min(cap, s->largest_within(device_budget, first->host_capacity_bytes));
+      if (top > lo) {
+        if (fits(top, nullptr)) lo = top;
+        else hi = top;
+      }
+      if (hi == 0 && top < cap) hi = top + 1;
+    }
     while (hi == 0) {
       const std::int64_t next = std::min(cap, lo * 2);
       if (next == lo) break;
@@ -267,7 +296,7 @@ class Search {
     for (std::int64_t mb : mbs) {
       const auto accum = accum_for(mb);
       if (!accum) continue;
-      Candidate c = evaluate(input_for(f, cell.ckpt, cell.gpus, mb, *accum), cl, f.label, true);
+      Candidate c = evaluate(input_for(f, cell.ckpt, cell.gpus, mb, *accum), cl, f.label, true, s);
       if (c.fits) cell.timed.push_back(std::move(c));
     }
     if (cell.timed.empty() && space_.global_batch)

@@ -7,6 +7,7 @@
 
 #include <bit>
 #include <type_traits>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -33,10 +34,10 @@ class Fnv1a {
   std::uint64_t h_ = 0xcbf29ce484222325ull;
 };
 
-}  // namespace
-
-std::uint64_t program_hash(const Program& p) {
-  Fnv1a h;
+// Every field an interpreter reads, in program order, each handed to h.add: the one list both
+// the hash and the comparison below read.
+template <class V>
+void visit_interpreted(const Program& p, V& h) {
   h.add(kProgramContractVersion);
   h.add(p.ranks);
   h.add(p.micro_batches);
@@ -88,7 +89,37 @@ std::uint64_t program_hash(const Program& p) {
     h.add(op.deps_count);
     for (std::int32_t d : p.deps_of(op)) h.add(d);
   }
+}
+
+
+// Collects the fields as 64-bit words.
+class Words {
+ public:
+  template <typename T>
+  void add(T v) {
+    if constexpr (std::is_floating_point_v<T>) words.push_back(std::bit_cast<std::uint64_t>(static_cast<double>(v)));
+    else if constexpr (std::is_enum_v<T>) words.push_back(static_cast<std::uint64_t>(static_cast<std::underlying_type_t<T>>(v)));
+    else words.push_back(static_cast<std::uint64_t>(v));
+  }
+  std::vector<std::uint64_t> words;
+};
+
+}  // namespace
+
+std::uint64_t program_hash(const Program& p) {
+  Fnv1a h;
+  visit_interpreted(p, h);
   return h.value();
+}
+
+bool same_interpreted_fields(const Program& a, const Program& b) {
+  if (a.ops.size() != b.ops.size() || a.buffers.size() != b.buffers.size()) return false;
+  Words wa, wb;
+  wa.words.reserve(a.ops.size() * 32);
+  wb.words.reserve(b.ops.size() * 32);
+  visit_interpreted(a, wa);
+  visit_interpreted(b, wb);
+  return wa.words == wb.words;
 }
 
 std::string program_hash_hex(const Program& program) { return fmt::format("{:016x}", program_hash(program)); }

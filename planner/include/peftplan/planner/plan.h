@@ -54,6 +54,11 @@ struct PlanOptions {
   double headroom_fraction = kDefaultHeadroomFraction;
   bool explain = true;   // builds a DDP reference plan to explain the strategy's effect
   bool names = true;     // buffer names (peak_op, traces); off for searches
+  // A search's yes-or-no question: when the allocated peak alone, with what lives outside the
+  // allocator and the headroom, is more than the GPU holds, the plan cannot fit whatever the
+  // caching allocator reserves on top, so its replay is skipped and `reserved` is reported as the
+  // allocated peak (a lower bound). Off everywhere a plan's numbers are shown.
+  bool skip_replay_when_allocated_overflows = false;
 };
 
 // What shrinks a category that does not fit (strategy.stage zero3, shards the frozen base; or
@@ -64,6 +69,15 @@ std::vector<Suggestion> fit_suggestions(sim::MemCategory category, const PlanInp
 std::string largest_categories(const std::array<std::uint64_t, sim::kNumCategories>& at_peak, int n = 2);
 
 Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOptions& options = {});
+
+// The input a plan on `cluster` is built from: the GPU's compute capability filled in when the
+// input leaves it 0 (what make_plan builds; a MicroBatchSeries for make_plan_with starts here).
+PlanInput input_on(const PlanInput& input, const sim::Cluster& cluster);
+
+// make_plan over a program already built for input_on(input, cluster) with options.names (a
+// MicroBatchSeries' program at input.training.micro_batch): the same walk, replay, timeline and
+// verdict. The program ends up in Plan::program.
+Plan make_plan_with(const PlanInput& input, BuiltProgram built, const sim::Cluster& cluster, const PlanOptions& options = {});
 
 // `plan --json`: memory.device.<category>_bytes, memory.device.peak_bytes, memory.device.peak_op,
 // memory.host.*, time.*, comm.<collective>_bytes, fits, reasons.

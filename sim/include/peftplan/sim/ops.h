@@ -506,27 +506,38 @@ inline std::uint64_t elem_bytes(const Program& program, const Op& op, Elem e) {
 }
 
 namespace detail {
+// A kernel's values in Program::operands: how many, how many of them (the last ones) are slots,
+// and which are scalars (bit i: value i holds a double's bits).
+struct Layout {
+  std::uint8_t values = 0, slots = 0;
+  std::uint64_t scalars = 0;
+};
 struct SlotCounter {
   std::size_t values = 0, slots = 0;
+  std::uint64_t scalars = 0;
   bool slots_last = true;  // no dim, scalar or parameter after a slot
   void slot(Id, const SlotSpec&) { ++values, ++slots; }
   void other() { ++values, slots_last = slots_last && slots == 0; }
   void dim(Dim) { other(); }
-  void scalar(double) { other(); }
+  void scalar(double) {
+    scalars |= std::uint64_t{1} << values;
+    other();
+  }
   void iparam(std::int32_t) { other(); }
   void dtype(DType) { other(); }
 };
 template <class K>
-std::array<std::uint8_t, 2> layout_of() {
+Layout layout_of() {
   const K k{};
   SlotCounter c;
   K::visit(k, c);
   PEFTPLAN_CHECK_MSG(c.slots_last, "{}'s visit() names a value after a slot (slots come last)", name_of(K::kernel));
-  return {static_cast<std::uint8_t>(c.values), static_cast<std::uint8_t>(c.slots)};
+  PEFTPLAN_CHECK_MSG(c.values <= 64, "{} has {} values; the scalar mask holds 64", name_of(K::kernel), c.values);
+  return {static_cast<std::uint8_t>(c.values), static_cast<std::uint8_t>(c.slots), c.scalars};
 }
-inline std::array<std::uint8_t, 2> compute_layout(Kernel k) {
+inline Layout compute_layout(Kernel k) {
   switch (k) {
-    case Kernel::none: return {0, 0};
+    case Kernel::none: return {};
     case Kernel::embedding_fwd: return layout_of<EmbeddingFwd>();
     case Kernel::embedding_bwd: return layout_of<EmbeddingBwd>();
     case Kernel::norm_fwd: return layout_of<NormFwd>();
@@ -552,12 +563,12 @@ inline std::array<std::uint8_t, 2> compute_layout(Kernel k) {
     case Kernel::dropout: return layout_of<Dropout>();
     case Kernel::rope_tables: return layout_of<RopeTables>();
   }
-  return {0, 0};
+  return {};
 }
 // Per kernel: its values in Program::operands, and how many of them (the last ones) are slots.
-inline const std::array<std::array<std::uint8_t, 2>, kNumKernels>& layouts() {
+inline const std::array<Layout, kNumKernels>& layouts() {
   static const auto table = [] {
-    std::array<std::array<std::uint8_t, 2>, kNumKernels> t{};
+    std::array<Layout, kNumKernels> t{};
     for (int k = 0; k < kNumKernels; ++k) t[static_cast<std::size_t>(k)] = compute_layout(static_cast<Kernel>(k));
     return t;
   }();
@@ -565,14 +576,20 @@ inline const std::array<std::array<std::uint8_t, 2>, kNumKernels>& layouts() {
 }
 }  // namespace detail
 
-inline std::size_t values_of(Kernel k) { return detail::layouts()[static_cast<std::size_t>(k)][0]; }
+inline std::size_t values_of(Kernel k) { return detail::layouts()[static_cast<std::size_t>(k)].values; }
+
+// Whether a kernel's k-th value is a scalar (a double's bits, Writer::scalar) rather than an
+// integer (a dim, a parameter, a dtype or a slot).
+inline bool value_is_scalar(Kernel kernel, std::size_t k) {
+  return k < 64 && (detail::layouts()[static_cast<std::size_t>(kernel)].scalars >> k & 1u) != 0;
+}
 
 // A compute op's buffer ids, in slot order (every visit() names its slots last). The op's values
 // must lie in range (operands_in_range).
 inline std::span<const std::int64_t> slot_ids(const Program& program, const Op& op) {
   const auto& l = detail::layouts()[static_cast<std::size_t>(op.kernel)];
-  if (l[1] == 0) return {};
-  return {program.operands.data() + op.operands + (l[0] - l[1]), l[1]};
+  if (l.slots == 0) return {};
+  return {program.operands.data() + op.operands + (l.values - l.slots), l.slots};
 }
 
 }  // namespace peftplan::sim::ops

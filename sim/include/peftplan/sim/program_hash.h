@@ -20,6 +20,10 @@ inline constexpr int kProgramContractVersion = 3;
 // 64-bit FNV-1a over the program's interpreted fields, in program order.
 std::uint64_t program_hash(const Program& program);
 
+// Whether two programs agree in every field the hash reads (the same list), compared word for
+// word: what a search uses to check a program it derived against a build.
+bool same_interpreted_fields(const Program& a, const Program& b);
+
 // The hash as plan.json writes it: 16 lower-case hex digits.
 std::string program_hash_hex(const Program& program);
 
