@@ -116,6 +116,29 @@ TEST(Program, CheckpointingKeepsOnlyLayerInputs) {
   EXPECT_GT(peak(sim::walk_memory(build_program(in).program), MemCategory::activations), 3u * 4096 + 64);
 }
 
+// A tied head (GPT-2, Gemma: lm_head is the embedding's weight) computes with the embedding unit's
+// gathered weight under the executor's ZeRO-3 in its forward and in its backward, each a gather of
+// its own: the program kept the forward's view for the backward, a buffer no longer live
+// (found by tests/test_series.cpp's random sample).
+TEST(Program, TiedHeadReadsTheGatherOfItsOwnPhaseUnderExecutorZero3) {
+  for (const char* model : {"gpt2", "gemma-2-9b"})
+    for (Checkpointing ck : {Checkpointing::none, Checkpointing::full}) {
+      PlanInput in;
+      in.model = models::load_model(model);
+      models::AdapterSpec a;
+      a.lora.r = 8;
+      in.peft.adapters.push_back(a);
+      in.profile = RuntimeProfile::executor;
+      in.strategy.stage = Stage::zero3;
+      in.strategy.ranks = 2;
+      in.training.seq_len = 256;
+      in.training.micro_batch = 2;
+      in.training.checkpointing = ck;
+      const sim::Program p = build_program(in, BuildOptions{.names = false}).program;
+      EXPECT_TRUE(sim::verify(p).empty()) << model << " " << name_of(ck) << ": " << sim::verify(p).front().detail;
+    }
+}
+
 TEST(Program, PlanJsonIsTheWalk) {
   const Plan p = make_plan(tiny_input(), sim::default_cluster(1));
   const auto j = plan_to_json(p);
