@@ -3,6 +3,7 @@
 #include "peftplan/planner/series.h"
 
 #include <bit>
+#include <cmath>
 
 #include "peftplan/common/error.h"
 #include "peftplan/sim/memory.h"
@@ -38,7 +39,15 @@ bool same_shape(const sim::Program& a, const sim::Program& b) {
 
 }  // namespace
 
+std::vector<const void*> MicroBatchSeries::storage_of(const sim::Program& p) {
+  std::vector<const void*> at = {p.buffers.data(), p.ops.data(), p.operands.data(), p.deps.data()};
+  for (const sim::Buffer& b : p.buffers)
+    if (!b.pieces.empty()) at.push_back(b.pieces.data());
+  return at;
+}
+
 std::optional<MicroBatchSeries> MicroBatchSeries::make(const PlanInput& input) {
+  (void)validate(input);  // refuses contradictions before the builder meets them, as make_plan does
   MicroBatchSeries s;
   s.built_ = build_at(input, 1);
   const BuiltProgram two = build_at(input, 2);
@@ -85,6 +94,14 @@ std::optional<MicroBatchSeries> MicroBatchSeries::make(const PlanInput& input) {
   // pointers above follow), so these two are kept apart.
   s.tokens_ = {nullptr, Type::i64, static_cast<double>(p.tokens_per_step), static_cast<double>(q.tokens_per_step - p.tokens_per_step)};
   s.model_flops_ = {nullptr, Type::f64, p.model_flops_per_step, q.model_flops_per_step - p.model_flops_per_step};
+
+  // A double that moves is exact at every micro-batch only while it and its step are integers
+  // (below 2^53): FLOPs and the loss divisor are. A fraction (eager attention's GEMM share of a
+  // non-power-of-two block, summed into the step's FLOPs) could round differently at some B.
+  auto integral = [](double x) { return std::nearbyint(x) == x && std::fabs(x) < 0x1p53; };
+  for (const Moving& m : s.moving_)
+    if ((m.type == Type::f64 || m.type == Type::f64_bits) && (!integral(m.at_one) || !integral(m.per_sequence))) return std::nullopt;
+  if (!integral(s.model_flops_.at_one) || !integral(s.model_flops_.per_sequence)) return std::nullopt;
 
   // The series must give back the build at 2 (every other field equal), and predict the one at 3.
   s.set(2);
@@ -162,12 +179,14 @@ BuiltProgram MicroBatchSeries::take(std::int64_t b) {
   PEFTPLAN_CHECK_MSG(!lent_, "the series' program is lent; give_back it first");
   set(b);
   lent_ = true;
-  lent_ops_ = built_.program.ops.data();
+  lent_storage_ = storage_of(built_.program);
   return BuiltProgram{std::move(built_.program), built_.facts};
 }
 
 void MicroBatchSeries::give_back(sim::Program&& program) {
-  PEFTPLAN_CHECK_MSG(lent_ && program.ops.data() == lent_ops_, "give_back of a program the series did not lend");
+  // The same storage, every vector of it: the fields the series moves live there, so a program
+  // whose vectors grew (or another program) cannot come back.
+  PEFTPLAN_CHECK_MSG(lent_ && storage_of(program) == lent_storage_, "give_back of a program the series did not lend, or that grew");
   built_.program = std::move(program);
   lent_ = false;
 }

@@ -42,7 +42,7 @@ Candidate random_candidate(std::mt19937& rng) {
   a.lora.r = pick(std::vector<int>{8, 16, 64});
   a.lora.alpha = 2.0 * a.lora.r;
   in.peft.adapters.push_back(a);
-  in.profile = pick(std::vector<RuntimeProfile>{RuntimeProfile::deepspeed, RuntimeProfile::hf});
+  in.profile = pick(std::vector<RuntimeProfile>{RuntimeProfile::deepspeed, RuntimeProfile::hf, RuntimeProfile::executor});
   const bool hf = in.profile == RuntimeProfile::hf;
   in.strategy.stage = hf ? pick(std::vector<Stage>{Stage::ddp, Stage::fsdp_full_shard, Stage::fsdp_shard_grad_op, Stage::fsdp_no_shard})
                          : pick(std::vector<Stage>{Stage::ddp, Stage::zero1, Stage::zero2, Stage::zero3});
@@ -58,7 +58,7 @@ Candidate random_candidate(std::mt19937& rng) {
   in.training.attention = pick(std::vector<Attention>{Attention::flash, Attention::eager});
   in.training.precision = Precision::bf16_mixed;
   in.training.eval_batch = 0;
-  in.training.micro_batch = pick(std::vector<int>{1, 2, 3, 4, 5, 7, 8, 13, 16, 32, 64});
+  in.training.micro_batch = pick(std::vector<int>{4, 5, 7, 8, 13, 16, 32, 64});  // beyond the 1, 2, 3 make() checks
   c.what = fmt::format("{} {} {} x{} offload {} ckpt {} S {} accum {} mb {} on {}", model, name_of(in.profile), name_of(in.strategy.stage),
                        in.strategy.ranks, offload, name_of(in.training.checkpointing), in.training.seq_len, in.training.grad_accum,
                        in.training.micro_batch, c.cluster);
@@ -71,6 +71,7 @@ TEST(MicroBatchSeries, IsTheBuildersProgramAndPlansAsMakePlanAtEveryMicroBatch) 
   po.explain = false;
   po.names = false;
   int compared = 0;
+  int refused = 0;
   while (compared < 240) {
     const Candidate c = random_candidate(rng);
     const sim::Cluster cluster = sim::resolve_cluster(c.cluster);
@@ -81,7 +82,20 @@ TEST(MicroBatchSeries, IsTheBuildersProgramAndPlansAsMakePlanAtEveryMicroBatch) 
     }
     SCOPED_TRACE(c.what);
     std::optional<MicroBatchSeries> series = MicroBatchSeries::make(input_on(c.input, cluster));
-    ASSERT_TRUE(series.has_value()) << "no series";
+    if (!series) {
+      // Only a moving double that is not an integer may refuse a series: the executor profile's
+      // eager attention (its GEMM share of a block) is the one known case.
+      EXPECT_EQ(c.input.profile, RuntimeProfile::executor) << "no series";
+      ++refused;
+      continue;
+    }
+    // Lent and given back at two micro-batches, as a search does; the second one is compared.
+    {
+      PlanInput first = c.input;
+      first.training.micro_batch = 1 + c.input.training.micro_batch / 2;
+      Plan p = make_plan_with(first, series->take(first.training.micro_batch), cluster, po);
+      series->give_back(std::move(p.program));
+    }
     const Plan full = make_plan(c.input, cluster, po);
     const Plan fast = make_plan_with(c.input, series->take(c.input.training.micro_batch), cluster, po);
     EXPECT_EQ(sim::program_hash(fast.program), sim::program_hash(full.program));
@@ -99,6 +113,7 @@ TEST(MicroBatchSeries, IsTheBuildersProgramAndPlansAsMakePlanAtEveryMicroBatch) 
     EXPECT_EQ(fast.time->tokens_per_s, full.time->tokens_per_s);
     ++compared;
   }
+  EXPECT_LT(refused, 40) << "the series was refused too often to be worth having";
 }
 
 // The search's upper bound: at the largest micro-batch largest_within allows, make_plan's
@@ -122,7 +137,7 @@ TEST(MicroBatchSeries, BoundsTheLargestMicroBatchByItsAllocatedPeak) {
     }
     SCOPED_TRACE(c.what);
     std::optional<MicroBatchSeries> series = MicroBatchSeries::make(input_on(c.input, cluster));
-    ASSERT_TRUE(series.has_value());
+    if (!series) continue;  // refused (the test above says when)
     const Plan one = make_plan(c.input, cluster, po);
     const auto headroom = static_cast<std::uint64_t>(one.headroom_fraction * static_cast<double>(one.device_capacity_bytes));
     const std::uint64_t outside = one.used_peak_bytes - one.reserved_peak_bytes;  // 0 in the executor's profile

@@ -25,7 +25,8 @@ namespace peftplan::planner {
 class MicroBatchSeries {
  public:
   // The series of `input` over its micro-batch (input.training.micro_batch is ignored), or
-  // nullopt when the programs at 1, 2 and 3 are not one affine series (then build each in full).
+  // nullopt when the programs at 1, 2 and 3 are not one affine series or a double that moves is
+  // not an integer (then build each in full). Throws validate()'s KnobError for a bad input.
   static std::optional<MicroBatchSeries> make(const PlanInput& input);
 
   // The program the builder makes at micro-batch b >= 1 (with names off), and its facts. The
@@ -56,15 +57,16 @@ class MicroBatchSeries {
     enum class Type : std::uint8_t { u64, i64, i32, f64, f64_bits };
     void* field = nullptr;
     Type type = Type::u64;
-    // The value at B = 1 and its change per sequence, as doubles: exact for the integers and
-    // integral doubles a program holds (below 2^53), which the B = 3 check confirms.
+    // The value at B = 1 and its change per sequence, as doubles: exact for integers below 2^53
+    // (make() refuses a series with a moving double that is not one).
     double at_one = 0.0, per_sequence = 0.0;
   };
   void set(std::int64_t b);
 
   BuiltProgram built_;  // at the micro-batch last set; its storage never reallocates
   bool lent_ = false;
-  const void* lent_ops_ = nullptr;  // the lent program's op storage, to know it when it comes back
+  std::vector<const void*> lent_storage_;  // the lent program's vectors, to know it when it comes back
+  static std::vector<const void*> storage_of(const sim::Program& p);
   std::vector<Moving> moving_;  // fields in the program's heap storage (stable across moves)
   Moving tokens_, model_flops_;  // Program::tokens_per_step and model_flops_per_step
   // Per memory-walk sample, the device and host live totals at B = 1 and their change per
