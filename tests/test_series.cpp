@@ -161,6 +161,30 @@ TEST(MicroBatchSeries, BoundsTheLargestMicroBatchByItsAllocatedPeak) {
   }
 }
 
+// Liger's fused linear cross-entropy cuts the tokens into power-of-two chunks: its program is not
+// affine in the micro-batch, and the series must be refused rather than be wrong anywhere.
+TEST(MicroBatchSeries, TheChunkedLossIsRefusedOrExact) {
+  for (std::int64_t seq : {512, 4096}) {
+    PlanInput in;
+    in.model = models::load_model("llama-2-7b");
+    models::AdapterSpec a;
+    a.lora.r = 16;
+    in.peft.adapters.push_back(a);
+    in.profile = RuntimeProfile::hf;
+    in.training.seq_len = seq;
+    in.training.cross_entropy = CrossEntropy::chunked;
+    std::optional<MicroBatchSeries> series = MicroBatchSeries::make(in);
+    if (!series) continue;
+    for (std::int64_t b = 4; b <= 9; ++b) {
+      PlanInput at = in;
+      at.training.micro_batch = b;
+      BuiltProgram p = series->take(b);
+      EXPECT_TRUE(sim::same_interpreted_fields(p.program, build_program(at, BuildOptions{.names = false}).program)) << seq << " " << b;
+      series->give_back(std::move(p.program));
+    }
+  }
+}
+
 TEST(MicroBatchSeries, LendsOneProgramAtATime) {
   PlanInput in;
   in.model = models::load_model("gpt2");
