@@ -144,15 +144,10 @@ BENCHMARK(BM_ReplayCachingAllocator)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 
-// `peftplan recommend` for Llama-2-70B LoRA on 8 nodes x 8 H100 over NDR, at 8, 16, 32 and 64
-// GPUs: every family x checkpointing x GPU count, the micro-batch bisected on memory, then timed.
-// One thread (state.range(0) = 1) is the per-core rate; candidates/s counts every plan made.
-void BM_Recommend(benchmark::State& state) {
-  planner::PlanInput in = llama70b(planner::Stage::ddp, 1);
-  const sim::Cluster cluster = sim::resolve_cluster("8x8xH100-SXM-NDR");
-  planner::SearchSpace space;
-  space.gpus = {8, 16, 32, 64};
-  space.threads = static_cast<unsigned>(state.range(0));
+namespace {
+
+// Runs recommend per iteration; counters: plans per search and plans per second.
+void run_recommend(benchmark::State& state, const planner::PlanInput& in, const sim::Cluster& cluster, const planner::SearchSpace& space) {
   std::int64_t plans = 0;
   for (auto _ : state) {
     const planner::Recommendation r = planner::recommend(in, cluster, space, planner::Constraints{}, planner::Objective::tokens_per_s);
@@ -161,6 +156,18 @@ void BM_Recommend(benchmark::State& state) {
   }
   state.counters["plans"] = benchmark::Counter(static_cast<double>(plans) / static_cast<double>(state.iterations()));
   state.counters["plans_per_s"] = benchmark::Counter(static_cast<double>(plans), benchmark::Counter::kIsRate);
+}
+
+}  // namespace
+
+// `peftplan recommend` for Llama-2-70B LoRA on 8 nodes x 8 H100 over NDR, at 8, 16, 32 and 64
+// GPUs: every family x checkpointing x GPU count, the micro-batch bisected on memory, then timed.
+// One thread (state.range(0) = 1) is the per-core rate; candidates/s counts every plan made.
+void BM_Recommend(benchmark::State& state) {
+  planner::SearchSpace space;
+  space.gpus = {8, 16, 32, 64};
+  space.threads = static_cast<unsigned>(state.range(0));
+  run_recommend(state, llama70b(planner::Stage::ddp, 1), sim::resolve_cluster("8x8xH100-SXM-NDR"), space);
   state.SetLabel(fmt::format("{} thread(s)", state.range(0)));
 }
 BENCHMARK(BM_Recommend)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -171,19 +178,10 @@ BENCHMARK(BM_Recommend)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealT
 void BM_RecommendSevenB(benchmark::State& state) {
   planner::PlanInput in = llama70b(planner::Stage::ddp, 1);
   in.model = models::load_model("llama-2-7b");
-  in.inventory.reset();
-  const sim::Cluster cluster = sim::resolve_cluster("8xA100-80GB");
   in.strategy.ranks = 8;
   planner::SearchSpace space;
   space.threads = 1;
-  std::int64_t plans = 0;
-  for (auto _ : state) {
-    const planner::Recommendation r = planner::recommend(in, cluster, space, planner::Constraints{}, planner::Objective::tokens_per_s);
-    plans += r.evaluated;
-    benchmark::DoNotOptimize(r.ranked.size());
-  }
-  state.counters["plans"] = benchmark::Counter(static_cast<double>(plans) / static_cast<double>(state.iterations()));
-  state.counters["plans_per_s"] = benchmark::Counter(static_cast<double>(plans), benchmark::Counter::kIsRate);
+  run_recommend(state, in, sim::resolve_cluster("8xA100-80GB"), space);
 }
 BENCHMARK(BM_RecommendSevenB)->Unit(benchmark::kMillisecond)->UseRealTime();
 
