@@ -25,11 +25,10 @@ namespace {
 
 class Checker {
  public:
-  explicit Checker(const Program& p) : p_(p), live_(p.buffers.size(), 0), root_(p.buffers.size()) {}
+  explicit Checker(const Program& p) : p_(p), live_(p.buffers.size(), 0), view_(p.buffers.size(), 0), root_(p.buffers.size()) {}
 
   std::vector<Violation> run() {
-    check_views();
-    check_roles();
+    check_buffers();
     bool in_step = false;
     for (std::size_t i = 0; i < p_.ops.size(); ++i) {
       const bool setup = p_.ops[i].phase == Phase::setup;
@@ -58,9 +57,15 @@ class Checker {
     return b;
   }
 
-  void check_views() {
+  // One pass over the buffers (they are large structs; the op loop then reads only the compact
+  // arrays filled here): views and their bounds, allocation pieces, roles.
+  void check_buffers() {
+    std::array<std::int32_t, kNumBufferRoles> holder;
+    holder.fill(-1);
     for (std::size_t i = 0; i < p_.buffers.size(); ++i) {
       const Buffer& b = p_.buffers[i];
+      if (b.role != BufferRole::none) check_role(static_cast<std::int32_t>(i), holder);
+      view_[i] = b.view_of >= 0 ? 1 : 0;
       root_[i] = root(static_cast<std::int32_t>(i));
       if (!b.pieces.empty()) check_pieces(static_cast<std::int32_t>(i));
       if (!exists(root_[i])) root_[i] = static_cast<std::int32_t>(i);  // reported below
@@ -77,21 +82,15 @@ class Checker {
     }
   }
 
-  void check_roles() {
-    std::array<std::int32_t, kNumBufferRoles> holder;
-    holder.fill(-1);
-    for (std::size_t i = 0; i < p_.buffers.size(); ++i) {
-      const Buffer& b = p_.buffers[i];
-      if (b.role == BufferRole::none) continue;
-      const auto id = static_cast<std::int32_t>(i);
-      if (b.role == BufferRole::base_tensor || b.role == BufferRole::adapter_tensor || b.role == BufferRole::adapter_grad) {
-        if (b.tensor < 0) add(Rule::buffer_role, -1, fmt::format("{} is a {} without its inventory index", label(id), name_of(b.role)));
-        continue;
-      }
-      std::int32_t& h = holder[static_cast<std::size_t>(b.role)];
-      if (h >= 0) add(Rule::buffer_role, -1, fmt::format("{} and {} both hold the role {}", label(h), label(id), name_of(b.role)));
-      h = id;
+  void check_role(std::int32_t id, std::array<std::int32_t, kNumBufferRoles>& holder) {
+    const Buffer& b = p_.buffers[static_cast<std::size_t>(id)];
+    if (b.role == BufferRole::base_tensor || b.role == BufferRole::adapter_tensor || b.role == BufferRole::adapter_grad) {
+      if (b.tensor < 0) add(Rule::buffer_role, -1, fmt::format("{} is a {} without its inventory index", label(id), name_of(b.role)));
+      return;
     }
+    std::int32_t& h = holder[static_cast<std::size_t>(b.role)];
+    if (h >= 0) add(Rule::buffer_role, -1, fmt::format("{} and {} both hold the role {}", label(h), label(id), name_of(b.role)));
+    h = id;
   }
 
   // An executable program's compute op: required slots filled, sizes as the shape says.
@@ -155,7 +154,7 @@ class Checker {
           return;
         }
         const auto b = static_cast<std::size_t>(op.buffer);
-        if (p_.buffers[b].view_of >= 0) {
+        if (view_[b]) [[unlikely]] {
           add(Rule::view_alloc, i, fmt::format("{} of {}, a view (views live and die with their parent)", alloc ? "alloc" : "free", label(op.buffer)));
           return;
         }
@@ -166,14 +165,16 @@ class Checker {
       }
       case OpKind::compute:
         if (op.kernel == Kernel::none) add(Rule::kernel_none, i, "a compute op without a kernel");
-        if (!ops::operands_in_range(p_, op)) {
-          add(Rule::buffer_id, i, fmt::format("{}'s {} operand values from #{} lie outside the program's {}", name_of(op.kernel),
-                                              ops::values_of(op.kernel), op.operands, p_.operands.size()));
-          return;
-        }
         {
-          const auto ids = ops::slot_ids(p_, op);
-          for (std::size_t a = 0; a < ids.size(); ++a) use(i, static_cast<std::int32_t>(ids[a]), "operand", static_cast<int>(a));
+          // operands_in_range and slot_ids, with the layout table read once per program
+          const auto& l = layouts_[static_cast<std::size_t>(op.kernel)];
+          if (l.values != 0 && (op.operands < 0 || static_cast<std::size_t>(op.operands) + l.values > p_.operands.size())) [[unlikely]] {
+            add(Rule::buffer_id, i, fmt::format("{}'s {} operand values from #{} lie outside the program's {}", name_of(op.kernel),
+                                                ops::values_of(op.kernel), op.operands, p_.operands.size()));
+            return;
+          }
+          const std::int64_t* ids = l.slots == 0 ? nullptr : p_.operands.data() + op.operands + (l.values - l.slots);
+          for (std::size_t a = 0; a < l.slots; ++a) use(i, static_cast<std::int32_t>(ids[a]), "operand", static_cast<int>(a));
         }
         if (p_.executable && op.kernel != Kernel::none) check_operands(i, op);
         return;
@@ -213,7 +214,9 @@ class Checker {
   }
 
   const Program& p_;
+  const std::array<ops::detail::Layout, kNumKernels>& layouts_ = ops::detail::layouts();
   std::vector<std::uint8_t> live_;
+  std::vector<std::uint8_t> view_;  // each buffer: a view (Buffer::view_of >= 0)
   std::vector<std::int32_t> root_;  // each buffer's outermost parent (itself when not a view)
   std::vector<Violation> out_;
 };
