@@ -686,9 +686,7 @@ void Builder::micro_batch(std::int32_t mb) {
   for (auto& lp : head_linears_)
     if (lp.mod->is_output) lm = &lp;
   PEFTPLAN_CHECK(lm != nullptr);
-  // A tied head computes with the embedding's weight: under the executor's ZeRO-3 that is a view
-  // of the embedding unit's gathered buffer, a new one at each gather (bind_base).
-  if (tied) lm->weight_buf = embed_buf_;
+  if (lm->weight_buf < 0) lm->weight_buf = embed_buf_;  // tied head
   const bool fused = t_.cross_entropy == CrossEntropy::chunked;
   std::int32_t logits = -1, grad_in = -1;
   if (fused) grad_in = fused_loss(*lm, hf, tokens);
@@ -742,10 +740,7 @@ void Builder::micro_batch(std::int32_t mb) {
   if (mb == 0)
     for (std::int32_t g : lazy_grads_) alloc_buffer(g, B);
   gather_unit(head, B, true);
-  if (tied) {
-    gather_unit(0, B, true);
-    lm->weight_buf = embed_buf_;  // the backward's gather of the embedding (see the forward's)
-  }
+  if (tied) gather_unit(0, B, true);
   begin_unit_gradients(head);
   const bool hf_needed = lm->needs_input();
   std::int32_t d_hf = grad_in, last = -1;

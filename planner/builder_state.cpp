@@ -168,7 +168,15 @@ void Builder::setup() {
 void Builder::bind_base(const models::TensorInfo& t, std::int32_t b) {
   PEFTPLAN_CHECK(&t >= tensors_->data() && &t < tensors_->data() + tensors_->size());
   role(b, sim::BufferRole::base_tensor, static_cast<std::int32_t>(&t - tensors_->data()));
-  if (t.role == models::ParamRole::embedding) embed_buf_ = b;
+  if (t.role == models::ParamRole::embedding) {
+    embed_buf_ = b;
+    // A tied head (GPT-2, Gemma) has no weight of its own: it computes with the embedding's, so it
+    // is bound with it — at every rebinding, as under the executor's ZeRO-3, where each gather of
+    // the embedding unit (forward, backward) is a view of a new buffer.
+    if (m_.tie_embeddings)
+      for (auto& lp : head_linears_)
+        if (lp.mod->is_output) lp.weight_buf = b;
+  }
   if (t.role == models::ParamRole::norm_weight) {  // Llama-family names (transformers)
     if (t.layer < 0) final_norm_ = b;
     else if (t.module.ends_with("input_layernorm")) norm1_[static_cast<std::size_t>(t.layer)] = b;
