@@ -173,8 +173,7 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
     r.strategies = reports::seed_strategies(in, cluster, po.headroom_fraction);
     r.knobs = reports::knob_deltas(base);
     r.recommendation = planner::recommend(in, cluster, {}, planner::Constraints{}, planner::Objective::tokens_per_s);
-    const auto headroom = static_cast<std::int64_t>(base.headroom_fraction * static_cast<double>(base.device_capacity_bytes));
-    const std::int64_t spare = static_cast<std::int64_t>(base.device_capacity_bytes) - headroom - static_cast<std::int64_t>(base.used_peak_bytes);
+    const std::int64_t spare = planner::spare_bytes(base);
     r.verdict = base.fits ? fmt::format("{} fits with {:.1f} GiB to spare ({:.1f} GiB in use of {:.1f} GiB, {:.0f}% headroom kept)", yours,
                                         static_cast<double>(spare) / kGiB, to_gib(base.used_peak_bytes), to_gib(base.device_capacity_bytes),
                                         100 * base.headroom_fraction)

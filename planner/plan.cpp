@@ -89,13 +89,21 @@ std::string largest_categories(const std::array<std::uint64_t, sim::kNumCategori
   return s;
 }
 
+std::uint64_t headroom_bytes(const Plan& p) {
+  return static_cast<std::uint64_t>(p.headroom_fraction * static_cast<double>(p.device_capacity_bytes));
+}
+
+std::int64_t spare_bytes(const Plan& p) {
+  return static_cast<std::int64_t>(p.device_capacity_bytes) - static_cast<std::int64_t>(headroom_bytes(p)) -
+         static_cast<std::int64_t>(p.used_peak_bytes);
+}
+
 namespace {
 
 void judge(Plan& p) {
   const auto& m = p.memory;
   p.fits = true;
-  const auto headroom = static_cast<std::uint64_t>(p.headroom_fraction * static_cast<double>(p.device_capacity_bytes));
-  if (p.used_peak_bytes + headroom > p.device_capacity_bytes || p.allocator_oom) {
+  if (p.used_peak_bytes + headroom_bytes(p) > p.device_capacity_bytes || p.allocator_oom) {
     p.fits = false;
     const std::string top = largest_categories(m.at_peak_bytes);
     MemCategory largest = MemCategory::activations;
@@ -231,9 +239,7 @@ Plan finish_plan(const PlanInput& input, std::vector<std::string> warnings, Buil
   if (p.input.profile == RuntimeProfile::executor) {
     p.reserved_peak_bytes = p.used_peak_bytes = p.memory.device_peak_bytes;  // our allocator holds what it uses
   } else if (options.skip_replay_when_allocated_overflows &&
-             p.memory.device_peak_bytes + p.outside_allocator_bytes +
-                     static_cast<std::uint64_t>(p.headroom_fraction * static_cast<double>(p.device_capacity_bytes)) >
-                 p.device_capacity_bytes) {
+             p.memory.device_peak_bytes + p.outside_allocator_bytes + headroom_bytes(p) > p.device_capacity_bytes) {
     p.reserved_peak_bytes = p.memory.device_peak_bytes;  // reserved is at least this: judge() says it does not fit
     p.used_peak_bytes = p.reserved_peak_bytes + p.outside_allocator_bytes;
   } else {

@@ -166,8 +166,7 @@ class Search {
     c.allocated_peak_bytes = p.memory.device_peak_bytes;
     c.reserved_peak_bytes = p.reserved_peak_bytes;
     c.used_peak_bytes = p.used_peak_bytes;
-    const auto headroom = static_cast<std::int64_t>(p.headroom_fraction * static_cast<double>(p.device_capacity_bytes));
-    c.spare_bytes = static_cast<std::int64_t>(p.device_capacity_bytes) - headroom - static_cast<std::int64_t>(p.used_peak_bytes);
+    c.spare_bytes = spare_bytes(p);
     c.host_peak_bytes = p.memory.host_peak_bytes;
     c.host_capacity_bytes = p.host_capacity_bytes;
     c.at_peak_bytes = p.memory.at_peak_bytes;

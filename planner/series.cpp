@@ -19,12 +19,6 @@ BuiltProgram build_at(const PlanInput& input, std::int64_t b) {
   return build_program(in, BuildOptions{.names = false});
 }
 
-bool same_facts(const ProgramFacts& a, const ProgramFacts& b) {
-  return a.base_params == b.base_params && a.trainable_params == b.trainable_params && a.base_bytes == b.base_bytes &&
-         a.largest_layer_params == b.largest_layer_params && a.compute_dtype == b.compute_dtype && a.base_dtype == b.base_dtype &&
-         a.trainable_dtype == b.trainable_dtype && a.master_weights == b.master_weights && a.fsdp_unit_passes == b.fsdp_unit_passes;
-}
-
 // The same lists: ops, buffers (and each one's pieces), operands and dependencies.
 bool same_shape(const sim::Program& a, const sim::Program& b) {
   if (a.ops.size() != b.ops.size() || a.buffers.size() != b.buffers.size() || a.operands.size() != b.operands.size() ||
@@ -53,7 +47,7 @@ std::optional<MicroBatchSeries> MicroBatchSeries::make(const PlanInput& input) {
   const BuiltProgram two = build_at(input, 2);
   sim::Program& p = s.built_.program;
   const sim::Program& q = two.program;
-  if (!same_facts(s.built_.facts, two.facts) || !same_shape(p, q)) return std::nullopt;
+  if (s.built_.facts != two.facts || !same_shape(p, q)) return std::nullopt;
 
   using Type = Moving::Type;
   auto note = [&](void* field, Type type, double one, double two_) {
@@ -107,7 +101,7 @@ std::optional<MicroBatchSeries> MicroBatchSeries::make(const PlanInput& input) {
   s.set(2);
   if (!sim::same_interpreted_fields(p, q)) return std::nullopt;
   const BuiltProgram three = build_at(input, 3);
-  if (!same_facts(s.built_.facts, three.facts) || !same_shape(p, three.program)) return std::nullopt;
+  if (s.built_.facts != three.facts || !same_shape(p, three.program)) return std::nullopt;
   s.set(3);
   if (!sim::same_interpreted_fields(p, three.program)) return std::nullopt;
   return s;
@@ -134,7 +128,7 @@ void MicroBatchSeries::set(std::int64_t b) {
 }
 
 std::int64_t MicroBatchSeries::largest_within(std::uint64_t device_budget, std::uint64_t host_budget) {
-  PEFTPLAN_CHECK_MSG(!lent_, "the series' program is lent; give_back it first");
+  PEFTPLAN_CHECK_MSG(lent_storage_.empty(), "the series' program is lent; give_back it first");
   if (device_lines_.empty()) {
     auto totals = [&](std::int64_t b, std::vector<Line>& device, std::vector<Line>& host) {
       set(b);
@@ -176,9 +170,8 @@ std::int64_t MicroBatchSeries::largest_within(std::uint64_t device_budget, std::
 }
 
 BuiltProgram MicroBatchSeries::take(std::int64_t b) {
-  PEFTPLAN_CHECK_MSG(!lent_, "the series' program is lent; give_back it first");
+  PEFTPLAN_CHECK_MSG(lent_storage_.empty(), "the series' program is lent; give_back it first");
   set(b);
-  lent_ = true;
   lent_storage_ = storage_of(built_.program);
   return BuiltProgram{std::move(built_.program), built_.facts};
 }
@@ -186,9 +179,10 @@ BuiltProgram MicroBatchSeries::take(std::int64_t b) {
 void MicroBatchSeries::give_back(sim::Program&& program) {
   // The same storage, every vector of it: the fields the series moves live there, so a program
   // whose vectors grew (or another program) cannot come back.
-  PEFTPLAN_CHECK_MSG(lent_ && storage_of(program) == lent_storage_, "give_back of a program the series did not lend, or that grew");
+  PEFTPLAN_CHECK_MSG(!lent_storage_.empty() && storage_of(program) == lent_storage_,
+                     "give_back of a program the series did not lend, or that grew");
   built_.program = std::move(program);
-  lent_ = false;
+  lent_storage_.clear();
 }
 
 }  // namespace peftplan::planner

@@ -165,16 +165,12 @@ class Checker {
       }
       case OpKind::compute:
         if (op.kernel == Kernel::none) add(Rule::kernel_none, i, "a compute op without a kernel");
-        {
-          // operands_in_range and slot_ids, with the layout table read once per program
-          const auto& l = layouts_[static_cast<std::size_t>(op.kernel)];
-          if (l.values != 0 && (op.operands < 0 || static_cast<std::size_t>(op.operands) + l.values > p_.operands.size())) [[unlikely]] {
-            add(Rule::buffer_id, i, fmt::format("{}'s {} operand values from #{} lie outside the program's {}", name_of(op.kernel),
-                                                ops::values_of(op.kernel), op.operands, p_.operands.size()));
-            return;
-          }
-          const std::int64_t* ids = l.slots == 0 ? nullptr : p_.operands.data() + op.operands + (l.values - l.slots);
-          for (std::size_t a = 0; a < l.slots; ++a) use(i, static_cast<std::int32_t>(ids[a]), "operand", static_cast<int>(a));
+        if (const auto ids = ops::checked_slot_ids(p_, op)) [[likely]] {
+          for (std::size_t a = 0; a < ids->size(); ++a) use(i, static_cast<std::int32_t>((*ids)[a]), "operand", static_cast<int>(a));
+        } else {
+          add(Rule::buffer_id, i, fmt::format("{}'s {} operand values from #{} lie outside the program's {}", name_of(op.kernel),
+                                              ops::values_of(op.kernel), op.operands, p_.operands.size()));
+          return;
         }
         if (p_.executable && op.kernel != Kernel::none) check_operands(i, op);
         return;
@@ -214,7 +210,6 @@ class Checker {
   }
 
   const Program& p_;
-  const std::array<ops::detail::Layout, kNumKernels>& layouts_ = ops::detail::layouts();
   std::vector<std::uint8_t> live_;
   std::vector<std::uint8_t> view_;  // each buffer: a view (Buffer::view_of >= 0)
   std::vector<std::int32_t> root_;  // each buffer's outermost parent (itself when not a view)

@@ -139,7 +139,7 @@ TEST(MicroBatchSeries, BoundsTheLargestMicroBatchByItsAllocatedPeak) {
     std::optional<MicroBatchSeries> series = MicroBatchSeries::make(input_on(c.input, cluster));
     if (!series) continue;  // refused (the test above says when)
     const Plan one = make_plan(c.input, cluster, po);
-    const auto headroom = static_cast<std::uint64_t>(one.headroom_fraction * static_cast<double>(one.device_capacity_bytes));
+    const std::uint64_t headroom = headroom_bytes(one);
     const std::uint64_t outside = one.used_peak_bytes - one.reserved_peak_bytes;  // 0 in the executor's profile
     if (one.device_capacity_bytes < headroom + outside + one.memory.device_peak_bytes) continue;  // nothing fits
     if (one.host_capacity_bytes > 0 && one.memory.host_peak_bytes > one.host_capacity_bytes) continue;

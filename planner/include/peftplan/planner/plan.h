@@ -70,6 +70,12 @@ std::string largest_categories(const std::array<std::uint64_t, sim::kNumCategori
 
 Plan make_plan(const PlanInput& input, const sim::Cluster& cluster, const PlanOptions& options = {});
 
+// The verdict's margin in bytes (headroom_fraction of the GPU's memory), and the device bytes left
+// beyond the used peak and that margin (negative: short by that much): the one statement of
+// "fits" that the verdict, the recommender and the explorer read.
+std::uint64_t headroom_bytes(const Plan& plan);
+std::int64_t spare_bytes(const Plan& plan);
+
 // The input a plan on `cluster` is built from: the GPU's compute capability filled in when the
 // input leaves it 0 (what make_plan builds; a MicroBatchSeries for make_plan_with starts here).
 PlanInput input_on(const PlanInput& input, const sim::Cluster& cluster);

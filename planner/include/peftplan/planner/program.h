@@ -81,6 +81,7 @@ struct ProgramFacts {
   std::int64_t fsdp_unit_passes = 0;   // FSDP1: Σ over its units (the root, each decoder layer,
                                        //   each PEFT adapter Linear) of the forward, recompute
                                        //   and backward passes that run its hooks, per step
+  friend bool operator==(const ProgramFacts&, const ProgramFacts&) = default;
 };
 
 // The dtype a frozen tensor is stored in, the one rule the builder's sizes and the executor's

@@ -64,8 +64,7 @@ class MicroBatchSeries {
   void set(std::int64_t b);
 
   BuiltProgram built_;  // at the micro-batch last set; its storage never reallocates
-  bool lent_ = false;
-  std::vector<const void*> lent_storage_;  // the lent program's vectors, to know it when it comes back
+  std::vector<const void*> lent_storage_;  // while lent: the program's vectors, to know it when it comes back
   static std::vector<const void*> storage_of(const sim::Program& p);
   std::vector<Moving> moving_;  // fields in the program's heap storage (stable across moves)
   Moving tokens_, model_flops_;  // Program::tokens_per_step and model_flops_per_step

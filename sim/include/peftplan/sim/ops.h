@@ -18,6 +18,7 @@
 
 #include <array>
 #include <bit>
+#include <optional>
 #include <span>
 #include <vector>
 #include <cstdint>
@@ -590,6 +591,15 @@ inline std::span<const std::int64_t> slot_ids(const Program& program, const Op& 
   const auto& l = detail::layouts()[static_cast<std::size_t>(op.kernel)];
   if (l.slots == 0) return {};
   return {program.operands.data() + op.operands + (l.values - l.slots), l.slots};
+}
+
+// operands_in_range and slot_ids in one read of the layout table: the op's buffer ids, or nullopt
+// when its values do not lie inside program.operands (sim::verify reads every op this way).
+inline std::optional<std::span<const std::int64_t>> checked_slot_ids(const Program& program, const Op& op) {
+  const auto& l = detail::layouts()[static_cast<std::size_t>(op.kernel)];
+  if (l.values == 0) return std::span<const std::int64_t>{};
+  if (op.operands < 0 || static_cast<std::size_t>(op.operands) + l.values > program.operands.size()) return std::nullopt;
+  return std::span<const std::int64_t>{program.operands.data() + op.operands + (l.values - l.slots), l.slots};
 }
 
 }  // namespace peftplan::sim::ops
