@@ -71,7 +71,6 @@ TEST(MicroBatchSeries, IsTheBuildersProgramAndPlansAsMakePlanAtEveryMicroBatch) 
   po.explain = false;
   po.names = false;
   int compared = 0;
-  int refused = 0;
   while (compared < 240) {
     const Candidate c = random_candidate(rng);
     const sim::Cluster cluster = sim::resolve_cluster(c.cluster);
@@ -83,10 +82,10 @@ TEST(MicroBatchSeries, IsTheBuildersProgramAndPlansAsMakePlanAtEveryMicroBatch) 
     SCOPED_TRACE(c.what);
     std::optional<MicroBatchSeries> series = MicroBatchSeries::make(input_on(c.input, cluster));
     if (!series) {
-      // Only a moving double that is not an integer may refuse a series: the executor profile's
-      // eager attention (its GEMM share of a block) is the one known case.
-      EXPECT_EQ(c.input.profile, RuntimeProfile::executor) << "no series";
-      ++refused;
+      // Only a moving double that is not an integer may refuse a series here: the executor
+      // profile's eager attention (its GEMM share of a block, builder.h eager_gemm_fraction) is
+      // the one such case the sample can draw.
+      EXPECT_TRUE(c.input.profile == RuntimeProfile::executor && c.input.training.attention == Attention::eager) << "no series";
       continue;
     }
     // Lent and given back at two micro-batches, as a search does; the second one is compared.
@@ -113,7 +112,6 @@ TEST(MicroBatchSeries, IsTheBuildersProgramAndPlansAsMakePlanAtEveryMicroBatch) 
     EXPECT_EQ(fast.time->tokens_per_s, full.time->tokens_per_s);
     ++compared;
   }
-  EXPECT_LT(refused, 40) << "the series was refused too often to be worth having";
 }
 
 // The search's upper bound: at the largest micro-batch largest_within allows, make_plan's
