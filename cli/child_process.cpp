@@ -60,7 +60,7 @@ std::vector<std::string> local_mpirun(const std::string& mpirun, int ranks) {
   return args;
 }
 
-double run_speed_probe(int ranks) {
+SpeedProbe run_speed_probe(int ranks) {
   char dir_template[] = "/tmp/peftplan-probe.XXXXXX";
   const char* dir = ::mkdtemp(dir_template);
   if (dir == nullptr) throw std::runtime_error("peftplan: cannot make a temporary folder for the speed probe");
@@ -69,12 +69,16 @@ double run_speed_probe(int ranks) {
   std::vector<std::string> args = ranks > 1 ? local_mpirun(mpirun && *mpirun ? mpirun : "mpirun", ranks) : std::vector<std::string>{};
   args.insert(args.end(), {find_exec().string(), "probe", "--out", out.string()});
   const int code = run_child(args);
-  double rate = 0.0;
-  if (code == 0) rate = models::read_json_file(out.string()).at("flops_per_s").get<double>();
+  SpeedProbe probe;
+  if (code == 0) {
+    const nlohmann::json j = models::read_json_file(out.string());
+    probe.flops_per_s = j.at("flops_per_s").get<double>();
+    if (const auto it = j.find("others_cpu_share"); it != j.end() && it->is_number()) probe.others_cpu_share = it->get<double>();
+  }
   std::error_code ec;
   fs::remove_all(dir, ec);
   if (code != 0) throw std::runtime_error(fmt::format("peftplan: peftplan-exec probe exited with code {}", code));
-  return rate;
+  return probe;
 }
 
 std::string profile_stem() {

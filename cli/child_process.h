@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,8 +26,14 @@ int run_child(const std::vector<std::string>& args);
 std::vector<std::string> local_mpirun(const std::string& mpirun, int ranks);
 
 // The machine-speed probe (executor/calibrate.h, speed_probe) with N ranks at once, through
-// `peftplan-exec probe`: GEMM FLOP/s per rank. Throws when the executor fails.
-double run_speed_probe(int ranks);
+// `peftplan-exec probe`: the reference step's FLOP/s per rank, and the share other work took of
+// the host's CPUs meanwhile (executor/host_load.h; nullopt when unknown). Throws when the
+// executor fails.
+struct SpeedProbe {
+  double flops_per_s = 0.0;
+  std::optional<double> others_cpu_share;
+};
+SpeedProbe run_speed_probe(int ranks);
 
 // $XDG_CACHE_HOME/peftplan/calibration.json, else ~/.cache/peftplan/calibration.json.
 std::filesystem::path default_profile_path();

@@ -73,7 +73,10 @@ std::string cpu_model_name() {
 // --ranks N --quick` by this same binary, written where it was looked for: when it is missing,
 // when it predates the speed probe, and when the machine's speed has moved away from it.
 // "Moved away" is the probe (executor/calibrate.h, speed_probe) taken now differing from the
-// profile's by more than `recalibrate_beyond`: the profile's time tolerance, whatever
+// profile's by more than `recalibrate_beyond` — or the profile having been calibrated beside more
+// other work than the machine has now (executor/host_load.h), by more than
+// planner::calibration_noise_limit() of the CPUs. `recalibrate_beyond` is the
+// profile's time tolerance, whatever
 // --tolerance-time says — a drift beyond which no miss could be conclusive (see
 // planner::Validation::speed_drift), so a run on the old profile could judge time one way only.
 // A smaller drift is left to the verdict, which judges each figure at both speeds: the
@@ -105,17 +108,36 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
       // One probe jitters by a few percent (a 1 s window on the development VM: ±3%); a drift
       // beyond the bound is confirmed by a second probe (their mean decides) before it costs a
       // calibration.
-      double now = run_speed_probe(N);
-      if (std::abs(now / then - 1.0) > recalibrate_beyond) now = 0.5 * (now + run_speed_probe(N));
+      SpeedProbe probe = run_speed_probe(N);
+      double now = probe.flops_per_s;
+      if (std::abs(now / then - 1.0) > recalibrate_beyond) now = 0.5 * (now + run_speed_probe(N).flops_per_s);
       const double drift = now / then - 1.0;
-      if (std::abs(drift) <= recalibrate_beyond) {
-        fmt::print("cluster: calibrated profile {} ({}); speed probe {:.2f} GFLOP/s per rank, {:+.1f}% from the profile's\n",
-                   path.string(), c.name, now / 1e9, 100.0 * drift);
+      // The machine's other work, as the probe saw it, against the profile's (executor/host_load.h):
+      // a profile calibrated beside other work fits that work's share of the collectives' waits
+      // into every prediction, though the probe's speed barely moves with it.
+      const std::optional<double> load_then = c.host_calibration.others_cpu_share;
+      const std::optional<double> load_change =
+          probe.others_cpu_share && load_then ? std::optional<double>(*probe.others_cpu_share - *load_then) : std::nullopt;
+      // Asymmetric, as the steady step is (planner::steady_samples): other work only adds time, so
+      // a profile made beside more of it than now is replaced; one made quieter than now is the
+      // machine's own speed, and the verdict weighs the change (Validation::load_change).
+      const double load_limit = planner::calibration_noise_limit();
+      if (std::abs(drift) <= recalibrate_beyond && !(load_change && -*load_change > load_limit)) {
+        fmt::print("cluster: calibrated profile {} ({}); speed probe {:.2f} GFLOP/s per rank, {:+.1f}% from the profile's{}\n",
+                   path.string(), c.name, now / 1e9, 100.0 * drift,
+                   load_change ? fmt::format("; other work {:.1f}% of the CPUs, {:+.1f} points from the profile's", 100.0 * *probe.others_cpu_share,
+                                             100.0 * *load_change)
+                               : std::string());
         return c;
       }
-      why = fmt::format("the machine runs {:+.1f}% from the speed of the cached profile {} (probe {:.2f} vs {:.2f} GFLOP/s per rank; "
-                        "more than {:.0f}%)",
-                        100.0 * drift, path.string(), now / 1e9, then / 1e9, 100.0 * recalibrate_beyond);
+      if (std::abs(drift) > recalibrate_beyond)
+        why = fmt::format("the machine runs {:+.1f}% from the speed of the cached profile {} (probe {:.2f} vs {:.2f} GFLOP/s per rank; "
+                          "more than {:.0f}%)",
+                          100.0 * drift, path.string(), now / 1e9, then / 1e9, 100.0 * recalibrate_beyond);
+      else
+        why = fmt::format("other work takes {:.1f}% of the CPUs now and took {:.1f}% when the cached profile {} was calibrated (more "
+                          "than {:.0f} points more)",
+                          100.0 * *probe.others_cpu_share, 100.0 * *load_then, path.string(), 100.0 * load_limit);
     }
   }
   fmt::print("cluster: {}: running peftplan calibrate --quick\n", why);

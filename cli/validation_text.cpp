@@ -115,6 +115,16 @@ std::string speed_line(const planner::Validation& v) {
                      pct(*v.speed_drift));
 }
 
+std::string load_line(const planner::Validation& v) {
+  if (!v.others_cpu_share) return {};
+  std::string s = fmt::format("host load: other work took {:.1f}% of the host's CPUs during the run", 100.0 * *v.others_cpu_share);
+  if (v.calibration_others_cpu_share && v.load_change)
+    s += fmt::format(", {:.1f}% during calibration ({:+.1f} points)", 100.0 * *v.calibration_others_cpu_share, 100.0 * *v.load_change);
+  else
+    s += " (the profile does not say how busy the machine was when it was calibrated)";
+  return s + "\n";
+}
+
 namespace {
 std::string unsure_reason(const planner::Figure& f, const planner::Validation& v) {
   using U = planner::Figure::Unsure;
@@ -126,6 +136,10 @@ std::string unsure_reason(const planner::Figure& f, const planner::Validation& v
       return fmt::format("outside at both speeds, but the spread plus the machine-speed drift ({}) is wider than the tolerance: a miss a wrong "
                          "probe could make",
                          v.speed_drift ? pct(*v.speed_drift) : std::string("n/a"));
+    case U::load_changed:
+      return fmt::format("outside, in the direction the change in the machine's other work explains ({} of the CPUs since calibration), and "
+                         "the spread plus the speed drift plus that change is wider than the tolerance",
+                         v.load_change ? fmt::format("{:+.1f} points", 100.0 * *v.load_change) : std::string("n/a"));
     case U::spread:
     case U::no: break;
   }
@@ -172,6 +186,7 @@ std::string validation_notes(const planner::Validation& v) {
                      "calibrated skew per call; comm_s counts each collective's transfer)\n",
                      *v.sync_wait_s * 1e3);
   s += speed_line(v);
+  s += load_line(v);
   for (const auto& n : v.notes) s += "note: " + n + "\n";
   return s;
 }
@@ -202,8 +217,10 @@ std::string validation_report(const planner::Plan& plan, const planner::Validati
   s += "\nSpread: the interquartile range of the rounds (of the steps with one round). A time figure whose spread is wider than "
        "the tolerance is inconclusive: the machine was too noisy to tell a hit from a miss. So is one whose verdict changes when "
        "the prediction is taken at the run's speed (the speed probe's drift since calibration) instead of calibration's, and a miss "
-       "whose spread plus that drift is wider than the tolerance (a probe that far out could make it).\n";
+       "whose spread plus that drift is wider than the tolerance (a probe that far out could make it), and a miss in the direction a "
+       "change in the machine's other work since calibration explains, when the spread plus the drift plus that change is wider.\n";
   if (v.speed_drift) s += fmt::format("\n{}", speed_line(v));
+  if (v.others_cpu_share) s += fmt::format("\n{}", load_line(v));
   s += fmt::format("\n## Op by op\n\nMeasured op times from round {}'s {}.\n\n", v.op_round + 1, v.op_time_source);
   if (v.most_different) s += "Differs most: " + planner::describe(*v.most_different) + "\n\n";
   if (v.sync_wait_s)

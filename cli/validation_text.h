@@ -27,6 +27,9 @@ std::string validation_notes(const planner::Validation& v);
 
 // "machine speed: ..." — the run's speed probe against calibration's — or nothing without one.
 std::string speed_line(const planner::Validation& v);
+// "host load: other work took X% of the host's CPUs during the run, Y% during calibration ..."
+// (planner::Validation::others_cpu_share, load_change); empty when the run's share is unknown.
+std::string load_line(const planner::Validation& v);
 
 // "within tolerance", "outside: time.step_s" or "inconclusive: time.step_s" (summary tables).
 std::string verdict_summary(const planner::Validation& v);

@@ -25,6 +25,7 @@
 //   kernel launch = 0 (CPU kernels are function calls);
 //   shared_compute = the per-rank GEMM rate for 1..N ranks at once, for the planner.
 #include "peftplan/executor/calibrate.h"
+#include "peftplan/executor/host_load.h"
 
 #include <algorithm>
 #include <array>
@@ -290,7 +291,7 @@ double calibration_noise(const Calibration& cal) {
   const double moved = cal.probe_before_flops_per_s > 0.0 && cal.probe_after_flops_per_s > 0.0
                            ? std::abs(cal.probe_after_flops_per_s / cal.probe_before_flops_per_s - 1.0)
                            : 0.0;
-  return std::max(programs, moved);
+  return std::max({programs, moved, cal.others_cpu_share.value_or(0.0)});
 }
 
 namespace {
@@ -674,6 +675,7 @@ sim::Cluster make_profile(const Calibration& cal) {
     c.host_calibration.speed_probe_flops_per_s = cal.reference_step_flops_per_s;
   else if (cal.probe_before_flops_per_s > 0.0 && cal.probe_after_flops_per_s > 0.0)
     c.host_calibration.speed_probe_flops_per_s = 0.5 * (cal.probe_before_flops_per_s + cal.probe_after_flops_per_s);
+  c.host_calibration.others_cpu_share = cal.others_cpu_share;
   // Whole steps: the op timers miss the time a rank is descheduled between ops (ranks
   // outnumbering cores time-share them; an op that is not preempted runs at full speed while its
   // rank's share of the core is spent elsewhere) and the step loop's own cost. Two factors, one on
@@ -951,6 +953,9 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
     o += fmt::format("# the reference step program among the calibration programs (ddp fp32 B2 S128, its median round): {:.2f} GFLOP/s "
                      "per rank; the profile keeps it, and runs compare their probes with it\n",
                      cal.reference_step_flops_per_s / kGiga);
+  if (cal.others_cpu_share)
+    o += fmt::format("# other work's share of the host's CPUs while the programs ran (/proc/stat less the ranks' own): {:.1f}%\n",
+                     100.0 * *cal.others_cpu_share);
   o += "\n# ranks computing at once: per-rank GEMM rate (layer mix) and triad bandwidth\n";
   o += fmt::format("# {:>5} {:>14} {:>14} {:>14}\n", "ranks", "GFLOP/s/rank", "slowest", "GB/s/rank");
   for (const auto& s : cal.shared)
@@ -1136,6 +1141,7 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
       {"speed_probe", {{"window_s", kLongProbeWindowS}, {"before_GFLOPs_per_rank", cal.probe_before_flops_per_s / kGiga},
                        {"after_GFLOPs_per_rank", cal.probe_after_flops_per_s / kGiga},
                        {"reference_step_GFLOPs_per_rank", cal.reference_step_flops_per_s / kGiga}}},
+      {"others_cpu_share", cal.others_cpu_share ? nlohmann::json(*cal.others_cpu_share) : nlohmann::json()},
       {"link", {{"ranks", cal.link.ranks}, {"latency_us", cal.link.latency_s / kMicro},
                 {"GBps", cal.link.bytes_per_s / kGiga}, {"rms_rel_error", cal.link.rms_rel_error},
                 {"error_factor", cal.link.error_factor}}},
@@ -1271,6 +1277,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   };
   std::array<std::vector<Kept>, kRuns> rounds;
   cal.rounds = std::max(1, options.rounds);
+  HostLoad load;  // what else ran beside the programs: their collectives' load and skew move with it
+  load.begin(N > 1 ? &world : nullptr);
   for (int round_run = 0; round_run < cal.rounds * kRuns; ++round_run) {
     const int run = round_run % kRuns;
     const int prog = run % kPrograms;
@@ -1311,6 +1319,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     rounds[static_cast<std::size_t>(run)].push_back(std::move(k));
     world.barrier();
   }
+  cal.others_cpu_share = load.end(N > 1 ? &world : nullptr);
   for (auto& r : rounds) {
     std::vector<double> steps;
     for (const Kept& k : r) steps.push_back(k.program.step_s);

@@ -73,6 +73,7 @@ nlohmann::json measurement_to_json(const Measurement& m) {
     j["sync_wait_s"] = m.sync_wait_s;
   }
   if (m.speed_probe_flops_per_s > 0.0) j["speed_probe_flops_per_s"] = m.speed_probe_flops_per_s;
+  if (m.others_cpu_share) j["others_cpu_share"] = *m.others_cpu_share;
   if (!m.per_rank.is_null()) j["per_rank"] = m.per_rank;
   return j;
 }

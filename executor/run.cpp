@@ -3,6 +3,7 @@
 #include "session_impl.h"
 
 #include "peftplan/common/paths.h"
+#include "peftplan/executor/host_load.h"
 
 namespace peftplan::executor {
 
@@ -190,6 +191,8 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
                  backend.description().c_str(), plan.input.strategy.ranks, std::string(planner::name_of(plan.input.strategy.stage)).c_str(),
                  static_cast<long long>(t.micro_batch), static_cast<long long>(t.seq_len),
                  static_cast<long long>(t.grad_accum), static_cast<long long>(plan.run.steps));
+  HostLoad load;  // other work beside the steps (host_load.h)
+  load.begin(comm);
   while (session.steps_done() < plan.run.steps) {
     const StepStats st = session.step();
     if (progress) {
@@ -206,8 +209,9 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
       }
     }
   }
-  Measurement m = session.measurement();
+  Measurement m = session.measurement();  // before load.end: its all_reduces are not the program's
   m.speed_probe_flops_per_s = probe;
+  m.others_cpu_share = load.end(comm);
   // ZeRO-3: the adapter is sharded; every rank takes part in gathering it.
   if (plan.input.strategy.stage == planner::Stage::zero3 && !plan.run.save_adapter.empty()) session.trainable_weights();
   if (comm) gather_ranks(m, *comm);

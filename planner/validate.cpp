@@ -192,6 +192,11 @@ void check_measurement_shape(const json& m) {
   }
 }
 
+void set_load_change(Validation& v) {
+  v.load_change.reset();
+  if (v.others_cpu_share && v.calibration_others_cpu_share) v.load_change = *v.others_cpu_share - *v.calibration_others_cpu_share;
+}
+
 // One measurement against the plan: every figure, the parts' share of the step, the step's
 // spread over its own steps. Verdicts are settled by finish().
 Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) {
@@ -229,6 +234,10 @@ Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) 
     v.calibration_probe_flops_per_s = calibration_probe;
     if (calibration_probe > 0.0 && v.probe_flops_per_s > 0.0) v.speed_drift = v.probe_flops_per_s / calibration_probe - 1.0;
   }
+  // And the machine's other work during the run against calibration's (host_load.h).
+  v.calibration_others_cpu_share = plan.cluster.host_calibration.others_cpu_share;
+  v.others_cpu_share = json_fields::nullable_number(m, "others_cpu_share", "measurement.json", "", json_fields::Sign::non_negative);
+  set_load_change(v);
 
   // Per-op measured seconds of one step: the last step's trace when given, else the totals.
   const auto step_times = need(m, "step_times_s", "").get<std::vector<double>>();
@@ -400,12 +409,17 @@ void finish(Validation& v, double predicted_step_s) {
   const Tolerances& tol = v.tolerances;
   const double drift = v.speed_drift ? std::abs(*v.speed_drift) : 0.0;
   const double at_run_speed = v.speed_drift && *v.speed_drift > -1.0 ? 1.0 / (1.0 + *v.speed_drift) : 1.0;
-  const auto settle = [&](Figure& f, double noise, bool within_at_run_speed) {
+  const double load = v.load_change ? *v.load_change : 0.0;
+  // `slower`: the figure says the run took longer than predicted (a time above its prediction,
+  // tokens/s below); more other work can only have made it slower, less only faster.
+  const auto settle = [&](Figure& f, double noise, bool within_at_run_speed, bool slower) {
     using U = Figure::Unsure;
-    f.unsure = noise > tol.time                          ? U::spread
-               : within_at_run_speed != f.within         ? U::speed_decides
-               : !f.within && noise + drift > tol.time   ? U::drift_wide
-                                                         : U::no;
+    const bool load_explains = load != 0.0 && (load > 0.0) == slower;
+    f.unsure = noise > tol.time                                                           ? U::spread
+               : within_at_run_speed != f.within                                          ? U::speed_decides
+               : !f.within && noise + drift > tol.time                                    ? U::drift_wide
+               : !f.within && load_explains && noise + drift + std::abs(load) > tol.time  ? U::load_changed
+                                                                                          : U::no;
     f.conclusive = f.unsure == U::no;
   };
   for (Figure& f : v.time) {
@@ -423,7 +437,7 @@ void finish(Validation& v, double predicted_step_s) {
     const double noise = !f.has_spread ? 0.0
                          : step        ? (f.measured > 0.0 ? f.spread / f.measured : 0.0)
                                        : (predicted_step_s > 0.0 ? f.spread / predicted_step_s : 0.0);
-    settle(f, noise, within_at(at_run_speed));
+    settle(f, noise, within_at(at_run_speed), f.measured > f.predicted);
   }
   for (Figure& f : v.throughput) {  // judged like the step, whose spread it shares; tokens/s scale the other way
     f.relative_error = relative_error(f.predicted, f.measured);
@@ -431,7 +445,7 @@ void finish(Validation& v, double predicted_step_s) {
     f.error_at_run_speed.reset();
     if (v.speed_drift) f.error_at_run_speed = relative_error(f.predicted / at_run_speed, f.measured);
     const double noise = f.has_spread && f.measured > 0.0 ? f.spread / f.measured : 0.0;
-    settle(f, noise, f.error_at_run_speed ? std::abs(*f.error_at_run_speed) <= tol.time : f.within);
+    settle(f, noise, f.error_at_run_speed ? std::abs(*f.error_at_run_speed) <= tol.time : f.within, f.measured < f.predicted);
   }
   v.outside.clear();
   v.inconclusive.clear();
@@ -535,6 +549,12 @@ Validation validate_rounds(const Plan& plan, std::span<const json> rounds, const
       if (x.probe_flops_per_s > 0.0) probes.push_back(x.probe_flops_per_s);
     if (!probes.empty()) set_speed(v, spread_of(probes).median, static_cast<std::int32_t>(probes.size()), false);
   }
+  std::vector<double> shares;
+  for (const Validation& x : vs)
+    if (x.others_cpu_share) shares.push_back(*x.others_cpu_share);
+  v.others_cpu_share.reset();
+  if (!shares.empty()) v.others_cpu_share = spread_of(shares).median;
+  set_load_change(v);
   if (v.sync_wait_s) {
     std::vector<double> w;
     for (const Validation& x : vs) w.push_back(x.sync_wait_s.value_or(0.0));
@@ -553,18 +573,21 @@ Tolerances tolerances_for(RuntimeProfile profile) {
   }
 }
 
+double calibration_noise_limit() { return tolerances_for(RuntimeProfile::executor).time / 3.0; }
+
 std::string_view name_of(Figure::Unsure u) {
   switch (u) {
     case Figure::Unsure::no: return "no";
     case Figure::Unsure::spread: return "spread";
     case Figure::Unsure::speed_decides: return "speed_decides";
     case Figure::Unsure::drift_wide: return "drift_wide";
+    case Figure::Unsure::load_changed: return "load_changed";
   }
   return "?";
 }
 
 std::optional<Figure::Unsure> unsure_from_name(std::string_view s) {
-  for (auto u : {Figure::Unsure::spread, Figure::Unsure::speed_decides, Figure::Unsure::drift_wide})
+  for (auto u : {Figure::Unsure::spread, Figure::Unsure::speed_decides, Figure::Unsure::drift_wide, Figure::Unsure::load_changed})
     if (s == name_of(u)) return u;
   return std::nullopt;
 }
@@ -754,6 +777,10 @@ json validation_to_json(const Validation& v) {
                       {"drift", v.speed_drift ? json(*v.speed_drift) : json(nullptr)},
                       {"probes", v.probes},
                       {"over", v.job_probe ? "job" : "rounds"}};
+  const auto optional_number = [](const std::optional<double>& x) { return x ? json(*x) : json(nullptr); };
+  j["host_load"] = {{"run_others_cpu_share", optional_number(v.others_cpu_share)},
+                    {"calibration_others_cpu_share", optional_number(v.calibration_others_cpu_share)},
+                    {"change", optional_number(v.load_change)}};
   j["op_time_source"] = v.op_time_source;
   j["most_different_op"] = v.most_different ? op_json(*v.most_different) : json(nullptr);
   j["ops"] = ops;
@@ -809,7 +836,7 @@ Validation validation_from_json(const json& j, std::string_view source) {
       x.error_at_run_speed = json_fields::nullable_number(f, "relative_error_at_run_speed", source, where + ".");
       if (const std::string why = json_fields::string(f, "inconclusive_because", source, "", where + "."); !why.empty()) {
         const auto u = unsure_from_name(why);
-        if (!u) throw fail(where + ".inconclusive_because", fmt::format("must be \"spread\", \"speed_decides\" or \"drift_wide\", got \"{}\"", why));
+        if (!u) throw fail(where + ".inconclusive_because", fmt::format("must be \"spread\", \"speed_decides\", \"drift_wide\" or \"load_changed\", got \"{}\"", why));
         if (x.conclusive) throw fail(where + ".inconclusive_because", fmt::format("is \"{}\" but the verdict is not inconclusive", why));
         x.unsure = *u;
       } else if (!x.conclusive) {
@@ -828,6 +855,14 @@ Validation validation_from_json(const json& j, std::string_view source) {
     const std::string over = json_fields::string(*sp, "over", source, "rounds", "speed_probe.");
     if (over != "rounds" && over != "job") throw fail("speed_probe.over", fmt::format("must be \"rounds\" or \"job\", got \"{}\"", over));
     v.job_probe = over == "job";
+  }
+  if (const nlohmann::json* hl = json_fields::find(j, "host_load")) {  // the machine's other work (validation_to_json)
+    const auto share = [&](const char* key) {
+      return json_fields::nullable_number(*hl, key, source, "host_load.", json_fields::Sign::non_negative);
+    };
+    v.others_cpu_share = share("run_others_cpu_share");
+    v.calibration_others_cpu_share = share("calibration_others_cpu_share");
+    v.load_change = json_fields::nullable_number(*hl, "change", source, "host_load.");
   }
   // JSON objects come back sorted by name: restore the order validate() makes them in.
   auto rank_of = [](const std::vector<std::string>& order, const std::string& name) {

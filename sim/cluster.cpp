@@ -593,7 +593,8 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     if (!h.is_object()) throw input_error(where, "host_calibration", "must be an object", h.dump());
     check_keys(h, where, "host_calibration.",
                {"kernel_scale", "kernel_overhead_us", "copy_scale", "collectives", "collective_load_us", "collective_skew_us",
-                "collective_load_per_compute", "collective_skew_per_compute", "reference_step_GFLOPs", "speed_probe_GFLOPs"});
+                "collective_load_per_compute", "collective_skew_per_compute", "reference_step_GFLOPs", "speed_probe_GFLOPs",
+                "others_cpu_share"});
     // {"<kernel>": x, ...} into a per-kernel array; positive (scale) or non-negative (overhead).
     auto per_kernel = [&](const char* field, std::array<double, kKernelSlots>& out, double unit, bool zero_ok) {
       if (!h.contains(field)) return;
@@ -617,6 +618,11 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     if (h.contains("reference_step_GFLOPs"))
       c.host_calibration.speed_probe_flops_per_s = number(h, "reference_step_GFLOPs", where, "host_calibration.") * kGiga;
     if (h.contains("speed_probe_GFLOPs")) number(h, "speed_probe_GFLOPs", where, "host_calibration.");
+    if (h.contains("others_cpu_share")) {  // a fraction of the host's CPU time: [0, 1]
+      const double x = number(h, "others_cpu_share", where, "host_calibration.", true);
+      if (x > 1.0) throw input_error(where, "host_calibration.others_cpu_share", "must be a fraction in [0, 1]", h["others_cpu_share"].dump());
+      c.host_calibration.others_cpu_share = x;
+    }
     // {"<collective>.<place>": microseconds, ...} into collective_slot order, non-negative.
     auto per_collective = [&](const char* field, HostCalibration::CollectiveArray& out, double unit) {
       if (!h.contains(field)) return;
@@ -756,6 +762,7 @@ nlohmann::json cluster_to_json(const Cluster& c) {
     if (!ko.empty()) hj["kernel_overhead_us"] = ko;
     if (h.copy_scale > 0.0) hj["copy_scale"] = h.copy_scale;
     if (h.speed_probe_flops_per_s > 0.0) hj["reference_step_GFLOPs"] = h.speed_probe_flops_per_s / kGiga;
+    if (h.others_cpu_share) hj["others_cpu_share"] = *h.others_cpu_share;
     auto per_collective = [&](const char* field, const HostCalibration::CollectiveArray& a, double unit) {
       nlohmann::json o = nlohmann::json::object();
       for (std::size_t k = 0; k < kCollectiveSlots; ++k)

@@ -481,6 +481,52 @@ TEST(Validate, MachineSpeedDriftCountsWithTheSpread) {
   EXPECT_TRUE(validation_to_json(none).at("speed_probe").at("drift").is_null());
 }
 
+// The machine's other work moved since calibration (executor/host_load.h): the case from the
+// development VM (2026-12-05), a profile calibrated beside two nice-19 loops that took 16.7% of
+// the CPUs, and runs on the quiet machine measuring ZeRO-3's collectives far faster than it
+// predicted. A miss in the direction the change explains (faster on a quieter machine) with
+// spread + |drift| + |change| beyond the tolerance is inconclusive; the same miss with the load
+// unchanged, or slower on a quieter machine, stays a miss; and a change of 5 points leaves a
+// 25% miss conclusive (1% spread + 5% is within the 15% tolerance).
+TEST(Validate, OtherWorkSinceCalibrationExplainsAMissInItsDirection) {
+  Plan p = tiny_plan(Stage::zero3, 2);
+  p.cluster.host_calibration.others_cpu_share = 0.167;
+  const auto with_share = [](std::vector<json> rounds, double share) {
+    for (json& m : rounds) m["others_cpu_share"] = share;
+    return rounds;
+  };
+  const std::vector<double> fast = {0.745, 0.75, 0.75, 0.755, 0.76};
+  const Validation quieter = validate_rounds(p, with_share(rounds_at(p, fast), 0.0));
+  ASSERT_TRUE(quieter.load_change.has_value());
+  EXPECT_NEAR(*quieter.load_change, -0.167, 1e-12);
+  EXPECT_NEAR(*quieter.others_cpu_share, 0.0, 1e-12);
+  const Figure& st = find(quieter.time, "step_s");
+  EXPECT_FALSE(st.within);
+  EXPECT_EQ(st.verdict(), Verdict::inconclusive);
+  EXPECT_EQ(st.unsure, Figure::Unsure::load_changed);
+  EXPECT_TRUE(quieter.within_tolerance);
+  for (const Figure& f : quieter.memory) EXPECT_TRUE(f.conclusive) << f.name;  // memory is never inconclusive
+
+  EXPECT_EQ(find(validate_rounds(p, with_share(rounds_at(p, fast), 0.167)).time, "step_s").verdict(), Verdict::outside);
+  EXPECT_EQ(find(validate_rounds(p, with_share(rounds_at(p, {1.245, 1.25, 1.25, 1.255, 1.26}), 0.0)).time, "step_s").verdict(),
+            Verdict::outside);
+  EXPECT_EQ(find(validate_rounds(p, with_share(rounds_at(p, fast), 0.117)).time, "step_s").verdict(), Verdict::outside);
+  // Without a share on either side the rule is silent: a miss.
+  EXPECT_EQ(find(validate_rounds(tiny_plan(Stage::zero3, 2), with_share(rounds_at(p, fast), 0.0)).time, "step_s").verdict(),
+            Verdict::outside);
+
+  // validation.json keeps both shares, the change and the reason.
+  const json j = validation_to_json(quieter);
+  EXPECT_EQ(j.at("time").at("step_s").at("inconclusive_because"), "load_changed");
+  EXPECT_NEAR(j.at("host_load").at("calibration_others_cpu_share").get<double>(), 0.167, 1e-12);
+  EXPECT_NEAR(j.at("host_load").at("change").get<double>(), -0.167, 1e-12);
+  const Validation back = validation_from_json(j, "validation.json");
+  EXPECT_EQ(find(back.time, "step_s").unsure, Figure::Unsure::load_changed);
+  ASSERT_TRUE(back.load_change.has_value());
+  EXPECT_NEAR(*back.load_change, -0.167, 1e-12);
+  EXPECT_TRUE(validation_to_json(validate_rounds(tiny_plan(Stage::zero3, 2), rounds_at(p, fast))).at("host_load").at("change").is_null());
+}
+
 // A job of interleaved plans judges each plan against the median of every plan's every round's
 // probe (job_probe_median), not its own five: the case from the development VM (README,
 // "Predicted versus measured") where one strategy's own probes read +3.6% and the job's +14.4%.

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -33,6 +34,7 @@
 #include "peftplan/executor/backend.h"
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/executor/communicator.h"
+#include "peftplan/executor/host_load.h"
 #include "peftplan/executor/plan_file.h"
 #include "peftplan/executor/runner.h"
 #include "peftplan/planner/validate.h"
@@ -70,7 +72,7 @@ void calibrate(const executor::WorldRuntime& job, const std::string& out, bool q
   const bool root = world->rank() == 0;
   // Retaken while the machine is noisy (calibrate.h, kCalibrationAttempts); rank 0 judges, every
   // rank follows its decision.
-  const double noisy = planner::tolerances_for(planner::RuntimeProfile::executor).time / 3.0;
+  const double noisy = planner::calibration_noise_limit();
   executor::Calibration cal;
   double quietest = std::numeric_limits<double>::infinity();
   for (int attempt = 1; attempt <= attempts; ++attempt) {
@@ -86,8 +88,8 @@ void calibrate(const executor::WorldRuntime& job, const std::string& out, bool q
     }
     if (noise <= noisy) break;
     if (root)
-      fmt::print("calibration attempt {} of {}: the step programs' rounds spread by a median {:.1f}% (more than {:.0f}%): the "
-                 "machine is noisy{}\n",
+      fmt::print("calibration attempt {} of {}: noise {:.1f}% (more than {:.0f}%: the step programs' median spread, the probe's move "
+                 "or other work's share of the CPUs, whichever is largest): the machine is noisy{}\n",
                  attempt, attempts, 100.0 * noise, 100.0 * noisy,
                  attempt < attempts ? "; measuring again" : "; keeping the quietest attempt");
   }
@@ -103,14 +105,30 @@ void calibrate(const executor::WorldRuntime& job, const std::string& out, bool q
 int threads_per_rank();
 
 // The machine-speed probe with every rank of the job at once, as calibrate and runs take it;
-// rank 0 writes {"schema": "peftplan.speed-probe/1", "flops_per_s": x, "ranks": N, "window_s": w}.
+// rank 0 writes {"schema": "peftplan.speed-probe/1", "flops_per_s": x, "ranks": N, "window_s": w,
+// "others_cpu_share": s} (the share other work took of the host's CPUs meanwhile, host_load.h;
+// null when unknown).
 void probe(const executor::WorldRuntime& job, const std::string& out, double window_s, const std::string& backend_name) {
   auto backend = executor::make_backend(backend_name, threads_per_rank());  // the OpenMP threads a run's rank has
   auto world = world_for(job, backend.get());
-  const double rate = executor::speed_probe(*backend, world->size() > 1 ? world.get() : nullptr, window_s);
+  executor::Communicator* comm = world->size() > 1 ? world.get() : nullptr;
+  executor::HostLoad load;
+  load.begin(comm);
+  const double rate = executor::speed_probe(*backend, comm, window_s);
+  // The share needs the host's time to count kMinTicks (the probe's steps are fewer than its
+  // window when the warm-up step is slow): the ranks go on with the same program until it has,
+  // every rank as long as the slowest needs (rank 0 decides).
+  const double need_s = 1.1 * executor::HostLoad::min_window_s();  // a tick's phase: 10% more
+  for (;;) {
+    double left = need_s - load.seconds_since_begin();
+    if (comm) comm->broadcast(&left, &left, 1, executor::CommDType::fp64, 0);
+    if (left <= 0.0) break;
+    executor::speed_probe(*backend, comm, left);
+  }
+  const std::optional<double> others = load.end(comm);
   if (world->rank() != 0) return;
   const nlohmann::json j = {{"schema", schemas::kSpeedProbe}, {"flops_per_s", rate}, {"ranks", world->size()},
-                            {"window_s", window_s}};
+                            {"window_s", window_s}, {"others_cpu_share", others ? nlohmann::json(*others) : nlohmann::json()}};
   write_text_atomic(out, j.dump(1) + "\n");
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -179,6 +180,8 @@ struct Calibration {
   double probe_before_flops_per_s = 0.0;         // speed_probe as calibration began
   double probe_after_flops_per_s = 0.0;          //   and as it ended
   double reference_step_flops_per_s = 0.0;       // program 0 (the probe's program), its median round
+  std::optional<double> others_cpu_share;        // other work's share of the host's CPUs while the
+                                                 //   step programs ran (host_load.h); nullopt = not known
 };
 
 // How noisy a calibration was: the median over its step programs of their rounds' spread
@@ -186,7 +189,12 @@ struct Calibration {
 // |probe_after / probe_before - 1| when both probes were taken — whichever is larger: a
 // calibration whose probes disagree measured some programs at one speed and some at another,
 // however quiet each program's rounds were (one whose probes moved +11% predicted the default
-// job 18-20% slow; one whose moved +4% came within 3-8%). 0 without programs or probes.
+// job 18-20% slow; one whose moved +4% came within 3-8%) — or the share of the host's CPUs other
+// work took while the programs ran (others_cpu_share), if larger: a calibration beside other work
+// fits that work's waits into the collectives' load and skew, though its probes and rounds may
+// be steady (beside two nice-19 loops on the development VM, 2026-12-05: 8.6% of the CPUs, probes
+// +1.9% apart, and the default job's ZeRO-3 comm_s predicted 16.8 ms where the quiet machine
+// measured 10.1). 0 without programs, probes or share.
 double calibration_noise(const Calibration& cal);
 // A calibration taken in a noisy spell of a shared machine mispredicts every run after it (one
 // taken while other jobs ran measured its programs 30% slow with a median spread of 11%, against

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,6 +87,8 @@ struct Measurement {
   double sync_wait_s = 0.0;             // per step: collective_wait_s summed over collective ops
   double speed_probe_flops_per_s = 0.0; // run_plan: speed_probe (calibrate.h) just before the
                                         //   steps, every rank at once; 0 = not taken
+  std::optional<double> others_cpu_share;  // run_plan: other work's share of the host's CPUs
+                                        //   over the steps (host_load.h); nullopt = not known
   nlohmann::json trace;                 // Chrome trace of the last step ("traceEvents")
   std::vector<CollectiveStat> collectives;  // per kind, NCCL's order
   nlohmann::json per_rank;              // rank 0 of several: every rank's measurement (memory,

@@ -70,6 +70,13 @@ struct Tolerances {
 //                       within 5%, tokens/s within 15%).
 Tolerances tolerances_for(RuntimeProfile profile);
 
+// How noisy a calibration may be (executor::calibration_noise) before peftplan-exec calibrate
+// measures it again, and how many points more of the host's CPUs other work may have taken while
+// a cached profile was calibrated than it takes now before `peftplan run` recalibrates: a third
+// of the executor profile's time tolerance (5%), so that a calibration's own noise leaves most of
+// the tolerance to the model.
+double calibration_noise_limit();
+
 enum class Verdict : std::uint8_t { within, outside, inconclusive };
 std::string_view name_of(Verdict v);
 
@@ -96,15 +103,18 @@ struct Figure {
   std::optional<double> error_at_run_speed;
   bool conclusive = true;
   // Why a time figure is inconclusive (finish in validate.cpp): its spread is wider than the
-  // tolerance; the verdicts at calibration's and at the run's speed differ; or it is outside at
-  // both but its spread plus |drift| is wider than the tolerance (a miss the machine could explain).
-  enum class Unsure : std::uint8_t { no, spread, speed_decides, drift_wide };
+  // tolerance; the verdicts at calibration's and at the run's speed differ; it is outside at
+  // both but its spread plus |drift| is wider than the tolerance (a miss the machine could
+  // explain); or the machine's other work moved since calibration by enough, and in the
+  // direction, to explain the miss (Validation::load_change).
+  enum class Unsure : std::uint8_t { no, spread, speed_decides, drift_wide, load_changed };
   Unsure unsure = Unsure::no;
   Verdict verdict() const { return !conclusive ? Verdict::inconclusive : within ? Verdict::within : Verdict::outside; }
   std::string key() const { return section + "." + name; }
 };
 
-// "spread", "speed_decides", "drift_wide" (validation.json's inconclusive_because), "no".
+// "spread", "speed_decides", "drift_wide", "load_changed" (validation.json's inconclusive_because),
+// "no".
 std::string_view name_of(Figure::Unsure u);
 std::optional<Figure::Unsure> unsure_from_name(std::string_view s);
 
@@ -157,6 +167,16 @@ struct Validation {
   std::int32_t probes = 0;               // how many probes probe_flops_per_s is the median of
   bool job_probe = false;                // the median is over a job's interleaved plans (below)
   double calibration_probe_flops_per_s = 0.0;  // the plan's cluster's
+  // Other work's share of the host's CPUs (executor/host_load.h) during the run (the
+  // measurement's others_cpu_share, the median over rounds) and during calibration (the plan's
+  // cluster host_calibration.others_cpu_share); load_change is the run's minus calibration's,
+  // absent when either is. Other work moves collective waits far more than the speed probe
+  // (host_load.h): a miss in the direction the change explains (the run slower when the machine
+  // is busier, faster when quieter) with spread + |drift| + |load_change| beyond the tolerance is
+  // inconclusive (Figure::Unsure::load_changed).
+  std::optional<double> others_cpu_share;
+  std::optional<double> calibration_others_cpu_share;
+  std::optional<double> load_change;
 };
 
 // The median and quartiles of a sample, linear interpolation between order statistics (numpy's

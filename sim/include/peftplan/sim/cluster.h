@@ -165,6 +165,12 @@ struct HostCalibration {
   // every rank at once); 0 = not measured. Not used to predict: validation compares a run's probe
   // with it to tell how far the machine's speed moved since calibration.
   double speed_probe_flops_per_s = 0.0;
+  // Other work's share of the host's CPUs while calibration's step programs ran
+  // (executor/host_load.h); nullopt = not measured. Not used to predict: the collectives' load and
+  // skew were measured beside that much other work, so validation compares a run's share with it
+  // (planner::Validation::load_change) and `peftplan run` recalibrates a profile made beside more
+  // other work than the machine has now.
+  std::optional<double> others_cpu_share;
   bool has_collective_step_costs() const {
     for (std::size_t k = 0; k < collective_load_s.size(); ++k)
       if (collective_load_s[k] > 0.0 || collective_skew_s[k] > 0.0 || collective_load_per_compute[k] > 0.0 ||
@@ -178,7 +184,7 @@ struct HostCalibration {
     for (double x : kernel_overhead_s)
       if (x > 0.0) return false;
     if (has_collective_step_costs()) return false;
-    return copy_scale <= 0.0 && collectives.empty() && speed_probe_flops_per_s <= 0.0;
+    return copy_scale <= 0.0 && collectives.empty() && speed_probe_flops_per_s <= 0.0 && !others_cpu_share;
   }
 };
 
