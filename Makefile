@@ -22,7 +22,8 @@ build: configure
 # The main job on the embedded default: plan-and-run a tiny Llama with LoRA on 2 ranks with DDP,
 # ZeRO-2 and ZeRO-3, trained on the bundled text, ending with the predicted-versus-measured
 # comparison (calibrating this machine when ~/.cache/peftplan has no profile, or when the machine's
-# speed has moved more than the time tolerance, 15%, from the cached one). Exit code 1 when a
+# speed has moved more than the time tolerance, 15%, from the cached one, or the cached one was made
+# beside more other work than the machine has now). Exit code 1 when a
 # figure falls outside the tolerances (see README, "Predicted versus measured").
 run: build
 	$(BUILD)/cli/peftplan run --out out/run
