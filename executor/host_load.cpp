@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <fstream>
 #include <functional>
-#include <sstream>
 #include <string>
 
 #include "peftplan/executor/communicator.h"
