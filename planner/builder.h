@@ -1,7 +1,9 @@
 // The step-program builder's shared state (private to planner/): the Builder class whose
 // layers live in their own files, each with one idea:
-//   builder_layout.cpp   facts (dtypes, sizes), the linear modules and their adapters, units,
-//                        gradient buckets and the flat trainable layout's views
+//   builder_layout.cpp   the layout (layout.h): facts (dtypes, sizes), the linear modules and
+//                        their adapters, units, gradient buckets and the flat trainable layout's
+//                        offsets, made once per LayoutKey and copied by each build; and the
+//                        views each build makes of the flat layout
 //   builder_graph.cpp    the model graph: a micro-batch's forward through the layers, the loss,
 //                        the backward in reverse (what each layer saves, recomputes and frees)
 //   builder_traffic.cpp  the strategy's traffic: ZeRO-3 / FSDP gathers and releases, gradient
@@ -14,6 +16,8 @@
 #pragma once
 
 #include "peftplan/planner/program.h"
+
+#include "layout.h"
 
 #include <algorithm>
 #include <cmath>
@@ -69,22 +73,6 @@ inline std::uint64_t frozen_bytes(const models::TensorInfo& t, DType base, DType
   return storage_bytes(q->dtype, n) + constants;
 }
 
-// Linear-module roles inside a decoder layer, by leaf name (transformers' module names).
-enum class Role { attn_in, attn_out, mlp_in, mlp_out, router, other };
-inline Role role_of(const models::LinearModule& l) {
-  static const std::set<std::string> attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value"};
-  static const std::set<std::string> mlp_in = {"gate_proj", "up_proj", "gate_up_proj", "c_fc", "dense_h_to_4h",
-                                               "fc1", "w1", "w3"};
-  static const std::set<std::string> mlp_out = {"down_proj", "dense_4h_to_h", "fc2", "w2"};
-  if (attn_in.count(l.leaf)) return Role::attn_in;
-  if (mlp_in.count(l.leaf)) return Role::mlp_in;
-  if (mlp_out.count(l.leaf)) return Role::mlp_out;
-  if (l.leaf == "c_proj") return l.path.find(".mlp.") != std::string::npos ? Role::mlp_out : Role::attn_out;
-  if (l.leaf == "o_proj" || l.leaf == "dense" || l.leaf == "out_proj") return Role::attn_out;
-  if (l.leaf == "gate") return Role::router;
-  return Role::other;
-}
-
 // RuntimeRules::eager_elementwise: eager PyTorch runs each elementwise op of the module code as
 // its own kernel, reading and writing its operands in device memory. Bytes per element of the
 // op's tensor (a: input dtype's bytes, o: output's, e: the tensor's, ad: the adapter branch's),
@@ -125,79 +113,6 @@ inline double lora_in_fwd(double a, double ad, bool dropout) { return (a != ad ?
 inline double lora_in_bwd(double a, double ad, bool dropout) { return (dropout ? 2 * ad + 1 : 0.0) + (a != ad ? ad + a : 0.0) + 3 * a; }
 }  // namespace eager
 
-struct Adapter {       // a LoRA (or IA3) branch on one linear module
-  std::int64_t r = 0;  // 0 for IA3 (a scaling vector)
-  double dropout = 0.0;
-  double scale = 0.0;  // alpha / r (rsLoRA: alpha / sqrt(r))
-  std::int32_t index = -1;  // the module's place among the inventory's LoRA modules, in the order
-                            // their first lora_A tensor comes (the key of its dropout masks)
-  std::int32_t a_buf = -1, b_buf = -1;  // views of lora_A / lora_B in trainable.flat (-1 under
-                                        // ZeRO-3, where they live in the gathered unit)
-  std::int32_t ga_buf = -1, gb_buf = -1;  // views of their gradients in grad.flat, or (ZeRO-2/3
-                                          // with several ranks) in the micro-batch's bucket
-  std::int64_t params = 0;
-  std::int64_t a_off = -1, b_off = -1;    // element offsets of lora_A / lora_B in the flat
-  std::int64_t a_numel = 0, b_numel = 0;  //   trainable layout (inventory order), and sizes
-  std::int32_t a_tensor = -1, b_tensor = -1;  // their index in the trainable inventory
-};
-
-struct LinearPlan {
-  const models::LinearModule* mod = nullptr;  // into the ModelInventory
-  Role role = Role::other;
-  std::int32_t weight_buf = -1;   // base weight buffer (replicated strategies)
-  std::int32_t bias_buf = -1;
-  bool trainable_weight = false;  // full fine-tuning or modules_to_save
-  std::optional<Adapter> adapter;
-  double token_share = 1.0;       // MoE expert: fraction of the tokens it sees (k / E)
-  std::int32_t xin_buf = -1;      // the latest forward's dropped adapter input (-1: no dropout)
-  std::int32_t u_buf = -1;        // the latest forward's adapter intermediate u [M, r]
-  bool adapter_owns_input = false;  // the adapter saves its own copy of the input (runtime rule)
-  DType input_dtype = DType::bf16;  // the module's input dtype
-  bool needs_input() const { return trainable_weight || (adapter.has_value() && !adapter_owns_input); }
-};
-
-// A unit of ZeRO-3 partitioning and gathering: one decoder layer, or the embedding / the head.
-struct Unit {
-  std::string name;
-  std::int64_t frozen_numel = 0;          // non-persistent frozen elements (gathered)
-  std::uint64_t frozen_bytes = 0;         // their storage bytes
-  std::int64_t persistent_numel = 0;      // tensors below the persistence threshold: kept whole
-  std::uint64_t persistent_bytes = 0;
-  std::int64_t trainable_numel = 0;       // adapter (or all, in full fine-tuning) elements
-  // FSDP2 (fully_shard): this rank's padded shard of the unit, parameter by parameter: each
-  // parameter's ceil(d0 / N) dim-0 rows (torch/distributed/fsdp/_fully_shard/_fsdp_param.py
-  // _init_sharded_param: _chunk_with_empty on dim 0, every rank's buffer padded to chunk 0).
-  std::uint64_t fsdp2_frozen_shard_bytes = 0;
-  std::int64_t fsdp2_trainable_shard_numel = 0;
-  std::int32_t frozen_shard = -1, trainable_shard = -1;  // ZeRO-3 shard buffers
-  std::int64_t flat_offset = -1;          // first element of its adapters in the flat trainable
-                                          // layout (-1: unknown or not contiguous)
-  // ZeRO-3 in the executor profile: where each frozen tensor lies (bytes from the start of the
-  // unit's flattened frozen region, or of its persistent buffer), this unit's block of the
-  // adapter partition (trainable.shard and grad.shard, elements) and its views.
-  struct Tensor {
-    const models::TensorInfo* info = nullptr;
-    std::uint64_t offset = 0, bytes = 0;
-  };
-  std::vector<Tensor> gathered_tensors, persistent_tensors;
-  std::int64_t part_offset = 0;
-  std::int32_t grad_shard_view = -1;
-};
-
-// ZeRO-2/3 gradient bucket: consecutive units (in backward order) whose gradients are one
-// contiguous buffer, padded to a multiple of N, from the bucket's first unit until its
-// reduce_scatter (DeepSpeed's ipg bucket of reduce_bucket_size elements).
-struct GradBucket {
-  std::vector<std::size_t> units;   // units with trainable elements, backward order
-  std::int64_t numel = 0;           // their trainable elements
-  std::size_t flush_unit = 0;       // the unit whose gradients_done issues the reduce_scatter
-  std::int64_t flat_lo = -1;        // first flat element covered (-1: not contiguous)
-  // ZeRO-2 in the executor profile (bucket-partitioned layout, see plan_buckets): the bucket's
-  // block in every rank's partition (elements), its region of trainable.flat, and its views.
-  std::int64_t part_offset = 0, region = 0;
-  std::int32_t grad_view = -1, param_view = -1, state_view = -1, host_view = -1;
-};
-
 // A decoder layer's saved-for-backward table (saved.h) as the graph reads it: the rows, and
 // where each tensor the forward allocates sits among them (-1: the layer has no such tensor).
 enum class Slot : std::uint8_t {
@@ -212,7 +127,7 @@ using LinearRows = std::array<std::int16_t, static_cast<std::size_t>(LinearSlot:
 struct LayerTable {
   SavedTable table;
   std::array<std::int16_t, static_cast<std::size_t>(Slot::count)> at{};
-  std::vector<LinearRows> linear;  // per LinearPlan of the layer, layer_linears_ order
+  std::vector<LinearRows> linear;  // per LinearPlan of the layer, Layout::layer_linears order
   const SavedTensor* row(Slot s) const {
     const std::int16_t i = at[static_cast<std::size_t>(s)];
     return i < 0 ? nullptr : &table.rows[static_cast<std::size_t>(i)];
@@ -233,7 +148,7 @@ class Builder {
  public:
   Builder(const PlanInput& in, const BuildOptions& options)
       : in_(in), rules_(runtime_rules(in)), m_(in.model), t_(in.training), s_(in.strategy), names_(options.names),
-        eval_(options.evaluation) {}
+        eval_(options.evaluation), reuse_layout_(options.reuse_layout) {}
 
   BuiltProgram build();
   // Layer l's saved-for-backward table alone (saved_for_backward): the facts and the linear
@@ -423,15 +338,15 @@ class Builder {
   // This rank's trainable elements in all (the gradient and optimizer partition), and a
   // gradient bucket's.
   std::int64_t trainable_shard_total() const {
-    if (!fsdp2()) return shard(trainable_numel_);
+    if (!fsdp2()) return shard(lay_.trainable_numel);
     std::int64_t n = 0;
-    for (const Unit& un : units_) n += un.fsdp2_trainable_shard_numel;
+    for (const Unit& un : lay_.units) n += un.fsdp2_trainable_shard_numel;
     return n;
   }
   std::int64_t bucket_shard_numel(const GradBucket& bk) const {
     if (!fsdp2()) return shard(bk.numel);
     std::int64_t n = 0;
-    for (std::size_t u : bk.units) n += units_[u].fsdp2_trainable_shard_numel;
+    for (std::size_t u : bk.units) n += lay_.units[u].fsdp2_trainable_shard_numel;
     return n;
   }
   // The optimizer steps on the host: ZeRO-Offload, or FSDP's CPUOffload(offload_params=True),
@@ -472,7 +387,7 @@ class Builder {
   // _post_forward_reshard ("Do not free the root's parameters in the post-forward for
   // FULL_SHARD"), and a frozen root is resharded only by _catch_all_reshard in the final
   // callback.
-  bool root_unit(std::size_t u) const { return fsdp() && (u == 0 || u == units_.size() - 1); }
+  bool root_unit(std::size_t u) const { return fsdp() && (u == 0 || u == lay_.units.size() - 1); }
   bool checkpointed(std::int64_t layer) const {
     if (t_.checkpointing == Checkpointing::full) return true;
     if (t_.checkpointing == Checkpointing::every_k) return layer % t_.checkpoint_every == 0;
@@ -492,7 +407,14 @@ class Builder {
     return rules_.eager_elementwise ? static_cast<std::uint64_t>(per_element * static_cast<double>(bytes_of(d)) * static_cast<double>(n)) : fused;
   }
 
-  void facts();
+  // The layout layer (builder_layout.cpp, layout.h): make_layout runs the steps below on this
+  // builder's input and gives the value away; use_layout takes the cached one (or makes it) and
+  // then the sizes that depend on the micro-batch, the sequence and checkpointing.
+  Layout make_layout();
+  friend std::shared_ptr<const Layout> layout_of(const PlanInput& in);
+  void use_layout(bool reuse);
+  void layout_facts();
+  void sizes();
   void plan_linears();
   // The layers' tables (saved.h), from the runtime rules: built once after plan_linears.
   void make_tables();
@@ -522,6 +444,7 @@ class Builder {
     p_.ops[static_cast<std::size_t>(op)].accumulate = true;
     return op;
   }
+  void adapter_offsets();
   void adapter_views();
   void plan_buckets();
   void bucket_ranges();
@@ -531,21 +454,19 @@ class Builder {
   // --- dtypes the runtime rules give tensors ---
   // A frozen tensor's bytes: its storage dtype, or fp32 for norms the runtime keeps in fp32.
   std::uint64_t frozen(const models::TensorInfo& t) const {
-    if (fp32_norms_ && (t.role == models::ParamRole::norm_weight || t.role == models::ParamRole::norm_bias)) return f32(t.numel());
+    if (lay_.fp32_norms && (t.role == models::ParamRole::norm_weight || t.role == models::ParamRole::norm_bias)) return f32(t.numel());
     return frozen_bytes(t, f_.base_dtype, f_.compute_dtype, in_.peft.quantization);
   }
   static std::uint64_t bytes(DType d, std::int64_t elems) { return storage_bytes(d, elems); }
   // Norm outputs, the MLP and the residual stream after the first layer are fp32 when the norms
   // are (fp32_norms_on_kbit); the embedding output and attention stay in the compute dtype.
-  DType stream_dtype() const { return fp32_norms_ ? DType::fp32 : f_.compute_dtype; }
+  DType stream_dtype() const { return lay_.fp32_norms ? DType::fp32 : f_.compute_dtype; }
   DType resid_dtype(std::int64_t l) const { return l == 0 ? f_.compute_dtype : stream_dtype(); }
   // The adapter branch's activations: the compute dtype, or (runtime rule) the adapter's own.
-  DType adapter_dtype(const LinearPlan& lp) const { return lp.adapter_owns_input ? adapter_act_dtype_ : f_.compute_dtype; }
+  DType adapter_dtype(const LinearPlan& lp) const { return lp.adapter_owns_input ? lay_.adapter_act_dtype : f_.compute_dtype; }
 
   const PlanInput& in_;
   RuntimeRules rules_;
-  bool fp32_norms_ = false;                   // see RuntimeRules::fp32_norms_on_kbit
-  DType adapter_act_dtype_ = DType::bf16;     // the adapter branch's activations
   const models::ModelSpec& m_;
   const TrainingSpec& t_;
   const Strategy& s_;
@@ -554,6 +475,7 @@ class Builder {
   bool names_;
   // BuildOptions::evaluation: the forward and the loss under torch.no_grad, nothing after.
   bool eval_ = false;
+  bool reuse_layout_ = true;  // BuildOptions::reuse_layout
   std::int32_t mb_ = -1;
   std::int32_t last_compute_ = -1;
   std::int32_t wait_ = -1;  // ZeRO-3: gather the next compute op must wait for
@@ -571,14 +493,18 @@ class Builder {
   std::int64_t M_ = 0;      // tokens per micro-batch B * S (S includes prompt-tuning tokens)
   std::int64_t kv_len_ = 0; // attended positions (S + prefix tokens)
 
-  ModelInventory owned_inventory_;                      // when the input brings none
+  // This build's copy of the layout (layout.h): the linear modules, units, buckets and offsets,
+  // whose buffer ids the build fills in.
+  Layout lay_;
   const std::vector<models::TensorInfo>* tensors_ = nullptr;  // the parameter inventory
-  std::vector<std::vector<LinearPlan>> layer_linears_;  // per layer, model order
-  std::unordered_map<std::string_view, LinearPlan*> by_path_;  // module path -> its plan
-  std::vector<LinearPlan> head_linears_;                // lm_head (and OPT projections)
-  std::vector<Unit> units_;                             // 0 = embedding, 1..L = layers, L+1 = head
-  std::int64_t trainable_numel_ = 0;                    // all trainable elements
-  std::int64_t extra_trainable_numel_ = 0;              // prompt/prefix embeddings, DoRA, biases
+  // The plan of the module at `path` (an inventory path), or nullptr.
+  LinearPlan* linear_at(std::string_view path) {
+    auto it = lay_.by_path->find(path);
+    if (it == lay_.by_path->end()) return nullptr;
+    const LinearRef r = it->second;
+    return r.layer < 0 ? &lay_.head_linears[static_cast<std::size_t>(r.index)]
+                       : &lay_.layer_linears[static_cast<std::size_t>(r.layer)][static_cast<std::size_t>(r.index)];
+  }
   // Persistent state buffers.
   std::int32_t grad_flat_ = -1;      // full gradients (DDP, ZeRO-1)
   // Full fine-tuning under per_tensor_allocations: each module's weight gradient, a view of
@@ -598,8 +524,6 @@ class Builder {
            t_.checkpoint_reentrant;
   }
   std::int32_t trainable_shard_ = -1;  // ZeRO-3, executor profile: this rank's adapter partition
-  std::int64_t part_numel_ = 0;      // executor profile, ZeRO-3: the partition's elements (Σ unit
-                                     //   shards); ZeRO-2 with N > 1: Σ bucket shards
   std::int32_t trainable_flat_ = -1; // trainable weights, flat (replicated strategies)
   std::int32_t embed_buf_ = -1;
   std::int32_t opt_states_ = -1;     // optimizer.states (m then v for AdamW)
@@ -627,8 +551,6 @@ class Builder {
   std::int32_t ag_held_ = -1, rs_held_ = -1;
   void fsdp2_copy_out(std::size_t u, Phase phase);
   std::vector<std::int32_t> gather_op_;      // ZeRO-3: the all_gather op per unit
-  std::vector<GradBucket> buckets_;          // ZeRO-2/3 with several ranks
-  std::vector<std::int32_t> bucket_of_, flush_of_;  // per unit: its bucket, the bucket it flushes
   std::vector<std::int32_t> bucket_buf_;     // per bucket: this micro-batch's gradient buffer
   std::int32_t staging_ = -1;                // host.staging (optimizer offload)
   std::int32_t host_params_ = -1;            // executor offload: the host copy of the partition

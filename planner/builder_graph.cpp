@@ -182,7 +182,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // What the layer allocates and keeps: its table (saved.h). A row that is not kept is
   // workspace, freed at its last use or the end of the layer's forward.
   const LayerTable& T = tables_[static_cast<std::size_t>(l)];
-  auto& lin = layer_linears_[static_cast<std::size_t>(l)];
+  auto& lin = lay_.layer_linears[static_cast<std::size_t>(l)];
   auto cat_for = [&](bool needed) { return needed && store ? keep : Cat::workspace; };
   // Called at a tensor's last use in the forward: saved for backward, or freed now (runtime
   // rule free_at_last_use) or at the end of the layer.
@@ -404,7 +404,7 @@ void Builder::layer_backward(std::int32_t l) {
   const bool prefetch = !fsdp() || (l > 0 && (!checkpointed(l - 1) || !t_.checkpoint_reentrant) && s_.fsdp.backward_prefetch != FsdpPrefetch::none);
   if (prefetch && !(fsdp() && s_.fsdp.backward_prefetch == FsdpPrefetch::backward_post)) gather_unit(unit - 1, B, false);
   begin_unit_gradients(unit);
-  auto& lin = layer_linears_[static_cast<std::size_t>(l)];
+  auto& lin = lay_.layer_linears[static_cast<std::size_t>(l)];
   auto& saved = saved_[static_cast<std::size_t>(l)];
   const LayerBufs& lb = lb_[static_cast<std::size_t>(l)];
   const std::int64_t H = m_.hidden, I = m_.intermediate, Bm = t_.micro_batch, S = M_ / t_.micro_batch;
@@ -630,23 +630,23 @@ void Builder::micro_batch(std::int32_t mb) {
   // Tokens and targets (int32) for the micro-batch.
   const std::int32_t tokens = alloc([&] { return fmt::format("tokens.mb{}", mb); }, Cat::workspace, rules_.batch_bytes_per_token * static_cast<std::uint64_t>(M_), F);
   gather_unit(0, F, true);
-  if (fsdp()) gather_unit(units_.size() - 1, F, true);  // the root unit: embedding and head
+  if (fsdp()) gather_unit(lay_.units.size() - 1, F, true);  // the root unit: embedding and head
   else gather_unit(1, F, false);
   resid_[0] = alloc([&] { return fmt::format("embed.mb{}.out", mb); }, Cat::activations, act(M_ * H), F);
   compute("embedding", -1, F, elementwise(act(M_ * H) * 2), ops::EmbeddingFwd{.tokens = tokens, .table = embed_buf_, .out = resid_[0], .M = M_, .V = V, .H = H});
-  const bool embed_trains = units_[0].trainable_numel > 0 && in_.peft.adapters.empty();
+  const bool embed_trains = lay_.units[0].trainable_numel > 0 && in_.peft.adapters.empty();
   release_unit(0, F);
   // Runtime rule: autocast keeps a compute-dtype copy of every fp32 adapter weight it casts
   // until the forward's autocast region closes (the end of the loss).
   std::int32_t autocast_cache = -1;
   // (Under FSDP's MixedPrecision the adapters compute from gathered compute-dtype copies: no cache.)
   if (rules_.autocast_weight_cache && !fsdp() && !in_.peft.adapters.empty() && f_.trainable_dtype != f_.compute_dtype)
-    autocast_cache = alloc([&] { return fmt::format("autocast.weight_cache.mb{}", mb); }, Cat::workspace, act(trainable_numel_ - extra_trainable_numel_), F);
+    autocast_cache = alloc([&] { return fmt::format("autocast.weight_cache.mb{}", mb); }, Cat::workspace, act(lay_.trainable_numel - lay_.extra_trainable_numel), F);
   for (std::int32_t l = 0; l < static_cast<std::int32_t>(m_.layers); ++l) layer_forward(l, false);
   // Head: final norm, LM head, cross-entropy (logits upcast to fp32 as transformers' loss does).
   // ZeRO-3 gathers the head for its forward and again for its backward (a tied head is the
   // embedding, so that unit is gathered with it).
-  const std::size_t head = units_.size() - 1;
+  const std::size_t head = lay_.units.size() - 1;
   const bool tied = m_.tie_embeddings;
   gather_unit(head, F, true);
   if (tied) gather_unit(0, F, true);
@@ -683,7 +683,7 @@ void Builder::micro_batch(std::int32_t mb) {
     resid_.back() = -1;
   }
   LinearPlan* lm = nullptr;
-  for (auto& lp : head_linears_)
+  for (auto& lp : lay_.head_linears)
     if (lp.mod->is_output) lm = &lp;
   PEFTPLAN_CHECK(lm != nullptr);
   if (lm->weight_buf < 0) lm->weight_buf = embed_buf_;  // tied head

@@ -23,8 +23,8 @@ void Builder::setup() {
   // Frozen base weights: whole on every rank, or a ZeRO-3 shard (flattened per unit, padded to a
   // multiple of N) plus the persistent small tensors.
   if (zero3()) {
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      Unit& un = units_[u];
+    for (std::size_t u = 0; u < lay_.units.size(); ++u) {
+      Unit& un = lay_.units[u];
       if (un.frozen_numel > 0) {
         const std::uint64_t shard_bytes = frozen_shard_bytes(un);
         if (s_.offload_param == OffloadDevice::cpu)
@@ -38,8 +38,8 @@ void Builder::setup() {
         for (const Unit::Tensor& t : un.persistent_tensors) bind_base(*t.info, p_.add_view(names_ ? t.info->name : std::string(), pb, t.offset, t.bytes));
       }
       if (exec_z3()) {  // one adapter partition, unit blocks in unit order (below)
-        un.part_offset = part_numel_;
-        part_numel_ += shard(un.trainable_numel);
+        un.part_offset = lay_.part_numel;
+        lay_.part_numel += shard(un.trainable_numel);
       } else if (un.trainable_numel > 0)
         un.trainable_shard = alloc([&] { return un.name + ".trainable.shard"; }, s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
                                    tw * static_cast<std::uint64_t>(trainable_shard_numel(un)), S);
@@ -51,25 +51,25 @@ void Builder::setup() {
       bind_base(t, alloc([&] { return t.name; }, Cat::base_weights, frozen(t), S));
     }
     // Trainable weights, flat; padded to a multiple of N when an all_gather refills them.
-    const std::int64_t padded = exec_z2() ? part_numel_ * N : sharded_optimizer() ? shard(trainable_numel_) * N : trainable_numel_;
+    const std::int64_t padded = exec_z2() ? lay_.part_numel * N : sharded_optimizer() ? shard(lay_.trainable_numel) * N : lay_.trainable_numel;
     trainable_flat_ = state_buffer(sim::BufferRole::trainable_flat, Cat::trainable_weights, tw * static_cast<std::uint64_t>(padded), S);
     if (full) {  // every weight lives in the flat trainable buffer
       embed_buf_ = trainable_flat_;
-      for (auto& lv : layer_linears_)
+      for (auto& lv : lay_.layer_linears)
         for (auto& lp : lv) lp.weight_buf = trainable_flat_;
-      for (auto& lp : head_linears_) lp.weight_buf = trainable_flat_;
+      for (auto& lp : lay_.head_linears) lp.weight_buf = trainable_flat_;
     }
     // Gradients: full on every rank for DDP / ZeRO-1, a partition for ZeRO-2.
     if (exec_z2()) {
-      grad_shard_ = state_buffer(sim::BufferRole::grad_shard, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        GradBucket& bk = buckets_[b];
+      grad_shard_ = state_buffer(sim::BufferRole::grad_shard, Cat::gradients, tw * static_cast<std::uint64_t>(lay_.part_numel), S);
+      for (std::size_t b = 0; b < lay_.buckets.size(); ++b) {
+        GradBucket& bk = lay_.buckets[b];
         const std::uint64_t sb = static_cast<std::uint64_t>(shard(bk.numel));
         bk.grad_view = p_.add_view(names_ ? fmt::format("grad.shard[bucket{}]", b) : std::string(), grad_shard_, tw * static_cast<std::uint64_t>(bk.part_offset), tw * sb);
         bk.param_view = p_.add_view(names_ ? fmt::format("trainable.flat[bucket{}]", b) : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(bk.region), tw * sb * static_cast<std::uint64_t>(N));
       }
     } else if (sharded_grads())
-      grad_shard_ = state_grad(sim::BufferRole::grad_shard, tw * static_cast<std::uint64_t>(shard(trainable_numel_)));
+      grad_shard_ = state_grad(sim::BufferRole::grad_shard, tw * static_cast<std::uint64_t>(shard(lay_.trainable_numel)));
     else if (rules_.grads_only_in_backward) {  // allocated when backward first reaches a gradient
       grad_flat_ = state_grad(sim::BufferRole::grad_flat, tw * static_cast<std::uint64_t>(padded));
       per_tensor(grad_flat_, tw, 1);
@@ -85,7 +85,7 @@ void Builder::setup() {
           off += bytes;
         }
         if (m_.tie_embeddings)  // a tied head's gradient accumulates into the embedding's
-          for (const auto& lp : head_linears_)
+          for (const auto& lp : lay_.head_linears)
             if (!weight_grad_.contains(std::string_view(lp.mod->path))) weight_grad_[std::string_view(lp.mod->path)] = embed_grad_;
       }
     }
@@ -100,9 +100,9 @@ void Builder::setup() {
     // Under parameter offload the partition lives on the host with the frozen shards (as the
     // other profiles place their trainable shards); each gather stages it on the device.
     trainable_shard_ = state_buffer(sim::BufferRole::trainable_shard, s_.offload_param == OffloadDevice::cpu ? Cat::host_weights : Cat::trainable_weights,
-                                  tw * static_cast<std::uint64_t>(part_numel_), S);
-    grad_shard_ = state_buffer(sim::BufferRole::grad_shard, Cat::gradients, tw * static_cast<std::uint64_t>(part_numel_), S);
-    for (Unit& un : units_) {
+                                  tw * static_cast<std::uint64_t>(lay_.part_numel), S);
+    grad_shard_ = state_buffer(sim::BufferRole::grad_shard, Cat::gradients, tw * static_cast<std::uint64_t>(lay_.part_numel), S);
+    for (Unit& un : lay_.units) {
       if (un.trainable_numel == 0) continue;
       const std::uint64_t off = tw * static_cast<std::uint64_t>(un.part_offset), bytes = tw * static_cast<std::uint64_t>(shard(un.trainable_numel));
       un.trainable_shard = p_.add_view(names_ ? un.name + ".trainable.shard" : std::string(), trainable_shard_, off, bytes);
@@ -112,7 +112,7 @@ void Builder::setup() {
     grad_shard_ = state_grad(sim::BufferRole::grad_shard, tw * static_cast<std::uint64_t>(trainable_shard_total()));
   }
   // Optimizer states for this rank's partition (all of it for DDP), on the device or the host.
-  const std::int64_t opt_numel = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? trainable_shard_total() : trainable_numel_;
+  const std::int64_t opt_numel = exec_z3() || exec_z2() ? lay_.part_numel : sharded_optimizer() ? trainable_shard_total() : lay_.trainable_numel;
   const bool host_opt = host_optimizer();
   const Cat opt_cat = host_opt ? Cat::host_optimizer_states : Cat::optimizer_states;
   double state_bytes = 0.0;
@@ -130,7 +130,7 @@ void Builder::setup() {
   opt_states_ = state_buffer(sim::BufferRole::optimizer_states, opt_cat, static_cast<std::uint64_t>(std::ceil(state_bytes * static_cast<double>(opt_numel))), S);
   if (t_.optimizer == Optimizer::adamw && rules_.states_follow_params && !host_opt) per_tensor(opt_states_, tw, 2);
   if (exec_z2() && !host_opt)  // per bucket: its m then its v (the step runs bucket by bucket)
-    for (GradBucket& bk : buckets_)
+    for (GradBucket& bk : lay_.buckets)
       bk.state_view = p_.add_view(std::string(), opt_states_, 2 * tw * static_cast<std::uint64_t>(bk.part_offset),
                                   2 * tw * static_cast<std::uint64_t>(shard(bk.numel)));
   if (f_.master_weights) alloc([&] { return "optimizer.master_fp32"; }, opt_cat, f32(opt_numel), S);
@@ -140,7 +140,7 @@ void Builder::setup() {
     // stage_1_and_2.py: with contiguous_gradients an ipg buffer of reduce_bucket_size elements
     // (two when overlap_comm) in the gradient dtype; we cap it at the trainable size.
     if (s_.stage != Stage::ddp && s_.ds.contiguous_gradients) {
-      const std::int64_t elems = std::min<std::int64_t>(s_.ds.reduce_bucket_size, trainable_numel_);
+      const std::int64_t elems = std::min<std::int64_t>(s_.ds.reduce_bucket_size, lay_.trainable_numel);
       alloc([&] { return "deepspeed.ipg_buffer"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(elems) * (overlap ? 2 : 1), S);
     }
     add_cuda_runtime();
@@ -150,7 +150,7 @@ void Builder::setup() {
     // torch.nn.parallel.DistributedDataParallel: gradient buckets of bucket_cap_mb = 25 MiB each,
     // together as large as the gradients (gradient_as_bucket_view=False copies into them).
     if (s_.ranks > 1 && s_.stage == Stage::ddp)
-      alloc([&] { return "ddp.buckets"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(trainable_numel_), S);
+      alloc([&] { return "ddp.buckets"; }, Cat::comm_buffers, tw * static_cast<std::uint64_t>(lay_.trainable_numel), S);
     add_cuda_runtime();
   }
   if (host_opt) staging_ = alloc([&] { return "host.staging"; }, Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
@@ -159,7 +159,7 @@ void Builder::setup() {
   if (host_opt && in_.profile == RuntimeProfile::executor)
     host_params_ = state_buffer(sim::BufferRole::optimizer_params, Cat::host_optimizer_states, tw * static_cast<std::uint64_t>(opt_numel), S);
   if (exec_z2() && host_params_ >= 0)
-    for (GradBucket& bk : buckets_)
+    for (GradBucket& bk : lay_.buckets)
       bk.host_view = p_.add_view(std::string(), host_params_, tw * static_cast<std::uint64_t>(bk.part_offset), tw * static_cast<std::uint64_t>(shard(bk.numel)));
 }
 
@@ -174,7 +174,7 @@ void Builder::bind_base(const models::TensorInfo& t, std::int32_t b) {
     // is bound with it — at every rebinding, as under the executor's ZeRO-3, where each gather of
     // the embedding unit (forward, backward) is a view of a new buffer.
     if (m_.tie_embeddings)
-      for (auto& lp : head_linears_)
+      for (auto& lp : lay_.head_linears)
         if (lp.mod->is_output) lp.weight_buf = b;
   }
   if (t.role == models::ParamRole::norm_weight) {  // Llama-family names (transformers)
@@ -182,15 +182,14 @@ void Builder::bind_base(const models::TensorInfo& t, std::int32_t b) {
     else if (t.module.ends_with("input_layernorm")) norm1_[static_cast<std::size_t>(t.layer)] = b;
     else if (t.module.ends_with("post_attention_layernorm")) norm2_[static_cast<std::size_t>(t.layer)] = b;
   }
-  if (auto it = by_path_.find(std::string_view(t.module)); it != by_path_.end())
-    (t.role == models::ParamRole::linear_bias ? it->second->bias_buf : it->second->weight_buf) = b;
+  if (LinearPlan* lp = linear_at(t.module)) (t.role == models::ParamRole::linear_bias ? lp->bias_buf : lp->weight_buf) = b;
 }
 
 void Builder::optimizer_step() {
   mb_ = -1;
   const Phase O = Phase::optimizer;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
-  const std::int64_t part = exec_z3() || exec_z2() ? part_numel_ : sharded_optimizer() ? trainable_shard_total() : trainable_numel_;
+  const std::int64_t part = exec_z3() || exec_z2() ? lay_.part_numel : sharded_optimizer() ? trainable_shard_total() : lay_.trainable_numel;
   const std::int32_t N = s_.ranks;
   const std::int32_t params = exec_z3() ? trainable_shard_ : trainable_flat_;
   const bool exec = in_.profile == RuntimeProfile::executor;
@@ -242,7 +241,7 @@ void Builder::optimizer_step() {
       dep = compute("cpu_adam", -1, O, w, ops::OptimizerStep{.n = part}, {d2h}, Stream::host);
     if (exec_z2()) {  // bucket by bucket: this rank's block of each bucket's region
       const std::int32_t step = dep;
-      for (const GradBucket& bk : buckets_) {
+      for (const GradBucket& bk : lay_.buckets) {
         dep = copy(CopyDir::host_to_device, "param_h2d", tw * static_cast<std::uint64_t>(shard(bk.numel)), O, bk.host_view, {step});
         p_.ops[static_cast<std::size_t>(dep)].buffer_out = bk.param_view;
       }
@@ -259,7 +258,7 @@ void Builder::optimizer_step() {
     // the gradients' size (ZeRO-1/2: trainable.flat) means this rank's block of them
     if (exec_z2()) {  // AdamW is elementwise: bucket by bucket over the same partition
       const std::int32_t before = dep;
-      for (const GradBucket& bk : buckets_) {
+      for (const GradBucket& bk : lay_.buckets) {
         const std::int64_t sb = shard(bk.numel);
         sim::ComputeWork wb = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(sb)), 10.0 * static_cast<double>(sb));
         wb.params = sb;
@@ -287,7 +286,7 @@ void Builder::optimizer_step() {
   // ZeRO-1/2: every rank needs the whole updated adapter again (in place: rank r's block of
   // trainable.flat is its contribution).
   if (exec_z2()) {  // each bucket's region, in place
-    for (const GradBucket& bk : buckets_)
+    for (const GradBucket& bk : lay_.buckets)
       collective(Collective::all_gather, "all_gather_params", tw * static_cast<std::uint64_t>(shard(bk.numel) * N), -1, O, bk.param_view, {dep});
   } else if ((s_.stage == Stage::zero1 || s_.stage == Stage::zero2) && N > 1)
     collective(Collective::all_gather, "all_gather_params", tw * static_cast<std::uint64_t>(part * N), -1, O, trainable_flat_, {dep});

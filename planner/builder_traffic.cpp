@@ -28,7 +28,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
     }
     return;
   }
-  Unit& un = units_[u];
+  Unit& un = lay_.units[u];
   const std::int64_t N = group();
   // FSDP's MixedPrecision gathers the trainable units in the compute dtype (param_dtype).
   const bool mp = fsdp() && (t_.precision == Precision::bf16_mixed || t_.precision == Precision::fp16_mixed);
@@ -108,8 +108,8 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
       a.a_buf = view(a.a_tensor, a.a_off, a.a_numel);
       a.b_buf = view(a.b_tensor, a.b_off, a.b_numel);
     };
-    if (u == units_.size() - 1) for (auto& lp : head_linears_) bind_adapter(lp);
-    else if (u >= 1) for (auto& lp : layer_linears_[u - 1]) bind_adapter(lp);
+    if (u == lay_.units.size() - 1) for (auto& lp : lay_.head_linears) bind_adapter(lp);
+    else if (u >= 1) for (auto& lp : lay_.layer_linears[u - 1]) bind_adapter(lp);
   }
   auto issue = [&](std::string_view label, std::uint64_t bytes, std::int32_t payload, std::int32_t from, std::int32_t after) {
     gather_op_[u] = after >= 0 ? collective(Collective::all_gather, label, bytes, layer, phase, payload, {after})
@@ -143,7 +143,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
 void Builder::fsdp2_copy_out(std::size_t u, Phase phase) {
   const std::int32_t flat = ag_out_[u];
   const std::uint64_t bytes = p_.buffers[static_cast<std::size_t>(flat)].bytes;
-  const std::int32_t unsharded = alloc([&] { return fmt::format("{}.unsharded.{}", units_[u].name, name_of(phase)); }, Cat::gathered_weights, bytes, phase);
+  const std::int32_t unsharded = alloc([&] { return fmt::format("{}.unsharded.{}", lay_.units[u].name, name_of(phase)); }, Cat::gathered_weights, bytes, phase);
   compute("fsdp_copy_out", static_cast<std::int32_t>(u) - 1, phase, elementwise(2 * bytes), ops::Accumulate{.in = flat, .out = unsharded});  // waits for the gather (wait_)
   if (ag_held_ >= 0) free(ag_held_, phase);
   ag_held_ = -1;
@@ -171,9 +171,9 @@ void Builder::release_unit(std::size_t u, Phase phase, bool end_of_backward) {
 // until its reduce_scatter. The buffer holds the bucket's flat range [flat_lo, flat_lo + numel)
 // padded to a multiple of N; the adapters' gradient views point into it.
 void Builder::begin_unit_gradients(std::size_t u) {
-  if (!sharded_grads() || s_.ranks == 1 || bucket_of_.empty() || bucket_of_[u] < 0) return;
-  const auto b = static_cast<std::size_t>(bucket_of_[u]);
-  const GradBucket& bk = buckets_[b];
+  if (!sharded_grads() || s_.ranks == 1 || lay_.bucket_of.empty() || lay_.bucket_of[u] < 0) return;
+  const auto b = static_cast<std::size_t>(lay_.bucket_of[u]);
+  const GradBucket& bk = lay_.buckets[b];
   if (bk.units.front() != u || bucket_buf_[b] >= 0) return;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
   bucket_buf_[b] = alloc([&] { return fmt::format("grad.bucket{}.mb{}", b, mb_); }, Cat::gradients,
@@ -191,14 +191,14 @@ void Builder::begin_unit_gradients(std::size_t u) {
                     sim::BufferRole::adapter_grad, a.b_tensor);
   };
   for (std::size_t v : bk.units) {
-    if (v == units_.size() - 1) for (auto& lp : head_linears_) views(lp);
-    else if (v >= 1) for (auto& lp : layer_linears_[v - 1]) views(lp);
+    if (v == lay_.units.size() - 1) for (auto& lp : lay_.head_linears) views(lp);
+    else if (v >= 1) for (auto& lp : lay_.layer_linears[v - 1]) views(lp);
   }
 }
 
 // A unit's gradients are complete for this micro-batch: bucket them for reduction.
 void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
-  const Unit& un = units_[u];
+  const Unit& un = lay_.units[u];
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
   const bool last_mb = mb_ == p_.micro_batches - 1;
   if (un.trainable_numel == 0 && u != 0) return;
@@ -206,9 +206,9 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
   if (zero3() || s_.stage == Stage::zero2) {
     // DeepSpeed reduces during every micro-batch's backward for ZeRO-2/3: each bucket is
     // reduce-scattered into this rank's gradient partition, adding to the earlier micro-batches'.
-    const std::int32_t b = flush_of_[u];
+    const std::int32_t b = lay_.flush_of[u];
     if (b < 0) return;
-    const GradBucket& bk = buckets_[static_cast<std::size_t>(b)];
+    const GradBucket& bk = lay_.buckets[static_cast<std::size_t>(b)];
     const std::int64_t padded = bucket_shard_numel(bk) * group();
     std::int32_t payload = bucket_buf_[static_cast<std::size_t>(b)];
     if (fsdp2()) {
@@ -255,8 +255,8 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     // The bucket is a contiguous range of grad.flat (units in backward order are consecutive
     // ranges of the flat layout): its view is the payload.
     std::int32_t payload = grad_flat_;
-    const std::int64_t lo = units_[bucket_units_.back()].flat_offset;
-    if (lo >= 0 && units_[bucket_units_.front()].flat_offset + units_[bucket_units_.front()].trainable_numel - lo == bucket_numel_)
+    const std::int64_t lo = lay_.units[bucket_units_.back()].flat_offset;
+    if (lo >= 0 && lay_.units[bucket_units_.front()].flat_offset + lay_.units[bucket_units_.front()].trainable_numel - lo == bucket_numel_)
       payload = p_.add_view(names_ ? fmt::format("grad.flat[{}:{}]", lo, lo + bucket_numel_) : std::string(), grad_flat_,
                             tw * static_cast<std::uint64_t>(lo), tw * static_cast<std::uint64_t>(bucket_numel_));
     reduce_ops_.push_back(collective(Collective::all_reduce, "all_reduce_grads", tw * static_cast<std::uint64_t>(bucket_numel_), -1,

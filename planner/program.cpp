@@ -16,8 +16,7 @@ namespace peftplan::planner {
 namespace builder {
 
 BuiltProgram Builder::build() {
-  facts();
-  plan_linears();
+  use_layout(reuse_layout_);
   make_tables();
   p_.ranks = s_.ranks;
   p_.micro_batches = static_cast<std::int32_t>(t_.grad_accum);
@@ -29,17 +28,16 @@ BuiltProgram Builder::build() {
   p_.buffers.reserve(per_mb / 2 * static_cast<std::size_t>(t_.grad_accum) + tensors_->size() + 64);
   p_.deps.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) / 2);
   p_.operands.reserve(per_mb * static_cast<std::size_t>(t_.grad_accum) * 5);  // about half the ops compute, ~10 values each
-  gathered_.assign(units_.size(), -1);
-  gather_op_.assign(units_.size(), -1);
-  ag_out_.assign(units_.size(), -1);
-  plan_buckets();
+  gathered_.assign(lay_.units.size(), -1);
+  gather_op_.assign(lay_.units.size(), -1);
+  ag_out_.assign(lay_.units.size(), -1);
+  bucket_buf_.assign(lay_.buckets.size(), -1);
   setup();
   adapter_views();
-  bucket_ranges();
   if (exec_z3() && s_.ranks == 1) {  // one rank: the gradients are the partition itself
     const std::uint64_t tw = bytes_of(f_.trainable_dtype);
-    for (std::size_t u = 1; u < units_.size(); ++u) {
-      const Unit& un = units_[u];
+    for (std::size_t u = 1; u < lay_.units.size(); ++u) {
+      const Unit& un = lay_.units[u];
       if (un.flat_offset < 0) continue;
       auto views = [&](LinearPlan& lp) {
         if (!lp.adapter || lp.adapter->a_off < 0) return;
@@ -51,8 +49,8 @@ BuiltProgram Builder::build() {
                                     tw * static_cast<std::uint64_t>(a.b_numel)),
                         sim::BufferRole::adapter_grad, a.b_tensor);
       };
-      if (u == units_.size() - 1) for (auto& lp : head_linears_) views(lp);
-      else for (auto& lp : layer_linears_[u - 1]) views(lp);
+      if (u == lay_.units.size() - 1) for (auto& lp : lay_.head_linears) views(lp);
+      else for (auto& lp : lay_.layer_linears[u - 1]) views(lp);
     }
   }
   // RoPE cos/sin tables [S, d/2] each, built once per step and read by every layer (rope_tables

@@ -32,8 +32,10 @@ SavedTable saved_for_backward(const PlanInput& input, std::int64_t layer) {
                       std::to_string(layer));
   validate(input);
   PlanInput in = input;
-  if (!in.inventory) in.inventory = std::make_shared<const ModelInventory>(make_inventory(in.model, in.peft));
-  builder::Builder b(in, BuildOptions{});
+  // An inventory made here keys nothing later builds share: its layout is not kept.
+  const bool own = !in.inventory;
+  if (own) in.inventory = std::make_shared<const ModelInventory>(make_inventory(in.model, in.peft));
+  builder::Builder b(in, BuildOptions{.reuse_layout = !own});
   SavedTable t = b.table_only(layer);
   t.owner = in.inventory;
   return t;
@@ -58,8 +60,7 @@ SavedTensor row(std::string_view name, std::string_view module, std::initializer
 }  // namespace
 
 SavedTable Builder::table_only(std::int64_t l) {
-  facts();
-  plan_linears();
+  use_layout(reuse_layout_);
   return layer_table(l).table;
 }
 
@@ -108,14 +109,14 @@ LayerTable Builder::layer_table(std::int64_t l) const {
   lt.at.fill(-1);
   lt.table.layer = l;
   auto& rows = lt.table.rows;
-  rows.reserve(static_cast<std::size_t>(Slot::count) + 4 * layer_linears_[static_cast<std::size_t>(l)].size());
+  rows.reserve(static_cast<std::size_t>(Slot::count) + 4 * lay_.layer_linears[static_cast<std::size_t>(l)].size());
   auto add = [&](Slot s, SavedTensor t) {
     PEFTPLAN_CHECK_MSG(rows.size() < 32767, "layer table of {} rows: more than its int16 indices hold", rows.size());
     lt.at[static_cast<std::size_t>(s)] = static_cast<std::int16_t>(rows.size());
     rows.push_back(t);
   };
   const std::int64_t H = m_.hidden, B = t_.micro_batch, S = M_ / t_.micro_batch;
-  const auto& lin = layer_linears_[static_cast<std::size_t>(l)];
+  const auto& lin = lay_.layer_linears[static_cast<std::size_t>(l)];
   lt.linear.assign(lin.size(), LinearRows{});
   for (auto& lr : lt.linear) lr.fill(-1);
   // A projection's input is kept only when something trains on it (an adapter, or the weight

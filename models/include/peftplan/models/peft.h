@@ -80,6 +80,7 @@ struct Quantization {
   DType dtype = DType::nf4;                        // nf4 | fp4 | int8
   bool double_quant = false;                       // bnb_4bit_use_double_quant
   std::int64_t block_size = 64;                    // elements per absmax block (bnb 4-bit: 64)
+  bool operator==(const Quantization&) const = default;
 };
 
 struct PeftSpec {

@@ -102,6 +102,9 @@ struct BuildOptions {
   // (no backward, no optimizer step). Only the hf loss chain stops there; the input's training
   // spec gives the batch.
   bool evaluation = false;
+  // Take the layout (the modules, units, buckets and offsets: planner/layout.h) from the cache of
+  // recent ones when the input brings an inventory; false makes it afresh (tests compare the two).
+  bool reuse_layout = true;
 };
 
 // What keeps the CPU executor from running this input, in words ("flash attention (use eager)"),
