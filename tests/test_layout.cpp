@@ -137,21 +137,27 @@ TEST(Layout, ACachedLayoutBuildsTheProgramAFreshOneBuilds) {
     }
   }
   EXPECT_GE(compared, 500);  // 40 bases x 21 variants, less the refused combinations
-  EXPECT_GE(named, 50);
+  EXPECT_GE(named, 50);  // every 7th of them
+}
+
+// LoRA r on `model` under `stage` over `ranks` GPUs, with its own shared inventory.
+PlanInput lora_on(const std::string& model, int r, Stage stage, int ranks) {
+  PlanInput in;
+  in.model = models::load_model(model);
+  models::AdapterSpec ad;
+  ad.lora.r = r;
+  in.peft.adapters.push_back(ad);
+  in.inventory = std::make_shared<const ModelInventory>(make_inventory(in.model, in.peft));
+  in.strategy.stage = stage;
+  in.strategy.ranks = ranks;
+  return in;
 }
 
 // The cache is keyed, not a single slot: alternating between two keys (as a search's threads
 // and the explorer's columns do) gives each its own layout every time.
 TEST(Layout, AlternatingKeysEachGetTheirOwnLayout) {
-  PlanInput a;
-  a.model = models::load_model("llama-2-7b");
-  models::AdapterSpec ad;
-  ad.lora.r = 16;
-  a.peft.adapters.push_back(ad);
-  a.inventory = std::make_shared<const ModelInventory>(make_inventory(a.model, a.peft));
+  PlanInput a = lora_on("llama-2-7b", 16, Stage::zero3, 8);
   a.training.seq_len = 512;
-  a.strategy.stage = Stage::zero3;
-  a.strategy.ranks = 8;
   PlanInput b = a;
   b.strategy.stage = Stage::zero2;
   b.strategy.ranks = 2;
@@ -168,14 +174,7 @@ TEST(Layout, AlternatingKeysEachGetTheirOwnLayout) {
 // the layout does not read, another for another key, and a fresh one for an input without an
 // inventory (nothing to key the model by).
 TEST(Layout, TheCacheKeepsOneLayoutPerKey) {
-  PlanInput a;
-  a.model = models::load_model("mistral-7b");
-  models::AdapterSpec ad;
-  ad.lora.r = 8;
-  a.peft.adapters.push_back(ad);
-  a.inventory = std::make_shared<const ModelInventory>(make_inventory(a.model, a.peft));
-  a.strategy.stage = Stage::zero2;
-  a.strategy.ranks = 4;
+  const PlanInput a = lora_on("mistral-7b", 8, Stage::zero2, 4);
   PlanInput same = a;
   same.training.micro_batch = 7;
   same.training.seq_len = 333;
