@@ -20,10 +20,13 @@
 #include "layout.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <map>
 #include <mutex>
 #include <set>
+#include <string_view>
+#include <type_traits>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -56,6 +59,31 @@ inline std::string_view intern(const std::string& s) {
   static std::set<std::string, std::less<>> names;
   std::lock_guard<std::mutex> lock(mu);
   return *names.insert(s).first;
+}
+
+// A buffer's name from its parts (string pieces and integers), sized once and appended without a
+// format string: named builds (what `plan` and the explorer's hover make) name every buffer, and
+// fmt::format's parsing was an eighth of such a build. Only called when names are on.
+namespace name_detail {
+inline std::size_t width(std::string_view s) { return s.size(); }
+inline std::size_t width(char) { return 1; }
+template <class I, class = std::enable_if_t<std::is_integral_v<I>>>
+std::size_t width(I) { return 20; }
+inline void put(std::string& out, std::string_view s) { out.append(s); }
+inline void put(std::string& out, char c) { out.push_back(c); }
+template <class I, class = std::enable_if_t<std::is_integral_v<I>>>
+void put(std::string& out, I v) {
+  char digits[24];
+  const auto r = std::to_chars(digits, digits + sizeof digits, v);
+  out.append(digits, r.ptr);
+}
+}  // namespace name_detail
+template <class... Parts>
+std::string name_cat(const Parts&... parts) {
+  std::string out;
+  out.reserve((name_detail::width(parts) + ...));
+  (name_detail::put(out, parts), ...);
+  return out;
 }
 
 // Bytes of a frozen tensor in its storage dtype. Quantised storage applies to Linear weights only

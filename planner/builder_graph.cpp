@@ -22,8 +22,8 @@ std::int32_t Builder::linear_forward(LinearPlan& lp, const std::vector<SavedTens
   const SavedTensor& out = *linear_row(table, lr, LinearSlot::out);
   const std::int64_t rows = out.shape[0];  // MoE: the expert's share of the tokens
   const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
-  const std::string base = names_ ? fmt::format("{}.mb{}", mod.path, mb_) : std::string();
-  auto alloc_row = [&](const SavedTensor& r, Cat cat) { return alloc([&] { return fmt::format("{}.{}", base, r.name); }, cat, r.bytes(), phase); };
+  const std::string base = names_ ? name_cat(mod.path, ".mb", mb_) : std::string();
+  auto alloc_row = [&](const SavedTensor& r, Cat cat) { return alloc([&] { return name_cat(base, '.', r.name); }, cat, r.bytes(), phase); };
   const std::int32_t y = alloc_row(out, out_cat);
   std::int32_t w = lp.weight_buf;
   std::int32_t cast = -1;
@@ -111,7 +111,7 @@ std::int32_t Builder::linear_backward(LinearPlan& lp, std::int32_t dy, std::int3
   const auto& mod = *lp.mod;
   const auto rows = static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share));
   const std::uint64_t wbytes = storage_bytes(f_.base_dtype, mod.in * mod.out);
-  const std::string base = names_ ? fmt::format("{}.mb{}", mod.path, mb_) : std::string();
+  const std::string base = names_ ? name_cat(mod.path, ".mb", mb_) : std::string();
   std::int32_t w = lp.weight_buf, cast = -1;
   if (f_.base_dtype != f_.compute_dtype && !lp.trainable_weight && !mod.is_output) {
     cast = alloc([&] { return base + ".w_compute_bwd"; }, Cat::workspace, act(mod.in * mod.out), B);
@@ -203,12 +203,12 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // Prefetch the next layer (or the head); FSDP's forward_prefetch is off by default.
   if (!recompute && (!fsdp() || s_.fsdp.forward_prefetch)) gather_unit(unit + 1, P, false);
   const std::int64_t H = m_.hidden, B = t_.micro_batch, S = M_ / t_.micro_batch;
-  const std::string pre = fmt::format("layers.{}.mb{}", l, mb_);
+  const std::string pre = names_ ? name_cat("layers.", l, ".mb", mb_) : std::string();
   const std::int32_t x = resid_[static_cast<std::size_t>(l)];
   // Slot s's tensor of the table, in category `cat`.
   auto alloc_slot = [&](Slot s, Cat cat) {
     const SavedTensor& r = *T.row(s);
-    return alloc([&] { return fmt::format("{}.{}", pre, r.name); }, cat, r.bytes(), P);
+    return alloc([&] { return name_cat(pre, '.', r.name); }, cat, r.bytes(), P);
   };
 
   // Args conventions (M = B·S rows, fp32 statistics):
@@ -365,7 +365,7 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // (CheckpointFunction.backward: torch.autograd.backward(outputs, args)): live through the
   // layer's backward under a runtime that materialises it.
   if (recompute && rules_.free_at_last_use)
-    saved.push_back(alloc([&] { return fmt::format("{}.resid_out.recomputed", pre); }, Cat::workspace, T.row(Slot::layer_out)->bytes(), P));
+    saved.push_back(alloc([&] { return name_cat(pre, ".resid_out.recomputed"); }, Cat::workspace, T.row(Slot::layer_out)->bytes(), P));
   compute("residual", l, P, elementwise(act(M_ * H) * 3, static_cast<double>(M_ * H)),
           ops::ResidualAdd{.a = x_mid, .b = y_mlp, .out = recompute ? -1 : x_out, .n = M_ * H});
   free(y_mlp, P);
@@ -408,7 +408,7 @@ void Builder::layer_backward(std::int32_t l) {
   auto& saved = saved_[static_cast<std::size_t>(l)];
   const LayerBufs& lb = lb_[static_cast<std::size_t>(l)];
   const std::int64_t H = m_.hidden, I = m_.intermediate, Bm = t_.micro_batch, S = M_ / t_.micro_batch;
-  const std::string pre = names_ ? fmt::format("layers.{}.mb{}", l, mb_) : std::string();
+  const std::string pre = names_ ? name_cat("layers.", l, ".mb", mb_) : std::string();
   std::int32_t last = -1;
   // Args conventions (the residual-stream gradient dres_ [M,H] is updated in place):
   //   mlp_act_bwd   {d_act [M,I], gate, up, d_gate [M,I], d_up [M,I]} (overwrites d_gate, d_up)
@@ -427,7 +427,7 @@ void Builder::layer_backward(std::int32_t l) {
     }
   std::vector<std::int32_t> d_in;
   for (auto& lp : lin)
-    if (lp.role == Role::mlp_in) d_in.push_back(alloc([&] { return pre + "." + lp.mod->leaf + ".d_out"; }, Cat::workspace, act(static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share)) * lp.mod->out), B));
+    if (lp.role == Role::mlp_in) d_in.push_back(alloc([&] { return name_cat(pre, '.', lp.mod->leaf, ".d_out"); }, Cat::workspace, act(static_cast<std::int64_t>(std::llround(static_cast<double>(M_) * lp.token_share)) * lp.mod->out), B));
   compute(m_.gated_mlp() ? "swiglu" : "gelu", l, B,
           elementwise(m_.gated_mlp() ? eager_or(eager::swiglu_bwd(1), rows * I, stream_dtype(), act(rows * I) * 5) : act(rows * I) * 5,
                       10.0 * static_cast<double>(rows * I)),
@@ -464,7 +464,7 @@ void Builder::layer_backward(std::int32_t l) {
     }
   std::vector<std::int32_t> d_qkv;
   for (auto& lp : lin)
-    if (lp.role == Role::attn_in) d_qkv.push_back(alloc([&] { return pre + "." + lp.mod->leaf + ".d_out"; }, Cat::workspace, act(M_ * lp.mod->out), B));
+    if (lp.role == Role::attn_in) d_qkv.push_back(alloc([&] { return name_cat(pre, '.', lp.mod->leaf, ".d_out"); }, Cat::workspace, act(M_ * lp.mod->out), B));
   const std::int64_t nh = m_.heads, d = m_.head_dim, kv = kv_len_;
   sim::ComputeWork aw = gemm(S, kv, d, 0);
   aw.gemm_count = static_cast<std::int32_t>(Bm * nh);
@@ -521,7 +521,7 @@ void Builder::layer_backward(std::int32_t l) {
     free(resid_[static_cast<std::size_t>(l)], B);
   }
   if (l + 1 < m_.layers && fsdp_retains(l + 1))
-    retained_.push_back(alloc([&] { return fmt::format("layers.{}.mb{}.input_grad.retained", l + 1, mb_); }, Cat::activations, act(M_ * H), B));
+    retained_.push_back(alloc([&] { return name_cat("layers.", l + 1, ".mb", mb_, ".input_grad.retained"); }, Cat::activations, act(M_ * H), B));
   resid_[static_cast<std::size_t>(l)] = -1;
   release_unit(unit, B);
   unit_gradients_done(unit, last);
@@ -538,7 +538,7 @@ void Builder::layer_backward(std::int32_t l) {
 std::int32_t Builder::hf_loss(std::int32_t logits, std::int32_t tokens) {
   const Phase L = Phase::loss, B = Phase::backward;
   const std::int64_t V = m_.vocab, T = M_, Tv = M_ - t_.micro_batch;  // Tv: positions with a next token
-  const std::string pre = names_ ? fmt::format("loss.mb{}", mb_) : std::string();
+  const std::string pre = names_ ? name_cat("loss.mb", mb_) : std::string();
   // .float() of fp32 logits is the tensor itself (and its backward the identity).
   const bool upcast = f_.compute_dtype != DType::fp32;
   const std::int32_t up = upcast ? alloc([&] { return pre + ".logits_fp32"; }, Cat::workspace, f32(T * V), L) : logits;
@@ -589,7 +589,7 @@ std::int32_t Builder::fused_loss(LinearPlan& lm, std::int32_t x, std::int32_t to
   std::int64_t chunk = 1;
   while (chunk < (BT + inc - 1) / inc) chunk <<= 1;
   chunk = std::min(chunk, BT);
-  const std::string pre = names_ ? fmt::format("loss.mb{}", mb_) : std::string();
+  const std::string pre = names_ ? name_cat("loss.mb", mb_) : std::string();
   const std::int32_t grad_in = alloc([&] { return pre + ".grad_input"; }, Cat::workspace, act(BT * H), L);
   const std::int32_t loss1d = alloc([&] { return pre + ".loss_1d"; }, Cat::workspace, f32(BT), L);
   const std::uint64_t wbytes = act(V * H);
@@ -628,11 +628,11 @@ void Builder::micro_batch(std::int32_t mb) {
   //                       whole step on all ranks); d_logits may be logits itself (in place)
   //   embedding_bwd       {tokens, d_out [M,H], d_table}: full fine-tuning only
   // Tokens and targets (int32) for the micro-batch.
-  const std::int32_t tokens = alloc([&] { return fmt::format("tokens.mb{}", mb); }, Cat::workspace, rules_.batch_bytes_per_token * static_cast<std::uint64_t>(M_), F);
+  const std::int32_t tokens = alloc([&] { return name_cat("tokens.mb", mb); }, Cat::workspace, rules_.batch_bytes_per_token * static_cast<std::uint64_t>(M_), F);
   gather_unit(0, F, true);
   if (fsdp()) gather_unit(lay_.units.size() - 1, F, true);  // the root unit: embedding and head
   else gather_unit(1, F, false);
-  resid_[0] = alloc([&] { return fmt::format("embed.mb{}.out", mb); }, Cat::activations, act(M_ * H), F);
+  resid_[0] = alloc([&] { return name_cat("embed.mb", mb, ".out"); }, Cat::activations, act(M_ * H), F);
   compute("embedding", -1, F, elementwise(act(M_ * H) * 2), ops::EmbeddingFwd{.tokens = tokens, .table = embed_buf_, .out = resid_[0], .M = M_, .V = V, .H = H});
   const bool embed_trains = lay_.units[0].trainable_numel > 0 && in_.peft.adapters.empty();
   release_unit(0, F);
@@ -641,7 +641,7 @@ void Builder::micro_batch(std::int32_t mb) {
   std::int32_t autocast_cache = -1;
   // (Under FSDP's MixedPrecision the adapters compute from gathered compute-dtype copies: no cache.)
   if (rules_.autocast_weight_cache && !fsdp() && !in_.peft.adapters.empty() && f_.trainable_dtype != f_.compute_dtype)
-    autocast_cache = alloc([&] { return fmt::format("autocast.weight_cache.mb{}", mb); }, Cat::workspace, act(lay_.trainable_numel - lay_.extra_trainable_numel), F);
+    autocast_cache = alloc([&] { return name_cat("autocast.weight_cache.mb", mb); }, Cat::workspace, act(lay_.trainable_numel - lay_.extra_trainable_numel), F);
   for (std::int32_t l = 0; l < static_cast<std::int32_t>(m_.layers); ++l) layer_forward(l, false);
   // Head: final norm, LM head, cross-entropy (logits upcast to fp32 as transformers' loss does).
   // ZeRO-3 gathers the head for its forward and again for its backward (a tied head is the
@@ -655,8 +655,8 @@ void Builder::micro_batch(std::int32_t mb) {
     ag_held_ = -1;
   }
   std::int32_t xl = resid_.back();
-  const std::int32_t rstd = alloc([&] { return fmt::format("final_norm.mb{}.stats", mb); }, Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
-  const std::int32_t hf = alloc([&] { return fmt::format("final_norm.mb{}.out", mb); }, Cat::workspace, bytes(stream_dtype(), M_ * H), F);
+  const std::int32_t rstd = alloc([&] { return name_cat("final_norm.mb", mb, ".stats"); }, Cat::activations, f32(M_) * (m_.rms_norm() ? 1 : 2), F);
+  const std::int32_t hf = alloc([&] { return name_cat("final_norm.mb", mb, ".out"); }, Cat::workspace, bytes(stream_dtype(), M_ * H), F);
   compute("final_norm", -1, F, elementwise(norm_fwd_bytes(M_ * H, resid_dtype(m_.layers)), 4.0 * static_cast<double>(M_ * H)),
           ops::NormFwd{.x = xl, .w = final_norm_, .y = hf, .rstd = rstd, .M = M_, .H = H, .eps = m_.norm_eps});
   std::vector<std::int32_t> head_saved;
@@ -666,14 +666,14 @@ void Builder::micro_batch(std::int32_t mb) {
   if (rules_.norm_saves_fp32_input && m_.rms_norm()) {
     const DType xd = resid_dtype(m_.layers);
     if (xd != DType::fp32) {
-      head_saved.push_back(alloc([&] { return fmt::format("final_norm.mb{}.x_fp32", mb); }, Cat::activations, f32(M_ * H), F));
+      head_saved.push_back(alloc([&] { return name_cat("final_norm.mb", mb, ".x_fp32"); }, Cat::activations, f32(M_ * H), F));
       if (rules_.layer_input_only_if_saved) {
         free(xl, F);
         resid_.back() = xl = -1;
       }
     }
     if (in_.peft.adapters.empty())
-      head_saved.push_back(alloc([&] { return fmt::format("final_norm.mb{}.normed", mb); }, Cat::activations, bytes(xd, M_ * H), F));
+      head_saved.push_back(alloc([&] { return name_cat("final_norm.mb", mb, ".normed"); }, Cat::activations, bytes(xd, M_ * H), F));
   }
   if (eval_) {  // no_grad: the norm's copies and statistics die with it, and so does its input
     for (std::int32_t b : head_saved) free(b, F);
@@ -718,7 +718,7 @@ void Builder::micro_batch(std::int32_t mb) {
   } else {
     std::int32_t logits32 = logits;
     if (f_.compute_dtype != DType::fp32) {
-      logits32 = alloc([&] { return fmt::format("logits_fp32.mb{}", mb); }, Cat::workspace, f32(M_ * V), Phase::loss);
+      logits32 = alloc([&] { return name_cat("logits_fp32.mb", mb); }, Cat::workspace, f32(M_ * V), Phase::loss);
       compute("upcast_logits", -1, Phase::loss, elementwise(act(M_ * V) + f32(M_ * V)),
               ops::Cast{.src = logits, .dst = logits32, .n = M_ * V, .from = f_.compute_dtype, .to = DType::fp32});
       free(logits, Phase::loss);
@@ -730,7 +730,7 @@ void Builder::micro_batch(std::int32_t mb) {
             ops::CrossEntropyBwd{.logits = logits32, .tokens = tokens, .d_logits = logits32, .M = M_, .V = V, .divisor = loss_divisor()});
     dlogits = logits32;
     if (f_.compute_dtype != DType::fp32) {
-      dlogits = alloc([&] { return fmt::format("d_logits.mb{}", mb); }, Cat::workspace, act(M_ * V), B);
+      dlogits = alloc([&] { return name_cat("d_logits.mb", mb); }, Cat::workspace, act(M_ * V), B);
       compute("downcast_grad", -1, B, elementwise(act(M_ * V) + f32(M_ * V)),
               ops::Cast{.src = logits32, .dst = dlogits, .n = M_ * V, .from = DType::fp32, .to = f_.compute_dtype});
       free(logits32, B);
@@ -747,13 +747,13 @@ void Builder::micro_batch(std::int32_t mb) {
   if (fused) {  // element_mul_kernel: grad_input *= grad_output, in place
     last = compute("scale_grad_input", -1, B, elementwise(2 * act(M_ * H), static_cast<double>(M_ * H)), ops::Accumulate{.in = d_hf});
   } else {
-    d_hf = alloc([&] { return fmt::format("final_norm.mb{}.d_out", mb); }, Cat::workspace, act(M_ * H), B);
+    d_hf = alloc([&] { return name_cat("final_norm.mb", mb, ".d_out"); }, Cat::workspace, act(M_ * H), B);
     last = linear_backward(*lm, dlogits, d_hf, hf_needed ? hf : -1, -1, true);
   }
   free(dlogits, B);
   if (!hf_freed) free(hf, B);
   for (std::int32_t b : head_saved) free(b, B);
-  dres_ = alloc([&] { return fmt::format("d_resid.mb{}", mb); }, Cat::workspace, act(M_ * H), B);
+  dres_ = alloc([&] { return name_cat("d_resid.mb", mb); }, Cat::workspace, act(M_ * H), B);
   last = compute("final_norm", -1, B, elementwise(norm_bwd_bytes(M_ * H, resid_dtype(m_.layers)), 8.0 * static_cast<double>(M_ * H)),
                  ops::NormBwd{.dy = d_hf, .x = xl, .w = final_norm_, .rstd = rstd, .dx = dres_, .M = M_, .H = H});
   free(d_hf, B);

@@ -4,6 +4,7 @@
 #include "builder.h"
 
 #include <list>
+#include <unordered_set>
 
 namespace peftplan::planner::builder {
 
@@ -126,8 +127,9 @@ void Builder::plan_linears() {
   const auto& linears = inv.linears;
   const bool full = in_.peft.adapters.empty();
   const auto& trainables = inv.trainables;
-  std::map<std::string, Adapter> adapters;
-  std::set<std::string> trained_modules;  // modules_to_save, bias=all: base tensors that train
+  // Keyed by the inventory's own path strings (the inventory outlives this function).
+  std::unordered_map<std::string_view, Adapter> adapters;
+  std::unordered_set<std::string_view> trained_modules;  // modules_to_save, bias=all: base tensors that train
   if (!full) {
     for (const auto& lm : inv.loras) {
       Adapter& a = adapters[lm.linear.path];
@@ -178,7 +180,7 @@ void Builder::plan_linears() {
   // Units for ZeRO-3 (and for the sizes every strategy reports).
   lay_.units.assign(static_cast<std::size_t>(m_.layers) + 2, Unit{});
   lay_.units[0].name = "embedding";
-  for (std::int64_t l = 0; l < m_.layers; ++l) lay_.units[static_cast<std::size_t>(l) + 1].name = fmt::format("layers.{}", l);
+  for (std::int64_t l = 0; l < m_.layers; ++l) lay_.units[static_cast<std::size_t>(l) + 1].name = name_cat("layers.", l);
   lay_.units.back().name = "head";
   const auto& q = in_.peft.quantization;
   for (const auto& t : tensors) {

@@ -10,7 +10,7 @@ namespace peftplan::planner::builder {
 void Builder::add_cuda_runtime() {
   const std::uint64_t ws = cublas_workspace_bytes(in_.device_sm);
   for (int i = 0; i < rules_.cublas_workspaces; ++i)
-    alloc([&] { return i == 0 ? std::string("cublas.workspace.forward") : fmt::format("cublas.workspace.{}", i == 1 ? "backward" : std::to_string(i)); },
+    alloc([&] { return i == 0 ? std::string("cublas.workspace.forward") : name_cat("cublas.workspace.", i == 1 ? "backward" : std::to_string(i)); },
           Cat::runtime_overhead, ws, Phase::setup);
 }
 
@@ -65,8 +65,8 @@ void Builder::setup() {
       for (std::size_t b = 0; b < lay_.buckets.size(); ++b) {
         GradBucket& bk = lay_.buckets[b];
         const std::uint64_t sb = static_cast<std::uint64_t>(shard(bk.numel));
-        bk.grad_view = p_.add_view(names_ ? fmt::format("grad.shard[bucket{}]", b) : std::string(), grad_shard_, tw * static_cast<std::uint64_t>(bk.part_offset), tw * sb);
-        bk.param_view = p_.add_view(names_ ? fmt::format("trainable.flat[bucket{}]", b) : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(bk.region), tw * sb * static_cast<std::uint64_t>(N));
+        bk.grad_view = p_.add_view(names_ ? name_cat("grad.shard[bucket", b, ']') : std::string(), grad_shard_, tw * static_cast<std::uint64_t>(bk.part_offset), tw * sb);
+        bk.param_view = p_.add_view(names_ ? name_cat("trainable.flat[bucket", b, ']') : std::string(), trainable_flat_, tw * static_cast<std::uint64_t>(bk.region), tw * sb * static_cast<std::uint64_t>(N));
       }
     } else if (sharded_grads())
       grad_shard_ = state_grad(sim::BufferRole::grad_shard, tw * static_cast<std::uint64_t>(shard(lay_.trainable_numel)));

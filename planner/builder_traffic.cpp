@@ -65,7 +65,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
                      : copy(CopyDir::host_to_device, "param_h2d", shard_bytes, phase, staged, {});
     }
   }
-  gathered_[u] = alloc([&] { return fmt::format("{}.gathered.{}", un.name, name_of(phase)); }, Cat::gathered_weights, frozen_full + train_full, phase);
+  gathered_[u] = alloc([&] { return name_cat(un.name, ".gathered.", name_of(phase)); }, Cat::gathered_weights, frozen_full + train_full, phase);
   // FSDP allocates the unsharded parameter on its unshard stream (_runtime_utils.py _unshard:
   // `with state._device_handle.stream(unshard_stream)`): the caching allocator then caches that
   // block for that stream only. FSDP2 allocates its flat all-gather output there too
@@ -143,7 +143,7 @@ void Builder::gather_unit(std::size_t u, Phase phase, bool use) {
 void Builder::fsdp2_copy_out(std::size_t u, Phase phase) {
   const std::int32_t flat = ag_out_[u];
   const std::uint64_t bytes = p_.buffers[static_cast<std::size_t>(flat)].bytes;
-  const std::int32_t unsharded = alloc([&] { return fmt::format("{}.unsharded.{}", lay_.units[u].name, name_of(phase)); }, Cat::gathered_weights, bytes, phase);
+  const std::int32_t unsharded = alloc([&] { return name_cat(lay_.units[u].name, ".unsharded.", name_of(phase)); }, Cat::gathered_weights, bytes, phase);
   compute("fsdp_copy_out", static_cast<std::int32_t>(u) - 1, phase, elementwise(2 * bytes), ops::Accumulate{.in = flat, .out = unsharded});  // waits for the gather (wait_)
   if (ag_held_ >= 0) free(ag_held_, phase);
   ag_held_ = -1;
@@ -176,13 +176,13 @@ void Builder::begin_unit_gradients(std::size_t u) {
   const GradBucket& bk = lay_.buckets[b];
   if (bk.units.front() != u || bucket_buf_[b] >= 0) return;
   const std::uint64_t tw = bytes_of(f_.trainable_dtype);
-  bucket_buf_[b] = alloc([&] { return fmt::format("grad.bucket{}.mb{}", b, mb_); }, Cat::gradients,
+  bucket_buf_[b] = alloc([&] { return name_cat("grad.bucket", b, ".mb", mb_); }, Cat::gradients,
                          tw * static_cast<std::uint64_t>(bucket_shard_numel(bk) * group()), Phase::backward);
   if (bk.flat_lo < 0) return;
   auto views = [&](LinearPlan& lp) {
     if (!lp.adapter || lp.adapter->a_off < 0) return;
     Adapter& a = *lp.adapter;
-    const std::string base = names_ ? fmt::format("grad.{}.mb{}", lp.mod->path, mb_) : std::string();
+    const std::string base = names_ ? name_cat("grad.", lp.mod->path, ".mb", mb_) : std::string();
     a.ga_buf = role(p_.add_view(names_ ? base + ".lora_A" : std::string(), bucket_buf_[b], tw * static_cast<std::uint64_t>(a.a_off - bk.flat_lo),
                                 tw * static_cast<std::uint64_t>(a.a_numel)),
                     sim::BufferRole::adapter_grad, a.a_tensor);
@@ -216,7 +216,7 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
       // one padded reduce-scatter input (_chunk_cat, on the default stream) and freed; that input
       // is held in comm_ctx.reduce_scatter_state until the next unit's post-backward (the root's
       // final callback drops the last).
-      const std::int32_t rs_in = alloc([&] { return fmt::format("grad.reduce_scatter_input{}.mb{}", b, mb_); }, Cat::comm_buffers,
+      const std::int32_t rs_in = alloc([&] { return name_cat("grad.reduce_scatter_input", b, ".mb", mb_); }, Cat::comm_buffers,
                                        tw * static_cast<std::uint64_t>(padded), Phase::backward);
       after_op = compute("fsdp_chunk_cat", -1, Phase::backward, elementwise(2 * tw * static_cast<std::uint64_t>(padded)),
                          ops::Accumulate{.in = payload, .out = rs_in}, {after_op});
@@ -257,7 +257,7 @@ void Builder::unit_gradients_done(std::size_t u, std::int32_t after_op) {
     std::int32_t payload = grad_flat_;
     const std::int64_t lo = lay_.units[bucket_units_.back()].flat_offset;
     if (lo >= 0 && lay_.units[bucket_units_.front()].flat_offset + lay_.units[bucket_units_.front()].trainable_numel - lo == bucket_numel_)
-      payload = p_.add_view(names_ ? fmt::format("grad.flat[{}:{}]", lo, lo + bucket_numel_) : std::string(), grad_flat_,
+      payload = p_.add_view(names_ ? name_cat("grad.flat[", lo, ':', lo + bucket_numel_, ']') : std::string(), grad_flat_,
                             tw * static_cast<std::uint64_t>(lo), tw * static_cast<std::uint64_t>(bucket_numel_));
     reduce_ops_.push_back(collective(Collective::all_reduce, "all_reduce_grads", tw * static_cast<std::uint64_t>(bucket_numel_), -1,
                                      Phase::backward, payload, {after_op}));

@@ -12,10 +12,11 @@
 // saved-for-backward tables (saved.h: their shapes depend on the micro-batch).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -29,16 +30,18 @@ namespace peftplan::planner::builder {
 // Linear-module roles inside a decoder layer, by leaf name (transformers' module names).
 enum class Role { attn_in, attn_out, mlp_in, mlp_out, router, other };
 inline Role role_of(const models::LinearModule& l) {
-  static const std::set<std::string> attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value"};
-  static const std::set<std::string> mlp_in = {"gate_proj", "up_proj", "gate_up_proj", "c_fc", "dense_h_to_4h",
-                                               "fc1", "w1", "w3"};
-  static const std::set<std::string> mlp_out = {"down_proj", "dense_4h_to_h", "fc2", "w2"};
-  if (attn_in.count(l.leaf)) return Role::attn_in;
-  if (mlp_in.count(l.leaf)) return Role::mlp_in;
-  if (mlp_out.count(l.leaf)) return Role::mlp_out;
-  if (l.leaf == "c_proj") return l.path.find(".mlp.") != std::string::npos ? Role::mlp_out : Role::attn_out;
-  if (l.leaf == "o_proj" || l.leaf == "dense" || l.leaf == "out_proj") return Role::attn_out;
-  if (l.leaf == "gate") return Role::router;
+  // Plain arrays, not sets: a cold build classifies every linear module of the model.
+  static constexpr std::string_view attn_in[] = {"q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "query_key_value"};
+  static constexpr std::string_view mlp_in[] = {"gate_proj", "up_proj", "gate_up_proj", "c_fc", "dense_h_to_4h", "fc1", "w1", "w3"};
+  static constexpr std::string_view mlp_out[] = {"down_proj", "dense_4h_to_h", "fc2", "w2"};
+  const std::string_view leaf = l.leaf;
+  auto in = [&](const auto& names) { return std::find(std::begin(names), std::end(names), leaf) != std::end(names); };
+  if (in(attn_in)) return Role::attn_in;
+  if (in(mlp_in)) return Role::mlp_in;
+  if (in(mlp_out)) return Role::mlp_out;
+  if (leaf == "c_proj") return l.path.find(".mlp.") != std::string::npos ? Role::mlp_out : Role::attn_out;
+  if (leaf == "o_proj" || leaf == "dense" || leaf == "out_proj") return Role::attn_out;
+  if (leaf == "gate") return Role::router;
   return Role::other;
 }
 
