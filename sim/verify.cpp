@@ -149,17 +149,12 @@ class Checker {
       case OpKind::alloc:
       case OpKind::free: {
         const bool alloc = op.kind == OpKind::alloc;
-        if (!exists(op.buffer)) {
-          add(Rule::buffer_id, i, fmt::format("{} of buffer #{}; the program has {}", alloc ? "alloc" : "free", op.buffer, p_.buffers.size()));
-          return;
-        }
         const auto b = static_cast<std::size_t>(op.buffer);
-        if (view_[b]) [[unlikely]] {
-          add(Rule::view_alloc, i, fmt::format("{} of {}, a view (views live and die with their parent)", alloc ? "alloc" : "free", label(op.buffer)));
-          return;
+        // The common case inline; any violation goes out of line to say which.
+        if (!exists(op.buffer) || view_[b] || live_[b] == alloc) [[unlikely]] {
+          report_alloc(i, op, alloc);
+          if (!exists(op.buffer) || view_[b]) return;
         }
-        if (alloc && live_[b]) add(Rule::double_alloc, i, fmt::format("alloc of {}, which is already live", label(op.buffer)));
-        if (!alloc && !live_[b]) add(Rule::free_not_live, i, fmt::format("free of {}, which is not live", label(op.buffer)));
         live_[b] = alloc ? 1 : 0;
         return;
       }
@@ -175,37 +170,59 @@ class Checker {
         if (p_.executable && op.kernel != Kernel::none) check_operands(i, op);
         return;
       case OpKind::collective:
-        use(i, op.buffer, "payload");
-        use(i, op.buffer_out, "receive buffer");
-        use(i, op.buffer_in, "contributed shard");
-        if (op.reduction != ScalarReduction::none && (op.buffer >= 0 || op.bytes != 8 || op.collective != Collective::all_reduce))
-          add(Rule::scalar_reduction, i, fmt::format("{} of {} B{} reducing a scalar: a scalar reduction is an 8-byte all_reduce of no buffer",
-                                                     name_of(op.collective), op.bytes, op.buffer >= 0 ? " of " + label(op.buffer) : std::string()));
-        else if (p_.executable && op.buffer < 0 && op.reduction == ScalarReduction::none)
-          add(Rule::scalar_reduction, i, fmt::format("{} of {} B names neither its buffer nor a scalar reduction", name_of(op.collective), op.bytes));
-        if (op.group_size < 1 || op.group_stride < 1)
-          add(Rule::collective_group, i, fmt::format("{} over a group of {} (stride {})", name_of(op.collective), op.group_size, op.group_stride));
-        else if ((op.collective == Collective::all_gather || op.collective == Collective::reduce_scatter) &&
-                 op.bytes % static_cast<std::uint64_t>(op.group_size) != 0)
-          add(Rule::collective_group, i, fmt::format("{} of {} B in total over {} ranks: not a whole shard each",
-                                                     name_of(op.collective), op.bytes, op.group_size));
+        check_collective(i, op);
         return;
-      case OpKind::copy: {
-        use(i, op.buffer, "source");
-        use(i, op.buffer_out, "destination");
-        // With both ends named, the source lies where the direction starts, and a device-to-host
-        // copy lands on the host. (A host-to-device copy may land in a host buffer: under ZeRO-3
-        // parameter offload the partition it refreshes lives on the host.)
-        if (exists(op.buffer) && exists(op.buffer_out)) {
-          const bool to_host = op.copy_dir == CopyDir::device_to_host;
-          const bool src_host = on_host(p_.buffers[static_cast<std::size_t>(op.buffer)].category);
-          const bool dst_host = on_host(p_.buffers[static_cast<std::size_t>(op.buffer_out)].category);
-          if (src_host == to_host || (to_host && !dst_host))
-            add(Rule::copy_direction, i, fmt::format("{} copy from {} ({}) to {} ({})", to_host ? "device-to-host" : "host-to-device",
-                                                     label(op.buffer), src_host ? "host" : "device", label(op.buffer_out), dst_host ? "host" : "device"));
-        }
+      case OpKind::copy:
+        check_copy(i, op);
         return;
-      }
+    }
+  }
+
+  [[gnu::noinline]] void report_alloc(std::int32_t i, const Op& op, bool alloc) {
+    if (!exists(op.buffer)) {
+      add(Rule::buffer_id, i, fmt::format("{} of buffer #{}; the program has {}", alloc ? "alloc" : "free", op.buffer, p_.buffers.size()));
+      return;
+    }
+    const auto b = static_cast<std::size_t>(op.buffer);
+    if (view_[b]) {
+      add(Rule::view_alloc, i, fmt::format("{} of {}, a view (views live and die with their parent)", alloc ? "alloc" : "free", label(op.buffer)));
+      return;
+    }
+    if (alloc && live_[b]) add(Rule::double_alloc, i, fmt::format("alloc of {}, which is already live", label(op.buffer)));
+    if (!alloc && !live_[b]) add(Rule::free_not_live, i, fmt::format("free of {}, which is not live", label(op.buffer)));
+  }
+
+  // Collectives and copies are a few per layer; kept out of check_op so that its frame stays small.
+  [[gnu::noinline]] void check_collective(std::int32_t i, const Op& op) {
+    use(i, op.buffer, "payload");
+    use(i, op.buffer_out, "receive buffer");
+    use(i, op.buffer_in, "contributed shard");
+    if (op.reduction != ScalarReduction::none && (op.buffer >= 0 || op.bytes != 8 || op.collective != Collective::all_reduce))
+      add(Rule::scalar_reduction, i, fmt::format("{} of {} B{} reducing a scalar: a scalar reduction is an 8-byte all_reduce of no buffer",
+                                                 name_of(op.collective), op.bytes, op.buffer >= 0 ? " of " + label(op.buffer) : std::string()));
+    else if (p_.executable && op.buffer < 0 && op.reduction == ScalarReduction::none)
+      add(Rule::scalar_reduction, i, fmt::format("{} of {} B names neither its buffer nor a scalar reduction", name_of(op.collective), op.bytes));
+    if (op.group_size < 1 || op.group_stride < 1)
+      add(Rule::collective_group, i, fmt::format("{} over a group of {} (stride {})", name_of(op.collective), op.group_size, op.group_stride));
+    else if ((op.collective == Collective::all_gather || op.collective == Collective::reduce_scatter) &&
+             op.bytes % static_cast<std::uint64_t>(op.group_size) != 0)
+      add(Rule::collective_group, i, fmt::format("{} of {} B in total over {} ranks: not a whole shard each",
+                                                 name_of(op.collective), op.bytes, op.group_size));
+  }
+
+  [[gnu::noinline]] void check_copy(std::int32_t i, const Op& op) {
+    use(i, op.buffer, "source");
+    use(i, op.buffer_out, "destination");
+    // With both ends named, the source lies where the direction starts, and a device-to-host
+    // copy lands on the host. (A host-to-device copy may land in a host buffer: under ZeRO-3
+    // parameter offload the partition it refreshes lives on the host.)
+    if (exists(op.buffer) && exists(op.buffer_out)) {
+      const bool to_host = op.copy_dir == CopyDir::device_to_host;
+      const bool src_host = on_host(p_.buffers[static_cast<std::size_t>(op.buffer)].category);
+      const bool dst_host = on_host(p_.buffers[static_cast<std::size_t>(op.buffer_out)].category);
+      if (src_host == to_host || (to_host && !dst_host))
+        add(Rule::copy_direction, i, fmt::format("{} copy from {} ({}) to {} ({})", to_host ? "device-to-host" : "host-to-device",
+                                                 label(op.buffer), src_host ? "host" : "device", label(op.buffer_out), dst_host ? "host" : "device"));
     }
   }
 
