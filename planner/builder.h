@@ -22,14 +22,12 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <unordered_map>
-
-#include <fmt/format.h>
 
 #include "peftplan/common/error.h"
 #include "peftplan/models/parameters.h"

@@ -10,7 +10,7 @@ namespace peftplan::planner::builder {
 void Builder::add_cuda_runtime() {
   const std::uint64_t ws = cublas_workspace_bytes(in_.device_sm);
   for (int i = 0; i < rules_.cublas_workspaces; ++i)
-    alloc([&] { return i == 0 ? std::string("cublas.workspace.forward") : name_cat("cublas.workspace.", i == 1 ? "backward" : std::to_string(i)); },
+    alloc([&] { return i < 2 ? std::string(i == 0 ? "cublas.workspace.forward" : "cublas.workspace.backward") : name_cat("cublas.workspace.", i); },
           Cat::runtime_overhead, ws, Phase::setup);
 }
 

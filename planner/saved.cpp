@@ -5,6 +5,8 @@
 // kept tensor is an activation, or workspace in a checkpointed layer), and costs.
 #include "builder.h"
 
+#include <fmt/format.h>
+
 namespace peftplan::planner {
 
 std::uint64_t SavedTable::kept_bytes() const {
