@@ -394,8 +394,42 @@ double max_over_ranks(Communicator& comm, double x) {
   return x;
 }
 
+// The send and receive arrays of a timed collective: host vectors where the device is the host
+// (or none is given), the backend's device memory otherwise, so that a GPU's collectives are
+// timed on device buffers as the runner issues them (no staging through the host).
+class CollectiveBuffers {
+ public:
+  CollectiveBuffers(Backend* be, std::size_t send_count, std::size_t recv_count)
+      : be_(be != nullptr && !be->device_is_host() ? be : nullptr), host_send_(send_count, 1.0f), host_recv_(be_ ? 0 : recv_count, 0.0f) {
+    if (!be_) return;
+    send_ = be_->device_memory().allocate(4 * send_count);
+    recv_ = be_->device_memory().allocate(4 * recv_count);
+    send_bytes_ = 4 * send_count;
+    recv_bytes_ = 4 * recv_count;
+    be_->copy_to_device(send_, host_send_.data(), send_bytes_);
+    be_->fill_zero(recv_, recv_bytes_);
+  }
+  ~CollectiveBuffers() {
+    if (!be_) return;
+    be_->synchronize();
+    be_->device_memory().deallocate(send_, send_bytes_);
+    be_->device_memory().deallocate(recv_, recv_bytes_);
+  }
+  CollectiveBuffers(const CollectiveBuffers&) = delete;
+  CollectiveBuffers& operator=(const CollectiveBuffers&) = delete;
+  const float* send() const { return be_ ? static_cast<const float*>(send_) : host_send_.data(); }
+  float* recv() { return be_ ? static_cast<float*>(recv_) : host_recv_.data(); }
+
+ private:
+  Backend* be_;
+  std::vector<float> host_send_, host_recv_;
+  void* send_ = nullptr;
+  void* recv_ = nullptr;
+  std::uint64_t send_bytes_ = 0, recv_bytes_ = 0;
+};
+
 CollectivePoint time_collective(Communicator& comm, sim::Collective kind, std::uint64_t size,
-                                bool quick) {
+                                bool quick, Backend* device) {
   const int n = comm.size();
   CollectivePoint p;
   p.kind = kind;
@@ -406,16 +440,16 @@ CollectivePoint time_collective(Communicator& comm, sim::Collective kind, std::u
   const std::size_t total = count * per_rank;  // elements of the whole array
   p.count = count;
   p.bytes = total * sizeof(float);
-  std::vector<float> send(kind == sim::Collective::all_gather ? count : total, 1.0f);
-  std::vector<float> recv(kind == sim::Collective::reduce_scatter ? count : total, 0.0f);
+  CollectiveBuffers buf(device, kind == sim::Collective::all_gather ? count : total,
+                        kind == sim::Collective::reduce_scatter ? count : total);
   const auto launch = [&] {
     switch (kind) {
       case sim::Collective::all_reduce:
-        return comm.all_reduce_async(send.data(), recv.data(), count, CommDType::fp32, ReduceOp::sum);
+        return comm.all_reduce_async(buf.send(), buf.recv(), count, CommDType::fp32, ReduceOp::sum);
       case sim::Collective::reduce_scatter:
-        return comm.reduce_scatter_async(send.data(), recv.data(), count, CommDType::fp32, ReduceOp::sum);
+        return comm.reduce_scatter_async(buf.send(), buf.recv(), count, CommDType::fp32, ReduceOp::sum);
       default:
-        return comm.all_gather_async(send.data(), recv.data(), count, CommDType::fp32);
+        return comm.all_gather_async(buf.send(), buf.recv(), count, CommDType::fp32);
     }
   };
   // Warm-up, and a probe that sets the iteration count (the same on every rank): the fastest of
@@ -1244,7 +1278,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     if (group)
       for (auto kind : kKinds)
         for (auto size : calibration_sizes(quick))
-          cal.collectives.push_back(time_collective(*group, kind, size, quick));
+          cal.collectives.push_back(time_collective(*group, kind, size, quick, backend));
     group.reset();
     world.barrier();
   }

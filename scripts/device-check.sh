@@ -4,7 +4,7 @@
 #   scripts/device-prepare.sh            # on the build machine: .device/deps, carried with the tree
 #   scripts/device-check.sh DIR          # on the GPU machine, from the repository root
 # It builds what the checks need from the carried tree (build/device, the `device` preset),
-# runs the backend-ops tests on the GPU (ctest -L device), the cuBLAS GEMM throughput at the 1B
+# runs the backend-ops tests and the NCCL communicator's on the GPU (ctest -L device), the cuBLAS GEMM throughput at the 1B
 # model's shapes, plan-and-run on the GPU at one rank (no mpirun) for DDP and ZeRO-3, and a
 # transformers + PEFT run of the same model captured by tools/peftplan_callback.py and compared
 # with `plan --profile hf`. Logs and figures go to DIR; the summary to stdout. Exit code 0 when
@@ -33,19 +33,30 @@ if [[ ! -d .device/deps ]]; then
   exit 2
 fi
 
+# NCCL for the NCCL communicator: the system's where CMake finds it (CUDA's or /usr's include
+# folder), else the one PyTorch's wheels carry (nvidia-nccl-cu*: include/nccl.h, lib/libnccl.so.2).
+nccl=()
+if ! ls "${CUDA_HOME:-/usr/local/cuda}/include/nccl.h" /usr/include/nccl.h >/dev/null 2>&1; then
+  wheel=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
+  if [[ -n "$wheel" && -f "$wheel/include/nccl.h" && -f "$wheel/lib/libnccl.so.2" ]]; then
+    nccl=(-DNCCL_INCLUDE_DIR="$wheel/include" -DNCCL_LIBRARY="$wheel/lib/libnccl.so.2")
+  fi
+fi
+
 step "configure and build (build/device, $jobs jobs)"
-if ! cmake --preset device >"$out/configure.log" 2>&1; then
+if ! cmake --preset device "${nccl[@]}" >"$out/configure.log" 2>&1; then
   tail -40 "$out/configure.log"
   exit 2
 fi
-if ! cmake --build --preset device -j "$jobs" --target test_backend_ops test_executor peftplan peftplan-exec peftplan-cuda-gemm \
+grep -E "peftplan: (CUDA|NCCL)" "$out/configure.log"
+if ! cmake --build --preset device -j "$jobs" --target test_backend_ops test_executor test_comm_nccl peftplan peftplan-exec peftplan-cuda-gemm \
     >"$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -40
   exit 2
 fi
 bin=build/device
 
-step "device tests: backend-ops on the GPU and a training step against the CPU backend's (ctest -L '^device$')"
+step "device tests: backend-ops on the GPU, a training step against the CPU backend's, the NCCL communicator at one rank (ctest -L '^device$')"
 if (cd "$bin" && ctest -L '^device$' --output-on-failure) >"$out/device-tests.log" 2>&1; then
   grep -E "tests passed|Total Test time" "$out/device-tests.log"
 else

@@ -13,11 +13,12 @@
 namespace {
 
 using namespace peftplan::executor;
+using peftplan::testing::Comm;  // the shared cases' fixture (comm_world.h)
 
 // MPI only (one rank's collectives have no peer to wait for, nothing to overlap): the collective
 // progresses on the communication thread while this thread computes and never
 // calls wait(): done() turns true during the compute loop.
-TEST(Comm, AsyncAllReduceOverlapsCompute) {
+TEST_F(Comm, AsyncAllReduceOverlapsCompute) {
   Communicator& c = *peftplan::testing::g_world;
   const int n = c.size();
   ASSERT_GE(n, 2) << "run under mpirun -np 2 or more: one rank's all_reduce waits for no peer";

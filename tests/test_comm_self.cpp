@@ -5,11 +5,13 @@
 // communicators counting apart.
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "comm_world.h"
+#include "peftplan/common/error.h"
 #include "peftplan/executor/communicator.h"
 
 namespace {
@@ -64,6 +66,25 @@ TEST(SelfComm, SplitGivesOneRankCommunicatorsWithTheirOwnCounters) {
   EXPECT_EQ(sub->counters()[CommKind::all_reduce].calls, 1u);
   EXPECT_EQ(sub->counters()[CommKind::all_reduce].bytes, 8u);
   EXPECT_EQ(c->counters()[CommKind::all_reduce].calls, 0u);
+}
+
+// The NCCL communicator's factory (communicator.h): made where this build has NCCL and the
+// machine a CUDA device, otherwise refused as bad input with the reason nccl_communicator_
+// unavailable() gives — what peftplan-exec prints for a GPU job of several ranks without it.
+TEST(NcclFactory, MadeWhereAvailableOrRefusedWithTheReason) {
+  const std::string why = nccl_communicator_unavailable();
+  if (why.empty()) {
+    auto c = make_nccl_communicator(make_self_communicator(), nullptr);
+    EXPECT_EQ(c->backend(), "nccl");
+    EXPECT_EQ(c->size(), 1);
+    return;
+  }
+  try {
+    (void)make_nccl_communicator(make_self_communicator(), nullptr);
+    ADD_FAILURE() << "made an NCCL communicator although: " << why;
+  } catch (const peftplan::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

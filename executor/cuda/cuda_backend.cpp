@@ -18,7 +18,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -192,6 +194,7 @@ class CudaBackend final : public Backend {
   }
   int threads() const override { return 1; }
   bool device_is_host() const override { return false; }
+  void* native_stream() override { return h_.stream; }
   // cuBLAS works in the workspace set above and allocates nothing else per call.
   std::uint64_t gemm_library_scratch_bytes(Index, Index, Index) const override { return workspace_bytes_; }
 
@@ -482,9 +485,34 @@ std::string cuda_backend_unavailable() {
   return {};
 }
 
+namespace {
+
+// This rank's place among the ranks on its node, as the launchers say it (Open MPI's mpirun,
+// MPICH/Hydra, torchrun-style LOCAL_RANK); nullopt when launched alone.
+std::optional<int> local_rank() {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"})
+    if (const char* v = std::getenv(var); v != nullptr && *v != '\0') return std::atoi(v);
+  return std::nullopt;
+}
+
+}  // namespace
+
 std::unique_ptr<Backend> make_cuda_backend() {
   if (const std::string why = cuda_backend_unavailable(); !why.empty())
     throw InputError(fmt::format("backend cuda: {}", why));
+  // One GPU per rank, the node's k-th rank on its k-th device: NCCL refuses two ranks on one GPU
+  // ("Duplicate GPU detected"), so a rank without a device of its own is refused here, by name.
+  // A rank that sees one device only was given its own by the launcher (CUDA_VISIBLE_DEVICES per
+  // rank, as Slurm's --gpus-per-task does) and uses it.
+  if (const std::optional<int> k = local_rank()) {
+    int count = 0;
+    PEFTPLAN_CUDA(cudaGetDeviceCount(&count));
+    if (count > 1 && (*k < 0 || *k >= count))
+      throw InputError(fmt::format("backend cuda: this rank is number {} on its node, which has {} CUDA device(s): run at most one "
+                                   "rank per GPU",
+                                   *k, count));
+    PEFTPLAN_CUDA(cudaSetDevice(count > 1 ? *k : 0));
+  }
   return std::make_unique<CudaBackend>();
 }
 

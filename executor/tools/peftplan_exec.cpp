@@ -51,17 +51,20 @@ std::string checked_backend(const std::string& name) {
   return name;
 }
 
-// The job's communicator for a backend: the world (MPI's, or one rank's) on the CPU backend;
-// on a device backend one rank whose collectives copy with the backend (Backend::copy_device),
-// never touching device buffers from the host. Several GPU ranks need the NCCL communicator,
-// which is not built yet: refused, naming the backend.
+// The job's communicator for a backend: the world (MPI's, or one rank's) on the CPU backend; on a
+// device backend the NCCL communicator over the job's ranks, bootstrapped over the world and
+// ordered after the backend's stream, where this build and machine have it; without NCCL, one
+// rank whose collectives copy with the backend (Backend::copy_device), never touching device
+// buffers from the host, and several ranks refused with the reason.
 std::unique_ptr<executor::Communicator> world_for(const executor::WorldRuntime& job, executor::Backend* be) {
   if (be == nullptr || be->device_is_host()) return job.make_world_communicator();
-  if (job.size() > 1)
-    throw InputError(fmt::format("--backend {}: runs one rank for now (this job has {}): several GPU ranks need the NCCL "
-                                 "communicator, which this build does not have yet",
-                                 be->name(), job.size()));
-  return executor::make_self_communicator([be](void* dst, const void* src, std::uint64_t n) { be->copy_device(dst, src, n); });
+  if (const std::string why = executor::nccl_communicator_unavailable(); !why.empty()) {
+    if (job.size() > 1)
+      throw InputError(fmt::format("--backend {}: this job has {} ranks, and several GPU ranks need the NCCL communicator: {}",
+                                   be->name(), job.size(), why));
+    return executor::make_self_communicator([be](void* dst, const void* src, std::uint64_t n) { be->copy_device(dst, src, n); });
+  }
+  return executor::make_nccl_communicator(job.make_world_communicator(), be->native_stream());
 }
 
 void calibrate(const executor::WorldRuntime& job, const std::string& out, bool quick, int rounds, int attempts,

@@ -83,6 +83,10 @@ class Backend {
   virtual void reset_device_memory_peak() {}
   // Waits until every enqueued kernel and copy has finished (for timing and host reads).
   virtual void synchronize() = 0;
+  // The stream the compute work is ordered on, as the device's own handle (a cudaStream_t on
+  // CUDA), for a communicator that orders its own stream after it (make_nccl_communicator);
+  // null where kernels run inline on the host.
+  virtual void* native_stream() { return nullptr; }
 
   // --- timing marks ----------------------------------------------------------------------
   // A mark records the point the compute stream has reached when it is recorded (a CUDA event;

@@ -78,7 +78,7 @@ struct CommCounters {
 };
 
 // Completion handle of an asynchronous operation (an MPI job on the communication thread; a
-// CUDA event on the NCCL stream later).
+// CUDA event on the NCCL communicator's stream).
 class CommRequest {
  public:
   virtual ~CommRequest() = default;  // implementations wait for completion
@@ -222,6 +222,25 @@ std::unique_ptr<Communicator> make_mpi_communicator();
 // collectives on GPU buffers never touch them from the host.
 using MemoryCopy = std::function<void(void* dst, const void* src, std::uint64_t bytes)>;
 std::unique_ptr<Communicator> make_self_communicator(MemoryCopy copy = {});
+
+// ---------------------------------------------------------------------------------------------
+// NCCL (executor/comm/nccl_communicator.cpp where the CUDA toolkit and NCCL are found;
+// comm/nccl_absent.cpp elsewhere, whose factory refuses with the reason)
+// ---------------------------------------------------------------------------------------------
+
+// Empty when this build has the NCCL communicator and the machine a CUDA device; otherwise why
+// not ("this build has no NCCL ...", "no CUDA device").
+std::string nccl_communicator_unavailable();
+
+// A communicator over the ranks of `bootstrap` on this process's current CUDA device (one device
+// per rank: NCCL refuses two ranks on one GPU), bootstrapped by broadcasting rank 0's
+// ncclUniqueId over `bootstrap`, which it keeps for its progress board. Its collectives run on a
+// stream of its own that first waits for the work enqueued so far on `compute_stream` (the
+// backend's Backend::native_stream()), so they overlap the kernels enqueued after them; a
+// request is done when its operation has finished on the device. Host buffers are staged through
+// device memory. fp16 and bf16 reduce (NCCL has the types). Throws InputError with the reason
+// when unavailable, CommError when NCCL fails.
+std::unique_ptr<Communicator> make_nccl_communicator(std::unique_ptr<Communicator> bootstrap, void* compute_stream);
 
 // ---------------------------------------------------------------------------------------------
 // The job's world, for main(): comm/world_mpi.cpp where the build has MPI, comm/world_self.cpp
