@@ -7,7 +7,8 @@
 # runs the backend-ops tests and the NCCL communicator's on the GPU (ctest -L device), the cuBLAS GEMM throughput at the 1B
 # model's shapes, plan-and-run on the GPU at one rank (no mpirun) for DDP and ZeRO-3, and a
 # transformers + PEFT run of the same model captured by tools/peftplan_callback.py and compared
-# with `plan --profile hf`. Logs and figures go to DIR; the summary to stdout. Exit code 0 when
+# with `plan --profile hf`, and PEFT's PeftModel.from_pretrained on the adapter our executor
+# trained, its loss against ours. Logs and figures go to DIR; the summary to stdout. Exit code 0 when
 # every check passed, 1 when one failed (the others still run), 2 on a missing prerequisite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -104,6 +105,15 @@ if [[ -f tools/device/hf_train.py ]]; then
   fi
 else
   echo "tools/device/hf_train.py not in this tree: skipped"
+fi
+
+step "PEFT loads the adapter our executor trained on the GPU, and computes our loss with it (tools/device/peft_adapter_check.py)"
+if PEFTPLAN_BACKEND=cuda python3 tools/device/peft_adapter_check.py --out "$out/peft" --peftplan "$bin/cli/peftplan" --device cuda \
+    >"$out/peft.log" 2>&1; then
+  tail -5 "$out/peft.log"
+else
+  tail -30 "$out/peft.log"
+  failed "PEFT adapter check"
 fi
 
 step "done: exit $status"
