@@ -217,12 +217,12 @@ TEST_P(BackendOps, ConvertRefusesQuantisedStorageNamingIt) {
 // Marks time what ran between them, read after one synchronize: a mark around a large GEMM is
 // later than one around nothing, and the intervals add up.
 TEST_P(BackendOps, MarksTimeTheWorkBetweenThem) {
-  const Index M = 192, K = 192, N = 192;
-  Dev x(be(), random_vec(M * K, 40)), w(be(), random_vec(N * K, 41)), y(be(), M * N);
+  const Index side = 192;  // a square GEMM large enough to take measurable time
+  Dev x(be(), random_vec(side * side, 40)), w(be(), random_vec(side * side, 41)), y(be(), side * side);
   be().reserve_marks(4);
   be().record_mark(0);
   be().record_mark(1);
-  for (int i = 0; i < 8; ++i) be().linear_forward(x.get(), w.get(), nullptr, y.get(), M, K, N, false);
+  for (int i = 0; i < 8; ++i) be().linear_forward(x.get(), w.get(), nullptr, y.get(), side, side, side, false);
   be().record_mark(2);
   be().record_mark(3);
   be().synchronize();
