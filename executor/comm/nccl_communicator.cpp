@@ -43,6 +43,7 @@
 
 #include <fmt/format.h>
 
+#include "../cuda/cuda_backend.h"
 #include "peftplan/common/error.h"
 #include "peftplan/executor/communicator.h"
 
@@ -480,16 +481,8 @@ class NcclCommunicator final : public Communicator {
 
 }  // namespace
 
-std::string nccl_communicator_unavailable() {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return fmt::format("no CUDA device: {}", cudaGetErrorString(e));
-  }
-  if (count == 0) return "no CUDA device";
-  return {};
-}
+// NCCL runs where the CUDA backend can: on a machine with a CUDA device.
+std::string nccl_communicator_unavailable() { return cuda_backend_unavailable(); }
 
 std::unique_ptr<Communicator> make_nccl_communicator(std::unique_ptr<Communicator> bootstrap, void* compute_stream) {
   PEFTPLAN_CHECK_MSG(bootstrap != nullptr, "make_nccl_communicator needs a bootstrap communicator");
