@@ -3,6 +3,8 @@
 // their timing, and the optimizer step's checks.
 #include "session_impl.h"
 
+#include "peftplan/executor/kernels.h"
+
 namespace peftplan::executor {
 
 void Session::Impl::alloc_op(std::size_t i, const sim::Op& op) {
@@ -171,16 +173,31 @@ void Session::Impl::compute(const sim::Op& op) {
         PEFTPLAN_CHECK(floats(o.params) == n * N);
         params += static_cast<std::int64_t>(rank) * n;
       }
+      // An offloaded optimizer's step (the program's cpu_adam, on the host stream) runs on the
+      // host over its host buffers, as DeepSpeed's CPU Adam does, whatever the backend: once the
+      // device's queue has drained (the gradients' copy to the host has landed). Elsewhere the
+      // backend's AdamW. Both are optim.h adamw_step's arithmetic.
+      const bool host_step = op.stream == sim::Stream::host;
+      if (host_step) be.synchronize();
       if (t.grad_clip > 0.0) {
         const double coef = clip_coefficient(norm, t.grad_clip);
-        if (coef < 1.0) be.scale(at(o.grads), static_cast<float>(coef), n);
+        if (coef < 1.0) {
+          if (host_step)
+            cpu::scale_inplace(at(o.grads), static_cast<float>(coef), n);
+          else
+            be.scale(at(o.grads), static_cast<float>(coef), n);
+        }
       }
       const std::int64_t step1 = step_index + 1;
       const double lr = lr_for_step(schedule, t.lr, step1);
       if (!lr_logged) meas.lrs.push_back(lr);
       lr_logged = true;
-      be.adamw_step(params, at(o.grads), at(o.states), at(o.states) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
-                    t.weight_decay);
+      if (host_step)
+        executor::adamw_step(params, at(o.grads), at(o.states), at(o.states) + n, n, step1, lr,
+                             AdamWConfig{t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay});
+      else
+        be.adamw_step(params, at(o.grads), at(o.states), at(o.states) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
+                      t.weight_decay);
       return;
     }
     case Kernel::embedding_bwd:

@@ -45,6 +45,8 @@ struct Config {
   planner::Checkpointing ckpt = planner::Checkpointing::none;
   std::int64_t ckpt_every = 1;
   std::optional<DType> base;
+  planner::Stage stage = planner::Stage::ddp;
+  planner::OffloadDevice offload_optimizer = planner::OffloadDevice::none;
 };
 
 planner::PlanFile make_plan(const Config& c) {
@@ -70,6 +72,8 @@ planner::PlanFile make_plan(const Config& c) {
   in.training.base_storage = c.base;
   in.training.lr = 1e-3;
   in.profile = planner::RuntimeProfile::executor;
+  in.strategy.stage = c.stage;
+  in.strategy.offload_optimizer = c.offload_optimizer;
   pf.run.steps = 2;
   pf.run.seed = 7;
   return pf;
@@ -163,13 +167,16 @@ TEST_P(ExecutorDevice, TrainsAsTheCpuBackendDoes) {
   { Config c; c.accum = 3; c.B = 1; cases.push_back(c); }
   { Config c; c.model = "tiny-llama-tied"; c.targets = {"q_proj", "v_proj", "gate_proj", "down_proj"}; cases.push_back(c); }
   { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.targets = {"k_proj", "down_proj"}; c.S = 32; cases.push_back(c); }
+  // The offloaded optimizer: gradients copied to pinned host memory, AdamW on the host.
+  { Config c; c.stage = planner::Stage::zero2; c.offload_optimizer = planner::OffloadDevice::cpu; cases.push_back(c); }
   for (const Config& c : cases) {
     planner::PlanFile pf = make_plan(c);
     pf.input.training.lr = 3e-3;
     Session on_cpu(pf, cpu_backend(), corpus(pf));
     Session on_dev(pf, *dev, corpus(pf));
-    const std::string what = fmt::format("{} on {}: {} targets {} dropout {} accum {} ckpt {}", c.model, GetParam(), c.targets.size(),
-                                         fmt::join(c.targets, ","), c.dropout, c.accum, planner::name_of(c.ckpt));
+    const std::string what = fmt::format("{} on {}: {} targets {} dropout {} accum {} ckpt {} {}{}", c.model, GetParam(), c.targets.size(),
+                                         fmt::join(c.targets, ","), c.dropout, c.accum, planner::name_of(c.ckpt), planner::name_of(c.stage),
+                                         c.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "");
     // Both compute in fp32 (ε = 2^-23 ≈ 1.2e-7); a reduction of K terms summed in another order
     // differs by about ε·√K (K ≤ 1024 here: ~4e-6 relative), compounded over the ~30 ops of a
     // layer chain and three AdamW updates, whose m/√v turns small gradient differences into
