@@ -3,8 +3,11 @@
 // ranks print their own failures tagged with their rank, and the exit code is the worst rank's.
 #pragma once
 
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -26,7 +29,9 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
   int rank_;
 };
 
-inline int run_mpi_tests(int argc, char** argv) {
+// `wrap`, when given, makes the communicator the tests run on from MPI's (test_comm_staged).
+inline int run_mpi_tests(int argc, char** argv,
+                         const std::function<std::unique_ptr<executor::Communicator>(std::unique_ptr<executor::Communicator>)>& wrap = {}) {
   ::testing::InitGoogleTest(&argc, argv);
   executor::MpiRuntime mpi(&argc, &argv);
   if (mpi.world_rank() != 0) {
@@ -36,7 +41,8 @@ inline int run_mpi_tests(int argc, char** argv) {
   }
   int result = 0;
   {
-    auto comm = executor::make_mpi_communicator();
+    std::unique_ptr<executor::Communicator> comm = executor::make_mpi_communicator();
+    if (wrap) comm = wrap(std::move(comm));
     g_world = comm.get();
     result = RUN_ALL_TESTS();
     std::int32_t worst = result;

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -292,4 +293,14 @@ TEST(Distributed, ResumeFromCheckpointGivesTheSameLosses) {
   }
 }
 
-int main(int argc, char** argv) { return peftplan::testing::run_mpi_tests(argc, argv); }
+// With --staging every collective goes through the host-staging communicator over MPI's
+// (communicator.h make_staging_communicator: what two ranks sharing one GPU train on), so the
+// same strategies must train to the same numbers through it.
+int main(int argc, char** argv) {
+  bool staging = false;
+  for (int i = 1; i < argc; ++i) staging = staging || std::string_view(argv[i]) == "--staging";
+  if (!staging) return peftplan::testing::run_mpi_tests(argc, argv);
+  return peftplan::testing::run_mpi_tests(argc, argv, [](std::unique_ptr<Communicator> mpi) {
+    return make_staging_communicator(std::move(mpi), backend());
+  });
+}

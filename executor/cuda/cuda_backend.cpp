@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <new>
 #include <optional>
 #include <string>
@@ -195,6 +196,11 @@ class CudaBackend final : public Backend {
   int threads() const override { return 1; }
   bool device_is_host() const override { return false; }
   void* native_stream() override { return h_.stream; }
+  std::string device_identity() const override {
+    char bus[32] = {};
+    PEFTPLAN_CUDA(cudaDeviceGetPCIBusId(bus, sizeof bus, device_));
+    return bus;
+  }
   // cuBLAS works in the workspace set above and allocates nothing else per call.
   std::uint64_t gemm_library_scratch_bytes(Index, Index, Index) const override { return workspace_bytes_; }
 
@@ -487,31 +493,30 @@ std::string cuda_backend_unavailable() {
 
 namespace {
 
-// This rank's place among the ranks on its node, as the launchers say it (Open MPI's mpirun,
-// MPICH/Hydra, torchrun-style LOCAL_RANK); nullopt when launched alone.
-std::optional<int> local_rank() {
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"})
+// The first of the launchers' variables that is set (Open MPI's mpirun, MPICH/Hydra, torchrun),
+// as an integer; nullopt when launched alone.
+std::optional<int> launcher_int(std::initializer_list<const char*> vars) {
+  for (const char* var : vars)
     if (const char* v = std::getenv(var); v != nullptr && *v != '\0') return std::atoi(v);
   return std::nullopt;
 }
+// This rank's place among the ranks on its node.
+std::optional<int> local_rank() { return launcher_int({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"}); }
 
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend() {
   if (const std::string why = cuda_backend_unavailable(); !why.empty())
     throw InputError(fmt::format("backend cuda: {}", why));
-  // One GPU per rank, the node's k-th rank on its k-th device: NCCL refuses two ranks on one GPU
-  // ("Duplicate GPU detected"), so a rank without a device of its own is refused here, by name.
-  // A rank that sees one device only was given its own by the launcher (CUDA_VISIBLE_DEVICES per
-  // rank, as Slurm's --gpus-per-task does) and uses it.
-  if (const std::optional<int> k = local_rank()) {
+  // The node's k-th rank on its k-th device, round robin when the node has more ranks than
+  // devices (they then share one: peftplan-exec's world_for sees it in device_identity and runs
+  // the collectives through host staging, since NCCL refuses two ranks on one GPU). A launcher
+  // that gives each rank one device of its own (CUDA_VISIBLE_DEVICES per rank, Slurm's
+  // --gpus-per-task) leaves each rank one device to use.
+  if (const std::optional<int> k = local_rank(); k && *k >= 0) {
     int count = 0;
     PEFTPLAN_CUDA(cudaGetDeviceCount(&count));
-    if (count > 1 && (*k < 0 || *k >= count))
-      throw InputError(fmt::format("backend cuda: this rank is number {} on its node, which has {} CUDA device(s): run at most one "
-                                   "rank per GPU",
-                                   *k, count));
-    PEFTPLAN_CUDA(cudaSetDevice(count > 1 ? *k : 0));
+    PEFTPLAN_CUDA(cudaSetDevice(*k % count));
   }
   return std::make_unique<CudaBackend>();
 }

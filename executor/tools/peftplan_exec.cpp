@@ -10,6 +10,7 @@
 // --backend names the Backend the ranks compute on (backend.h backend_names: "cpu", and "cuda" in
 // a CUDA build); its default is $PEFTPLAN_BACKEND when set, else "cpu".
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -17,6 +18,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -51,20 +53,35 @@ std::string checked_backend(const std::string& name) {
   return name;
 }
 
-// The job's communicator for a backend: the world (MPI's, or one rank's) on the CPU backend; on a
-// device backend the NCCL communicator over the job's ranks, bootstrapped over the world and
-// ordered after the backend's stream, where this build and machine have it; without NCCL, one
-// rank whose collectives copy with the backend (Backend::copy_device), never touching device
-// buffers from the host, and several ranks refused with the reason.
+// Whether two ranks of `world` compute on one physical device (Backend::device_identity, all
+// gathered): NCCL refuses them ("Duplicate GPU detected").
+bool ranks_share_a_device(executor::Communicator& world, const executor::Backend& be) {
+  constexpr std::size_t kId = 64;
+  std::array<char, kId> mine{};
+  const std::string id = be.device_identity();
+  std::copy_n(id.begin(), std::min(id.size(), kId - 1), mine.begin());
+  std::vector<char> all(kId * static_cast<std::size_t>(world.size()));
+  world.all_gather(mine.data(), all.data(), kId, executor::CommDType::uint8);
+  std::set<std::string> seen;
+  for (int r = 0; r < world.size(); ++r) seen.insert(std::string(all.data() + static_cast<std::size_t>(r) * kId));
+  return seen.size() < static_cast<std::size_t>(world.size());
+}
+
+// The job's communicator for a backend: the world (MPI's, or one rank's) on the CPU backend. On a
+// device backend: the NCCL communicator over the job's ranks, bootstrapped over the world and
+// ordered after the backend's stream, where this build and machine have it and every rank has a
+// device of its own; MPI's collectives through host staging where ranks share a device (two ranks
+// on one GPU) or there is no NCCL; one rank without NCCL copies with the backend
+// (Backend::copy_device), never touching device buffers from the host.
 std::unique_ptr<executor::Communicator> world_for(const executor::WorldRuntime& job, executor::Backend* be) {
   if (be == nullptr || be->device_is_host()) return job.make_world_communicator();
-  if (const std::string why = executor::nccl_communicator_unavailable(); !why.empty()) {
-    if (job.size() > 1)
-      throw InputError(fmt::format("--backend {}: this job has {} ranks, and several GPU ranks need the NCCL communicator: {}",
-                                   be->name(), job.size(), why));
+  const bool have_nccl = executor::nccl_communicator_unavailable().empty();
+  if (job.size() == 1 && !have_nccl)
     return executor::make_self_communicator([be](void* dst, const void* src, std::uint64_t n) { be->copy_device(dst, src, n); });
-  }
-  return executor::make_nccl_communicator(job.make_world_communicator(), be->native_stream());
+  std::unique_ptr<executor::Communicator> world = job.make_world_communicator();
+  if (job.size() > 1 && (!have_nccl || ranks_share_a_device(*world, *be)))
+    return executor::make_staging_communicator(std::move(world), *be);
+  return executor::make_nccl_communicator(std::move(world), be->native_stream());
 }
 
 void calibrate(const executor::WorldRuntime& job, const std::string& out, bool quick, int rounds, int attempts,

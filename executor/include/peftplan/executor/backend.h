@@ -83,6 +83,9 @@ class Backend {
   virtual void reset_device_memory_peak() {}
   // Waits until every enqueued kernel and copy has finished (for timing and host reads).
   virtual void synchronize() = 0;
+  // The physical device, the same string in every process that computes on it (a GPU's PCI bus
+  // id, as NCCL tells ranks apart); empty where the device is the host.
+  virtual std::string device_identity() const { return {}; }
   // The stream the compute work is ordered on, as the device's own handle (a cudaStream_t on
   // CUDA), for a communicator that orders its own stream after it (make_nccl_communicator);
   // null where kernels run inline on the host.

@@ -39,6 +39,8 @@
 
 namespace peftplan::executor {
 
+class Backend;  // backend.h
+
 // Element types a collective can carry (NCCL's ncclDataType_t subset we use). fp16/bf16 are
 // raw 16-bit patterns: the MPI communicator moves them (all_gather, broadcast) but cannot
 // reduce them.
@@ -241,6 +243,18 @@ std::string nccl_communicator_unavailable();
 // device memory. fp16 and bf16 reduce (NCCL has the types). Throws InputError with the reason
 // when unavailable, CommError when NCCL fails.
 std::unique_ptr<Communicator> make_nccl_communicator(std::unique_ptr<Communicator> bootstrap, void* compute_stream);
+
+// ---------------------------------------------------------------------------------------------
+// Host staging (executor/comm/staging_communicator.cpp): always built
+// ---------------------------------------------------------------------------------------------
+
+// A communicator over `host`'s ranks (one that reads host memory only: MPI's) for a backend whose
+// buffers are device memory: every operation copies its input to a host buffer of its own with
+// `backend` (copy_to_host), runs `host`'s operation in place there, and copies the result back
+// (copy_to_device) when its request is first seen complete, before anything reads it. What two
+// ranks sharing one GPU run on (NCCL refuses them). Counters, the progress board and what is
+// refused (MPI cannot reduce fp16/bf16) are `host`'s; backend() is "<host's>+staging".
+std::unique_ptr<Communicator> make_staging_communicator(std::unique_ptr<Communicator> host, Backend& backend);
 
 // ---------------------------------------------------------------------------------------------
 // The job's world, for main(): comm/world_mpi.cpp where the build has MPI, comm/world_self.cpp
