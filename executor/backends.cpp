@@ -1,6 +1,8 @@
 // The backends this build has (backend.h: backend_names, make_backend): the one list a new
 // backend joins, so that the backend-ops test and peftplan-exec see it.
 // Deliberately not here: choosing a backend for a run (peftplan-exec's options do that).
+#include <omp.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -24,7 +26,12 @@ std::string backend_unavailable(std::string_view name) {
 
 std::unique_ptr<Backend> make_backend(std::string_view name, int threads) {
   if (name == "cpu") return make_cpu_backend(threads);
-  if (name == "cuda" && cuda_backend_built()) return make_cuda_backend();
+  if (name == "cuda" && cuda_backend_built()) {
+    // The host's share of a device run (an offloaded optimizer's AdamW, runner.cpp) is OpenMP
+    // code too: the rank keeps to its threads, as the CPU backend's kernels do.
+    if (threads > 0) omp_set_num_threads(threads);
+    return make_cuda_backend();
+  }
   throw InputError(fmt::format("backend {}: this build has {}", name, fmt::join(backend_names(), ", ")));
 }
 

@@ -402,21 +402,33 @@ class CollectiveBuffers {
   CollectiveBuffers(Backend* be, std::size_t send_count, std::size_t recv_count)
       : be_(be != nullptr && !be->device_is_host() ? be : nullptr), host_send_(send_count, 1.0f), host_recv_(be_ ? 0 : recv_count, 0.0f) {
     if (!be_) return;
-    send_ = be_->device_memory().allocate(4 * send_count);
-    recv_ = be_->device_memory().allocate(4 * recv_count);
-    send_bytes_ = 4 * send_count;
-    recv_bytes_ = 4 * recv_count;
-    be_->copy_to_device(send_, host_send_.data(), send_bytes_);
-    be_->fill_zero(recv_, recv_bytes_);
+    try {
+      send_bytes_ = 4 * send_count;
+      send_ = be_->device_memory().allocate(send_bytes_);
+      recv_bytes_ = 4 * recv_count;
+      recv_ = be_->device_memory().allocate(recv_bytes_);
+      be_->copy_to_device(send_, host_send_.data(), send_bytes_);
+      be_->fill_zero(recv_, recv_bytes_);
+    } catch (...) {
+      release();
+      throw;
+    }
   }
-  ~CollectiveBuffers() {
-    if (!be_) return;
-    be_->synchronize();
-    be_->device_memory().deallocate(send_, send_bytes_);
-    be_->device_memory().deallocate(recv_, recv_bytes_);
-  }
+  ~CollectiveBuffers() { release(); }
   CollectiveBuffers(const CollectiveBuffers&) = delete;
   CollectiveBuffers& operator=(const CollectiveBuffers&) = delete;
+  // The device's queue drained first (a collective may still read them); a failure there is
+  // the device's, reported by whatever runs next, not thrown from a destructor.
+  void release() noexcept {
+    if (!be_) return;
+    try {
+      be_->synchronize();
+    } catch (...) {
+    }
+    if (send_ != nullptr) be_->device_memory().deallocate(send_, send_bytes_);
+    if (recv_ != nullptr) be_->device_memory().deallocate(recv_, recv_bytes_);
+    send_ = recv_ = nullptr;
+  }
   const float* send() const { return be_ ? static_cast<const float*>(send_) : host_send_.data(); }
   float* recv() { return be_ ? static_cast<float*>(recv_) : host_recv_.data(); }
 

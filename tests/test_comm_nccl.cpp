@@ -2,7 +2,8 @@
 // CUDA device and a build with NCCL (ctest label `device`): the cases every implementation passes
 // (comm_cases.cpp) on host buffers, which it stages through device memory, and its own on device
 // buffers: collectives ordered after the backend's compute stream, and 16-bit floats reduced (NCCL
-// has bf16 and fp16 sums, which the MPI communicator refuses). Where there is no GPU or no NCCL,
+// has bf16 and fp16 sums, which the MPI communicator refuses). Also the host-staging communicator
+// on device buffers (StagingDevice), which needs the GPU but not NCCL. Where there is no GPU or no NCCL,
 // every case skips with the reason (the refusal itself is tested in test_comm_self.cpp).
 //
 // NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so on a one-GPU machine this is
@@ -110,6 +111,38 @@ TEST(NcclDevice, ReducesBf16) {
   std::vector<std::uint16_t> host_out(3, 0);
   c->all_reduce(h.data(), host_out.data(), h.size(), CommDType::bf16);  // staged
   EXPECT_EQ(host_out, h);
+}
+
+// Host staging (make_staging_communicator: what two ranks sharing one GPU run on) with the CUDA
+// backend's copies, at one rank over the one-rank communicator: every kind's result lands in
+// device memory, in NCCL's in-place layouts too, and a host scalar (the runner's loss sum) comes
+// through the same copies. Needs a GPU, not NCCL.
+TEST(StagingDevice, ResultsLandInDeviceMemory) {
+  if (const std::string why = backend_unavailable("cuda"); !why.empty()) GTEST_SKIP() << "cuda: " << why;
+  auto be = make_backend("cuda");
+  auto c = make_staging_communicator(make_self_communicator(), *be);
+  EXPECT_EQ(c->backend(), "self+staging");
+  const std::size_t n = 1031;
+  std::vector<float> h(n), back(n, -1.0f);
+  for (std::size_t i = 0; i < n; ++i) h[i] = static_cast<float>(i) * 0.5f;
+  DeviceBuffer src(*be, 4 * n), dst(*be, 4 * n);
+  be->copy_to_device(src.p, h.data(), 4 * n);
+  be->fill_zero(dst.p, 4 * n);
+  c->all_reduce(src.p, dst.p, n, CommDType::fp32);
+  be->copy_to_host(back.data(), dst.p, 4 * n);
+  EXPECT_EQ(back, h);
+  be->fill_zero(dst.p, 4 * n);
+  c->all_gather(src.p, dst.p, n, CommDType::fp32);
+  be->copy_to_host(back.data(), dst.p, 4 * n);
+  EXPECT_EQ(back, h);
+  c->reduce_scatter(src.p, src.p, n, CommDType::fp32);  // in place: block 0 is the whole array
+  c->broadcast(src.p, dst.p, n, CommDType::fp32, 0);
+  be->copy_to_host(back.data(), dst.p, 4 * n);
+  EXPECT_EQ(back, h);
+  double loss = 2.25;
+  c->all_reduce(&loss, &loss, 1, CommDType::fp64);
+  EXPECT_EQ(loss, 2.25);
+  EXPECT_EQ(c->counters()[CommKind::all_reduce].calls, 2u);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "peftplan/common/error.h"
 #include "peftplan/executor/backend.h"
 #include "peftplan/executor/communicator.h"
 #include "mpi_test_main.h"
@@ -301,6 +302,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) staging = staging || std::string_view(argv[i]) == "--staging";
   if (!staging) return peftplan::testing::run_mpi_tests(argc, argv);
   return peftplan::testing::run_mpi_tests(argc, argv, [](std::unique_ptr<Communicator> mpi) {
-    return make_staging_communicator(std::move(mpi), backend());
+    auto staged = make_staging_communicator(std::move(mpi), backend());
+    PEFTPLAN_CHECK_MSG(staged->backend() == "mpi+staging", "--staging runs on {}", staged->backend());
+    return staged;
   });
 }

@@ -277,6 +277,13 @@ def _stand_ins():
     return transformers, peft
 
 
+class TheBinary(unittest.TestCase):
+    def test_a_named_peftplan_exists(self):
+        # ctest names it (PEFTPLAN): then the end-to-end case must not be skipped for want of it.
+        if "PEFTPLAN" in os.environ:
+            self.assertTrue(HAVE_PEFTPLAN, f"PEFTPLAN={PEFTPLAN} is not an executable")
+
+
 @unittest.skipUnless(HAVE_TORCH and HAVE_PEFTPLAN, "needs torch and the peftplan binary")
 class EndToEndOnTheCpu(unittest.TestCase):
     def test_peft_loads_our_adapter_and_computes_our_loss(self):

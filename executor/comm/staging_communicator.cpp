@@ -5,8 +5,8 @@
 // Each operation copies its input into a host buffer of its own with the backend
 // (Backend::copy_to_host, which waits for the kernels that wrote it), runs the host
 // communicator's operation in place there, and copies the result back
-// (Backend::copy_to_device) when its request is first seen complete (done or wait) — before the
-// runner lets anything read it. The in-place layouts are NCCL's (communicator.h): a
+// (Backend::copy_to_device) in its request's wait() — which the runner calls before anything
+// reads the result; done() only asks the host communicator, so it never blocks on the device. The in-place layouts are NCCL's (communicator.h): a
 // reduce_scatter's block at rank · recv_count of the whole array, an all_gather's at
 // rank · send_count. Host pointers are staged too (a copy between host buffers), so the runner's
 // scalar reductions need no special case. Counters, the progress board and the refusals are the
@@ -16,7 +16,6 @@
 #include <memory>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "peftplan/common/error.h"
 #include "peftplan/executor/backend.h"
@@ -25,13 +24,27 @@
 namespace peftplan::executor {
 namespace {
 
+// A staging buffer: bytes left uninitialised (every byte read is first written by a copy or by
+// the host communicator).
+struct HostBytes {
+  std::unique_ptr<std::byte[]> data;
+  std::size_t size = 0;
+  explicit HostBytes(std::size_t n) : data(new std::byte[n == 0 ? 1 : n]), size(n) {}
+  std::byte* get() const { return data.get(); }
+};
+
 class StagedRequest final : public CommRequest {
  public:
-  StagedRequest(std::unique_ptr<CommRequest> inner, Backend& be, std::vector<std::byte> buf, void* out, std::size_t out_offset,
+  StagedRequest(std::unique_ptr<CommRequest> inner, Backend& be, HostBytes buf, void* out, std::size_t out_offset,
                 std::size_t out_bytes)
       : inner_(std::move(inner)), be_(be), buf_(std::move(buf)), out_(out), out_offset_(out_offset), out_bytes_(out_bytes) {}
   ~StagedRequest() override {
-    if (std::uncaught_exceptions() > 0) return;  // the host request's own destructor waits
+    if (std::uncaught_exceptions() > 0) {
+      // While an error unwinds, the host request does not wait either (MPI's returns at once),
+      // so its thread may still write the buffer: leave it allocated; the job is being aborted.
+      if (!settled_) (void)buf_.data.release();
+      return;
+    }
     try {
       wait();
     } catch (...) {
@@ -43,11 +56,8 @@ class StagedRequest final : public CommRequest {
     settle();  // blocks in the host request's wait when it is still running
     if (error_) std::rethrow_exception(error_);
   }
-  bool done() override {
-    if (!settled_ && !inner_->done()) return false;
-    settle();
-    return true;
-  }
+  bool done() override { return settled_ || inner_->done(); }
+  // The host communicator's time for the operation; the staging copies are the runner's waits.
   double seconds() override { return inner_->seconds(); }
 
  private:
@@ -58,7 +68,7 @@ class StagedRequest final : public CommRequest {
     settled_ = true;
     try {
       inner_->wait();
-      if (out_bytes_ > 0) be_.copy_to_device(out_, buf_.data() + out_offset_, out_bytes_);
+      if (out_bytes_ > 0) be_.copy_to_device(out_, buf_.get() + out_offset_, out_bytes_);
     } catch (...) {
       error_ = std::current_exception();
     }
@@ -66,7 +76,7 @@ class StagedRequest final : public CommRequest {
 
   std::unique_ptr<CommRequest> inner_;
   Backend& be_;
-  std::vector<std::byte> buf_;
+  HostBytes buf_;
   void* out_;
   std::size_t out_offset_, out_bytes_;
   bool settled_ = false;
@@ -85,35 +95,35 @@ class StagingCommunicator final : public Communicator {
   std::unique_ptr<CommRequest> all_reduce_async(const void* send, void* recv, std::size_t count, CommDType dtype,
                                                 ReduceOp op) override {
     const std::size_t bytes = count * bytes_of(dtype);
-    std::vector<std::byte> buf(bytes);
-    stage_in(buf.data(), send, bytes);
-    auto inner = host_->all_reduce_async(buf.data(), buf.data(), count, dtype, op);
+    HostBytes buf(bytes);
+    stage_in(buf.get(), send, bytes);
+    auto inner = host_->all_reduce_async(buf.get(), buf.get(), count, dtype, op);
     return std::make_unique<StagedRequest>(std::move(inner), be_, std::move(buf), recv, 0, bytes);
   }
 
   std::unique_ptr<CommRequest> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, CommDType dtype,
                                                     ReduceOp op) override {
     const std::size_t block = recv_count * bytes_of(dtype), mine = static_cast<std::size_t>(rank()) * block;
-    std::vector<std::byte> buf(block * static_cast<std::size_t>(size()));
-    stage_in(buf.data(), send, buf.size());
-    auto inner = host_->reduce_scatter_async(buf.data(), buf.data() + mine, recv_count, dtype, op);
+    HostBytes buf(block * static_cast<std::size_t>(size()));
+    stage_in(buf.get(), send, buf.size);
+    auto inner = host_->reduce_scatter_async(buf.get(), buf.get() + mine, recv_count, dtype, op);
     return std::make_unique<StagedRequest>(std::move(inner), be_, std::move(buf), recv, mine, block);
   }
 
   std::unique_ptr<CommRequest> all_gather_async(const void* send, void* recv, std::size_t send_count, CommDType dtype) override {
     const std::size_t block = send_count * bytes_of(dtype), mine = static_cast<std::size_t>(rank()) * block;
-    std::vector<std::byte> buf(block * static_cast<std::size_t>(size()));
-    stage_in(buf.data() + mine, send, block);
-    auto inner = host_->all_gather_async(buf.data() + mine, buf.data(), send_count, dtype);
-    const std::size_t whole = buf.size();
+    HostBytes buf(block * static_cast<std::size_t>(size()));
+    stage_in(buf.get() + mine, send, block);
+    auto inner = host_->all_gather_async(buf.get() + mine, buf.get(), send_count, dtype);
+    const std::size_t whole = buf.size;
     return std::make_unique<StagedRequest>(std::move(inner), be_, std::move(buf), recv, 0, whole);
   }
 
   std::unique_ptr<CommRequest> broadcast_async(const void* send, void* recv, std::size_t count, CommDType dtype, int root) override {
     const std::size_t bytes = count * bytes_of(dtype);
-    std::vector<std::byte> buf(bytes);
-    if (rank() == root) stage_in(buf.data(), send, bytes);  // the root's send only is read
-    auto inner = host_->broadcast_async(buf.data(), buf.data(), count, dtype, root);
+    HostBytes buf(bytes);
+    if (rank() == root) stage_in(buf.get(), send, bytes);  // the root's send only is read
+    auto inner = host_->broadcast_async(buf.get(), buf.get(), count, dtype, root);
     return std::make_unique<StagedRequest>(std::move(inner), be_, std::move(buf), recv, 0, bytes);
   }
 

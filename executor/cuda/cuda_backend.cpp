@@ -15,6 +15,7 @@
 // Communicator's), and checking token ids on the device (the data loader checks them at the edge).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -196,10 +197,13 @@ class CudaBackend final : public Backend {
   int threads() const override { return 1; }
   bool device_is_host() const override { return false; }
   void* native_stream() override { return h_.stream; }
+  // The host's name and the GPU's PCI bus id: bus ids repeat from node to node of a cluster.
   std::string device_identity() const override {
     char bus[32] = {};
     PEFTPLAN_CUDA(cudaDeviceGetPCIBusId(bus, sizeof bus, device_));
-    return bus;
+    char host[256] = {};
+    if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+    return fmt::format("{}/{}", host, bus);
   }
   // cuBLAS works in the workspace set above and allocates nothing else per call.
   std::uint64_t gemm_library_scratch_bytes(Index, Index, Index) const override { return workspace_bytes_; }
@@ -493,7 +497,8 @@ std::string cuda_backend_unavailable() {
 
 namespace {
 
-// The first of the launchers' variables that is set (Open MPI's mpirun, MPICH/Hydra, torchrun),
+// The first of the launchers' variables that is set (Open MPI's mpirun, MPICH/Hydra, Slurm's srun,
+// torchrun),
 // as an integer; nullopt when launched alone.
 std::optional<int> launcher_int(std::initializer_list<const char*> vars) {
   for (const char* var : vars)
@@ -501,7 +506,9 @@ std::optional<int> launcher_int(std::initializer_list<const char*> vars) {
   return std::nullopt;
 }
 // This rank's place among the ranks on its node.
-std::optional<int> local_rank() { return launcher_int({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK"}); }
+std::optional<int> local_rank() {
+  return launcher_int({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"});
+}
 
 }  // namespace
 

@@ -56,7 +56,7 @@ std::string checked_backend(const std::string& name) {
 // Whether two ranks of `world` compute on one physical device (Backend::device_identity, all
 // gathered): NCCL refuses them ("Duplicate GPU detected").
 bool ranks_share_a_device(executor::Communicator& world, const executor::Backend& be) {
-  constexpr std::size_t kId = 64;
+  constexpr std::size_t kId = 320;  // a host name (255 at most) and a PCI bus id
   std::array<char, kId> mine{};
   const std::string id = be.device_identity();
   std::copy_n(id.begin(), std::min(id.size(), kId - 1), mine.begin());

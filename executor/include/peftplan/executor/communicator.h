@@ -251,7 +251,8 @@ std::unique_ptr<Communicator> make_nccl_communicator(std::unique_ptr<Communicato
 // A communicator over `host`'s ranks (one that reads host memory only: MPI's) for a backend whose
 // buffers are device memory: every operation copies its input to a host buffer of its own with
 // `backend` (copy_to_host), runs `host`'s operation in place there, and copies the result back
-// (copy_to_device) when its request is first seen complete, before anything reads it. What two
+// (copy_to_device) in its request's wait(): the result is in the caller's buffer once wait()
+// returns (done() says only that the host operation finished). What two
 // ranks sharing one GPU run on (NCCL refuses them). Counters, the progress board and what is
 // refused (MPI cannot reduce fp16/bf16) are `host`'s; backend() is "<host's>+staging".
 std::unique_ptr<Communicator> make_staging_communicator(std::unique_ptr<Communicator> host, Backend& backend);
