@@ -54,7 +54,11 @@ planner::CheckpointChoice parse_checkpoint(std::string_view word) {
   throw input_error("--checkpointing", "", "must be a comma list of none, full and every-K (K a positive integer)", fmt::format("\"{}\"", word));
 }
 
-std::string price(const std::optional<double>& v) { return v ? fmt::format("{:.2f}", *v) : std::string("-"); }
+// Dollars per million tokens: three decimals below $10 (rows on one GPU type differ in the third).
+std::string price(const std::optional<double>& v) {
+  if (!v) return "-";
+  return *v < 10 ? fmt::format("{:.3f}", *v) : fmt::format("{:.2f}", *v);
+}
 
 void print_text(const planner::Recommendation& r, const ResolvedPlan& rp, const Options& o, double seconds) {
   const auto& in = rp.input;

@@ -400,17 +400,25 @@ void rank(std::vector<Candidate>& rows, Objective o) {
   });
 }
 
+// Within kSpeedTie of #1's cost per million tokens (the same tokens/s per GPU, as the time model
+// resolves it).
+bool cost_tied(const Candidate& c, const Candidate& top) {
+  return c.cost_per_mtok_usd && top.cost_per_mtok_usd && *c.cost_per_mtok_usd <= *top.cost_per_mtok_usd * (1 + kSpeedTie);
+}
+
 bool tied(const Candidate& c, const Candidate& top, double fastest) { return c.tokens_per_s >= fastest * (1 - kSpeedTie) && top.tokens_per_s >= fastest * (1 - kSpeedTie); }
 
-// Per-token time of a row split into the terms a reason names.
+// Per-token time of a row split into the terms a reason names: seconds per token over the
+// cluster, or with `gpu_seconds` GPU-seconds per token (what a price per GPU-hour pays for).
 struct Terms {
   double compute = 0, exposed = 0, rest = 0;  // rest: offload copies, CPU optimizer, host floor
 };
-Terms per_token(const Candidate& c) {
+Terms per_token(const Candidate& c, bool gpu_seconds = false) {
   const double tokens = c.tokens_per_s * c.step_s;  // tokens per step over the cluster
   if (tokens <= 0) return {};
   const double rest = std::max(0.0, c.step_s - c.compute_s - c.exposed_comm_s);
-  return {c.compute_s / tokens, c.exposed_comm_s / tokens, rest / tokens};
+  const double g = gpu_seconds ? static_cast<double>(c.input.strategy.ranks) : 1.0;
+  return {g * c.compute_s / tokens, g * c.exposed_comm_s / tokens, g * rest / tokens};
 }
 
 std::string rest_name(const Candidate& c) {
@@ -420,17 +428,19 @@ std::string rest_name(const Candidate& c) {
   return "the optimizer step";
 }
 
-// Why `c` is slower than `top` per token: the term that grew most.
-std::string slower_because(const Candidate& c, const Candidate& top) {
-  const Terms a = per_token(c), b = per_token(top);
+// Why `c` is slower than `top` per token (with `gpu_seconds`, per token per GPU: rows on
+// different GPU counts compared as a price per GPU-hour compares them): the term that grew most,
+// in seconds of c's step.
+std::string slower_because(const Candidate& c, const Candidate& top, bool gpu_seconds = false) {
+  const Terms a = per_token(c, gpu_seconds), b = per_token(top, gpu_seconds);
   const double dc = a.compute - b.compute, de = a.exposed - b.exposed, dr = a.rest - b.rest;
-  const double step_tokens = c.tokens_per_s * c.step_s;
+  const double step_tokens = c.tokens_per_s * c.step_s / (gpu_seconds ? static_cast<double>(c.input.strategy.ranks) : 1.0);
   const auto& ct = c.input.training;
   const auto& tt = top.input.training;
   auto per_step = [&](double per_tok) { return per_tok * step_tokens; };
   if (de >= dc && de >= dr)
-    return fmt::format("exposed communication, {:.3f} s per step where #1 spends {:.3f} s on as many tokens (it all-gathers {} per step per rank)",
-                       c.exposed_comm_s, per_step(b.exposed), gib(c.gathered_bytes));
+    return fmt::format("exposed communication, {:.3f} s per step where #1 spends {:.3f} s on as many tokens{} (it all-gathers {} per step per rank)",
+                       c.exposed_comm_s, per_step(b.exposed), gpu_seconds ? " per GPU" : "", gib(c.gathered_bytes));
   if (dr >= dc) return fmt::format("{} (+{:.3f} s per step)", rest_name(c), per_step(dr));
   const bool more_recompute = ct.checkpointing != Checkpointing::none &&
                               (tt.checkpointing == Checkpointing::none ||
@@ -450,6 +460,40 @@ std::string step_split(const Candidate& c) {
   const double rest = c.step_s - c.compute_s - c.exposed_comm_s;
   if (rest > 0.0005 * c.step_s) s += fmt::format(" + {} {:.3f} s", rest_name(c), rest);
   return s;
+}
+
+// Why `c` ranks below `top` (which it does not beat), in the objective's own terms; when the two
+// tie on the objective, by the tie-breaks of better(): tokens/s, then memory in use.
+std::string behind_top(const Candidate& c, const Candidate& top, Objective o) {
+  const auto& cs = c.input.strategy;
+  const auto& ts = top.input.strategy;
+  switch (o) {
+    case Objective::tokens_per_s: break;
+    case Objective::cost:
+      if (c.cost_per_mtok_usd && top.cost_per_mtok_usd && *c.cost_per_mtok_usd != *top.cost_per_mtok_usd) {
+        const double more = *c.cost_per_mtok_usd / *top.cost_per_mtok_usd - 1;
+        if (cost_tied(c, top))
+          return fmt::format("as cheap as #1 per million tokens (${:.3f}, {:+.2f}%, within the 1% the time model resolves) on {} GPU{}", *c.cost_per_mtok_usd,
+                             100 * more, cs.ranks, cs.ranks == 1 ? "" : "s");
+        const double per_gpu = c.tokens_per_s / cs.ranks, top_per_gpu = top.tokens_per_s / ts.ranks;
+        return fmt::format("${:.3f} per million tokens, {:.1f}% more than #1's ${:.3f}: {:.0f} tokens/s per GPU against #1's {:.0f}{}",
+                           *c.cost_per_mtok_usd, 100 * (*c.cost_per_mtok_usd / *top.cost_per_mtok_usd - 1), *top.cost_per_mtok_usd, per_gpu,
+                           top_per_gpu, per_gpu < top_per_gpu ? ", " + slower_because(c, top, true) : std::string());
+      }
+      break;
+    case Objective::gpus:
+      if (cs.ranks != ts.ranks) return fmt::format("needs {} GPUs where #1 needs {}", cs.ranks, ts.ranks);
+      break;
+    case Objective::memory:
+      if (c.used_peak_bytes != top.used_peak_bytes)
+        return fmt::format("{} in use per GPU, {} more than #1 (at the peak: {})", gib(c.used_peak_bytes), gib(c.used_peak_bytes - top.used_peak_bytes),
+                           top_categories(c));
+      break;
+  }
+  const std::string tie = o == Objective::tokens_per_s ? "" : fmt::format("as good as #1 on {}, then ", name_of(o));
+  if (c.tokens_per_s < top.tokens_per_s)
+    return fmt::format("{}{:.1f}% fewer tokens/s than #1: {}", tie, 100 * (1 - c.tokens_per_s / top.tokens_per_s), slower_because(c, top));
+  return fmt::format("{}as fast as #1 and {} in use per GPU against #1's {}", tie, gib(c.used_peak_bytes), gib(top.used_peak_bytes));
 }
 
 bool lighter_stage(Stage a, Stage b) { return sharding_level(a) < sharding_level(b); }  // a keeps more on each GPU
@@ -627,11 +671,16 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
       if (!b || f == top_family || !lighter_stage(ts, families[f].stage) || families[f].profile != top.input.profile) continue;
       if (families[f].offload_optimizer != OffloadDevice::none || families[f].offload_param != OffloadDevice::none) continue;
       if (!shards_params(families[f].stage)) continue;
-      const double gain = b->tokens_per_s / top.tokens_per_s - 1;
+      // Speed compared per GPU when the two rows run on different GPU counts.
+      const bool same_gpus = b->input.strategy.ranks == top.input.strategy.ranks;
+      const double gain = same_gpus ? b->tokens_per_s / top.tokens_per_s - 1
+                                    : (b->tokens_per_s / b->input.strategy.ranks) / (top.tokens_per_s / top.input.strategy.ranks) - 1;
+      const char* speed = same_gpus ? "tokens/s" : "tokens/s per GPU";
       parts.push_back(fmt::format("{} would all-gather {} per step per rank to save {} you do not need ({})", families[f].label,
                                   gib(b->gathered_bytes), gib_signed(static_cast<std::int64_t>(top.used_peak_bytes) - static_cast<std::int64_t>(b->used_peak_bytes)),
-                                  gain < -kSpeedTie ? fmt::format("and {:.1f}% fewer tokens/s", -100 * gain)
-                                                    : fmt::format("for about the same speed, {:+.1f}%", 100 * gain)));
+                                  gain < -kSpeedTie  ? fmt::format("and {:.1f}% fewer {}", -100 * gain, speed)
+                                  : gain > kSpeedTie ? fmt::format("{:.1f}% more {}, but #1 is ahead on {}", 100 * gain, speed, name_of(objective))
+                                                     : fmt::format("for about the same speed, {:+.1f}% {}", 100 * gain, speed)));
       break;
     }
     // What forced a heavier choice: the lighter families that do not fit at all, in one sentence.
@@ -691,9 +740,13 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
             if (!fit || better(c, *fit, objective)) fit = &c;
           if (cell.closest) closest = &*cell.closest;
         }
-        if (fit)
+        if (fit && fit->tokens_per_s <= top.tokens_per_s)
           lighter.push_back(fmt::format("with {} at most micro-batch {} fits, {:.1f}% fewer tokens/s", name_of(ck), fit->input.training.micro_batch,
                                         100 * (1 - fit->tokens_per_s / top.tokens_per_s)));
+        else if (fit)  // faster, and behind #1 on another objective
+          lighter.push_back(fmt::format("with {} micro-batch {} fits with {:.1f}% more tokens/s and {} in use per GPU, behind #1 on {}", name_of(ck),
+                                        fit->input.training.micro_batch, 100 * (fit->tokens_per_s / top.tokens_per_s - 1), gib(fit->used_peak_bytes),
+                                        name_of(objective)));
         else if (closest)
           lighter.push_back(fmt::format("with {} even micro-batch {} is short by {} (activations {} at the peak)", name_of(ck),
                                         closest->input.training.micro_batch, gib_signed(closest->spare_bytes), gib(at_peak(*closest, MemCategory::activations))));
@@ -719,11 +772,10 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
     if (objective == Objective::tokens_per_s && tied(c, top, fastest)) {
       c.reason = fmt::format("as fast as #1 ({:+.2f}%, within the 1% the time model resolves){}; {} to spare", 100 * (c.tokens_per_s / top.tokens_per_s - 1),
                              complexity(c) > complexity(top) ? " but shards or offloads more" : "", gib_signed(c.spare_bytes));
-    } else if (objective == Objective::tokens_per_s || c.tokens_per_s < top.tokens_per_s) {
-      c.reason = fmt::format("{:.1f}% fewer tokens/s than #1: {}; {} to spare", 100 * (1 - c.tokens_per_s / top.tokens_per_s), slower_because(c, top),
-                             gib_signed(c.spare_bytes));
     } else {
-      c.reason = fmt::format("ranks below #1 on {}; {:.0f} tokens/s, {} to spare", name_of(objective), c.tokens_per_s, gib_signed(c.spare_bytes));
+      c.reason = fmt::format("{}{}; {} to spare", behind_top(c, top, objective),
+                             objective == Objective::cost && cost_tied(c, top) && complexity(c) > complexity(top) ? " but shards or offloads more" : "",
+                             gib_signed(c.spare_bytes));
     }
     const std::uint64_t os = at_peak(c, MemCategory::optimizer_states), ot = at_peak(top, MemCategory::optimizer_states);
     if (ot > os && ot - os > search.cluster().gpu.memory_bytes / 20)
@@ -741,9 +793,12 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
                                 100 * (b->tokens_per_s / top.tokens_per_s - 1),
                                 complexity(*b) > complexity(top) ? "but shards or offloads more for no gain"
                                                                  : "a tie, ranked below #1 by its tokens/s");
+      else if (objective == Objective::cost && cost_tied(*b, top))
+        rj.reason = fmt::format("as cheap as #1 at best ({}: ${:.3f} per million tokens, {:+.2f}%), {}", where(*b), *b->cost_per_mtok_usd,
+                                100 * (*b->cost_per_mtok_usd / *top.cost_per_mtok_usd - 1),
+                                complexity(*b) > complexity(top) ? "but shards or offloads more for no gain" : "a tie, ranked below #1 by its cost");
       else
-        rj.reason = fmt::format("dominated: its best row ({}) has {:.0f} tokens/s, {:.1f}% fewer than #1: {}", where(*b), b->tokens_per_s,
-                                100 * (1 - b->tokens_per_s / top.tokens_per_s), slower_because(*b, top));
+        rj.reason = fmt::format("dominated: its best row ({}, {:.0f} tokens/s): {}", where(*b), b->tokens_per_s, behind_top(*b, top, objective));
       const std::uint64_t os = at_peak(*b, MemCategory::optimizer_states), ot = at_peak(top, MemCategory::optimizer_states);
       const std::uint64_t visible = search.cluster().gpu.memory_bytes / 20;  // 5% of the GPU: a saving worth a word
       if (ot > os && ot - os > visible)

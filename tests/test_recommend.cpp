@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -232,6 +234,58 @@ TEST(Recommend, ObjectivesOrderTheRows) {
   const Candidate& top = c.ranked.front();
   EXPECT_NEAR(*top.cost_per_mtok_usd, 2.45 * top.input.strategy.ranks / 3600.0 / top.tokens_per_s * 1e6, 1e-9);
   for (std::size_t i = 1; i < c.ranked.size(); ++i) EXPECT_LE(*c.ranked[i - 1].cost_per_mtok_usd, *c.ranked[i].cost_per_mtok_usd);
+}
+
+// A row or strategy that loses under another objective says so in that objective's terms: a
+// cost search compares dollars per million tokens (GPU-seconds per token), not the cluster's
+// tokens/s, which a row on fewer GPUs loses while it costs as much (it read "-100.0% fewer").
+TEST(Recommend, ReasonsSpeakTheObjective) {
+  SearchSpace s;
+  s.gpus = {1, 2, 4, 8};
+  const std::regex negative_fewer(R"(-[0-9.]+% fewer)");
+  auto check_about_the_same = [](const std::string& reason) {  // "for about the same speed, +x%" only within the 1% tie
+    const auto at = reason.find("for about the same speed, ");
+    if (at == std::string::npos) return;
+    EXPECT_LE(std::abs(std::stod(reason.substr(at + 26))), 1.0) << reason;
+  };
+  const Recommendation c = search(lora("llama-2-7b", 16, 2048), "8xA100-80GB", s, Objective::cost);
+  ASSERT_GT(c.ranked.size(), 5u);
+  check_about_the_same(c.ranked.front().reason);
+  for (std::size_t i = 1; i < c.ranked.size(); ++i) {
+    const std::string& why = c.ranked[i].reason;
+    EXPECT_FALSE(std::regex_search(why, negative_fewer)) << why;
+    if (*c.ranked[i].cost_per_mtok_usd > *c.ranked.front().cost_per_mtok_usd)
+      EXPECT_NE(why.find("per million tokens"), std::string::npos) << why;
+    else
+      EXPECT_EQ(why.rfind("as good as #1 on cost, then ", 0), 0u) << why;
+  }
+  std::size_t fitting = 0;
+  for (const auto& rj : c.rejected) {
+    if (!rj.fits) continue;
+    ++fitting;
+    EXPECT_FALSE(std::regex_search(rj.reason, negative_fewer)) << rj.reason;
+    ASSERT_TRUE(rj.best);
+    if (*rj.best->cost_per_mtok_usd <= *c.ranked.front().cost_per_mtok_usd * 1.01)  // a tie as the time model resolves it
+      EXPECT_EQ(rj.reason.rfind("as cheap as #1 at best (", 0), 0u) << rj.reason;
+    else
+      EXPECT_EQ(rj.reason.rfind("dominated: ", 0), 0u) << rj.reason;
+    EXPECT_TRUE(rj.reason.find("per million tokens") != std::string::npos || rj.reason.find("as good as #1 on cost") != std::string::npos) << rj.reason;
+  }
+  EXPECT_GT(fitting, 0u);
+  // Fewest GPUs: a row on more GPUs says how many; memory: how much more it holds.
+  const Recommendation g = search(lora("llama-2-7b", 16, 2048), "8xA100-80GB", s, Objective::gpus);
+  const std::int32_t fewest = g.ranked.front().input.strategy.ranks;
+  for (std::size_t i = 1; i < g.ranked.size(); ++i) {
+    if (g.ranked[i].input.strategy.ranks == fewest) continue;
+    EXPECT_EQ(g.ranked[i].reason.rfind(fmt::format("needs {} GPUs where #1 needs {}", g.ranked[i].input.strategy.ranks, fewest), 0), 0u)
+        << g.ranked[i].reason;
+  }
+  const Recommendation m = search(lora("llama-2-7b", 16, 2048), "8xA100-80GB", s, Objective::memory);
+  for (const Recommendation* r : {&c, &g, &m}) EXPECT_FALSE(std::regex_search(r->ranked.front().reason, negative_fewer)) << r->ranked.front().reason;
+  for (std::size_t i = 1; i < m.ranked.size(); ++i) {
+    if (m.ranked[i].used_peak_bytes == m.ranked.front().used_peak_bytes) continue;
+    EXPECT_NE(m.ranked[i].reason.find("more than #1 (at the peak: "), std::string::npos) << m.ranked[i].reason;
+  }
 }
 
 TEST(Recommend, NothingFitsNamesTheSmallestShortfall) {
