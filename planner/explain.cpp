@@ -170,8 +170,12 @@ Explanation explain_plan(const Plan& p) {
   };
   auto match = [&](MemCategory cat, std::uint64_t bytes, ExplainTerm& term) {
     const bool batch = cat == MemCategory::activations || cat == MemCategory::workspace;
+    // Ψt sizes only what holds the trainable parameters: a frozen weight that happens to be a
+    // multiple of it (Llama-2-7B's H·H = 2 × Ψt at r 16 on q and v) is its own shape.
+    const bool trainable = cat == MemCategory::trainable_weights || cat == MemCategory::gradients || cat == MemCategory::optimizer_states;
     for (const auto& sh : shapes) {
       if (sh.batch != batch) continue;
+      if (!trainable && sh.shape.formula.find("Ψt") != std::string::npos) continue;
       const Shape& s = sh.shape;
       std::uint64_t prod = 1;
       bool ok = true;

@@ -656,6 +656,30 @@ TEST(Explain, NamesTheShapesAndTheirSources) {
     }
 }
 
+// A frozen weight is named by its own shape even where its size is a multiple of the trainable
+// count: Llama-2-7B's q_proj is H·H = 16,777,216 = 2 × Ψt at r 16 on q and v (it read
+// "2 × Ψt × 2 B").
+TEST(Explain, FrozenWeightsAreTheirShapesNotMultiplesOfTheTrainableCount) {
+  const sim::Cluster c = sim::resolve_cluster("8xA100-80GB");
+  PlanInput in = lora("llama-2-7b", 16, 2048);
+  in.strategy.ranks = 8;
+  in.strategy.stage = Stage::zero2;
+  const Explanation e = explain_plan(make_plan(in, c));
+  ASSERT_EQ(in.model.hidden * in.model.hidden, 2 * make_plan(in, c).facts.trainable_params);  // the coincidence this guards
+  std::size_t seen = 0;
+  for (const auto& ec : e.categories) {
+    if (ec.category != MemCategory::base_weights) continue;
+    for (const auto& t : ec.terms) {
+      EXPECT_EQ(t.formula.find("Ψt"), std::string::npos) << t.what << ": " << t.formula;
+      if (t.what == "model.layers.N.self_attn.q_proj.weight" || t.what == "model.layers.N.self_attn.k_proj.weight") {
+        EXPECT_EQ(t.formula, "H·H × 2 B (bf16)") << t.what;
+        ++seen;
+      }
+    }
+  }
+  EXPECT_EQ(seen, 2u);
+}
+
 TEST(ExplainCli, PrintsAndJson) {
   auto r = run_cli("explain --model llama-2-7b --lora-r 16 --micro-batch 2 --seq-len 4096 --strategy zero3");
   ASSERT_EQ(r.code, 0) << r.out;
