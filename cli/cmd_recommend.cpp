@@ -187,7 +187,7 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
     else print_text(r, rp, *o, seconds);
     if (!o->emit.empty() && !o->json) {
       if (r.ranked.empty()) fmt::print("nothing fits: no launch files written to {}\n", o->emit);
-      else fmt::print("launch files for #1 written to {}/ (launch.sh, train.py, plan.json and the launcher's config)\n", o->emit);
+      else fmt::print("launch files for #1 written to {} (launch.sh, train.py, plan.json and the launcher's config)\n", as_folder(o->emit));
     }
     exit_code = r.ranked.empty() ? 1 : 0;
   });

@@ -72,8 +72,8 @@ void add_report_command(CLI::App& app, int& exit_code) {
       ri.provenance.command = command_line();
       reports::write_report(o->out, ri);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      fmt::print("report of {} {} written to {}/ (report.html, report.md, memory.svg, time.svg) in {:.2f} s\n", ri.strategies.size(),
-                 !o->sweep.empty() ? "configurations" : "rows", o->out, seconds);
+      fmt::print("report of {} {} written to {} (report.html, report.md, memory.svg, time.svg) in {:.2f} s\n", ri.strategies.size(),
+                 !o->sweep.empty() ? "configurations" : "rows", as_folder(o->out), seconds);
       exit_code = 0;
       return;
     }
@@ -82,8 +82,8 @@ void add_report_command(CLI::App& app, int& exit_code) {
       const std::vector<MeasuredStrategy> runs = read_run(o->run, machine);
       const auto& v = runs.front().validation;
       reports::write_report(o->out, run_report(runs, machine, "as the run's plan.json", v.rounds, v.tolerances));
-      fmt::print("report of {} measured strateg{} written to {}/ (report.html, report.md, memory.svg, time.svg)\n", runs.size(),
-                 runs.size() == 1 ? "y" : "ies", o->out);
+      fmt::print("report of {} measured strateg{} written to {} (report.html, report.md, memory.svg, time.svg)\n", runs.size(),
+                 runs.size() == 1 ? "y" : "ies", as_folder(o->out));
       exit_code = 0;
       return;
     }
@@ -132,7 +132,7 @@ void add_report_command(CLI::App& app, int& exit_code) {
     }
     reports::write_report(o->out, ri);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    fmt::print("report of {} strategies written to {}/ (report.html, report.md, memory.svg, time.svg) in {:.2f} s\n", ri.strategies.size(), o->out, seconds);
+    fmt::print("report of {} strategies written to {} (report.html, report.md, memory.svg, time.svg) in {:.2f} s\n", ri.strategies.size(), as_folder(o->out), seconds);
     exit_code = 0;
   });
 }

@@ -29,4 +29,10 @@ void set_command_line(int argc, char** argv) {
 
 const std::string& command_line() { return line(); }
 
+std::string as_folder(const std::string& path) {
+  std::string s = path;
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  return s == "/" ? s : s + "/";
+}
+
 }  // namespace peftplan::cli

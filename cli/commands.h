@@ -12,6 +12,9 @@ namespace peftplan::cli {
 void set_command_line(int argc, char** argv);
 const std::string& command_line();
 
+// A folder as the messages name it, with one trailing slash: "out", "out/" and "out//" -> "out/".
+std::string as_folder(const std::string& path);
+
 void add_models_command(CLI::App& app, int& exit_code);
 void add_params_command(CLI::App& app, int& exit_code);
 void add_plan_command(CLI::App& app, int& exit_code);

@@ -5,10 +5,13 @@
 #include "peftplan/planner/closed_forms.h"
 
 #include <algorithm>
+#include <map>
+#include <string>
 
 #include <fmt/format.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/models/parameters.h"
 
 namespace peftplan::planner {
 
@@ -232,6 +235,25 @@ std::string ds_zero3_all_cold_text(std::int64_t total_params, std::int64_t large
     out += row(r.estimate, fmt::format("offload_param={}, offload_optimizer={}, zero_init={}",
                                        r.offload_param ? kPaddedCpu : "none",
                                        r.offload_optimizer ? kPaddedCpu : "none", r.zero_init ? 1 : 0));
+  return out;
+}
+
+DsModelParams ds_model_to_params(const models::ModelSpec& model, const models::PeftSpec& peft) {
+  std::map<std::string, std::int64_t> per_module;  // a module's own parameters (recurse=False)
+  DsModelParams out;
+  for (const auto& t : models::parameter_tensors(model)) {  // unique tensors: a tied head is the embedding's
+    per_module[t.module] += t.numel();
+    out.total_params += t.numel();
+  }
+  if (!peft.adapters.empty())
+    for (const auto& t : models::trainable_tensors(model, peft)) {
+      if (t.is_base_param) continue;  // a base tensor made trainable, counted above
+      // "….q_proj.lora_A.default.weight" lives in the module "….q_proj.lora_A.default".
+      const auto dot = t.name.rfind('.');
+      per_module[dot == std::string::npos ? t.name : t.name.substr(0, dot)] += t.numel();
+      out.total_params += t.numel();
+    }
+  for (const auto& [module, n] : per_module) out.largest_layer_params = std::max(out.largest_layer_params, n);
   return out;
 }
 

@@ -830,7 +830,8 @@ std::string render_markdown(const ReportInput& r) {
 
 void write_report(const std::filesystem::path& out, const ReportInput& r) {
   namespace fs = std::filesystem;
-  const fs::path target = fs::absolute(out).lexically_normal();
+  fs::path target = fs::absolute(out).lexically_normal();
+  if (!target.has_filename()) target = target.parent_path();  // "report/" names the folder report
   const fs::path parent = target.parent_path();
   std::error_code ec;
   if (!fs::is_directory(parent, ec))

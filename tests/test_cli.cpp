@@ -1,8 +1,12 @@
 // End-to-end checks of the peftplan binary: output lines, JSON keys and exit codes for bad input.
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -44,6 +48,42 @@ TEST(Cli, ModelsListsTheZoo) {
 }
 
 // Bad input: one line naming the file/flag, field and value; exit code 2; no stack trace.
+// Every command's --help ends with an example, and the example runs as printed (exit 0), in a
+// folder of its own for the ones that write files. Not here: `run` and `calibrate` (minutes of
+// MPI; their own suites run them), `compare` and the examples that read what `run` writes.
+TEST(Cli, EveryHelpExampleRuns) {
+  const std::string dir = ::testing::TempDir() + "help-examples";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::size_t ran = 0;
+  for (const char* command : {"models", "params", "plan", "recommend", "sweep", "explain", "report", "clusters", "estimate", "calibrate", "run",
+                              "compare"}) {
+    const Result help = run(std::string(command) + " --help");
+    ASSERT_EQ(help.code, 0) << command;
+    const auto at = help.out.find("example: peftplan ");
+    ASSERT_NE(at, std::string::npos) << command << " --help has no example:\n" << help.out;
+    // The example line, and the lines under it that are examples too ("         peftplan ...").
+    std::vector<std::string> examples;
+    std::istringstream lines(help.out.substr(at + 9));
+    for (std::string line; std::getline(lines, line);) {
+      const auto p = line.find_first_not_of(' ');
+      if (p == std::string::npos || line.compare(p, 9, "peftplan ") != 0) break;
+      examples.push_back(line.substr(p + 9));
+    }
+    for (const auto& example : examples) {
+      EXPECT_TRUE(example.rfind(std::string(command) + " ", 0) == 0 || example == command) << example;
+      if (std::string_view(command) == "run" || std::string_view(command) == "calibrate" || std::string_view(command) == "compare") continue;
+      if (example.find("out/run/") != std::string::npos) continue;  // reads what run's example writes
+      const Result r = peftplan::testing::run_cli(example, "cd '" + dir + "' &&");
+      EXPECT_EQ(r.code, 0) << "peftplan " << example << "\n" << r.out;
+      EXPECT_EQ(r.out.find("//"), std::string::npos) << "peftplan " << example << "\n" << r.out;
+      ++ran;
+    }
+  }
+  EXPECT_GE(ran, 10u);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Cli, BadInputIsOneLineAndExitCodeTwo) {
   struct Case {
     std::string args, expect;

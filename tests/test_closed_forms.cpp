@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include "peftplan/models/config.h"
+#include "peftplan/models/peft.h"
 #include "peftplan/planner/closed_forms.h"
 
 using namespace peftplan;
@@ -152,6 +154,30 @@ TEST(DeepSpeedZero3, FloatBranchOfMaxAndTruncation) {
   EXPECT_EQ(e.cpu_bytes, 29'629'629'384u);  // P * 16 * 1.0 * 1.5
   // Three nodes: gpus_factor = 1/3, so P * 18 * (1/3) * 1.5 with zero_init.
   EXPECT_EQ(ds_estimate_zero3(6'738'415'616, 131'072'000, 4, 3, true, true, true).cpu_bytes, 60'645'740'544u);
+}
+
+// DeepSpeed's model_to_params (deepspeed/runtime/zero/stage3.py) on Llama-2-7B: every parameter
+// once, 6,738,415,616 (Meta's count), and the largest module's own parameters, the embedding's
+// (and the untied head's) V·H = 32,000 × 4,096. Under LoRA r 16 on q and v the PeftModel adds
+// 8,388,608 in lora_A / lora_B modules of 65,536 each: PEFT's "all params: 6,746,804,224".
+TEST(DeepSpeedModelToParams, CountsAsDeepSpeedWalksTheModules) {
+  const models::ModelSpec m = models::load_model("llama-2-7b");
+  const DsModelParams full = ds_model_to_params(m, models::PeftSpec{});
+  EXPECT_EQ(full.total_params, 6'738'415'616);
+  EXPECT_EQ(full.largest_layer_params, 131'072'000);
+  models::PeftSpec lora;
+  models::AdapterSpec a;
+  a.lora.r = 16;  // targets: PEFT's default for Llama, q_proj and v_proj
+  lora.adapters.push_back(a);
+  const DsModelParams with = ds_model_to_params(m, lora);
+  EXPECT_EQ(with.total_params, 6'746'804'224);
+  EXPECT_EQ(with.total_params, models::count_params(m, lora).all_params);
+  EXPECT_EQ(with.largest_layer_params, 131'072'000);
+  // A tied head is the embedding's tensor: counted once in the total.
+  const models::ModelSpec tied = models::load_model("tiny-llama-tied");
+  const DsModelParams t = ds_model_to_params(tied, models::PeftSpec{});
+  EXPECT_EQ(t.total_params, models::count_params(tied, models::PeftSpec{}).total_params);
+  EXPECT_EQ(t.largest_layer_params, tied.vocab * tied.hidden);
 }
 
 // The exact text of estimate_zero3_model_states_mem_needs_all_cold for the docs' model. The

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -69,6 +70,37 @@ TEST(EstimateCli, DeepSpeedCompatText) {
             std::string::npos);
 }
 
+// --model counts P and T as `params` does and DeepSpeed's largest layer as model_to_params does;
+// --gpus spreads over --nodes; without --stage, one row per stage. Each stage's figures are the
+// ones --params / --trainable-params / --gpus-per-node give for the same counts.
+TEST(EstimateCli, ModelAndGpusCountAsParamsDoes) {
+  Result r = run("estimate --model llama-2-7b --lora-r 16 --gpus 16 --nodes 2 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto rows = nlohmann::json::parse(r.out);
+  ASSERT_TRUE(rows.is_array());
+  ASSERT_EQ(rows.size(), 4u);
+  for (int st = 0; st < 4; ++st) {
+    const auto& j = rows[static_cast<std::size_t>(st)];
+    EXPECT_EQ(j["stage"], st);
+    EXPECT_EQ(j["ranks"], 16);
+    EXPECT_EQ(j["total_params"], 6'746'804'224);  // PEFT's "all params" for LoRA r 16 on q, v
+    EXPECT_EQ(j["trainable_params"], 8'388'608);
+    Result one = run(fmt::format("estimate --params 6746804224 --trainable-params 8388608 --gpus-per-node 8 --nodes 2 --stage {} --json", st));
+    ASSERT_EQ(one.code, 0) << one.out;
+    EXPECT_EQ(j["model_states_bytes"], nlohmann::json::parse(one.out)["model_states_bytes"]) << "stage " << st;
+  }
+  // The text: one row per stage the offload flags allow (optimizer offload: stages 1-3).
+  r = run("estimate --model llama-2-7b --lora-r 16 --gpus 8 --offload-optimizer");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("llama-2-7b, 8,388,608 trainable"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("0 ddp"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\n  3 "), std::string::npos) << r.out;
+  // DeepSpeed's estimators on the model: every parameter, and the embedding's V·H as the largest layer.
+  r = run("estimate --model llama-2-7b --full-finetune --gpus 8 --stage 3 --deepspeed-compat");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("SW: Model with 6738M total params, 131M largest layer params."), std::string::npos) << r.out;
+}
+
 TEST(EstimateCli, BadInputIsOneLineAndExitCodeTwo) {
   struct Case {
     std::string args, expect;
@@ -78,6 +110,16 @@ TEST(EstimateCli, BadInputIsOneLineAndExitCodeTwo) {
       {"estimate --params=-5 --gpus-per-node 8 --stage 2", "--params: must be a non-negative integer, got -5"},
       {"estimate --params 1000 --gpus-per-node 8 --stage 2 --offload-param", "--offload-param: needs --stage 3"},
       {"estimate --params 1000 --trainable-params 2000 --gpus-per-node 8 --stage 2", "--trainable-params"},
+      {"estimate --model llama-2-7b --params 1000 --gpus 8", "--params: and --model are two sources of the parameter count: give one, got 1000"},
+      {"estimate --model llama-2-7b --trainable-params 1000 --gpus 8", "--trainable-params: comes from --model"},
+      {"estimate --params 1000 --lora-r 16 --gpus 8", "--model: is needed by the adapter flags"},
+      {"estimate --gpus 8 --stage 2", "--params: or --model is required"},
+      {"estimate --model llama-2-7b --stage 2", "--gpus: or --gpus-per-node is required"},
+      {"estimate --model llama-2-7b --gpus 8 --gpus-per-node 8", "--gpus: and --gpus-per-node both set the GPU count"},
+      {"estimate --model llama-2-7b --gpus 9 --nodes 2", "--gpus: must be a multiple of --nodes (2): the GPUs are spread evenly over the nodes, got 9"},
+      {"estimate --model llama-2-7b --gpus 8 --quant nf4", "--quant: is not in estimate's closed forms"},
+      {"estimate --model llama-2-7b --gpus 8 --deepspeed-compat", "--stage: is required with --deepspeed-compat"},
+      {"estimate --model no-such-model --gpus 8", "no-such-model"},
       {"estimate --params 1000 --gpus-per-node 8 --stage 3 --deepspeed-compat", "--largest-layer-params"},
       {"estimate --params 1000 --gpus-per-node 0 --stage 1", "--gpus-per-node: must be a positive integer, got 0"},
   };

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "peftplan/common/dtype.h"
+#include "peftplan/models/model_spec.h"
+#include "peftplan/models/peft.h"
 #include "peftplan/planner/specs.h"
 
 namespace peftplan::planner {
@@ -117,6 +119,17 @@ struct DsEstimate3 {
 DsEstimate3 ds_estimate_zero3(std::int64_t total_params, std::int64_t largest_layer_params,
                               std::int32_t gpus_per_node, std::int32_t nodes, bool cpu_offload,
                               bool cpu_offload_params, bool zero_init, double additional_buffer_factor = 1.5);
+
+// What DeepSpeed's estimators take from a model (deepspeed/runtime/zero/stage3.py
+// model_to_params): every parameter once (shared ones counted once, by data_ptr), and the largest
+// sum of one module's own parameters (m.parameters(recurse=False)) over model.modules(). With
+// PEFT the model is the PeftModel: the adapters' lora_A / lora_B modules count as modules of
+// their own, and a wrapped Linear keeps its frozen weight in its base_layer.
+struct DsModelParams {
+  std::int64_t total_params = 0;
+  std::int64_t largest_layer_params = 0;
+};
+DsModelParams ds_model_to_params(const models::ModelSpec& model, const models::PeftSpec& peft);
 
 // One row of an _all_cold table, in DeepSpeed's order.
 struct DsTableRow {
