@@ -185,6 +185,21 @@ void BM_RecommendSevenB(benchmark::State& state) {
 }
 BENCHMARK(BM_RecommendSevenB)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// `recommend --global-batch 512` for Llama-2-70B LoRA r 16 at 4,096 tokens on 8 x 8 H100 at 8, 16, 32 and 64 GPUs
+// (recommend's --help example), one thread: the global batch fixes each micro-batch's
+// accumulation, up to 64 micro-steps a step at 8 GPUs. Arg 1: plan_candidate's accumulation
+// series (a long accumulation from the plans at 3, 4 and 5); arg 0: every plan in full.
+void BM_RecommendGlobalBatch(benchmark::State& state) {
+  planner::SearchSpace space;
+  space.gpus = {8, 16, 32, 64};
+  space.global_batch = 512;
+  space.threads = 1;
+  space.accumulation_series = state.range(0) != 0;
+  run_recommend(state, llama70b(planner::Stage::ddp, 1), sim::resolve_cluster("8x8xH100-SXM-NDR"), space);
+  state.SetLabel(state.range(0) ? "accumulation series" : "every plan in full");
+}
+BENCHMARK(BM_RecommendGlobalBatch)->Arg(1)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1)->Repetitions(3);
+
 int main(int argc, char** argv) {
   peftplan::keep_freed_heap_memory();  // as peftplan's and peftplan-gui's main do
   benchmark::Initialize(&argc, argv);

@@ -136,6 +136,148 @@ std::string where(const Candidate& c) {
                      c.input.strategy.ranks, c.input.strategy.ranks == 1 ? "" : "s");
 }
 
+// A Candidate from its plan.
+Candidate candidate_of(const Plan& p, const PlanInput& in, const sim::Cluster& cl) {
+  Candidate c;
+  c.input = in;
+  c.fits = p.fits;
+  c.allocated_peak_bytes = p.memory.device_peak_bytes;
+  c.reserved_peak_bytes = p.reserved_peak_bytes;
+  c.used_peak_bytes = p.used_peak_bytes;
+  c.spare_bytes = spare_bytes(p);
+  c.host_peak_bytes = p.memory.host_peak_bytes;
+  c.host_capacity_bytes = p.host_capacity_bytes;
+  c.at_peak_bytes = p.memory.at_peak_bytes;
+  c.model_base_bytes = p.facts.base_bytes;
+  c.base_dtype = p.facts.base_dtype;
+  std::uint64_t best = 0;
+  for (int i = 0; i < sim::kNumDeviceCategories; ++i)
+    if (p.memory.at_peak_bytes[static_cast<std::size_t>(i)] > best) {
+      best = p.memory.at_peak_bytes[static_cast<std::size_t>(i)];
+      c.binding = static_cast<MemCategory>(i);
+    }
+  if (p.time) {
+    const auto& t = *p.time;
+    c.step_s = t.step_s;
+    c.compute_s = t.compute_s;
+    c.exposed_comm_s = t.exposed_comm_s;
+    c.offload_s = t.offload_s;
+    c.optimizer_s = t.optimizer_s;
+    c.host_floor_s = t.host_floor_s;
+    c.device_step_s = t.device_step_s;
+    c.host_bound = t.host_bound;
+    c.tokens_per_s = t.tokens_per_s;
+    c.mfu = t.mfu;
+    c.gathered_bytes = t.collective_bytes[static_cast<std::size_t>(sim::Collective::all_gather)];
+    for (auto b : t.collective_bytes) c.comm_bytes += b;
+    c.inter_node_bytes = t.inter_node_bytes;
+  }
+  return c;
+}
+
+// Cost per million tokens: GPU-hours per token × the price per GPU-hour.
+void price(Candidate& c, const sim::Cluster& cl) {
+  c.cost_per_mtok_usd.reset();
+  if (cl.gpu.cost_per_hour_usd && c.tokens_per_s > 0)
+    c.cost_per_mtok_usd = *cl.gpu.cost_per_hour_usd * c.input.strategy.ranks / 3600.0 / c.tokens_per_s * 1e6;
+}
+
+// The memory figures a candidate holds, which do not depend on the accumulation.
+bool same_memory(const Candidate& a, const Candidate& b) {
+  return a.fits == b.fits && a.allocated_peak_bytes == b.allocated_peak_bytes && a.reserved_peak_bytes == b.reserved_peak_bytes &&
+         a.used_peak_bytes == b.used_peak_bytes && a.spare_bytes == b.spare_bytes && a.host_peak_bytes == b.host_peak_bytes &&
+         a.host_capacity_bytes == b.host_capacity_bytes && a.at_peak_bytes == b.at_peak_bytes && a.binding == b.binding &&
+         a.model_base_bytes == b.model_base_bytes && a.base_dtype == b.base_dtype;
+}
+
+// x at `n`, from its values at three consecutive points k, k+1, k+2 (nullopt: not one line).
+std::optional<double> on_line(double x0, double x1, double x2, std::int64_t k, std::int64_t n) {
+  const double d1 = x1 - x0, d2 = x2 - x1;
+  const double scale = std::max({std::abs(x0), std::abs(x1), std::abs(x2)});
+  if (std::abs(d2 - d1) > 1e-9 * scale) return std::nullopt;
+  return x2 + d2 * static_cast<double>(n - (k + 2));
+}
+std::optional<std::uint64_t> on_line(std::uint64_t x0, std::uint64_t x1, std::uint64_t x2, std::int64_t k, std::int64_t n) {
+  const auto i0 = static_cast<std::int64_t>(x0), i1 = static_cast<std::int64_t>(x1), i2 = static_cast<std::int64_t>(x2);
+  if (i2 - i1 != i1 - i0) return std::nullopt;
+  const std::int64_t v = i2 + (i2 - i1) * (n - (k + 2));
+  if (v < 0) return std::nullopt;
+  return static_cast<std::uint64_t>(v);
+}
+
+// The candidate at accumulation n from its plans at k, k+1, k+2 (plan_candidate's series).
+// Ratios to the step (tokens/s, MFU) are carried as their products with it, which are linear.
+std::optional<Candidate> extend_accumulation(const std::array<Candidate, 3>& at, std::int64_t k, std::int64_t n) {
+  for (int i = 1; i < 3; ++i)
+    if (!same_memory(at[0], at[static_cast<std::size_t>(i)])) return std::nullopt;
+  Candidate c = at[2];
+  c.input.training.grad_accum = n;
+  bool ok = true;
+  auto line = [&](auto get) {
+    auto v = on_line(get(at[0]), get(at[1]), get(at[2]), k, n);
+    if (!v) ok = false;
+    return v.value_or(decltype(get(at[0])){});
+  };
+  // The device's step and the host's floor are each a line; the step is the larger (the
+  // timeline's rule, sim/timeline.cpp), which a long accumulation can move from one to the other.
+  c.device_step_s = line([](const Candidate& x) { return x.device_step_s; });
+  c.host_floor_s = line([](const Candidate& x) { return x.host_floor_s; });
+  c.host_bound = c.host_floor_s > c.device_step_s;
+  c.step_s = c.host_bound ? c.host_floor_s : c.device_step_s;
+  c.compute_s = line([](const Candidate& x) { return x.compute_s; });
+  c.exposed_comm_s = line([](const Candidate& x) { return x.exposed_comm_s; });
+  c.offload_s = line([](const Candidate& x) { return x.offload_s; });
+  c.optimizer_s = line([](const Candidate& x) { return x.optimizer_s; });
+  const double tokens = line([](const Candidate& x) { return x.tokens_per_s * x.step_s; });
+  const double flops_share = line([](const Candidate& x) { return x.mfu * x.step_s; });
+  c.gathered_bytes = line([](const Candidate& x) { return x.gathered_bytes; });
+  c.comm_bytes = line([](const Candidate& x) { return x.comm_bytes; });
+  c.inter_node_bytes = line([](const Candidate& x) { return x.inter_node_bytes; });
+  if (!ok || !(c.step_s > 0)) return std::nullopt;
+  c.tokens_per_s = tokens / c.step_s;
+  c.mfu = flops_share / c.step_s;
+  return c;
+}
+
+}  // namespace
+
+Candidate plan_candidate(const PlanInput& in, const sim::Cluster& cl, const CandidateOptions& o, std::int64_t* plans) {
+  PlanOptions po;
+  po.simulate_time = o.timed;
+  po.headroom_fraction = o.headroom_fraction;
+  po.explain = false;
+  po.names = false;
+  po.skip_replay_when_allocated_overflows = o.skip_replay_when_allocated_overflows;
+  auto one = [&](std::int64_t accum) {
+    PlanInput x = in;
+    x.training.grad_accum = accum;
+    if (plans) ++*plans;
+    Candidate c = candidate_of(make_plan(x, cl, po), x, cl);
+    price(c, cl);
+    return c;
+  };
+  const std::int64_t n = in.training.grad_accum;
+  if (o.accumulation_series) {
+    constexpr std::int64_t k = 3;  // the series' first point: two micro-steps after the first
+    if (o.timed && n >= kAccumulationSeriesFrom) {
+      const std::array<Candidate, 3> at = {one(k), one(k + 1), one(k + 2)};
+      if (auto c = extend_accumulation(at, k, n)) {
+        price(*c, cl);
+        return *c;
+      }
+    } else if (!o.timed && n >= kAccumulationSeriesFrom / 2 + 2) {
+      Candidate a = one(k), b = one(k + 1);
+      if (same_memory(a, b)) {
+        b.input.training.grad_accum = n;
+        return b;
+      }
+    }
+  }
+  return one(n);
+}
+
+namespace {
+
 class Search {
  public:
   Search(const PlanInput& base, const sim::Cluster& cluster, const SearchSpace& space, const Constraints& constraints)
@@ -144,57 +286,37 @@ class Search {
   }
 
   // One plan, as make_plan makes it; `timed` adds the simulated timeline. With a series, its
-  // program at the input's micro-batch instead of a build (the same program: series.h). A probe
-  // that only asks whether the micro-batch fits (`yes_no`) skips the allocator replay when the
-  // allocated peak alone overflows.
+  // program at the input's micro-batch instead of a build (the same program: series.h); without
+  // one, plan_candidate (a long accumulation from a few short ones). A probe that only asks
+  // whether the micro-batch fits (`yes_no`) skips the allocator replay when the allocated peak
+  // alone overflows.
   Candidate evaluate(const PlanInput& in, const sim::Cluster& cl, const std::string& family, bool timed, MicroBatchSeries* series = nullptr,
                      bool yes_no = false) {
-    PlanOptions o;
-    o.simulate_time = timed;
-    o.headroom_fraction = constraints_.headroom_fraction;
-    o.explain = false;
-    o.names = false;
-    o.skip_replay_when_allocated_overflows = yes_no;
-    Plan p = series ? make_plan_with(in, series->take(in.training.micro_batch), cl, o) : make_plan(in, cl, o);
-    if (series) series->give_back(std::move(p.program));
-    ++evaluated_;
-    if (timed) ++timed_;
     Candidate c;
-    c.input = in;
-    c.family = family;
-    c.fits = p.fits;
-    c.allocated_peak_bytes = p.memory.device_peak_bytes;
-    c.reserved_peak_bytes = p.reserved_peak_bytes;
-    c.used_peak_bytes = p.used_peak_bytes;
-    c.spare_bytes = spare_bytes(p);
-    c.host_peak_bytes = p.memory.host_peak_bytes;
-    c.host_capacity_bytes = p.host_capacity_bytes;
-    c.at_peak_bytes = p.memory.at_peak_bytes;
-    c.model_base_bytes = p.facts.base_bytes;
-    c.base_dtype = p.facts.base_dtype;
-    std::uint64_t best = 0;
-    for (int i = 0; i < sim::kNumDeviceCategories; ++i)
-      if (p.memory.at_peak_bytes[static_cast<std::size_t>(i)] > best) {
-        best = p.memory.at_peak_bytes[static_cast<std::size_t>(i)];
-        c.binding = static_cast<MemCategory>(i);
-      }
-    if (p.time) {
-      const auto& t = *p.time;
-      c.step_s = t.step_s;
-      c.compute_s = t.compute_s;
-      c.exposed_comm_s = t.exposed_comm_s;
-      c.offload_s = t.offload_s;
-      c.optimizer_s = t.optimizer_s;
-      c.host_floor_s = t.host_floor_s;
-      c.host_bound = t.host_bound;
-      c.tokens_per_s = t.tokens_per_s;
-      c.mfu = t.mfu;
-      if (cl.gpu.cost_per_hour_usd && t.tokens_per_s > 0)
-        c.cost_per_mtok_usd = *cl.gpu.cost_per_hour_usd * in.strategy.ranks / 3600.0 / t.tokens_per_s * 1e6;
-      c.gathered_bytes = t.collective_bytes[static_cast<std::size_t>(sim::Collective::all_gather)];
-      for (auto b : t.collective_bytes) c.comm_bytes += b;
-      c.inter_node_bytes = t.inter_node_bytes;
+    if (series) {
+      PlanOptions o;
+      o.simulate_time = timed;
+      o.headroom_fraction = constraints_.headroom_fraction;
+      o.explain = false;
+      o.names = false;
+      o.skip_replay_when_allocated_overflows = yes_no;
+      Plan p = make_plan_with(in, series->take(in.training.micro_batch), cl, o);
+      series->give_back(std::move(p.program));
+      ++evaluated_;
+      c = candidate_of(p, in, cl);
+      price(c, cl);
+    } else {
+      CandidateOptions o;
+      o.timed = timed;
+      o.headroom_fraction = constraints_.headroom_fraction;
+      o.skip_replay_when_allocated_overflows = yes_no;
+      o.accumulation_series = space_.accumulation_series;
+      std::int64_t plans = 0;
+      c = plan_candidate(in, cl, o, &plans);
+      evaluated_ += plans;
     }
+    if (timed) ++timed_;
+    c.family = family;
     return c;
   }
 

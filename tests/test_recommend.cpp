@@ -288,6 +288,37 @@ TEST(Recommend, ReasonsSpeakTheObjective) {
   }
 }
 
+// A global batch fixes each micro-batch's accumulation (up to 64 micro-steps here); the search
+// plans those from the accumulation series (plan_candidate). It ranks the same rows, in the same
+// order, with the same figures as when every plan is made in full.
+TEST(Recommend, GlobalBatchRanksAsWithEveryPlanInFull) {
+  SearchSpace s;
+  s.gpus = {1, 2};
+  s.global_batch = 64;
+  s.threads = 2;
+  const Recommendation fast = search(lora("pythia-160m", 16, 1024), "8xA100-80GB", s);
+  s.accumulation_series = false;
+  const Recommendation full = search(lora("pythia-160m", 16, 1024), "8xA100-80GB", s);
+  ASSERT_EQ(fast.ranked.size(), full.ranked.size());
+  ASSERT_GT(fast.ranked.size(), 10u);
+  std::size_t long_accumulations = 0;
+  for (std::size_t i = 0; i < fast.ranked.size(); ++i) {
+    const Candidate& a = fast.ranked[i];
+    const Candidate& b = full.ranked[i];
+    SCOPED_TRACE(fmt::format("row {}: {}", i + 1, b.reason));
+    EXPECT_EQ(a.family, b.family);
+    EXPECT_EQ(a.input.training.micro_batch, b.input.training.micro_batch);
+    EXPECT_EQ(a.input.training.grad_accum, b.input.training.grad_accum);
+    EXPECT_EQ(a.input.strategy.ranks, b.input.strategy.ranks);
+    EXPECT_EQ(a.used_peak_bytes, b.used_peak_bytes);
+    EXPECT_NEAR(a.tokens_per_s, b.tokens_per_s, 1e-6 * b.tokens_per_s);
+    EXPECT_EQ(a.reason, b.reason);
+    long_accumulations += b.input.training.grad_accum >= kAccumulationSeriesFrom;
+  }
+  EXPECT_GT(long_accumulations, 0u);
+  EXPECT_EQ(fast.summary, full.summary);
+}
+
 TEST(Recommend, NothingFitsNamesTheSmallestShortfall) {
   SearchSpace s;
   s.gpus = {1};

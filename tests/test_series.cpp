@@ -12,6 +12,7 @@
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan.h"
+#include "peftplan/planner/recommend.h"
 #include "peftplan/planner/series.h"
 #include "peftplan/sim/cluster.h"
 #include "peftplan/sim/program_hash.h"
@@ -21,18 +22,18 @@ namespace {
 using namespace peftplan;
 using namespace peftplan::planner;
 
-struct Candidate {
+struct Drawn {
   PlanInput input;
   std::string cluster;
   std::string what;
 };
 
-Candidate random_candidate(std::mt19937& rng) {
+Drawn random_candidate(std::mt19937& rng) {
   auto pick = [&](auto const& list) { return list[std::uniform_int_distribution<std::size_t>(0, list.size() - 1)(rng)]; };
   static const std::vector<std::string> models = {"llama-2-7b", "mistral-7b", "llama-2-70b", "mixtral-8x7b", "gpt2", "gemma-2-9b", "qwen2.5-7b"};
   static const std::vector<std::string> clusters = {"8xA100-80GB", "8x8xH100-SXM-NDR", "4xRTX4090"};
   static const std::vector<int> gpus = {1, 2, 4, 8, 16, 64};
-  Candidate c;
+  Drawn c;
   c.cluster = pick(clusters);
   const sim::Cluster cl = sim::resolve_cluster(c.cluster);
   PlanInput& in = c.input;
@@ -72,7 +73,7 @@ TEST(MicroBatchSeries, IsTheBuildersProgramAndPlansAsMakePlanAtEveryMicroBatch) 
   po.names = false;
   int compared = 0;
   while (compared < 240) {
-    const Candidate c = random_candidate(rng);
+    const Drawn c = random_candidate(rng);
     const sim::Cluster cluster = sim::resolve_cluster(c.cluster);
     try {
       (void)validate(c.input);
@@ -125,7 +126,7 @@ TEST(MicroBatchSeries, BoundsTheLargestMicroBatchByItsAllocatedPeak) {
   po.simulate_time = false;
   int compared = 0;
   while (compared < 60) {
-    Candidate c = random_candidate(rng);
+    Drawn c = random_candidate(rng);
     c.input.training.micro_batch = 1;
     const sim::Cluster cluster = sim::resolve_cluster(c.cluster);
     try {
@@ -203,3 +204,65 @@ TEST(MicroBatchSeries, LendsOneProgramAtATime) {
 }
 
 }  // namespace
+
+// plan_candidate's accumulation series (recommend.h): a long gradient accumulation from the
+// plans at 3, 4 and 5 (3 and 4 for memory alone) must give what make_plan gives at that
+// accumulation, planned in full: every memory figure exact, step time and its parts, tokens/s and
+// MFU within 1e-6 (the bound for the fast path is 0.1%), bytes per step exact. The
+// same seeded sample of models, profiles, strategies, offload, checkpointing and GPU counts,
+// at accumulations 13 to 24 and micro-batches 1 and 2; the series must be the path taken in
+// nearly all of them, or this would test the fallback.
+TEST(AccumulationSeries, PlansAsMakePlanAtTheFullAccumulation) {
+  std::mt19937 rng(20261206);
+  int compared = 0, by_series = 0;
+  while (compared < 200) {
+    Drawn c = random_candidate(rng);
+    c.input.training.grad_accum = std::uniform_int_distribution<std::int64_t>(kAccumulationSeriesFrom, 24)(rng);
+    c.input.training.micro_batch = std::uniform_int_distribution<std::int64_t>(1, 2)(rng);
+    const bool timed = compared % 3 != 2;
+    const sim::Cluster cluster = sim::resolve_cluster(c.cluster);
+    try {
+      (void)validate(c.input);
+    } catch (const InputError&) {
+      continue;
+    }
+    SCOPED_TRACE(fmt::format("{} accum {} mb {} {}", c.what, c.input.training.grad_accum, c.input.training.micro_batch, timed ? "timed" : "memory"));
+    CandidateOptions o;
+    o.timed = timed;
+    std::int64_t plans = 0;
+    const planner::Candidate fast = plan_candidate(c.input, cluster, o, &plans);
+    o.accumulation_series = false;
+    const planner::Candidate full = plan_candidate(c.input, cluster, o);
+    by_series += plans == (timed ? 3 : 2);
+    EXPECT_EQ(fast.input.training.grad_accum, c.input.training.grad_accum);
+    EXPECT_EQ(fast.fits, full.fits);
+    EXPECT_EQ(fast.at_peak_bytes, full.at_peak_bytes);
+    EXPECT_EQ(fast.allocated_peak_bytes, full.allocated_peak_bytes);
+    EXPECT_EQ(fast.reserved_peak_bytes, full.reserved_peak_bytes);
+    EXPECT_EQ(fast.used_peak_bytes, full.used_peak_bytes);
+    EXPECT_EQ(fast.spare_bytes, full.spare_bytes);
+    EXPECT_EQ(fast.host_peak_bytes, full.host_peak_bytes);
+    if (timed) {
+      auto near = [](double a, double b) { return std::abs(a - b) <= 1e-6 * std::max(std::abs(b), 1e-12); };
+      EXPECT_PRED2(near, fast.step_s, full.step_s);
+      EXPECT_PRED2(near, fast.compute_s, full.compute_s);
+      EXPECT_PRED2(near, fast.exposed_comm_s, full.exposed_comm_s);
+      EXPECT_PRED2(near, fast.offload_s, full.offload_s);
+      EXPECT_PRED2(near, fast.optimizer_s, full.optimizer_s);
+      EXPECT_PRED2(near, fast.tokens_per_s, full.tokens_per_s);
+      EXPECT_PRED2(near, fast.mfu, full.mfu);
+      EXPECT_EQ(fast.host_bound, full.host_bound);
+      EXPECT_PRED2(near, fast.host_floor_s, full.host_floor_s);
+      EXPECT_PRED2(near, fast.device_step_s, full.device_step_s);
+      EXPECT_EQ(fast.gathered_bytes, full.gathered_bytes);
+      EXPECT_EQ(fast.comm_bytes, full.comm_bytes);
+      EXPECT_EQ(fast.inter_node_bytes, full.inter_node_bytes);
+      ASSERT_EQ(fast.cost_per_mtok_usd.has_value(), full.cost_per_mtok_usd.has_value());
+      if (full.cost_per_mtok_usd) {
+        EXPECT_PRED2(near, *fast.cost_per_mtok_usd, *full.cost_per_mtok_usd);
+      }
+    }
+    ++compared;
+  }
+  EXPECT_GE(by_series, 190) << "the series gave " << by_series << " of 200";
+}

@@ -47,6 +47,7 @@ struct SearchSpace {
   std::int64_t min_micro_batch = 1;
   std::int64_t max_micro_batch = 1024;  // the doubling stops here
   unsigned threads = 0;                 // 0: every core
+  bool accumulation_series = true;      // plan_candidate's series for long accumulations (off: each in full)
 };
 
 struct Constraints {
@@ -65,6 +66,7 @@ struct Candidate {
   std::uint64_t host_peak_bytes = 0, host_capacity_bytes = 0;
   std::array<std::uint64_t, sim::kNumCategories> at_peak_bytes{};
   double step_s = 0, compute_s = 0, exposed_comm_s = 0, offload_s = 0, optimizer_s = 0, host_floor_s = 0;
+  double device_step_s = 0;         // the device's own step; step_s is the larger of it and host_floor_s
   bool host_bound = false;
   double tokens_per_s = 0;          // the cluster's total
   double mfu = 0;
@@ -111,6 +113,26 @@ struct Recommendation {
   std::uint64_t capacity_bytes = 0;
   double headroom_fraction = 0;
 };
+
+// One candidate: `input` planned as make_plan plans it (names and the explanation off), its
+// timeline simulated when `timed`. With a long gradient accumulation N (more than
+// kAccumulationSeriesFrom micro-steps when timed, kAccumulationSeriesFrom / 2 + 2 when not) the
+// plan is not built N micro-steps long: a step's micro-steps after the first are the same ops,
+// so the plans at N0 = 3, 4 and 5 (3 and 4 when not timed) give it. Every memory figure must be
+// the same at each (the peak and the caching allocator's state do not grow with the
+// accumulation), and every time and byte count per step must move by the same amount from one to
+// the next (the increments agreeing to 1e-9 of the value, the simulator's rounding); then the
+// figures at N are those at the last point plus that amount times the micro-steps between. Else,
+// or with `accumulation_series` off, the plan at N is made in full. `plans`, when given, counts
+// the plans made.
+inline constexpr std::int64_t kAccumulationSeriesFrom = 13;
+struct CandidateOptions {
+  bool timed = true;
+  double headroom_fraction = kDefaultHeadroomFraction;
+  bool skip_replay_when_allocated_overflows = false;  // a yes/no probe of memory
+  bool accumulation_series = true;
+};
+Candidate plan_candidate(const PlanInput& input, const sim::Cluster& cluster, const CandidateOptions& options, std::int64_t* plans = nullptr);
 
 // Throws KnobError for an empty space or contradictory constraints (naming the knobs).
 Recommendation recommend(const PlanInput& base, const sim::Cluster& cluster, const SearchSpace& space,
