@@ -5,7 +5,8 @@
 // lines, one row per configuration in grid order, with plan --json's memory, time and
 // communication fields in a fixed column order. A combination the planner refuses (offload with
 // ddp, say) is a row with its `error`, not a failed sweep; a value that does not parse is bad
-// input (exit code 2) before anything is planned.
+// input (exit code 2) before anything is planned, and so is one the planner refuses for itself
+// in every configuration that holds it (--strategy zero9).
 #include <unistd.h>
 
 #include <algorithm>
@@ -186,6 +187,28 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
       fmt::print(stderr, "\r{}\r", std::string(60, ' '));
     }
     for (auto& t : threads) t.join();
+
+    // A value refused in every configuration that holds it, for itself (the error names its own
+    // flag: "--strategy: must be one of ..."), is bad input, not a refused combination: exit 2,
+    // nothing written.
+    for (std::size_t a = 0; a < axes.size(); ++a) {
+      if (axes[a].boolean) continue;
+      std::size_t stride = 1;  // the last axis varies fastest
+      for (std::size_t b = a + 1; b < axes.size(); ++b)
+        if (!axes[b].boolean) stride *= axes[b].values.size();
+      const std::string prefix = axes[a].flag + ":";
+      for (std::size_t v = 0; v < axes[a].values.size(); ++v) {
+        const nlohmann::json* first = nullptr;
+        bool every = true;
+        for (std::size_t k = 0; k < total && every; ++k) {
+          if ((k / stride) % axes[a].values.size() != v) continue;
+          const auto& e = rows[k]["error"];
+          every = e.is_string() && e.get<std::string>().rfind(prefix, 0) == 0;
+          if (!first) first = &e;
+        }
+        if (every && first) throw InputError(first->get<std::string>());
+      }
+    }
 
     std::string text;
     std::size_t errors = 0;

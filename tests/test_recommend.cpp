@@ -556,6 +556,19 @@ TEST(SweepCli, CsvHasASchemaCommentAndStableColumns) {
   EXPECT_EQ(again[1], lines[1]);
 }
 
+// A combination the planner refuses is a row with its error, the sweep goes on (exit 0):
+// parameter offload needs ZeRO-3, so the ddp rows carry the refusal and the zero3 rows plan.
+TEST(SweepCli, RefusedCombinationsAreRowsWithTheirError) {
+  const auto r = run_cli("sweep --model llama-2-7b --strategy ddp,zero3 --offload-param cpu --format jsonl");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto lines = lines_of(r.out);
+  ASSERT_EQ(lines.size(), 2u) << r.out;
+  const auto ddp = nlohmann::json::parse(lines[0]), z3 = nlohmann::json::parse(lines[1]);
+  EXPECT_TRUE(ddp["error"].is_string()) << lines[0];
+  EXPECT_TRUE(z3["error"].is_null()) << lines[1];
+  EXPECT_TRUE(z3["fits"].is_boolean());
+}
+
 TEST(SweepCli, BadGridsAreInputErrors) {
   struct Case {
     std::string args, expect;
@@ -568,6 +581,9 @@ TEST(SweepCli, BadGridsAreInputErrors) {
       {"sweep --format xml", "--format: must be csv or jsonl"},
       {"sweep --seq-len 1..2000000", "--seq-len: lists more than 4096 values"},
       {"sweep --micro-batch", "sweep: --micro-batch needs a value"},
+      // A value the planner refuses for itself wherever it appears, not a combination.
+      {"sweep --strategy ddp,zero9 --micro-batch 1,2", "--strategy: must be one of ddp, zero1"},
+      {"sweep --micro-batch 1,2 --precision bf16,fp9", "--precision: "},
   };
   for (const auto& c : cases) {
     const auto r = run_cli(c.args);
