@@ -207,16 +207,9 @@ std::vector<const LinearModule*> select_modules(const ModelSpec& model, const st
     targets.kind = ModuleSelector::Kind::list;
     targets.names.assign(leaves.begin(), leaves.end());
   }
-  if (targets.kind == ModuleSelector::Kind::list) {
-    for (const auto& t : targets.names) {
-      bool any = std::any_of(linears.begin(), linears.end(),
-                             [&](const LinearModule& l) { return list_match({t}, l.path); });
-      if (!any)
-        throw input_error(where, "target_modules",
-                          fmt::format("names \"{}\", which {} does not have (its linear modules: {})", t,
-                                      model.name, leaf_names(linears)));
-    }
-  }
+  // A listed name that matches no module is not an error as long as another one matches
+  // (PEFT's BaseTuner.inject_adapter raises only when nothing was targeted): a config written
+  // for several architectures loads. unmatched_target_warnings() names them.
   std::vector<const LinearModule*> out;
   for (const auto& l : linears) {
     if (selector_match(exclude, l.path)) continue;
@@ -233,8 +226,19 @@ std::vector<const LinearModule*> select_modules(const ModelSpec& model, const st
   if (out.empty())
     throw input_error(where, "target_modules",
                       fmt::format("{}match no module of {} (its linear modules: {})",
-                                  targets.kind == ModuleSelector::Kind::regex ? fmt::format("\"{}\" ", targets.regex) : "", model.name,
-                                  leaf_names(linears)));
+                                  targets.kind == ModuleSelector::Kind::regex  ? fmt::format("\"{}\" ", targets.regex)
+                                  : targets.kind == ModuleSelector::Kind::list ? fmt::format("\"{}\" ", fmt::join(targets.names, "\", \""))
+                                                                               : std::string(),
+                                  model.name, leaf_names(linears)));
+  return out;
+}
+
+// The names of a list selector that match no Linear of the model.
+std::vector<std::string> unmatched_names(const ModuleSelector& targets, const std::vector<LinearModule>& linears) {
+  std::vector<std::string> out;
+  if (targets.kind != ModuleSelector::Kind::list) return out;
+  for (const auto& t : targets.names)
+    if (std::none_of(linears.begin(), linears.end(), [&](const LinearModule& l) { return list_match({t}, l.path); })) out.push_back(t);
   return out;
 }
 
@@ -374,6 +378,20 @@ std::vector<LoraModule> lora_modules(const ModelSpec& model, const PeftSpec& pef
       m.dropout = a.lora.dropout;
       out.push_back(std::move(m));
     }
+  }
+  return out;
+}
+
+std::vector<std::string> unmatched_target_warnings(const ModelSpec& model, const PeftSpec& peft) {
+  const std::vector<LinearModule> linears = linear_modules(model);
+  std::vector<std::string> out;
+  for (const auto& a : peft.adapters) {
+    const ModuleSelector* targets = a.type == PeftType::lora ? &a.lora.targets : a.type == PeftType::ia3 ? &a.ia3.targets : nullptr;
+    if (!targets) continue;
+    const std::string where = a.source.empty() ? fmt::format("adapter \"{}\"", a.name) : fmt::format("{} (adapter \"{}\")", a.source, a.name);
+    for (const auto& name : unmatched_names(*targets, linears))
+      out.push_back(fmt::format("{}: target_modules names \"{}\", which {} does not have; PEFT adapts what the other names match and "
+                                "ignores it (its linear modules: {})", where, name, model.name, leaf_names(linears)));
   }
   return out;
 }

@@ -31,6 +31,22 @@ TEST(Cli, ParamsPrintsPeftLine) {
   EXPECT_EQ(r.out, "trainable params: 8,388,608 || all params: 6,746,804,224 || trainable%: 0.1243\n");
 }
 
+// An adapter config whose target list names a module the model lacks loads as PEFT loads it
+// (the other names' modules adapted) with a warning naming it; exit 0.
+TEST(Cli, ParamsWarnsOfATargetTheModelLacks) {
+  const std::string dir = ::testing::TempDir() + "mixed-targets";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/adapter_config.json")
+      << R"({"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "query_key_value"]})";
+  const Result r = run("params --model llama-2-7b --peft " + dir + "/adapter_config.json");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("trainable params: 4,194,304 || all params: 6,742,609,920"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("warning: " + dir + "/adapter_config.json (adapter \"default\"): target_modules names \"query_key_value\""),
+            std::string::npos)
+      << r.out;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Cli, ParamsJson) {
   Result r = run("params --model mixtral-8x7b --lora-r 8 --json");
   ASSERT_EQ(r.code, 0) << r.out;

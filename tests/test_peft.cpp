@@ -134,13 +134,28 @@ TEST(Peft, SeveralAdaptersAtOnce) {
   EXPECT_EQ(rows[0].name, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.first.weight");
 }
 
-TEST(PeftErrors, MissingTargetListsWhatTheModelHas) {
+// PEFT's BaseTuner.inject_adapter raises only when no module was targeted ("Target modules
+// {...} not found in the base model"): a list written for several architectures adapts what its
+// names match on this one. A name that matches nothing is a warning; a list that matches nothing
+// is an error that lists what the model has.
+TEST(PeftErrors, ATargetListMatchingNothingListsWhatTheModelHas) {
+  const ModelSpec m = load_model("llama-2-7b");
+  // "query_key_value" is GPT-NeoX's: on Llama-2 only q_proj is adapted, r 8 × (4,096 + 4,096) × 32 layers.
+  const PeftSpec mixed = lora(8, 16, {"q_proj", "query_key_value"});
+  EXPECT_EQ(count_params(m, mixed).trainable_params, 2'097'152);
+  EXPECT_EQ(count_params(m, mixed).trainable_params, count_params(m, lora(8, 16, {"q_proj"})).trainable_params);
+  const std::vector<std::string> w = unmatched_target_warnings(m, mixed);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("test (adapter \"default\"): target_modules names \"query_key_value\", which llama-2-7b does not have"), std::string::npos) << w[0];
+  EXPECT_NE(w[0].find("down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"), std::string::npos) << w[0];
+  EXPECT_TRUE(unmatched_target_warnings(m, lora(8, 16, {"q_proj", "v_proj"})).empty());
   try {
-    count_params(load_model("llama-2-7b"), lora(8, 16, {"q_proj", "query_key_value"}));
+    count_params(m, lora(8, 16, {"query_key_value", "c_attn"}));
     FAIL();
   } catch (const InputError& e) {
     const std::string msg = e.what();
-    EXPECT_NE(msg.find("query_key_value"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("target_modules"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("match no module of llama-2-7b"), std::string::npos) << msg;
     EXPECT_NE(msg.find("down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"), std::string::npos) << msg;
   }
 }

@@ -107,9 +107,16 @@ struct TrainableTensor {
 // `source` names the file in errors. Unknown peft_type values are rejected with the valid list.
 AdapterSpec adapter_from_config(const nlohmann::json& config, std::string_view source);
 
-// Resolves selectors against the model; a target that matches no module is an InputError that
-// lists the module names the model has.
+// Resolves selectors against the model; selectors that together match no module are an
+// InputError that lists the module names the model has (PEFT: "Target modules ... not found in
+// the base model").
 std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft);
+
+// One warning per name of a target_modules list that matches no Linear of the model. PEFT adapts
+// what the other names match and ignores such a name (BaseTuner.inject_adapter raises only when
+// nothing was targeted), so a config written for several architectures ("q_proj", "v_proj",
+// "query_key_value") loads; the planner says which names did nothing.
+std::vector<std::string> unmatched_target_warnings(const ModelSpec& model, const PeftSpec& peft);
 // The same from inventories already computed (planner hot path).
 std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft,
                                                const std::vector<TensorInfo>& base,
