@@ -8,7 +8,8 @@
 // offload) and each checkpointing choice and GPU count the largest micro-batch that fits is found
 // by doubling and then bisecting on memory alone (no timeline), and only the micro-batches
 // 1, 2, 4, ... up to it (and it) are then planned in full. The model inventory is built once and
-// shared by every candidate (PlanInput::inventory).
+// shared by every candidate (PlanInput::inventory). A long gradient accumulation (a global batch
+// fixes it) is planned from three short ones (plan_candidate).
 #pragma once
 
 #include <cstdint>
