@@ -69,8 +69,7 @@ void resolve(EstimateOptions& o, bool params_given, bool gpus_per_node_given) {
                                           : fmt::format("{}, {} trainable", m.name, with_commas(c.trainable_params));
   } else if (!params_given) {
     throw input_error("--params", "", "or --model is required (the parameter count, or a model to count it from)");
-  } else if (!o.peft.peft_files.empty() || o.peft.lora_r || o.peft.lora_alpha || !o.peft.lora_targets.empty() || !o.peft.quant.empty() ||
-             o.peft.full_finetune) {
+  } else if (any_peft_flag(o.peft)) {
     throw input_error("--model", "", "is needed by the adapter flags (--peft, --lora-*, --quant, --full-finetune): with --params, give --trainable-params");
   }
   if (o.gpus) {

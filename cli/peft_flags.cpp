@@ -22,10 +22,17 @@ void add_peft_flags(CLI::App* cmd, PeftFlags& f) {
   cmd->add_flag("--double-quant", f.double_quant, "bitsandbytes double quantisation of the absmax constants");
 }
 
+bool any_lora_flag(const PeftFlags& f) {
+  return f.lora_r || f.lora_alpha || !f.lora_targets.empty() || f.use_rslora || f.use_dora || f.lora_dropout != 0.0;
+}
+
+bool any_peft_flag(const PeftFlags& f) {
+  return any_lora_flag(f) || !f.peft_files.empty() || !f.quant.empty() || f.double_quant || f.full_finetune;
+}
+
 models::PeftSpec peft_from_flags(const PeftFlags& f) {
   models::PeftSpec spec;
-  const bool lora_flags = f.lora_r || f.lora_alpha || !f.lora_targets.empty() || f.use_rslora || f.use_dora ||
-                          f.lora_dropout != 0.0;
+  const bool lora_flags = any_lora_flag(f);
   if (!f.peft_files.empty() && lora_flags)
     throw InputError("--peft and --lora-* both given: use one way of describing the adapter");
   if (f.full_finetune && (lora_flags || !f.peft_files.empty()))

@@ -27,6 +27,11 @@ struct PeftFlags {
 
 void add_peft_flags(CLI::App* cmd, PeftFlags& flags);
 
+// Whether any --lora-* flag was given.
+bool any_lora_flag(const PeftFlags& flags);
+// Whether any adapter flag was given: --peft, --lora-*, --quant, --double-quant or --full-finetune.
+bool any_peft_flag(const PeftFlags& flags);
+
 // No --peft and no --lora-* flags: an empty PeftSpec (full fine-tuning) only when
 // flags.full_finetune; otherwise LoRA with PEFT's defaults (r 8, alpha 8, q_proj/v_proj).
 models::PeftSpec peft_from_flags(const PeftFlags& flags);

@@ -136,7 +136,25 @@ std::string where(const Candidate& c) {
                      c.input.strategy.ranks, c.input.strategy.ranks == 1 ? "" : "s");
 }
 
-// A Candidate from its plan.
+// Cost per million tokens: GPU-hours per token × the price per GPU-hour.
+void price(Candidate& c, const sim::Cluster& cl) {
+  c.cost_per_mtok_usd.reset();
+  if (cl.gpu.cost_per_hour_usd && c.tokens_per_s > 0)
+    c.cost_per_mtok_usd = *cl.gpu.cost_per_hour_usd * c.input.strategy.ranks / 3600.0 / c.tokens_per_s * 1e6;
+}
+
+// The plan options a search's candidates are made with.
+PlanOptions search_plan_options(bool timed, double headroom_fraction, bool yes_no) {
+  PlanOptions o;
+  o.simulate_time = timed;
+  o.headroom_fraction = headroom_fraction;
+  o.explain = false;
+  o.names = false;
+  o.skip_replay_when_allocated_overflows = yes_no;
+  return o;
+}
+
+// A Candidate from its plan, priced.
 Candidate candidate_of(const Plan& p, const PlanInput& in, const sim::Cluster& cl) {
   Candidate c;
   c.input = in;
@@ -172,14 +190,8 @@ Candidate candidate_of(const Plan& p, const PlanInput& in, const sim::Cluster& c
     for (auto b : t.collective_bytes) c.comm_bytes += b;
     c.inter_node_bytes = t.inter_node_bytes;
   }
+  price(c, cl);
   return c;
-}
-
-// Cost per million tokens: GPU-hours per token × the price per GPU-hour.
-void price(Candidate& c, const sim::Cluster& cl) {
-  c.cost_per_mtok_usd.reset();
-  if (cl.gpu.cost_per_hour_usd && c.tokens_per_s > 0)
-    c.cost_per_mtok_usd = *cl.gpu.cost_per_hour_usd * c.input.strategy.ranks / 3600.0 / c.tokens_per_s * 1e6;
 }
 
 // The memory figures a candidate holds, which do not depend on the accumulation.
@@ -205,9 +217,9 @@ std::optional<std::uint64_t> on_line(std::uint64_t x0, std::uint64_t x1, std::ui
   return static_cast<std::uint64_t>(v);
 }
 
-// The candidate at accumulation n from its plans at k, k+1, k+2 (plan_candidate's series).
+// The candidate at accumulation n from its plans at k, k+1, k+2 (plan_candidate's series), priced.
 // Ratios to the step (tokens/s, MFU) are carried as their products with it, which are linear.
-std::optional<Candidate> extend_accumulation(const std::array<Candidate, 3>& at, std::int64_t k, std::int64_t n) {
+std::optional<Candidate> extend_accumulation(const std::array<Candidate, 3>& at, std::int64_t k, std::int64_t n, const sim::Cluster& cl) {
   for (int i = 1; i < 3; ++i)
     if (!same_memory(at[0], at[static_cast<std::size_t>(i)])) return std::nullopt;
   Candidate c = at[2];
@@ -236,36 +248,26 @@ std::optional<Candidate> extend_accumulation(const std::array<Candidate, 3>& at,
   if (!ok || !(c.step_s > 0)) return std::nullopt;
   c.tokens_per_s = tokens / c.step_s;
   c.mfu = flops_share / c.step_s;
+  price(c, cl);
   return c;
 }
 
 }  // namespace
 
 Candidate plan_candidate(const PlanInput& in, const sim::Cluster& cl, const CandidateOptions& o, std::int64_t* plans) {
-  PlanOptions po;
-  po.simulate_time = o.timed;
-  po.headroom_fraction = o.headroom_fraction;
-  po.explain = false;
-  po.names = false;
-  po.skip_replay_when_allocated_overflows = o.skip_replay_when_allocated_overflows;
+  const PlanOptions po = search_plan_options(o.timed, o.headroom_fraction, o.skip_replay_when_allocated_overflows);
   auto one = [&](std::int64_t accum) {
     PlanInput x = in;
     x.training.grad_accum = accum;
     if (plans) ++*plans;
-    Candidate c = candidate_of(make_plan(x, cl, po), x, cl);
-    price(c, cl);
-    return c;
+    return candidate_of(make_plan(x, cl, po), x, cl);
   };
   const std::int64_t n = in.training.grad_accum;
   if (o.accumulation_series) {
     constexpr std::int64_t k = 3;  // the series' first point: two micro-steps after the first
     if (o.timed && n >= kAccumulationSeriesFrom) {
-      const std::array<Candidate, 3> at = {one(k), one(k + 1), one(k + 2)};
-      if (auto c = extend_accumulation(at, k, n)) {
-        price(*c, cl);
-        return *c;
-      }
-    } else if (!o.timed && n >= kAccumulationSeriesFrom / 2 + 2) {
+      if (auto c = extend_accumulation({one(k), one(k + 1), one(k + 2)}, k, n, cl)) return *c;
+    } else if (!o.timed && n >= kAccumulationMemorySeriesFrom) {
       Candidate a = one(k), b = one(k + 1);
       if (same_memory(a, b)) {
         b.input.training.grad_accum = n;
@@ -294,17 +296,11 @@ class Search {
                      bool yes_no = false) {
     Candidate c;
     if (series) {
-      PlanOptions o;
-      o.simulate_time = timed;
-      o.headroom_fraction = constraints_.headroom_fraction;
-      o.explain = false;
-      o.names = false;
-      o.skip_replay_when_allocated_overflows = yes_no;
-      Plan p = make_plan_with(in, series->take(in.training.micro_batch), cl, o);
+      Plan p = make_plan_with(in, series->take(in.training.micro_batch), cl,
+                              search_plan_options(timed, constraints_.headroom_fraction, yes_no));
       series->give_back(std::move(p.program));
       ++evaluated_;
       c = candidate_of(p, in, cl);
-      price(c, cl);
     } else {
       CandidateOptions o;
       o.timed = timed;
@@ -599,7 +595,7 @@ std::string behind_top(const Candidate& c, const Candidate& top, Objective o) {
                              100 * more, cs.ranks, cs.ranks == 1 ? "" : "s");
         const double per_gpu = c.tokens_per_s / cs.ranks, top_per_gpu = top.tokens_per_s / ts.ranks;
         return fmt::format("${:.3f} per million tokens, {:.1f}% more than #1's ${:.3f}: {:.0f} tokens/s per GPU against #1's {:.0f}{}",
-                           *c.cost_per_mtok_usd, 100 * (*c.cost_per_mtok_usd / *top.cost_per_mtok_usd - 1), *top.cost_per_mtok_usd, per_gpu,
+                           *c.cost_per_mtok_usd, 100 * more, *top.cost_per_mtok_usd, per_gpu,
                            top_per_gpu, per_gpu < top_per_gpu ? ", " + slower_because(c, top, true) : std::string());
       }
       break;

@@ -116,17 +116,20 @@ struct Recommendation {
 };
 
 // One candidate: `input` planned as make_plan plans it (names and the explanation off), its
-// timeline simulated when `timed`. With a long gradient accumulation N (more than
-// kAccumulationSeriesFrom micro-steps when timed, kAccumulationSeriesFrom / 2 + 2 when not) the
+// timeline simulated when `timed`. With a long gradient accumulation N (at least
+// kAccumulationSeriesFrom micro-steps when timed, kAccumulationMemorySeriesFrom when not) the
 // plan is not built N micro-steps long: a step's micro-steps after the first are the same ops,
-// so the plans at N0 = 3, 4 and 5 (3 and 4 when not timed) give it. Every memory figure must be
+// so the plans at 3, 4 and 5 (3 and 4 when not timed) give it. Every memory figure must be
 // the same at each (the peak and the caching allocator's state do not grow with the
 // accumulation), and every time and byte count per step must move by the same amount from one to
 // the next (the increments agreeing to 1e-9 of the value, the simulator's rounding); then the
 // figures at N are those at the last point plus that amount times the micro-steps between. Else,
 // or with `accumulation_series` off, the plan at N is made in full. `plans`, when given, counts
 // the plans made.
+// Where the series is the cheaper: its plans hold 3 + 4 + 5 = 12 micro-steps (3 + 4 = 7 for
+// memory alone), so from one more than that.
 inline constexpr std::int64_t kAccumulationSeriesFrom = 13;
+inline constexpr std::int64_t kAccumulationMemorySeriesFrom = 8;
 struct CandidateOptions {
   bool timed = true;
   double headroom_fraction = kDefaultHeadroomFraction;
