@@ -61,6 +61,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   planner::PlanInput& in = r.input;
   in.model = models::load_model(f.model);
   in.peft = peft_from_flags(f.peft);
+  for (auto& w : models::unmatched_target_warnings(in.model, in.peft)) r.warnings.push_back(std::move(w));  // once per input, not per plan
   auto& t = in.training;
   t.micro_batch = f.micro_batch;
   t.seq_len = f.seq_len;

@@ -135,7 +135,6 @@ std::vector<std::string> validate(const PlanInput& in) {
   if (s.offload_optimizer == OffloadDevice::cpu && s.stage == Stage::ddp)  // FSDP's case is refused above
     throw KnobError({Knob::offload_optimizer, Knob::stage},
                     "strategy.offload_optimizer cpu: optimizer offload needs a ZeRO stage (zero1, zero2 or zero3), got strategy.stage ddp");
-  for (auto& w : models::unmatched_target_warnings(in.model, in.peft)) warnings.push_back(std::move(w));
   if (in.model.sliding_window && *in.model.sliding_window < t.seq_len)
     warnings.push_back(fmt::format("sliding_window {} < training.seq_len {}: attention is planned over the full sequence",
                                    *in.model.sliding_window, t.seq_len));

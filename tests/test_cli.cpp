@@ -46,6 +46,13 @@ TEST(Cli, ParamsWarnsOfATargetTheModelLacks) {
   EXPECT_NE(r.out.find("warning: " + dir + "/adapter_config.json (adapter \"default\"): target_modules names \"query_key_value\""),
             std::string::npos)
       << r.out;
+  // plan carries it in --json's warnings, once.
+  const Result p = run("plan --model llama-2-7b --json --peft " + dir + "/adapter_config.json");
+  ASSERT_EQ(p.code, 0) << p.out;
+  const auto j = nlohmann::json::parse(p.out.substr(p.out.find('{')));
+  std::size_t named = 0;
+  for (const auto& w : j["warnings"]) named += w.get<std::string>().find("\"query_key_value\"") != std::string::npos;
+  EXPECT_EQ(named, 1u) << j["warnings"].dump();
   std::filesystem::remove_all(dir);
 }
 

@@ -115,7 +115,8 @@ std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const Pef
 // One warning per name of a target_modules list that matches no Linear of the model. PEFT adapts
 // what the other names match and ignores such a name (BaseTuner.inject_adapter raises only when
 // nothing was targeted), so a config written for several architectures ("q_proj", "v_proj",
-// "query_key_value") loads; the planner says which names did nothing.
+// "query_key_value") loads; the CLI warns of each once per input (params, and every command that
+// takes plan's flags).
 std::vector<std::string> unmatched_target_warnings(const ModelSpec& model, const PeftSpec& peft);
 // The same from inventories already computed (planner hot path).
 std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft,
