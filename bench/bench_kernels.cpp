@@ -1,5 +1,6 @@
 // Throughput of the executor's CPU kernels at the shapes a Llama+LoRA step runs: the linear
-// GEMM y[M,K]·W[N,K]^T (M = batch·seq tokens), eager attention forward/backward and RMSNorm.
+// GEMM y[M,K]·W[N,K]^T (M = batch·seq tokens), eager and flash attention forward/backward and
+// RMSNorm.
 // Counters: "GFLOP/s" (FLOPs the kernel executes, 2 per multiply-add; attention counts the full
 // S×S score matrix it computes, not the causal half) and "GB/s" for memory-bound kernels.
 // Times are wall-clock (UseRealTime): the kernels run on every OpenMP thread.
@@ -127,6 +128,38 @@ void AttnShapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_AttentionForward)->Apply(AttnShapes);
 BENCHMARK(BM_AttentionBackward)->Apply(AttnShapes);
+
+// Flash attention at the same shapes (GFLOP/s on the same full-matrix count as eager's, so the
+// two rates compare as times do; the backward's recompute of the scores is not counted).
+void BM_FlashAttentionForward(benchmark::State& state) {
+  const Index B = state.range(0), S = state.range(1), nh = state.range(2), nkv = state.range(3),
+              d = state.range(4);
+  const auto q = random_floats(B * S * nh * d, 1), k = random_floats(B * S * nkv * d, 2),
+             v = random_floats(B * S * nkv * d, 3);
+  std::vector<float> lse(B * nh * S), out(B * S * nh * d);
+  for (auto _ : state) {
+    flash_attention_forward<float>(q.data(), k.data(), v.data(), lse.data(), out.data(), B, S, nh, nkv, d);
+    benchmark::DoNotOptimize(out.data());
+  }
+  gflops(state, 4.0 * B * nh * S * S * d);
+}
+
+void BM_FlashAttentionBackward(benchmark::State& state) {
+  const Index B = state.range(0), S = state.range(1), nh = state.range(2), nkv = state.range(3),
+              d = state.range(4);
+  const auto q = random_floats(B * S * nh * d, 1), k = random_floats(B * S * nkv * d, 2),
+             v = random_floats(B * S * nkv * d, 3), dout = random_floats(B * S * nh * d, 4);
+  std::vector<float> lse(B * nh * S), out(B * S * nh * d), dq(q.size()), dk(k.size()), dv(v.size());
+  flash_attention_forward<float>(q.data(), k.data(), v.data(), lse.data(), out.data(), B, S, nh, nkv, d);
+  for (auto _ : state) {
+    flash_attention_backward<float>(dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), dq.data(),
+                                    dk.data(), dv.data(), B, S, nh, nkv, d);
+    benchmark::DoNotOptimize(dq.data());
+  }
+  gflops(state, 8.0 * B * nh * S * S * d);
+}
+BENCHMARK(BM_FlashAttentionForward)->Apply(AttnShapes);
+BENCHMARK(BM_FlashAttentionBackward)->Apply(AttnShapes);
 
 // RMSNorm forward + backward (with dw); memory-bound: reports GB/s over the bytes touched.
 void BM_RmsNorm(benchmark::State& state) {

@@ -36,7 +36,9 @@
 #include "peftplan/models/config.h"
 #include "peftplan/planner/plan.h"
 #include "peftplan/planner/plan_file.h"
+#include "peftplan/planner/program.h"
 #include "peftplan/planner/validate.h"
+#include "peftplan/sim/compute.h"
 #include "peftplan/sim/memory.h"
 #include "peftplan/sim/trace.h"
 #include "plan_flags.h"
@@ -71,7 +73,8 @@ std::string cpu_model_name() {
 // (calibration.<N>.json beside the default calibration.json: a profile describes ranks sharing
 // the cores, so each rank count has its own). The cached one is made with `peftplan calibrate
 // --ranks N --quick` by this same binary, written where it was looked for: when it is missing,
-// when it predates the speed probe, and when the machine's speed has moved away from it.
+// when it predates the speed probe or has no scale for a kernel `program` runs (calibrate did not
+// measure that kernel yet), and when the machine's speed has moved away from it.
 // "Moved away" is the probe (executor/calibrate.h, speed_probe) taken now differing from the
 // profile's by more than `recalibrate_beyond` — or the profile having been calibrated beside more
 // other work than the machine has now (executor/host_load.h), by more than
@@ -83,13 +86,20 @@ std::string cpu_model_name() {
 // development VM's probe wanders ±10% from minute to minute, and recalibrating on every such
 // swing cost each run 25 s for a profile no better than the last. A profile given with
 // --calibration is the user's: used as it is (validation reports the drift).
-sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double recalibrate_beyond) {
+sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double recalibrate_beyond, const sim::Program& program) {
   const fs::path path = given.empty() ? default_profile_path().replace_filename(fmt::format("{}.{}.json", profile_stem(), N))
                                       : fs::absolute(given);
   std::string why = fmt::format("no calibrated profile for {} rank(s) at {}", N, path.string());
   if (fs::is_regular_file(path)) {
     sim::Cluster c = sim::read_cluster_file(path);
+    // A kernel the run executes that the profile never measured (it predates the kernel).
+    std::string missing;
+    for (sim::Kernel k : sim::uncalibrated_kernels(program, c)) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", sim::name_of(k));
     if (!given.empty()) {
+      if (!missing.empty())
+        fmt::print("warning: the profile {} has no calibration of {} (made before calibrate measured it): those kernels are timed on "
+                   "the uncalibrated roofline; rerun peftplan calibrate\n",
+                   path.string(), missing);
       fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);
       if (sim::total_gpus(c) < N)
         throw input_error("--calibration", "", fmt::format("must profile at least {} ranks, has {} (rerun peftplan calibrate --ranks {})",
@@ -100,7 +110,11 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
       return c;
     }
     const double then = c.host_calibration.speed_probe_flops_per_s;
-    if (sim::total_gpus(c) != N) {
+    if (!missing.empty()) {
+      why = fmt::format("the cached profile {} has no calibration of {}, which this run executes (it was made before calibrate "
+                        "measured them)",
+                        path.string(), missing);
+    } else if (sim::total_gpus(c) != N) {
       why = fmt::format("the cached profile {} has {} rank(s), this run {}", path.string(), sim::total_gpus(c), N);
     } else if (!(then > 0.0)) {
       why = fmt::format("the cached profile {} predates the machine-speed probe", path.string());
@@ -355,7 +369,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
       const int N = pf.input.strategy.ranks;
       if (flags.cluster.empty()) {
         if (!calibrated)
-          calibrated = calibrated_cluster(o->calibration, N, planner::tolerances_for(pf.input.profile).time);
+          calibrated = calibrated_cluster(o->calibration, N, planner::tolerances_for(pf.input.profile).time,
+                                          planner::build_program(pf.input, {.names = false}).program);
         r.cluster = *calibrated;
         profile = "calibrated profile";
       } else if (si == 0) {

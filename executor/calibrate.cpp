@@ -296,8 +296,9 @@ double calibration_noise(const Calibration& cal) {
 
 namespace {
 
-// Calibration's step programs: tiny-llama-4l, LoRA r 8 on every linear, fp32, eager attention;
-// program 0 DDP, 1 ZeRO-2 with optimizer offload and a bf16 base, 2 ZeRO-3.
+// Calibration's step programs: tiny-llama-4l, LoRA r 8 on every linear, fp32; program 0 DDP,
+// 1 ZeRO-2 with optimizer offload, a bf16 base and flash attention, 2 ZeRO-3; 0 and 2 run eager
+// attention, so each attention kernel is timed at both sizes.
 planner::PlanFile calibration_plan(int program, std::int64_t micro_batch, std::int64_t seq_len, int ranks) {
   PEFTPLAN_CHECK(program >= 0 && program < 3 && ranks >= 1);
   planner::PlanFile pf;
@@ -312,7 +313,7 @@ planner::PlanFile calibration_plan(int program, std::int64_t micro_batch, std::i
   in.training.micro_batch = micro_batch;
   in.training.seq_len = seq_len;
   in.training.precision = planner::Precision::fp32;
-  in.training.attention = planner::Attention::eager;
+  in.training.attention = program == 1 ? planner::Attention::flash : planner::Attention::eager;
   in.training.lr = 1e-4;
   in.profile = planner::RuntimeProfile::executor;
   in.strategy.ranks = ranks;
@@ -1300,8 +1301,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   // 4. The executor's own kernels: all N ranks run a calibration step program at once, the
   // op times of the steps after the first are kept. Three programs cover every kernel class and
   // every way a collective meets compute: DDP with an fp32 base (device AdamW; one all_reduce
-  // after backward), ZeRO-2 with optimizer offload and a bf16 base (host AdamW, copies, casts;
-  // reduce_scatter and all_gather around the optimizer) and ZeRO-3 (all_gathers issued while the
+  // after backward), ZeRO-2 with optimizer offload, a bf16 base and flash attention (host AdamW,
+  // copies, casts; reduce_scatter and all_gather around the optimizer) and ZeRO-3 (all_gathers issued while the
   // layers compute, reduce_scatters during backward). tiny-llama-4l, LoRA r 8 on every linear,
   // each at two sizes, B 2 × S 128 and B 8 × S 256 (8x the tokens), so that fit_kernel_scales can
   // tell a kernel's per-call overhead from its rate: steps of milliseconds to a few hundred
@@ -1339,7 +1340,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     for (std::int64_t k = 0; k < pf.run.steps; ++k) session.step();
     Measurement m = session.measurement();
     gather_ranks(m, world);  // every rank's collective times, for the transfer and the wait
-    static constexpr const char* kNames[] = {"ddp fp32", "zero2+offload bf16", "zero3 fp32"};
+    static constexpr const char* kNames[] = {"ddp fp32", "zero2+offload bf16 flash", "zero3 fp32"};
     const std::string label = fmt::format("{} B{} S{}", kNames[prog], micro_batch, seq_len);
     const sim::Program& p = session.program();
     const double step = planner::steady_step_s(m.step_times_s);  // as validate measures a run's step

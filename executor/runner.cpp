@@ -123,6 +123,17 @@ void Session::Impl::compute(const sim::Op& op) {
                             floats(o.scratch), o.B, o.S, o.nh, o.nkv, o.d);
       return;
     }
+    case Kernel::flash_attention_fwd: {
+      const auto o = ops::read<ops::FlashAttentionFwd>(program, op);
+      be.flash_attention_forward(at(o.q), at(o.k), at(o.v), at(o.lse), at(o.out), o.B, o.S, o.nh, o.nkv, o.d);
+      return;
+    }
+    case Kernel::flash_attention_bwd: {
+      const auto o = ops::read<ops::FlashAttentionBwd>(program, op);
+      be.flash_attention_backward(at(o.d_out), at(o.q), at(o.k), at(o.v), at(o.out), at(o.lse), at(o.dq), at(o.dk), at(o.dv), o.B,
+                                  o.S, o.nh, o.nkv, o.d);
+      return;
+    }
     case Kernel::residual_add: {
       const auto o = ops::read<ops::ResidualAdd>(program, op);
       if (o.out >= 0) be.add(at(o.a), at(o.b), at(o.out), o.n);

@@ -385,14 +385,15 @@ class Builder {
   std::int32_t group() const { return s_.stage == Stage::fsdp_hybrid_shard && s_.shard_group > 0 ? s_.shard_group : s_.ranks; }
   // ZeRO-3 as the executor runs it: the program names every tensor's place in the unit's
   // gathered buffer and the shards the all_gathers read (see setup and gather_unit).
-  // The fraction of eager attention's S x S_kv score GEMM work that is done. PyTorch's eager
-  // attention (transformers' eager_attention_forward) multiplies the full matrices and masks
-  // afterwards: all of it. The executor (executor/cpu/attention.cpp) multiplies causal row
-  // blocks of kExecAttentionRows rows, each against the columns up to its last row, and skips
-  // the blocks above the diagonal: with nb = ceil(S / rows) blocks, (nb + 1) / (2 nb) of the work
-  // when S_kv = S (3/4 at S 128, 5/8 at S 256, towards 1/2).
-  double eager_gemm_fraction() const {
-    if (in_.profile != RuntimeProfile::executor || kv_len_ != t_.seq_len) return 1.0;
+  // The fraction of attention's S x S_kv score GEMM work that is done. PyTorch's eager attention
+  // (transformers' eager_attention_forward) multiplies the full matrices and masks afterwards: all
+  // of it; flash-attn skips the blocks above the diagonal: half of it at large S. The executor
+  // (executor/cpu/attention.cpp, eager and flash alike) multiplies causal row blocks of
+  // kExecAttentionRows rows, each against the columns up to its last row, and skips the blocks
+  // above the diagonal: with nb = ceil(S / rows) blocks, (nb + 1) / (2 nb) of the work when
+  // S_kv = S (3/4 at S 128, 5/8 at S 256, towards 1/2).
+  double score_work_fraction() const {
+    if (in_.profile != RuntimeProfile::executor || kv_len_ != t_.seq_len) return t_.attention == Attention::eager ? 1.0 : 0.5;
     const std::int64_t S = t_.seq_len, rows = kExecAttentionRows;
     double done = 0.0;  // sum over row blocks of rows x columns multiplied
     for (std::int64_t i0 = 0; i0 < S; i0 += rows)

@@ -277,19 +277,22 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   aw.gemm_count = static_cast<std::int32_t>(B * nh);
   aw.flops = 4.0 * static_cast<double>(B * nh) * static_cast<double>(S) * static_cast<double>(kv) * static_cast<double>(d);
   probs = alloc_slot(Slot::attn_scores, keep);
+  aw.flops *= score_work_fraction();  // causal blocks above the diagonal: computed (eager) or skipped
   if (t_.attention == Attention::eager) {
     aw.bytes_moved = act(B * nh * S * kv) * 3 + act(M_ * (m_.q_width() + 2 * m_.kv_width()));
-    aw.flops *= eager_gemm_fraction();
     if (T.row(Slot::attn_probs_fp32)) probs32 = alloc_slot(Slot::attn_probs_fp32, keep);  // the Llama family's code
   } else {
-    aw.flops /= 2.0;  // causal blocks above the diagonal are skipped
     aw.bytes_moved = act(M_ * (2 * m_.q_width() + 2 * m_.kv_width()));
   }
   const bool out_saved = T.kept(Slot::attn_out);
   const std::int32_t attn_out = alloc_slot(Slot::attn_out, cat_for(out_saved));
-  compute(t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, P, aw,
-          ops::AttentionFwd{.q = qkv.empty() ? -1 : qkv[0], .k = qkv.size() > 1 ? qkv[1] : -1, .v = qkv.size() > 2 ? qkv[2] : -1, .probs = probs,
-                            .out = attn_out, .B = B, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
+  const ops::Id q = qkv.empty() ? -1 : qkv[0], k = qkv.size() > 1 ? qkv[1] : -1, v = qkv.size() > 2 ? qkv[2] : -1;
+  if (t_.attention == Attention::eager)
+    compute("attention_eager", l, P, aw,
+            ops::AttentionFwd{.q = q, .k = k, .v = v, .probs = probs, .out = attn_out, .B = B, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
+  else
+    compute("attention_flash", l, P, aw,
+            ops::FlashAttentionFwd{.q = q, .k = k, .v = v, .lse = probs, .out = attn_out, .B = B, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
   for (std::int32_t b : qkv) save(b);
   save(probs);
   if (probs32 >= 0) save(probs32);
@@ -470,19 +473,23 @@ void Builder::layer_backward(std::int32_t l) {
   aw.gemm_count = static_cast<std::int32_t>(Bm * nh);
   aw.flops = 8.0 * static_cast<double>(Bm * nh) * static_cast<double>(S) * static_cast<double>(kv) * static_cast<double>(d);
   std::int32_t dprobs = -1;
+  aw.flops *= score_work_fraction();
   if (t_.attention == Attention::eager) {
     dprobs = alloc([&] { return pre + ".attn.d_probs"; }, Cat::workspace, act(Bm * nh * S * kv), B);
     aw.bytes_moved = act(Bm * nh * S * kv) * 4 + act(M_ * (2 * m_.q_width() + 4 * m_.kv_width()));
-    aw.flops *= eager_gemm_fraction();
   } else {
-    aw.flops /= 2.0;
     aw.flops *= 1.25;  // FlashAttention-2 backward recomputes the scores (5 GEMMs instead of 4)
     aw.bytes_moved = act(M_ * (3 * m_.q_width() + 4 * m_.kv_width()));
   }
-  compute(t_.attention == Attention::eager ? "attention_eager" : "attention_flash", l, B, aw,
-          ops::AttentionBwd{.d_out = d_attn, .probs = lb.probs, .q = lb.qkv[0], .k = lb.qkv[1], .v = lb.qkv[2],
-                            .dq = d_qkv.empty() ? -1 : d_qkv[0], .dk = d_qkv.size() > 1 ? d_qkv[1] : -1,
-                            .dv = d_qkv.size() > 2 ? d_qkv[2] : -1, .scratch = dprobs, .B = Bm, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
+  const ops::Id dq = d_qkv.empty() ? -1 : d_qkv[0], dk = d_qkv.size() > 1 ? d_qkv[1] : -1, dv = d_qkv.size() > 2 ? d_qkv[2] : -1;
+  if (t_.attention == Attention::eager)
+    compute("attention_eager", l, B, aw,
+            ops::AttentionBwd{.d_out = d_attn, .probs = lb.probs, .q = lb.qkv[0], .k = lb.qkv[1], .v = lb.qkv[2], .dq = dq, .dk = dk, .dv = dv,
+                              .scratch = dprobs, .B = Bm, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
+  else  // flash reads the forward's output (FlashAttnFunc saves it; runtime rule attention_saves_output)
+    compute("attention_flash", l, B, aw,
+            ops::FlashAttentionBwd{.d_out = d_attn, .q = lb.qkv[0], .k = lb.qkv[1], .v = lb.qkv[2], .out = lb.attn_out, .lse = lb.probs, .dq = dq,
+                                   .dk = dk, .dv = dv, .B = Bm, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
   free(dprobs, B);
   free(d_attn, B);
   if (m_.rms_norm() || m_.arch == models::Arch::gpt_neox || m_.arch == models::Arch::falcon)

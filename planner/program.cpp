@@ -179,7 +179,6 @@ std::string executor_limitation(const PlanInput& in) {
   if (st.offload_optimizer != OffloadDevice::none && !can_offload_optimizer(st.stage)) return "optimizer offload with ddp (it needs a ZeRO stage)";
   if (is_fsdp(st.stage)) return fmt::format("strategy {} (supported: ddp, zero1, zero2, zero3)", name_of(st.stage));
   const auto& t = in.training;
-  if (t.attention != Attention::eager) return "flash attention (use eager)";
   if (t.optimizer != Optimizer::adamw) return fmt::format("optimizer {} (supported: adamw)", name_of(t.optimizer));
   if (t.full_finetune || in.peft.adapters.empty()) return "full fine-tuning (LoRA only)";
   if (in.peft.quantization) return "quantised base weights";

@@ -75,8 +75,10 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   switch (in.profile) {
     case RuntimeProfile::executor:
       // Our executor (executor/): every buffer is in the program; tokens are int32 ids and
-      // targets; no library outside it.
+      // targets; no library outside it. Its flash attention, like flash-attn's FlashAttnFunc,
+      // reads the forward's output in backward (D = Σ d_out ⊙ out per row; kernels.h §5b).
       r.fp32_master_for_mixed = false;
+      r.attention_saves_output = in.training.attention == Attention::flash;
       return r;
     case RuntimeProfile::deepspeed:
       // The HF model under DeepSpeed's engine: the model side as under hf. DeepSpeed casts the

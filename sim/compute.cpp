@@ -36,7 +36,9 @@ bool is_gemm_kernel(Kernel k) {
     case Kernel::lora_fwd:
     case Kernel::lora_bwd:
     case Kernel::attention_fwd:
-    case Kernel::attention_bwd: return true;
+    case Kernel::attention_bwd:
+    case Kernel::flash_attention_fwd:
+    case Kernel::flash_attention_bwd: return true;
     default: return false;
   }
 }
@@ -92,6 +94,21 @@ double copy_time_s(std::uint64_t bytes, const Cluster& cluster) {
   return static_cast<double>(bytes) /
              (cluster.host_device_bytes_per_s * cluster.efficiency.host_device) * s +
          cluster.efficiency.kernel_launch_s;
+}
+
+std::vector<Kernel> uncalibrated_kernels(const Program& program, const Cluster& cluster) {
+  const auto& scale = cluster.host_calibration.kernel_scale;
+  if (std::none_of(scale.begin(), scale.end(), [](double x) { return x > 0.0; })) return {};
+  std::array<bool, kKernelSlots> seen{};
+  std::vector<Kernel> out;
+  for (const Op& op : program.ops) {
+    if (op.kind != OpKind::compute || op.stream == Stream::host || op.kernel == Kernel::none) continue;
+    const auto i = static_cast<std::size_t>(op.kernel);
+    if (i >= kKernelSlots || seen[i]) continue;
+    seen[i] = true;
+    if (!(scale[i] > 0.0)) out.push_back(op.kernel);
+  }
+  return out;
 }
 
 }  // namespace peftplan::sim

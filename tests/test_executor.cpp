@@ -47,6 +47,7 @@ struct Config {
   std::optional<DType> base;
   planner::Stage stage = planner::Stage::ddp;
   planner::OffloadDevice offload_optimizer = planner::OffloadDevice::none;
+  planner::Attention attention = planner::Attention::eager;
 };
 
 planner::PlanFile make_plan(const Config& c) {
@@ -66,7 +67,7 @@ planner::PlanFile make_plan(const Config& c) {
   in.training.seq_len = c.S;
   in.training.grad_accum = c.accum;
   in.training.precision = planner::Precision::fp32;
-  in.training.attention = planner::Attention::eager;
+  in.training.attention = c.attention;
   in.training.checkpointing = c.ckpt;
   in.training.checkpoint_every = c.ckpt_every;
   in.training.base_storage = c.base;
@@ -121,6 +122,13 @@ TEST(ExecutorMemory, MeasuredEqualsPredictedExactly) {
   { Config c; c.model = "tiny-qwen2"; c.base = DType::bf16; c.rslora = true; c.accum = 2; cases.push_back(c); }  // qwen2 q/k/v bias
   { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.targets = {"k_proj", "down_proj"}; cases.push_back(c); }  // GQA 4:1
   { Config c; c.model = "tiny-llama-4l"; c.ckpt = planner::Checkpointing::every_k; c.ckpt_every = 2; c.dropout = 0.1; cases.push_back(c); }
+  // Flash attention: the log-sum-exp instead of the probabilities, and its output kept for the
+  // backward (o_proj not adapted: only attention keeps it), under checkpointing, and with LoRA
+  // on o_proj (whose adapter keeps it too).
+  { Config c; c.attention = planner::Attention::flash; c.S = 70; c.B = 1; cases.push_back(c); }
+  { Config c; c.attention = planner::Attention::flash; c.ckpt = planner::Checkpointing::full; cases.push_back(c); }
+  { Config c; c.attention = planner::Attention::flash; c.dropout = 0.1; c.targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; cases.push_back(c); }
   for (const Config& c : cases) {
     const planner::PlanFile pf = make_plan(c);
     Session s(pf, cpu_backend(), corpus(pf));
@@ -128,8 +136,9 @@ TEST(ExecutorMemory, MeasuredEqualsPredictedExactly) {
     s.step();
     const sim::MemoryProfile want = sim::walk_memory(s.program());
     const MemoryStats& got = s.memory();
-    const std::string what = fmt::format("{} targets {} dropout {} accum {} ckpt {} base {}", c.model, fmt::join(c.targets, ","), c.dropout,
-                                         c.accum, planner::name_of(c.ckpt), c.base ? name_of(*c.base) : "fp32");
+    const std::string what = fmt::format("{} targets {} dropout {} accum {} ckpt {} base {} attention {}", c.model, fmt::join(c.targets, ","),
+                                         c.dropout, c.accum, planner::name_of(c.ckpt), c.base ? name_of(*c.base) : "fp32",
+                                         planner::name_of(c.attention));
     for (int k = 0; k < sim::kNumCategories; ++k)
       EXPECT_EQ(got.peak_bytes[static_cast<std::size_t>(k)], want.category_peak_bytes[static_cast<std::size_t>(k)])
           << what << ": " << sim::name_of(static_cast<sim::MemCategory>(k));
@@ -169,6 +178,9 @@ TEST_P(ExecutorDevice, TrainsAsTheCpuBackendDoes) {
   { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.targets = {"k_proj", "down_proj"}; c.S = 32; cases.push_back(c); }
   // The offloaded optimizer: gradients copied to pinned host memory, AdamW on the host.
   { Config c; c.stage = planner::Stage::zero2; c.offload_optimizer = planner::OffloadDevice::cpu; cases.push_back(c); }
+  // Flash attention over two tiles, GQA, under checkpointing.
+  { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.attention = planner::Attention::flash; c.S = 96;
+    c.B = 1; c.ckpt = planner::Checkpointing::full; cases.push_back(c); }
   for (const Config& c : cases) {
     planner::PlanFile pf = make_plan(c);
     pf.input.training.lr = 3e-3;
@@ -311,6 +323,8 @@ TEST(ExecutorGradients, LoraGradientsMatchFiniteDifferences) {
     c.ckpt = planner::Checkpointing::full; c.dropout = 0.1; cases.push_back(c); }
   { Config c; c.model = "tiny-llama-tied"; c.targets = {"k_proj", "o_proj", "up_proj"}; c.S = 12; cases.push_back(c); }
   { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.targets = {"q_proj", "k_proj", "gate_proj"}; cases.push_back(c); }
+  { Config c; c.attention = planner::Attention::flash; c.targets = {"q_proj", "k_proj", "v_proj"}; c.S = 70; c.B = 1;
+    c.ckpt = planner::Checkpointing::full; cases.push_back(c); }
   for (const Config& c : cases) {
     const planner::PlanFile pf = make_plan(c);
     Session s(pf, cpu_backend(), corpus(pf));
@@ -358,6 +372,29 @@ TEST(ExecutorGradients, LoraGradientsMatchFiniteDifferences) {
     s.set_trainable_weights(w);
     EXPECT_NEAR((up - down) / (2 * h), g[imax], 2e-4 + 2e-2 * std::abs(g[imax])) << c.model;
   }
+}
+
+// Flash and eager attention are one function (kernels.h §5b): the same plan with either trains
+// the same, step for step, to fp32 rounding in another summation order (the bound: 1e-5 relative,
+// 80x fp32's ε of 1.2e-7, over three AdamW steps), while the flash step's activations peak is
+// lower: it saves no [B, nh, S, S] probabilities.
+TEST(ExecutorAttention, FlashTrainsAsEagerDoes) {
+  Config c;
+  c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral";
+  c.targets = {"q_proj", "v_proj", "down_proj"};
+  c.S = 96;
+  c.dropout = 0.1;
+  Config f = c;
+  f.attention = planner::Attention::flash;
+  const planner::PlanFile pe = make_plan(c), pfl = make_plan(f);
+  Session eager(pe, cpu_backend(), corpus(pe)), flash(pfl, cpu_backend(), corpus(pfl));
+  for (int k = 0; k < 3; ++k) {
+    const StepStats want = eager.step(), got = flash.step();
+    EXPECT_NEAR(got.loss, want.loss, 1e-5 * std::abs(want.loss)) << "step " << k + 1;
+    EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "step " << k + 1;
+  }
+  const auto act = static_cast<std::size_t>(sim::MemCategory::activations);
+  EXPECT_LT(flash.memory().peak_bytes[act], eager.memory().peak_bytes[act]);
 }
 
 // Dropout masks in the backend are the kernels' counter-based masks (kernels.h dropout_mask).

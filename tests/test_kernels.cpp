@@ -554,6 +554,97 @@ TEST(Attention, LargerShapeFloatAgainstDouble) {
   expect_close(dvf, dv, 1e-4, kF32Rel, "dv");
 }
 
+// ------------------------------------------------------------------------- flash attention
+
+// Each row's log Σ_{j<=i} exp(score) of the naive loop, for the flash kernel's saved lse.
+Vec naive_lse(const Vec& q, const Vec& k, const AttnCase& c) {
+  const Index rep = c.nh / c.nkv;
+  Vec lse(c.B * c.nh * c.S);
+  for (Index b = 0; b < c.B; ++b)
+    for (Index h = 0; h < c.nh; ++h)
+      for (Index i = 0; i < c.S; ++i) {
+        double z = 0;
+        for (Index j = 0; j <= i; ++j) {
+          double s = 0;
+          for (Index t = 0; t < c.d; ++t)
+            s += q[((b * c.S + i) * c.nh + h) * c.d + t] * k[((b * c.S + j) * c.nkv + h / rep) * c.d + t];
+          z += std::exp(s / std::sqrt(static_cast<double>(c.d)));
+        }
+        lse[(b * c.nh + h) * c.S + i] = std::log(z);
+      }
+  return lse;
+}
+
+class FlashAttentionTest : public ::testing::TestWithParam<AttnCase> {};
+
+TEST_P(FlashAttentionTest, ForwardMatchesNaiveLoopAndBackwardMatchesEager) {
+  // Flash computes eager attention exactly in real arithmetic (Dao 2023, Algorithm 1 and 2 are
+  // rearrangements of softmax(QKᵀ/√d)V), so in double both agree to rounding.
+  const auto c = GetParam();
+  const Vec q = random_vec(c.B * c.S * c.nh * c.d, 1, -2, 2), k = random_vec(c.B * c.S * c.nkv * c.d, 2, -2, 2);
+  const Vec v = random_vec(c.B * c.S * c.nkv * c.d, 3), G = random_vec(q.size(), 4);
+  Vec lse(c.B * c.nh * c.S, 7.0), out(q.size(), 7.0);
+  flash_attention_forward(q.data(), k.data(), v.data(), lse.data(), out.data(), c.B, c.S, c.nh, c.nkv, c.d);
+  expect_close(out, naive_attention(q, k, v, c, nullptr), 1e-12, "out");
+  expect_close(lse, naive_lse(q, k, c), 1e-12, "lse");
+  Vec P(c.B * c.nh * c.S * c.S), eo(q.size()), scratch(attention_backward_scratch_elems(c.S, 2));
+  Vec edq(q.size()), edk(k.size()), edv(v.size());
+  attention_forward(q.data(), k.data(), v.data(), P.data(), eo.data(), c.B, c.S, c.nh, c.nkv, c.d);
+  attention_backward(G.data(), q.data(), k.data(), v.data(), P.data(), edq.data(), edk.data(), edv.data(), scratch.data(),
+                     static_cast<Index>(scratch.size()), c.B, c.S, c.nh, c.nkv, c.d);
+  Vec dq(q.size(), 5.0), dk(k.size(), 5.0), dv(v.size(), 5.0);  // overwritten by the kernel
+  flash_attention_backward(G.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), dq.data(), dk.data(), dv.data(), c.B,
+                           c.S, c.nh, c.nkv, c.d);
+  expect_close(dq, edq, 1e-11, "dq");
+  expect_close(dk, edk, 1e-11, "dk");
+  expect_close(dv, edv, 1e-11, "dv");
+  // fp32 against the double reference
+  auto qf = cast<float>(q), kf = cast<float>(k), vf = cast<float>(v), Gf = cast<float>(G);
+  std::vector<float> lf(lse.size()), of(out.size()), dqf(q.size()), dkf(k.size()), dvf(v.size());
+  flash_attention_forward(qf.data(), kf.data(), vf.data(), lf.data(), of.data(), c.B, c.S, c.nh, c.nkv, c.d);
+  flash_attention_backward(Gf.data(), qf.data(), kf.data(), vf.data(), of.data(), lf.data(), dqf.data(), dkf.data(), dvf.data(),
+                           c.B, c.S, c.nh, c.nkv, c.d);
+  expect_close(of, out, kF32Abs, kF32Rel, "out f32");
+  expect_close(lf, lse, kF32Abs, kF32Rel, "lse f32");
+  expect_close(dqf, dq, 1e-4, kF32Rel, "dq f32");
+  expect_close(dkf, dk, 1e-4, kF32Rel, "dk f32");
+  expect_close(dvf, dv, 1e-4, kF32Rel, "dv f32");
+}
+
+// Finite differences on the small shapes (each costs two forwards per element).
+class FlashAttentionFdTest : public ::testing::TestWithParam<AttnCase> {};
+
+TEST_P(FlashAttentionFdTest, BackwardMatchesFiniteDifferences) {
+  const auto c = GetParam();
+  Vec q = random_vec(c.B * c.S * c.nh * c.d, 1, -2, 2), k = random_vec(c.B * c.S * c.nkv * c.d, 2, -2, 2);
+  Vec v = random_vec(c.B * c.S * c.nkv * c.d, 3);
+  const Vec G = random_vec(q.size(), 4);
+  Vec lse(c.B * c.nh * c.S), out(q.size());
+  auto loss = [&] {
+    Vec l(lse.size()), o(out.size());
+    flash_attention_forward(q.data(), k.data(), v.data(), l.data(), o.data(), c.B, c.S, c.nh, c.nkv, c.d);
+    return dot(o, G);
+  };
+  flash_attention_forward(q.data(), k.data(), v.data(), lse.data(), out.data(), c.B, c.S, c.nh, c.nkv, c.d);
+  Vec dq(q.size()), dk(k.size()), dv(v.size());
+  flash_attention_backward(G.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), dq.data(), dk.data(), dv.data(), c.B,
+                           c.S, c.nh, c.nkv, c.d);
+  expect_fd(q, dq, loss, "dq");
+  expect_fd(k, dk, loss, "dk");
+  expect_fd(v, dv, loss, "dv");
+}
+
+// The small shapes of AttentionTest, and shapes over several kExecAttentionRows (64) tiles: a
+// partial last tile (S 150 = 64 + 64 + 22), an exact multiple (128), GQA and MQA across tiles;
+// finite differences on the small ones and one of two tiles (S 66, d 2).
+INSTANTIATE_TEST_SUITE_P(Kernels, FlashAttentionTest,
+                         ::testing::Values(AttnCase{2, 5, 4, 2, 3}, AttnCase{1, 6, 2, 2, 4}, AttnCase{2, 4, 3, 1, 2},
+                                           AttnCase{1, 1, 2, 1, 3}, AttnCase{1, 150, 4, 2, 8}, AttnCase{2, 128, 2, 1, 5},
+                                           AttnCase{1, 65, 3, 3, 4}));
+INSTANTIATE_TEST_SUITE_P(Kernels, FlashAttentionFdTest,
+                         ::testing::Values(AttnCase{2, 5, 4, 2, 3}, AttnCase{1, 6, 2, 2, 4}, AttnCase{2, 4, 3, 1, 2},
+                                           AttnCase{1, 1, 2, 1, 3}, AttnCase{1, 66, 2, 1, 2}));
+
 // ----------------------------------------------------------------------------------- SwiGLU
 
 TEST(SwiGlu, ForwardAndBackward) {

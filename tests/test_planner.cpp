@@ -3,6 +3,7 @@
 // the ZeRO paper's §7.
 #include <algorithm>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -311,8 +312,10 @@ TEST(SavedTable, GptLayerRowsAreKorthikantisItems) {
 // that allocated another size, dtype or set than its table would fail here.
 TEST(SavedTable, IsWhatEachProfileAllocates) {
   for (const RuntimeProfile profile : {RuntimeProfile::executor, RuntimeProfile::deepspeed, RuntimeProfile::hf}) {
-    for (const bool qlora : {false, true}) {
-      if (qlora && profile == RuntimeProfile::executor) continue;  // the executor runs no quantised base
+    // The executor: eager and flash attention (it runs no quantised base); the HF profiles:
+    // flash, with and without a 4-bit base.
+    const bool exec = profile == RuntimeProfile::executor;
+    for (const auto& [qlora, attention] : {std::pair{false, exec ? Attention::eager : Attention::flash}, std::pair{!exec, Attention::flash}}) {
       PlanInput in = llama7b_lora(Stage::ddp, 1);
       in.profile = profile;
       in.model = models::load_model("tiny-llama-2l");
@@ -320,7 +323,7 @@ TEST(SavedTable, IsWhatEachProfileAllocates) {
       in.peft.adapters[0].lora.dropout = 0.05;
       in.training.seq_len = 64;
       in.training.micro_batch = 2;
-      in.training.attention = profile == RuntimeProfile::executor ? Attention::eager : Attention::flash;
+      in.training.attention = attention;
       if (qlora) in.peft.quantization = models::Quantization{};
       if (profile == RuntimeProfile::executor) in.training.precision = Precision::fp32;
       const SavedTable t = saved_for_backward(in, 1);
@@ -337,7 +340,7 @@ TEST(SavedTable, IsWhatEachProfileAllocates) {
       std::uint64_t held = 0;
       for (std::int32_t b : live)
         if (p.buffers[static_cast<std::size_t>(b)].category == MemCategory::activations) held += p.buffers[static_cast<std::size_t>(b)].bytes;
-      EXPECT_EQ(held, t.kept_bytes()) << name_of(profile) << (qlora ? " QLoRA" : "");
+      EXPECT_EQ(held, t.kept_bytes()) << name_of(profile) << " " << name_of(in.training.attention) << (in.peft.quantization ? " QLoRA" : "");
       EXPECT_GT(t.kept_bytes(), 0u);
     }
   }

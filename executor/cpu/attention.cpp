@@ -2,8 +2,9 @@
 // (batch, head) over strided views of the [B,S,heads,d] activations (no transposed copies).
 // Mirrors transformers' eager_attention_forward with repeat_kv: query head h reads kv head
 // h / (nh/nkv); scores = q·kᵀ · (1/√d) + causal mask; softmax in the compute type; out = P·v.
-// Deliberately not here: flash-style tiling (the saved P[B,nh,S,S] is what the planner counts
-// for eager attention), attention masks other than causal, dropout on P.
+// Flash attention (kernels.h §5b) computes the same attention in kExecAttentionRows-square tiles
+// with an online softmax and keeps only each row's log-sum-exp.
+// Deliberately not here: attention masks other than causal, dropout on P.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -119,6 +120,126 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
     }
   }
 }
+
+namespace {
+
+constexpr Index kTile = planner::kExecAttentionRows;  // queries and keys per tile (the planner counts this work)
+// A tile of scores or probabilities: at most kTile × kTile, held inline (on the stack), so a
+// kernel allocates nothing the tracked allocator does not see.
+template <typename T>
+using Tile = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor, kTile, kTile>;
+template <typename T>
+using Col = Eigen::Array<T, Eigen::Dynamic, 1, 0, kTile, 1>;
+
+// The scaled scores of query rows [i0, i0+rows) against key rows [j0, j0+cols), with the keys
+// after each query masked to −∞ (only the diagonal tile has any).
+template <typename T>
+void score_tile(const CSMap<T>& Q, const CSMap<T>& K, Index i0, Index rows, Index j0, Index cols, T scale,
+                Tile<T>& sc) {
+  sc.resize(rows, cols);
+  sc.noalias() = Q.middleRows(i0, rows) * K.middleRows(j0, cols).transpose();
+  sc *= scale;
+  if (j0 + cols > i0 + 1)
+    for (Index r = 0; r < rows; ++r)
+      for (Index c = std::max<Index>(0, i0 + r + 1 - j0); c < cols; ++c) sc(r, c) = -std::numeric_limits<T>::infinity();
+}
+
+}  // namespace
+
+template <typename T>
+void flash_attention_forward(const T* q, const T* k, const T* v, T* lse, T* out, Index B, Index S, Index nh,
+                             Index nkv, Index d) {
+  PEFTPLAN_CHECK_MSG(nkv > 0 && nh % nkv == 0, "heads {} not a multiple of kv heads {}", nh, nkv);
+  const Index rep = nh / nkv, tiles = (S + kTile - 1) / kTile;
+  const T scale = T(1) / std::sqrt(static_cast<T>(d));
+  // One (batch, head, query tile) per task: each owns its rows of out and lse.
+#pragma omp parallel for collapse(3) schedule(dynamic)
+  for (Index b = 0; b < B; ++b) {
+    for (Index h = 0; h < nh; ++h) {
+      for (Index t = 0; t < tiles; ++t) {
+        const Index kvh = h / rep, i0 = t * kTile, rows = std::min(kTile, S - i0);
+        CSMap<T> Q(q + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+        CSMap<T> K(k + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
+        CSMap<T> Vm(v + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
+        SMap<T> O(out + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+        auto Oi = O.middleRows(i0, rows);  // the unnormalised accumulator until the last tile
+        Oi.setZero();
+        Col<T> m = Col<T>::Constant(rows, -std::numeric_limits<T>::infinity()), l = Col<T>::Zero(rows);
+        Tile<T> sc;
+        for (Index j0 = 0; j0 < i0 + rows; j0 += kTile) {
+          const Index cols = std::min(kTile, i0 + rows - j0);
+          score_tile(Q, K, i0, rows, j0, cols, scale, sc);
+          // online softmax: m' = max(m, rowmax), l' = l·e^(m−m') + Σ e^(s−m'), O' = e^(m−m')·O + P·V
+          const Col<T> m_new = m.max(sc.rowwise().maxCoeff().array());
+          const Col<T> alpha = (m - m_new).exp();
+          sc = (sc.array().colwise() - m_new).exp().matrix();
+          l = l * alpha + sc.rowwise().sum().array();
+          Oi = alpha.matrix().asDiagonal() * Oi;
+          Oi.noalias() += sc * Vm.middleRows(j0, cols);
+          m = m_new;
+        }
+        Oi = l.inverse().matrix().asDiagonal() * Oi;
+        Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>(lse + (b * nh + h) * S + i0, rows) = m + l.log();
+      }
+    }
+  }
+}
+
+template <typename T>
+void flash_attention_backward(const T* dout, const T* q, const T* k, const T* v, const T* out, const T* lse, T* dq,
+                              T* dk, T* dv, Index B, Index S, Index nh, Index nkv, Index d) {
+  PEFTPLAN_CHECK_MSG(nkv > 0 && nh % nkv == 0, "heads {} not a multiple of kv heads {}", nh, nkv);
+  const Index rep = nh / nkv;
+  const T scale = T(1) / std::sqrt(static_cast<T>(d));
+  // Tasks are (batch, kv head), as in attention_backward: the rep query heads sharing a kv head
+  // run in one task, which owns their dq rows and the kv head's dk and dv.
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (Index b = 0; b < B; ++b) {
+    for (Index kvh = 0; kvh < nkv; ++kvh) {
+      CSMap<T> K(k + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
+      CSMap<T> Vm(v + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
+      SMap<T> dK(dk + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
+      SMap<T> dV(dv + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
+      dK.setZero();
+      dV.setZero();
+      Tile<T> p, dp;
+      for (Index h = kvh * rep; h < (kvh + 1) * rep; ++h) {
+        CSMap<T> Q(q + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+        CSMap<T> O(out + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+        CSMap<T> dO(dout + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+        SMap<T> dQ(dq + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+        for (Index i0 = 0; i0 < S; i0 += kTile) {
+          const Index rows = std::min(kTile, S - i0);
+          const Col<T> D = (dO.middleRows(i0, rows).array() * O.middleRows(i0, rows).array()).rowwise().sum();
+          const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> L(lse + (b * nh + h) * S + i0, rows);
+          auto dQi = dQ.middleRows(i0, rows);
+          dQi.setZero();
+          for (Index j0 = 0; j0 < i0 + rows; j0 += kTile) {
+            const Index cols = std::min(kTile, i0 + rows - j0);
+            score_tile(Q, K, i0, rows, j0, cols, scale, p);
+            p = (p.array().colwise() - L).exp().matrix();  // P = e^(s − lse); masked: e^−∞ = 0
+            dV.middleRows(j0, cols).noalias() += p.transpose() * dO.middleRows(i0, rows);
+            dp.resize(rows, cols);
+            dp.noalias() = dO.middleRows(i0, rows) * Vm.middleRows(j0, cols).transpose();
+            dp = (p.array() * (dp.array().colwise() - D)).matrix() * scale;  // dS · 1/√d
+            dQi.noalias() += dp * K.middleRows(j0, cols);
+            dK.middleRows(j0, cols).noalias() += dp.transpose() * Q.middleRows(i0, rows);
+          }
+        }
+      }
+    }
+  }
+}
+
+template void flash_attention_forward<float>(const float*, const float*, const float*, float*, float*, Index, Index,
+                                             Index, Index, Index);
+template void flash_attention_forward<double>(const double*, const double*, const double*, double*, double*, Index,
+                                              Index, Index, Index, Index);
+template void flash_attention_backward<float>(const float*, const float*, const float*, const float*, const float*,
+                                              const float*, float*, float*, float*, Index, Index, Index, Index, Index);
+template void flash_attention_backward<double>(const double*, const double*, const double*, const double*,
+                                               const double*, const double*, double*, double*, double*, Index, Index,
+                                               Index, Index, Index);
 
 template void attention_forward<float>(const float*, const float*, const float*, float*, float*,
                                        Index, Index, Index, Index, Index);

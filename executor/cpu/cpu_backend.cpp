@@ -167,6 +167,15 @@ class CpuBackend final : public Backend {
                           Index d) override {
     cpu::attention_backward(dout, q, k, v, P, dq, dk, dv, scratch, scratch_elems, B, S, nh, nkv, d);
   }
+  void flash_attention_forward(const float* q, const float* k, const float* v, float* lse, float* out, Index B,
+                               Index S, Index nh, Index nkv, Index d) override {
+    cpu::flash_attention_forward(q, k, v, lse, out, B, S, nh, nkv, d);
+  }
+  void flash_attention_backward(const float* dout, const float* q, const float* k, const float* v, const float* out,
+                                const float* lse, float* dq, float* dk, float* dv, Index B, Index S, Index nh, Index nkv,
+                                Index d) override {
+    cpu::flash_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, d);
+  }
   void swiglu_forward(const float* gate, const float* up, float* act, Index n) override {
     cpu::swiglu_forward(gate, up, act, n);
   }

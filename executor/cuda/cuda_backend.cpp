@@ -10,9 +10,13 @@
 // yᵀ = W·xᵀ, i.e. gemm(T, N) of the stored W and x, with no copies. Each call below names the
 // product it computes in row-major terms.
 //
+// Flash attention is the fused fp32 kernels of cuda_kernels.cu (FlashAttention-2's tiling, head
+// dims up to cuda::kFlashMaxHeadDim), eager attention the cuBLAS GEMMs around a softmax kernel.
+//
 // Deliberately not here: bf16 compute (the Backend computes in fp32; issue 17's bf16 program is
-// the next step), fused flash attention, multi-stream overlap (collectives are the
-// Communicator's), and checking token ids on the device (the data loader checks them at the edge).
+// the next step), tensor-core flash attention (it would compute in TF32 or bf16, not fp32),
+// multi-stream overlap (collectives are the Communicator's), and checking token ids on the device
+// (the data loader checks them at the edge).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -404,6 +408,21 @@ class CudaBackend final : public Backend {
       }
   }
 
+  // Flash attention (kernels.h §5b; Dao, FlashAttention-2, 2023, Algorithms 1 and 2): one fused
+  // kernel forward, two backward (dq by query tile; dk, dv by key tile over the kv head's query
+  // heads), tiles in shared memory and registers, no scratch and no atomics.
+  void flash_attention_forward(const float* q, const float* k, const float* v, float* lse, float* out, Index B,
+                               Index S, Index nh, Index nkv, Index d) override {
+    check_flash_shape(S, nh, nkv, d);
+    PEFTPLAN_LAUNCH(cuda::flash_attention_forward(h_.stream, q, k, v, lse, out, B, S, nh, nkv, d));
+  }
+  void flash_attention_backward(const float* dout, const float* q, const float* k, const float* v, const float* out,
+                                const float* lse, float* dq, float* dk, float* dv, Index B, Index S, Index nh,
+                                Index nkv, Index d) override {
+    check_flash_shape(S, nh, nkv, d);
+    PEFTPLAN_LAUNCH(cuda::flash_attention_backward(h_.stream, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, d));
+  }
+
   // ------------------------------------------------------------------------- elementwise
   void swiglu_forward(const float* gate, const float* up, float* act, Index n) override {
     PEFTPLAN_LAUNCH(cuda::swiglu_forward(h_.stream, gate, up, act, n));
@@ -466,6 +485,17 @@ class CudaBackend final : public Backend {
   static float* kv(float* t, Index b, Index h, Index S, Index heads, Index d) { return t + b * S * heads * d + h * d; }
   static const float* qh(const float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
   static float* qh(float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
+  // The shapes the flash kernels take (cuda_kernels.h); the launcher would refuse the rest with
+  // cudaErrorInvalidValue, said here in words.
+  static void check_flash_shape(Index S, Index nh, Index nkv, Index d) {
+    PEFTPLAN_CHECK_MSG(nkv > 0 && nh % nkv == 0, "heads {} not a multiple of kv heads {}", nh, nkv);
+    PEFTPLAN_CHECK_MSG(S < cuda::kFlashMaxSeqLen, "cuda flash attention takes sequences shorter than {}, got {}",
+                       cuda::kFlashMaxSeqLen, S);
+    PEFTPLAN_CHECK_MSG(d >= 1 && d <= cuda::kFlashMaxHeadDim,
+                       "cuda flash attention takes head_dim 1..{} (its tiles in shared memory), got {}; "
+                       "plan with --attention eager for this model",
+                       cuda::kFlashMaxHeadDim, d);
+  }
   void rope(float* x, const float* tables, Index B, Index S, Index nheads, Index d, float sign) {
     const Index half = cpu::rope_table_elems(S, d);
     PEFTPLAN_LAUNCH(cuda::rope(h_.stream, x, tables, tables + half, B, S, nheads, d, sign));

@@ -1,14 +1,17 @@
 // The CUDA backend's kernels (cuda_backend.cpp holds the Backend itself and the cuBLAS
 // calls): the row- and element-wise ops of kernels.h on the GPU, each behind a launcher that
 // enqueues it on a stream and returns the launch's error. One thread block per row where a row
-// reduces (RMSNorm, softmax, cross-entropy), a grid-stride loop elsewhere; fp32 arithmetic in the
-// same order of operations as the CPU kernels where the CPU has one (kernels.cpp, optim.cpp).
+// reduces (RMSNorm, softmax, cross-entropy), a grid-stride loop elsewhere, one block per tile for
+// flash attention; fp32 arithmetic in the same order of operations as the CPU kernels where the CPU
+// has one (kernels.cpp, optim.cpp; flash attention's tiles and sums are its own).
 // This file includes no header of ours beyond cuda_kernels.h and kernels.h's plain declarations
 // (nvcc compiles it; fmt and the C++20 headers stay with the host compiler).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda_kernels.h"
@@ -271,6 +274,456 @@ __global__ void k_f16_to_bf16(const __half* s, __nv_bfloat16* d, Index n) {
 }
 
 
+// --------------------------------------------------------------------------- flash attention
+//
+// Causal GQA attention in fp32 tiles that stay on chip (Dao, "FlashAttention-2: Faster Attention
+// with Better Parallelism and Work Partitioning", 2023). The forward is Algorithm 1: one block per
+// (batch, head, query tile) runs an online softmax over the key tiles up to the diagonal and
+// writes out and lse = m + log l. The backward is Algorithm 2 split in two kernels so that no
+// gradient is summed across blocks (no atomics: deterministic): one block per query tile makes dq
+// over the key tiles up to the diagonal, one per (batch, kv head, key tile) makes dk and dv over
+// the rep query heads sharing the kv head and the query tiles from the diagonal on. Both
+// recompute the scores and P = e^(score − lse); each row's D = Σ dout ⊙ out is made in the block.
+//
+// Threads: 256 a block, a 16 × 16 grid (tx = threadIdx.x % 16, a half-warp; ty = threadIdx.x / 16).
+// Of a score tile [R][C] thread (ty, tx) holds rows ty + 16a (a < R/16) and columns tx + 16b
+// (b < C/16), so a row's max and sum are shuffles within one half-warp; of an accumulator [R][D]
+// it holds the same rows and the float4 column groups 4tx + 64g (g < D/64). D is the head dim
+// rounded up to 64, 128 or 256 (kernels for each; columns past d are zero in shared memory and
+// never written). Shared rows are D + 4 floats apart: (D + 4)/4 ≡ 1 (mod 8), so the 8 lanes of one
+// 128-bit shared-load phase reading 8 consecutive rows hit 8 different bank quads.
+//
+// Tile sizes (rows × columns of the score tile) and dynamic shared memory per block:
+//   D     forward (q × k)       dq (q × k)            dk, dv (k × q)
+//   64    64 × 64   68.0 KiB    64 × 32   60.0 KiB    64 × 32   69.3 KiB
+//   128   64 × 32   75.0 KiB    32 × 32   70.5 KiB    32 × 32   75.3 KiB
+//   256   32 × 16   67.5 KiB    16 × 16   66.3 KiB    16 × 16   67.6 KiB
+// chosen so that every block fits 99 KiB, the smallest opt-in shared memory of the GPUs that run
+// this build's sm_90 code (sm_120 has 99 KiB; sm_90 and sm_100 227 KiB), lets two blocks share an
+// H100 SM (ptxas gives the kernels 64-128 registers a thread, so registers allow two as well), and
+// keeps each thread's accumulators at 16-32 floats; the backward tiles are smaller because each
+// block holds four operand tiles instead of three. Global loads are plain (no cp.async pipeline)
+// and the products run on the fp32 cores: correct and deterministic first.
+
+constexpr int kFlashThreads = 256;
+constexpr std::size_t kFlashMaxSharedBytes = 99 * 1024;
+
+template <int D>
+struct FlashTiles;
+template <>
+struct FlashTiles<64> {
+  static constexpr int fwd_q = 64, fwd_k = 64, dq_q = 64, dq_k = 32, dkv_k = 64, dkv_q = 32;
+};
+template <>
+struct FlashTiles<128> {
+  static constexpr int fwd_q = 64, fwd_k = 32, dq_q = 32, dq_k = 32, dkv_k = 32, dkv_q = 32;
+};
+template <>
+struct FlashTiles<256> {
+  static constexpr int fwd_q = 32, fwd_k = 16, dq_q = 16, dq_k = 16, dkv_k = 16, dkv_q = 16;
+};
+
+// Bytes of dynamic shared memory of each kernel (R score rows, C score columns; rows of operands
+// D + 4 floats, rows of score tiles C + 4 floats).
+constexpr std::size_t flash_forward_smem(int D, int R, int C) {  // Q[R], K[C], V[C]; P[R][C]
+  return sizeof(float) * (std::size_t(R + 2 * C) * (D + 4) + std::size_t(R) * (C + 4));
+}
+constexpr std::size_t flash_dq_smem(int D, int R, int C) {  // Q[R], dO[R], K[C], V[C]; dS[R][C]
+  return sizeof(float) * (std::size_t(2 * R + 2 * C) * (D + 4) + std::size_t(R) * (C + 4));
+}
+constexpr std::size_t flash_dkdv_smem(int D, int R, int C) {  // K[R], V[R], Q[C], dO[C]; P, dS[R][C]; lse, D[C]
+  return sizeof(float) * (std::size_t(2 * R + 2 * C) * (D + 4) + 2 * std::size_t(R) * (C + 4) + 2 * std::size_t(C));
+}
+
+__device__ inline float half_warp_max(float v) {
+  for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Butterfly: every lane of the half-warp ends with the same bits (a + b == b + a).
+__device__ inline float half_warp_sum(float v) {
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ inline float component(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+__device__ inline float4 scaled(const float4& v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
+
+// sh[rows][D + 4] = rows [0, valid) × columns [0, d) of src (row stride `stride` floats), zero
+// elsewhere: rows past S and columns past d contribute nothing to a dot product or a sum.
+template <int D>
+__device__ void flash_load(float* sh, int rows, const float* src, Index stride, int valid, int d) {
+  for (int t = threadIdx.x; t < rows * D; t += kFlashThreads) {
+    const int r = t / D, c = t % D;
+    sh[r * (D + 4) + c] = r < valid && c < d ? src[r * stride + c] : 0.0f;
+  }
+}
+
+// acc[a][b] += Σ_{c < dk4} A[ty + 16a][c]·Bm[tx + 16b][c] (A, Bm: shared [·][D + 4]; dk4 = d
+// rounded up to 4, the columns past d being zero).
+template <int D, int RM, int SN>
+__device__ void flash_dot(float (&acc)[RM][SN], const float* A, const float* Bm, int dk4) {
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll 2
+  for (int c = 0; c < dk4; c += 4) {
+    float4 a4[RM], b4[SN];
+#pragma unroll
+    for (int a = 0; a < RM; ++a) a4[a] = *reinterpret_cast<const float4*>(A + (ty + 16 * a) * (D + 4) + c);
+#pragma unroll
+    for (int b = 0; b < SN; ++b) b4[b] = *reinterpret_cast<const float4*>(Bm + (tx + 16 * b) * (D + 4) + c);
+#pragma unroll
+    for (int a = 0; a < RM; ++a)
+#pragma unroll
+      for (int b = 0; b < SN; ++b) {
+        acc[a][b] += a4[a].x * b4[b].x;
+        acc[a][b] += a4[a].y * b4[b].y;
+        acc[a][b] += a4[a].z * b4[b].z;
+        acc[a][b] += a4[a].w * b4[b].w;
+      }
+  }
+}
+
+// acc[a][g] += Σ_{j < C} T[ty + 16a][j]·X[j][4tx + 64g .. +3] (T: shared [R][C + 4], a score
+// tile; X: shared [C][D + 4], an operand tile).
+template <int D, int C, int RM>
+__device__ void flash_accumulate(float4 (&acc)[RM][D / 64], const float* T, const float* X) {
+  constexpr int CN = D / 64;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll 2
+  for (int j = 0; j < C; j += 4) {
+    float4 t4[RM];
+#pragma unroll
+    for (int a = 0; a < RM; ++a) t4[a] = *reinterpret_cast<const float4*>(T + (ty + 16 * a) * (C + 4) + j);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      float4 x4[CN];
+#pragma unroll
+      for (int g = 0; g < CN; ++g) x4[g] = *reinterpret_cast<const float4*>(X + (j + jj) * (D + 4) + 4 * tx + 64 * g);
+#pragma unroll
+      for (int a = 0; a < RM; ++a) {
+        const float t = component(t4[a], jj);
+#pragma unroll
+        for (int g = 0; g < CN; ++g) {
+          acc[a][g].x += t * x4[g].x;
+          acc[a][g].y += t * x4[g].y;
+          acc[a][g].z += t * x4[g].z;
+          acc[a][g].w += t * x4[g].w;
+        }
+      }
+    }
+  }
+}
+
+// row[c .. c+3] = v·f, the columns below d only.
+__device__ inline void flash_store(float* row, int c, const float4& v, float f, int d) {
+  if (c < d) row[c] = v.x * f;
+  if (c + 1 < d) row[c + 1] = v.y * f;
+  if (c + 2 < d) row[c + 2] = v.z * f;
+  if (c + 3 < d) row[c + 3] = v.w * f;
+}
+
+// Σ_c dout[row][c]·out[row][c] over one row, by the 16 lanes of a half-warp (every lane gets it;
+// all 32 lanes of the warp call it, `live` false giving 0).
+__device__ inline float flash_row_dot(const float* dout_row, const float* out_row, int d, bool live) {
+  float part = 0.0f;
+  if (live)
+    for (int c = threadIdx.x % 16; c < d; c += 16) part += dout_row[c] * out_row[c];
+  return half_warp_sum(part);
+}
+
+// Algorithm 1. Block id → (batch·head bh, query tile), the query tiles with the most key tiles first.
+template <int D, int BR, int BC>
+__global__ void __launch_bounds__(kFlashThreads)
+    k_flash_forward(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                    float* __restrict__ lse, float* __restrict__ out, Index B, Index S, Index nh, Index nkv, int d,
+                    float scale) {
+  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
+  extern __shared__ float4 flash_shared[];
+  float* Qs = reinterpret_cast<float*>(flash_shared);  // [BR][ld]
+  float* Ks = Qs + BR * ld;                            // [BC][ld]
+  float* Vs = Ks + BC * ld;                            // [BC][ld]
+  float* Ps = Vs + BC * ld;                            // [BR][lp]
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const Index heads = B * nh, tiles = (S + BR - 1) / BR;
+  const Index bh = blockIdx.x % heads, qt = tiles - 1 - blockIdx.x / heads;
+  const Index b = bh / nh, h = bh % nh, kvh = h / (nh / nkv);
+  const Index q0 = qt * BR, qs = nh * d, ks = nkv * d;  // first query; row strides
+  const int rows = static_cast<int>(S - q0 < BR ? S - q0 : BR), dk4 = (d + 3) & ~3;
+  flash_load<D>(Qs, BR, q + ((b * S + q0) * nh + h) * d, qs, rows, d);
+  const float* kb = k + (b * S * nkv + kvh) * d;
+  const float* vb = v + (b * S * nkv + kvh) * d;
+
+  float m[RM], l[RM];  // running max and Σ e^(s − m) of each row (equal in the row's 16 lanes)
+  float4 o[RM][CN];    // unnormalised output rows
+#pragma unroll
+  for (int a = 0; a < RM; ++a) {
+    m[a] = -INFINITY;
+    l[a] = 0.0f;
+#pragma unroll
+    for (int g = 0; g < CN; ++g) o[a][g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  const Index key_tiles = (q0 + rows - 1) / BC + 1;  // up to the tile of the last query
+  for (Index kt = 0; kt < key_tiles; ++kt) {
+    const Index k0 = kt * BC;
+    const int keys = static_cast<int>(S - k0 < BC ? S - k0 : BC);
+    __syncthreads();  // the previous tile's K, V and P are read
+    flash_load<D>(Ks, BC, kb + k0 * ks, ks, keys, d);
+    flash_load<D>(Vs, BC, vb + k0 * ks, ks, keys, d);
+    __syncthreads();
+    float s[RM][SN] = {};
+    flash_dot<D, RM, SN>(s, Qs, Ks, dk4);
+#pragma unroll
+    for (int a = 0; a < RM; ++a) {
+      const int i = static_cast<int>(q0) + ty + 16 * a;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int bb = 0; bb < SN; ++bb) {
+        const int j = static_cast<int>(k0) + tx + 16 * bb;
+        s[a][bb] = j <= i ? s[a][bb] * scale : -INFINITY;  // causal; keys past S are past every query
+        mx = fmaxf(mx, s[a][bb]);
+      }
+      // m' = max(m, rowmax), l' = e^(m−m')·l + Σ e^(s−m'), O' = e^(m−m')·O + P·V. Key tile 0 holds
+      // key 0, so m' is finite from the first tile on; the guard only keeps e^(−∞ − −∞) out.
+      const float m_new = fmaxf(m[a], half_warp_max(mx));
+      const float base = m_new == -INFINITY ? 0.0f : m_new;
+      const float alpha = expf(m[a] - base);
+      float sum = 0.0f;
+#pragma unroll
+      for (int bb = 0; bb < SN; ++bb) {
+        const float p = expf(s[a][bb] - base);
+        Ps[(ty + 16 * a) * lp + tx + 16 * bb] = p;
+        sum += p;
+      }
+      l[a] = l[a] * alpha + half_warp_sum(sum);
+      m[a] = m_new;
+#pragma unroll
+      for (int g = 0; g < CN; ++g) o[a][g] = scaled(o[a][g], alpha);
+    }
+    __syncthreads();  // P is whole
+    flash_accumulate<D, BC, RM>(o, Ps, Vs);
+  }
+#pragma unroll
+  for (int a = 0; a < RM; ++a) {
+    const Index i = q0 + ty + 16 * a;
+    if (i >= S) continue;
+    float* row = out + ((b * S + i) * nh + h) * d;
+    const float inv = 1.0f / l[a];
+#pragma unroll
+    for (int g = 0; g < CN; ++g) flash_store(row, 4 * tx + 64 * g, o[a][g], inv, d);
+    if (tx == 0) lse[bh * S + i] = m[a] + logf(l[a]);
+  }
+}
+
+// Algorithm 2, dq half: dq_i = Σ_j dS_ij k_j / √d over the key tiles up to the diagonal,
+// dS_ij = P_ij (dout_i·v_j − D_i), P_ij = e^(s_ij − lse_i). Block id as the forward's.
+template <int D, int BR, int BC>
+__global__ void __launch_bounds__(kFlashThreads)
+    k_flash_backward_dq(const float* __restrict__ dout, const float* __restrict__ q, const float* __restrict__ k,
+                        const float* __restrict__ v, const float* __restrict__ out, const float* __restrict__ lse,
+                        float* __restrict__ dq, Index B, Index S, Index nh, Index nkv, int d, float scale) {
+  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
+  extern __shared__ float4 flash_shared[];
+  float* Qs = reinterpret_cast<float*>(flash_shared);  // [BR][ld]
+  float* dOs = Qs + BR * ld;                           // [BR][ld]
+  float* Ks = dOs + BR * ld;                           // [BC][ld]
+  float* Vs = Ks + BC * ld;                            // [BC][ld]
+  float* dSs = Vs + BC * ld;                           // [BR][lp]
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const Index heads = B * nh, tiles = (S + BR - 1) / BR;
+  const Index bh = blockIdx.x % heads, qt = tiles - 1 - blockIdx.x / heads;
+  const Index b = bh / nh, h = bh % nh, kvh = h / (nh / nkv);
+  const Index q0 = qt * BR, qs = nh * d, ks = nkv * d;
+  const int rows = static_cast<int>(S - q0 < BR ? S - q0 : BR), dk4 = (d + 3) & ~3;
+  const Index first = (b * S + q0) * nh + h;  // row index of (b, q0, h) in [B·S·nh, d]
+  flash_load<D>(Qs, BR, q + first * d, qs, rows, d);
+  flash_load<D>(dOs, BR, dout + first * d, qs, rows, d);
+  const float* kb = k + (b * S * nkv + kvh) * d;
+  const float* vb = v + (b * S * nkv + kvh) * d;
+
+  float L[RM], Dr[RM];  // lse and D = Σ dout ⊙ out of each row
+  float4 acc[RM][CN];
+#pragma unroll
+  for (int a = 0; a < RM; ++a) {
+    const Index i = q0 + ty + 16 * a;
+    const Index row = ((b * S + i) * nh + h) * d;
+    Dr[a] = flash_row_dot(dout + row, out + row, d, i < S);
+    L[a] = i < S ? lse[bh * S + i] : 0.0f;
+#pragma unroll
+    for (int g = 0; g < CN; ++g) acc[a][g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  const Index key_tiles = (q0 + rows - 1) / BC + 1;
+  for (Index kt = 0; kt < key_tiles; ++kt) {
+    const Index k0 = kt * BC;
+    const int keys = static_cast<int>(S - k0 < BC ? S - k0 : BC);
+    __syncthreads();  // the previous tile's K and dS are read
+    flash_load<D>(Ks, BC, kb + k0 * ks, ks, keys, d);
+    flash_load<D>(Vs, BC, vb + k0 * ks, ks, keys, d);
+    __syncthreads();
+    float s[RM][SN] = {}, dp[RM][SN] = {};
+    flash_dot<D, RM, SN>(s, Qs, Ks, dk4);
+    flash_dot<D, RM, SN>(dp, dOs, Vs, dk4);
+#pragma unroll
+    for (int a = 0; a < RM; ++a) {
+      const int i = static_cast<int>(q0) + ty + 16 * a;
+#pragma unroll
+      for (int bb = 0; bb < SN; ++bb) {
+        const int j = static_cast<int>(k0) + tx + 16 * bb;
+        const bool live = j <= i && i < S;
+        const float p = live ? expf(s[a][bb] * scale - L[a]) : 0.0f;
+        dSs[(ty + 16 * a) * lp + tx + 16 * bb] = live ? p * (dp[a][bb] - Dr[a]) : 0.0f;
+      }
+    }
+    __syncthreads();  // dS is whole
+    flash_accumulate<D, BC, RM>(acc, dSs, Ks);
+  }
+#pragma unroll
+  for (int a = 0; a < RM; ++a) {
+    const Index i = q0 + ty + 16 * a;
+    if (i >= S) continue;
+    float* row = dq + ((b * S + i) * nh + h) * d;
+#pragma unroll
+    for (int g = 0; g < CN; ++g) flash_store(row, 4 * tx + 64 * g, acc[a][g], scale, d);
+  }
+}
+
+// Algorithm 2, dk/dv half: for the keys of one tile, dv_j = Σ_i P_ij dout_i and
+// dk_j = Σ_i dS_ij q_i / √d over the rep query heads of the kv head and the queries i >= j.
+// Block id → (batch·kv head, key tile), the key tiles with the most query tiles first. The score
+// tiles are transposed here: rows are keys, columns queries.
+template <int D, int BR, int BC>
+__global__ void __launch_bounds__(kFlashThreads)
+    k_flash_backward_dkdv(const float* __restrict__ dout, const float* __restrict__ q, const float* __restrict__ k,
+                          const float* __restrict__ v, const float* __restrict__ out, const float* __restrict__ lse,
+                          float* __restrict__ dk, float* __restrict__ dv, Index B, Index S, Index nh, Index nkv, int d,
+                          float scale) {
+  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
+  extern __shared__ float4 flash_shared[];
+  float* Ks = reinterpret_cast<float*>(flash_shared);  // [BR][ld]
+  float* Vs = Ks + BR * ld;                            // [BR][ld]
+  float* Qs = Vs + BR * ld;                            // [BC][ld]
+  float* dOs = Qs + BC * ld;                           // [BC][ld]
+  float* Ps = dOs + BC * ld;                           // [BR][lp]
+  float* dSs = Ps + BR * lp;                           // [BR][lp]
+  float* Ls = dSs + BR * lp;                           // [BC]: lse of the tile's queries
+  float* Ds = Ls + BC;                                 // [BC]: Σ dout ⊙ out of the tile's queries
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const Index kv_heads = B * nkv, rep = nh / nkv;
+  const Index bkv = blockIdx.x % kv_heads, kt = blockIdx.x / kv_heads;
+  const Index b = bkv / nkv, kvh = bkv % nkv;
+  const Index k0 = kt * BR, qs = nh * d, ks = nkv * d;
+  const int keys = static_cast<int>(S - k0 < BR ? S - k0 : BR), dk4 = (d + 3) & ~3;
+  flash_load<D>(Ks, BR, k + ((b * S + k0) * nkv + kvh) * d, ks, keys, d);
+  flash_load<D>(Vs, BR, v + ((b * S + k0) * nkv + kvh) * d, ks, keys, d);
+
+  float4 adk[RM][CN], adv[RM][CN];
+#pragma unroll
+  for (int a = 0; a < RM; ++a)
+#pragma unroll
+    for (int g = 0; g < CN; ++g) {
+      adk[a][g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      adv[a][g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  const Index query_tiles = (S + BC - 1) / BC;
+  for (Index r = 0; r < rep; ++r) {
+    const Index h = kvh * rep + r, bh = b * nh + h;
+    for (Index qt = k0 / BC; qt < query_tiles; ++qt) {  // from the tile of the first key on
+      const Index q0 = qt * BC;
+      const int queries = static_cast<int>(S - q0 < BC ? S - q0 : BC);
+      const Index first = (b * S + q0) * nh + h;
+      __syncthreads();  // the previous tile's Q, dO, P, dS, lse and D are read
+      flash_load<D>(Qs, BC, q + first * d, qs, queries, d);
+      flash_load<D>(dOs, BC, dout + first * d, qs, queries, d);
+#pragma unroll
+      for (int a = 0; a < SN; ++a) {  // half-warp ty takes queries ty + 16a
+        const int c = ty + 16 * a;
+        const Index i = q0 + c;
+        const float Di = flash_row_dot(dout + (first + c * nh) * d, out + (first + c * nh) * d, d, i < S);
+        if (tx == 0) {
+          Ds[c] = Di;
+          Ls[c] = i < S ? lse[bh * S + i] : 0.0f;
+        }
+      }
+      __syncthreads();
+      float s[RM][SN] = {}, dp[RM][SN] = {};  // sᵀ = k·qᵀ, dPᵀ = v·doutᵀ
+      flash_dot<D, RM, SN>(s, Ks, Qs, dk4);
+      flash_dot<D, RM, SN>(dp, Vs, dOs, dk4);
+#pragma unroll
+      for (int a = 0; a < RM; ++a) {
+        const int j = static_cast<int>(k0) + ty + 16 * a;
+#pragma unroll
+        for (int bb = 0; bb < SN; ++bb) {
+          const int c = tx + 16 * bb;
+          const int i = static_cast<int>(q0) + c;
+          const bool live = j <= i && i < S;
+          const float p = live ? expf(s[a][bb] * scale - Ls[c]) : 0.0f;
+          Ps[(ty + 16 * a) * lp + c] = p;
+          dSs[(ty + 16 * a) * lp + c] = live ? p * (dp[a][bb] - Ds[c]) : 0.0f;
+        }
+      }
+      __syncthreads();  // Pᵀ and dSᵀ are whole
+      flash_accumulate<D, BC, RM>(adv, Ps, dOs);
+      flash_accumulate<D, BC, RM>(adk, dSs, Qs);
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < RM; ++a) {
+    const Index j = k0 + ty + 16 * a;
+    if (j >= S) continue;
+    const Index row = ((b * S + j) * nkv + kvh) * d;
+#pragma unroll
+    for (int g = 0; g < CN; ++g) {
+      flash_store(dk + row, 4 * tx + 64 * g, adk[a][g], scale, d);
+      flash_store(dv + row, 4 * tx + 64 * g, adv[a][g], 1.0f, d);
+    }
+  }
+}
+
+// Launches `blocks` blocks of kFlashThreads with `smem_bytes` of dynamic shared memory (more than
+// the 48 KiB default needs the kernel's opt-in, set on every launch: it is per kernel and device).
+template <typename... Params, typename... Args>
+cudaError_t launch_flash(void (*kernel)(Params...), Index blocks, std::size_t smem_bytes, cudaStream_t s,
+                         Args... args) {
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+      e != cudaSuccess)
+    return e;
+  kernel<<<static_cast<unsigned>(blocks), kFlashThreads, smem_bytes, s>>>(args...);
+  return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t flash_forward_for(cudaStream_t s, const float* q, const float* k, const float* v, float* lse, float* out,
+                              Index B, Index S, Index nh, Index nkv, int d, float scale) {
+  constexpr int R = FlashTiles<D>::fwd_q, C = FlashTiles<D>::fwd_k;
+  constexpr std::size_t smem = flash_forward_smem(D, R, C);
+  static_assert(smem <= kFlashMaxSharedBytes, "flash forward tile exceeds the shared memory budget");
+  return launch_flash(k_flash_forward<D, R, C>, B * nh * ((S + R - 1) / R), smem, s, q, k, v, lse, out, B, S, nh,
+                      nkv, d, scale);
+}
+
+template <int D>
+cudaError_t flash_backward_for(cudaStream_t s, const float* dout, const float* q, const float* k, const float* v,
+                               const float* out, const float* lse, float* dq, float* dk, float* dv, Index B, Index S,
+                               Index nh, Index nkv, int d, float scale) {
+  constexpr int QR = FlashTiles<D>::dq_q, QC = FlashTiles<D>::dq_k;
+  constexpr int KR = FlashTiles<D>::dkv_k, KC = FlashTiles<D>::dkv_q;
+  constexpr std::size_t dq_smem = flash_dq_smem(D, QR, QC), dkdv_smem = flash_dkdv_smem(D, KR, KC);
+  static_assert(dq_smem <= kFlashMaxSharedBytes, "flash dq tile exceeds the shared memory budget");
+  static_assert(dkdv_smem <= kFlashMaxSharedBytes, "flash dk/dv tile exceeds the shared memory budget");
+  if (const cudaError_t e = launch_flash(k_flash_backward_dq<D, QR, QC>, B * nh * ((S + QR - 1) / QR), dq_smem, s,
+                                         dout, q, k, v, out, lse, dq, B, S, nh, nkv, d, scale);
+      e != cudaSuccess)
+    return e;
+  return launch_flash(k_flash_backward_dkdv<D, KR, KC>, B * nkv * ((S + KR - 1) / KR), dkdv_smem, s, dout, q, k, v,
+                      out, lse, dk, dv, B, S, nh, nkv, d, scale);
+}
+
+// Positions within a sequence are ints in the kernels' masks (a tile past S included).
+bool flash_shape_ok(Index B, Index S, Index nh, Index nkv, Index d) {
+  return B >= 0 && S >= 0 && S < kFlashMaxSeqLen && nh >= 0 && nkv > 0 && nh % nkv == 0 && d >= 1 &&
+         d <= kFlashMaxHeadDim;
+}
+
 }  // namespace
 
 // mixed = splitmix64(key seed), computed on the host by the caller (cuda_backend.cpp).
@@ -362,6 +815,26 @@ cudaError_t convert(cudaStream_t s, const void* src, Storage from, void* dst, St
   else if (from == Storage::fp16 && to == Storage::bf16) k_f16_to_bf16<<<g, kThreads, 0, s>>>(static_cast<const __half*>(src), static_cast<B16*>(dst), n);
   else return cudaErrorInvalidValue;  // equal storages are the caller's plain copy
   return cudaGetLastError();
+}
+
+cudaError_t flash_attention_forward(cudaStream_t s, const float* q, const float* k, const float* v, float* lse,
+                                    float* out, Index B, Index S, Index nh, Index nkv, Index d) {
+  if (!flash_shape_ok(B, S, nh, nkv, d)) return cudaErrorInvalidValue;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));  // as the CPU kernels form it
+  const int hd = static_cast<int>(d);
+  if (d <= 64) return flash_forward_for<64>(s, q, k, v, lse, out, B, S, nh, nkv, hd, scale);
+  if (d <= 128) return flash_forward_for<128>(s, q, k, v, lse, out, B, S, nh, nkv, hd, scale);
+  return flash_forward_for<256>(s, q, k, v, lse, out, B, S, nh, nkv, hd, scale);
+}
+cudaError_t flash_attention_backward(cudaStream_t s, const float* dout, const float* q, const float* k, const float* v,
+                                     const float* out, const float* lse, float* dq, float* dk, float* dv, Index B,
+                                     Index S, Index nh, Index nkv, Index d) {
+  if (!flash_shape_ok(B, S, nh, nkv, d)) return cudaErrorInvalidValue;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int hd = static_cast<int>(d);
+  if (d <= 64) return flash_backward_for<64>(s, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, hd, scale);
+  if (d <= 128) return flash_backward_for<128>(s, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, hd, scale);
+  return flash_backward_for<256>(s, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, hd, scale);
 }
 
 }  // namespace peftplan::executor::cuda

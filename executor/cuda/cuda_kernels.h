@@ -45,4 +45,19 @@ cudaError_t sum_squares(cudaStream_t s, const float* x, Index n, double* out);
 cudaError_t adamw(cudaStream_t s, float* param, const float* grad, float* m, float* v, Index n, const AdamWScalars& c);
 cudaError_t convert(cudaStream_t s, const void* src, Storage from, void* dst, Storage to, Index n);
 
+// Flash attention (kernels.h §5b; Dao, FlashAttention-2, 2023, Algorithms 1 and 2): causal GQA in
+// on-chip tiles, fp32, no scratch. Head dims up to kFlashMaxHeadDim (the largest tile the kernels
+// hold in shared memory), sequences shorter than kFlashMaxSeqLen (positions are ints inside the
+// kernels), nkv > 0 and nh % nkv == 0; a shape outside these is cudaErrorInvalidValue.
+inline constexpr Index kFlashMaxHeadDim = 256;
+inline constexpr Index kFlashMaxSeqLen = Index(1) << 30;
+// q[B,S,nh,d], k[B,S,nkv,d], v[B,S,nkv,d] -> out[B,S,nh,d], lse[B,nh,S] (log Σ_{j<=i} e^{score_ij}).
+cudaError_t flash_attention_forward(cudaStream_t s, const float* q, const float* k, const float* v, float* lse,
+                                    float* out, Index B, Index S, Index nh, Index nkv, Index d);
+// dout[B,S,nh,d] (with the forward's out[B,S,nh,d] and lse[B,nh,S]) -> dq[B,S,nh,d], dk[B,S,nkv,d],
+// dv[B,S,nkv,d], all overwritten; two kernels, no atomics (deterministic).
+cudaError_t flash_attention_backward(cudaStream_t s, const float* dout, const float* q, const float* k, const float* v,
+                                     const float* out, const float* lse, float* dq, float* dk, float* dv, Index B,
+                                     Index S, Index nh, Index nkv, Index d);
+
 }  // namespace peftplan::executor::cuda

@@ -148,6 +148,19 @@ class Backend {
                                   const float* v, const float* P, float* dq, float* dk, float* dv,
                                   float* scratch, Index scratch_elems, Index B, Index S, Index nh,
                                   Index nkv, Index d) = 0;
+  // Flash (fused, tiled) causal GQA attention (kernels.h §5b): the same output as
+  // attention_forward without the S×S probabilities; lse[B,nh,S] (fp32), each row's log Σ exp of
+  // its scaled scores, is saved instead. No scratch: tiles live on chip (registers, shared memory,
+  // the stack).
+  virtual void flash_attention_forward(const float* q, const float* k, const float* v, float* lse,
+                                       float* out, Index B, Index S, Index nh, Index nkv,
+                                       Index d) = 0;
+  // dq, dk, dv (overwritten) from d_out, recomputing the probabilities from q, k and lse; `out`
+  // (the forward's) gives each row's Σ d_out ⊙ out.
+  virtual void flash_attention_backward(const float* dout, const float* q, const float* k,
+                                        const float* v, const float* out, const float* lse,
+                                        float* dq, float* dk, float* dv, Index B, Index S,
+                                        Index nh, Index nkv, Index d) = 0;
   virtual void swiglu_forward(const float* gate, const float* up, float* act, Index n) = 0;
   virtual void swiglu_backward(const float* dact, const float* gate, const float* up,
                                float* dgate, float* dup, Index n) = 0;

@@ -161,6 +161,28 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
                         Index nkv, Index d);
 
 // ---------------------------------------------------------------------------------------------
+// 5b. Flash attention (Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+//     Partitioning", 2023, Algorithms 1 and 2): the same causal GQA attention computed in tiles of
+//     kExecAttentionRows queries × kExecAttentionRows keys with an online softmax, so the S×S
+//     probabilities are never stored. Saved for backward: lse[B,nh,S] = m + log l per row (m the
+//     row's largest scaled score, l Σ exp(score − m)); the backward recomputes each tile's
+//     probabilities as exp(score − lse) and takes D = Σ dout ⊙ out per row from the forward's out.
+//     Tiles past the diagonal are skipped, so the work done is eager attention's causal blocks
+//     (planner Builder::score_work_fraction).
+// ---------------------------------------------------------------------------------------------
+
+// q[B,S,nh,d], k[B,S,nkv,d], v[B,S,nkv,d] -> out[B,S,nh,d], lse[B,nh,S].
+template <typename T>
+void flash_attention_forward(const T* q, const T* k, const T* v, T* lse, T* out, Index B,
+                             Index S, Index nh, Index nkv, Index d);
+// dout[B,S,nh,d] -> dq[B,S,nh,d], dk, dv[B,S,nkv,d] (all overwritten), from the forward's out
+// and lse.
+template <typename T>
+void flash_attention_backward(const T* dout, const T* q, const T* k, const T* v, const T* out,
+                              const T* lse, T* dq, T* dk, T* dv, Index B, Index S, Index nh,
+                              Index nkv, Index d);
+
+// ---------------------------------------------------------------------------------------------
 // 6. SwiGLU (LlamaMLP: down(silu(gate(x)) * up(x))): a = silu(g) ⊙ u, silu(z) = z·σ(z).
 // ---------------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "peftplan/common/dtype.h"
 #include "peftplan/sim/cluster.h"
@@ -50,5 +51,10 @@ ComputeCost host_compute_cost(const ComputeWork& work, Kernel kernel, const Clus
 
 // A pinned host<->device copy over PCIe (either direction; PCIe is full duplex).
 double copy_time_s(std::uint64_t bytes, const Cluster& cluster);
+
+// The kernels of `program`'s device compute ops that a calibrated profile (some kernel scale
+// set) has no scale for, each once: a profile calibrated before the kernel was measured would time
+// it on the uncalibrated roofline. Empty for an uncalibrated cluster (a GPU catalog entry).
+std::vector<Kernel> uncalibrated_kernels(const Program& program, const Cluster& cluster);
 
 }  // namespace peftplan::sim

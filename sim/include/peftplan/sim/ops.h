@@ -247,8 +247,8 @@ struct Rope {
 };
 struct RopeFwd : Rope { static constexpr Kernel kernel = Kernel::rope_fwd; };
 struct RopeBwd : Rope { static constexpr Kernel kernel = Kernel::rope_bwd; };
-// attention_fwd: causal GQA attention over S_kv = S positions; eager keeps the probabilities
-// P[B,nh,S,S], flash the log-sum-exp [B,nh,S] (cost-only).
+// attention_fwd: eager causal GQA attention over S_kv = S positions; keeps the probabilities
+// P[B,nh,S,S].
 struct AttentionFwd {
   static constexpr Kernel kernel = Kernel::attention_fwd;
   Id q = -1, k = -1, v = -1, probs = -1, out = -1;
@@ -280,6 +280,41 @@ struct AttentionBwd {
     v.slot(s.dk, {"dk", true, kv});
     v.slot(s.dv, {"dv", true, kv});
     v.slot(s.scratch, {"scratch", true, pp});
+  }
+};
+// flash_attention_fwd: the same attention in tiles (executor kernels.h §5b); keeps the
+// log-sum-exp lse[B,nh,S] (fp32) instead of the probabilities.
+struct FlashAttentionFwd {
+  static constexpr Kernel kernel = Kernel::flash_attention_fwd;
+  Id q = -1, k = -1, v = -1, lse = -1, out = -1;
+  Dim B = 0, S = 0, nh = 0, nkv = 0, d = 0;
+  template <class Sx, class Vis> static void visit(Sx& s, Vis& v) {
+    v.dim(s.B); v.dim(s.S); v.dim(s.nh); v.dim(s.nkv); v.dim(s.d);
+    v.slot(s.q, {"q", true, s.B * s.S * s.nh * s.d});
+    v.slot(s.k, {"k", true, s.B * s.S * s.nkv * s.d});
+    v.slot(s.v, {"v", true, s.B * s.S * s.nkv * s.d});
+    v.slot(s.lse, {"lse", true, s.B * s.nh * s.S});
+    v.slot(s.out, {"out", true, s.B * s.S * s.nh * s.d});
+  }
+};
+// flash_attention_bwd: dq, dk, dv (overwritten) from d_out, the saved q, k, v, out and lse (the
+// probabilities recomputed tile by tile; no scratch).
+struct FlashAttentionBwd {
+  static constexpr Kernel kernel = Kernel::flash_attention_bwd;
+  Id d_out = -1, q = -1, k = -1, v = -1, out = -1, lse = -1, dq = -1, dk = -1, dv = -1;
+  Dim B = 0, S = 0, nh = 0, nkv = 0, d = 0;
+  template <class Sx, class Vis> static void visit(Sx& s, Vis& v) {
+    v.dim(s.B); v.dim(s.S); v.dim(s.nh); v.dim(s.nkv); v.dim(s.d);
+    const Dim q = s.B * s.S * s.nh * s.d, kv = s.B * s.S * s.nkv * s.d;
+    v.slot(s.d_out, {"d_out", true, q});
+    v.slot(s.q, {"q", true, q});
+    v.slot(s.k, {"k", true, kv});
+    v.slot(s.v, {"v", true, kv});
+    v.slot(s.out, {"out", true, q});
+    v.slot(s.lse, {"lse", true, s.B * s.nh * s.S});
+    v.slot(s.dq, {"dq", true, q});
+    v.slot(s.dk, {"dk", true, kv});
+    v.slot(s.dv, {"dv", true, kv});
   }
 };
 // residual_add: out[n] = a + b (out empty: the sum is not kept, as in a recompute's last add).
@@ -461,6 +496,8 @@ bool with_kernel(const Program& program, const Op& op, F&& f) {
     case Kernel::rope_bwd: f(read<RopeBwd>(program, op)); return true;
     case Kernel::attention_fwd: f(read<AttentionFwd>(program, op)); return true;
     case Kernel::attention_bwd: f(read<AttentionBwd>(program, op)); return true;
+    case Kernel::flash_attention_fwd: f(read<FlashAttentionFwd>(program, op)); return true;
+    case Kernel::flash_attention_bwd: f(read<FlashAttentionBwd>(program, op)); return true;
     case Kernel::mlp_act_fwd: f(read<MlpActFwd>(program, op)); return true;
     case Kernel::mlp_act_bwd: f(read<MlpActBwd>(program, op)); return true;
     case Kernel::residual_add: f(read<ResidualAdd>(program, op)); return true;
@@ -552,6 +589,8 @@ inline Layout compute_layout(Kernel k) {
     case Kernel::rope_bwd: return layout_of<RopeBwd>();
     case Kernel::attention_fwd: return layout_of<AttentionFwd>();
     case Kernel::attention_bwd: return layout_of<AttentionBwd>();
+    case Kernel::flash_attention_fwd: return layout_of<FlashAttentionFwd>();
+    case Kernel::flash_attention_bwd: return layout_of<FlashAttentionBwd>();
     case Kernel::mlp_act_fwd: return layout_of<MlpActFwd>();
     case Kernel::mlp_act_bwd: return layout_of<MlpActBwd>();
     case Kernel::residual_add: return layout_of<ResidualAdd>();

@@ -147,8 +147,9 @@ enum class Kernel : std::uint8_t {
   accumulate,      // gradient accumulation / bucket packing (elementwise add or copy)
   dropout,         // inverted dropout of an adapter input (mask from a counter-based hash)
   rope_tables,     // fill the RoPE cos/sin tables for positions 0..S-1
+  flash_attention_fwd, flash_attention_bwd,  // fused, tiled attention: log-sum-exp, no S x S scores
 };
-inline constexpr int kNumKernels = 25;
+inline constexpr int kNumKernels = 27;
 // The kernel's name as traces, measurements and reports print it ("linear_fwd").
 constexpr std::string_view name_of(Kernel k) {
   constexpr std::array<std::string_view, kNumKernels> names = {
@@ -158,11 +159,12 @@ constexpr std::string_view name_of(Kernel k) {
       "attention_fwd", "attention_bwd",    "mlp_act_fwd",       "mlp_act_bwd",
       "residual_add",  "cross_entropy_fwd", "cross_entropy_bwd", "cast",
       "grad_norm",     "optimizer_step",   "accumulate",        "dropout",
-      "rope_tables"};
+      "rope_tables",   "flash_attention_fwd", "flash_attention_bwd"};
   const auto i = static_cast<std::size_t>(k);
   return i < names.size() ? names[i] : "unknown";
 }
-static_assert(static_cast<int>(Kernel::rope_tables) + 1 == kNumKernels && name_of(Kernel::rope_tables) == "rope_tables",
+static_assert(static_cast<int>(Kernel::flash_attention_bwd) + 1 == kNumKernels &&
+                  name_of(Kernel::flash_attention_bwd) == "flash_attention_bwd",
               "the kernel name table follows the enum");
 
 // Cost-relevant description of a compute op: work and traffic, and the GEMM shape when it is one
