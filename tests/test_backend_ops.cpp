@@ -426,11 +426,12 @@ TEST_P(BackendOps, AttentionForwardAndBackward) {
   expect_near(gv.host(), fd(2), 2e-3, "dv");
 }
 
-// Flash attention over three 64-row tiles (S 150: the last one partial) with GQA: its output
-// and log-sum-exp against a naive softmax in double, its gradients against the same backend's
-// eager backward (held to finite differences above): both are softmax(q·kᵀ/√d)·v.
+// Flash attention over five 64-row query tiles (S 300: the last one partial; the CPU's two key
+// tiles of 256) with GQA: its output and log-sum-exp against a naive softmax in double, its
+// gradients against the same backend's eager backward (held to finite differences above): both
+// are softmax(q·kᵀ/√d)·v.
 TEST_P(BackendOps, FlashAttentionMatchesNaiveAndEager) {
-  const Index Bb = 2, S = 150, nh = 4, nkv = 2, d = 8;
+  const Index Bb = 2, S = 300, nh = 4, nkv = 2, d = 8;
   const Vec q = random_vec(Bb * S * nh * d, 26), k = random_vec(Bb * S * nkv * d, 27), v = random_vec(Bb * S * nkv * d, 28);
   const Vec dout = random_vec(Bb * S * nh * d, 29);
   std::vector<double> want(q.size(), 0.0), want_lse(Bb * nh * S);

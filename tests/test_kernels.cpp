@@ -634,13 +634,14 @@ TEST_P(FlashAttentionFdTest, BackwardMatchesFiniteDifferences) {
   expect_fd(v, dv, loss, "dv");
 }
 
-// The small shapes of AttentionTest, and shapes over several kExecAttentionRows (64) tiles: a
-// partial last tile (S 150 = 64 + 64 + 22), an exact multiple (128), GQA and MQA across tiles;
-// finite differences on the small ones and one of two tiles (S 66, d 2).
+// The small shapes of AttentionTest, and shapes over several kExecAttentionRows (64) query tiles:
+// a partial last tile (S 150 = 64 + 64 + 22), an exact multiple (128), GQA and MQA across tiles,
+// and two key tiles of 256 (S 300); finite differences on the small ones and one of two query
+// tiles (S 66, d 2).
 INSTANTIATE_TEST_SUITE_P(Kernels, FlashAttentionTest,
                          ::testing::Values(AttnCase{2, 5, 4, 2, 3}, AttnCase{1, 6, 2, 2, 4}, AttnCase{2, 4, 3, 1, 2},
                                            AttnCase{1, 1, 2, 1, 3}, AttnCase{1, 150, 4, 2, 8}, AttnCase{2, 128, 2, 1, 5},
-                                           AttnCase{1, 65, 3, 3, 4}));
+                                           AttnCase{1, 65, 3, 3, 4}, AttnCase{1, 300, 2, 1, 4}));
 INSTANTIATE_TEST_SUITE_P(Kernels, FlashAttentionFdTest,
                          ::testing::Values(AttnCase{2, 5, 4, 2, 3}, AttnCase{1, 6, 2, 2, 4}, AttnCase{2, 4, 3, 1, 2},
                                            AttnCase{1, 1, 2, 1, 3}, AttnCase{1, 66, 2, 1, 2}));
