@@ -1073,10 +1073,10 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
     o += fmt::format("\n# calibration steps, {} rank(s) at once: measured wall time per step (rank 0) and sim on the profile\n",
                      cal.ranks);
     o += fmt::format("# meas = the median of {} interleaved rounds (each its fastest step after the first), spread = their interquartile range\n", cal.rounds);
-    o += fmt::format("# {:<26} {:>10} {:>11} {:>10} {:>7}\n", "program", "meas(ms)", "spread(ms)", "sim(ms)", "err");
+    o += fmt::format("# {:<32} {:>10} {:>11} {:>10} {:>7}\n", "program", "meas(ms)", "spread(ms)", "sim(ms)", "err");
     for (const ProgramSample& p : cal.programs) {
       const double s = sim::simulate(p.step, profile).step_s;
-      o += fmt::format("  {:<26} {:>10.3f} {:>6.3f} {:>3.0f}% {:>10.3f} {:>+6.0f}%\n", p.program, p.step_s * 1e3, p.spread_s * 1e3,
+      o += fmt::format("  {:<32} {:>10.3f} {:>6.3f} {:>3.0f}% {:>10.3f} {:>+6.0f}%\n", p.program, p.step_s * 1e3, p.spread_s * 1e3,
                        100.0 * p.spread_s / p.step_s, s * 1e3, 100.0 * (s / p.step_s - 1.0));
     }
   }
