@@ -97,7 +97,7 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
     for (sim::Kernel k : sim::uncalibrated_kernels(program, c)) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", sim::name_of(k));
     if (!given.empty()) {
       if (!missing.empty())
-        fmt::print("warning: the profile {} has no calibration of {} (made before calibrate measured it): those kernels are timed on "
+        fmt::print("warning: the profile {} has no calibration of {} (made before calibrate measured them): those kernels are timed on "
                    "the uncalibrated roofline; rerun peftplan calibrate\n",
                    path.string(), missing);
       fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);

@@ -622,6 +622,30 @@ TEST(CalibrateCli, QuickRunRecalibratesACacheTheMachineDriftedFrom) {
   std::filesystem::remove_all(dir);
 }
 
+// A cached profile without a scale for a kernel the run executes (made before calibrate measured
+// flash attention) would time that kernel on the bare roofline: `run` calibrates again, says why,
+// and the fresh profile has the kernel.
+TEST(CalibrateCli, QuickRunRecalibratesACacheWithoutAKernelTheRunExecutes) {
+  const auto dir = std::filesystem::temp_directory_path() / "peftplan_test_recalibrate_kernel";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "cache" / "peftplan");
+  sim::Cluster old = sim::make_cluster(sim::find_gpu("A100-80GB").value(), 1, 1);
+  for (int k = 1; k < sim::kNumKernels; ++k)
+    if (k != static_cast<int>(sim::Kernel::flash_attention_fwd) && k != static_cast<int>(sim::Kernel::flash_attention_bwd))
+      old.host_calibration.kernel_scale[static_cast<std::size_t>(k)] = 1.0;
+  sim::write_cluster_file(old, dir / "cache" / "peftplan" / "calibration.1.json");
+  CliResult r = run_cli("run --gpus 1 --strategy ddp --model tiny-llama-2l --seq-len 16 --micro-batch 1 --lora-targets q_proj,v_proj --steps 3 "
+                        "--rounds 1 --attention flash --tolerance-time 1e9 --out " + (dir / "run").string(),
+                        "XDG_CACHE_HOME=" + (dir / "cache").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_THAT(r.out, ::testing::HasSubstr("has no calibration of flash_attention_fwd, flash_attention_bwd, which this run executes"));
+  EXPECT_THAT(r.out, ::testing::HasSubstr("running peftplan calibrate --quick"));
+  const sim::Cluster fresh = sim::read_cluster_file(dir / "cache" / "peftplan" / "calibration.1.json");
+  EXPECT_GT(fresh.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::flash_attention_fwd)], 0.0);
+  EXPECT_GT(fresh.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::flash_attention_bwd)], 0.0);
+  std::filesystem::remove_all(dir);
+}
+
 // A cached profile calibrated beside other work that has since stopped: its collectives' load
 // and skew carry that work, though its speed probe barely moved (executor/host_load.h). The
 // profile here claims 90% of the CPUs went to other work while it was calibrated; the test machine

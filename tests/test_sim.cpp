@@ -943,3 +943,29 @@ TEST(HostCalibration, KernelScalesCopyScaleAndCollectiveTables) {
 
 }  // namespace
 }  // namespace peftplan::sim
+
+// A calibrated profile that lacks a kernel's scale (made before calibrate measured it) names that
+// kernel, once, for the program that runs it; host-stream ops (timed per parameter) and an
+// uncalibrated catalog cluster name none.
+TEST(Calibration, UncalibratedKernelsAreTheProgramsKernelsTheProfileLacks) {
+  using namespace peftplan::sim;
+  Program p;
+  for (const Kernel k : {Kernel::linear_fwd, Kernel::flash_attention_fwd, Kernel::flash_attention_fwd, Kernel::flash_attention_bwd}) {
+    Op op;
+    op.kind = OpKind::compute;
+    op.kernel = k;
+    p.ops.push_back(op);
+  }
+  Op host;
+  host.kind = OpKind::compute;
+  host.stream = Stream::host;
+  host.kernel = Kernel::optimizer_step;
+  p.ops.push_back(host);
+  Cluster c = parse_cluster_spelling("1xA100-80GB");
+  EXPECT_TRUE(uncalibrated_kernels(p, c).empty());  // a catalog GPU: nothing is calibrated
+  c.host_calibration.kernel_scale[static_cast<std::size_t>(Kernel::linear_fwd)] = 1.2;
+  EXPECT_EQ(uncalibrated_kernels(p, c), (std::vector<Kernel>{Kernel::flash_attention_fwd, Kernel::flash_attention_bwd}));
+  c.host_calibration.kernel_scale[static_cast<std::size_t>(Kernel::flash_attention_fwd)] = 5.1;
+  c.host_calibration.kernel_scale[static_cast<std::size_t>(Kernel::flash_attention_bwd)] = 2.9;
+  EXPECT_TRUE(uncalibrated_kernels(p, c).empty());
+}
