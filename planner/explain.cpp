@@ -55,7 +55,7 @@ constexpr Note kNotes[] = {
     {".stats", "an RMSNorm's 1/rms per row, saved for its backward"},
     {"attn.lse", "flash attention's log-sum-exp per row and head, saved for its backward"},
     {"attn.probs", "eager attention's probabilities [B, nh, S, S], saved for its backward"},
-    {"attn.out", "the attention output, o_proj's input, saved for o_proj's adapter or weight gradient"},
+    {"attn.out", "the attention output, o_proj's input: saved for o_proj's adapter or weight gradient, and by flash attention for its own backward (FlashAttnFunc)"},
     {"mlp.silu", "SiLU(gate), saved for the mul's backward (SwiGLU unfused in eager PyTorch)"},
     {"mlp.act", "the MLP activation, saved for its backward"},
     {".lora_u", "LoRA's x·Aᵀ [B·S, r], saved for B's gradient"},

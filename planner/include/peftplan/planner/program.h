@@ -107,7 +107,7 @@ struct BuildOptions {
   bool reuse_layout = true;
 };
 
-// What keeps the CPU executor from running this input, in words ("flash attention (use eager)"),
+// What keeps the CPU executor from running this input, in words ("mixture-of-experts models"),
 // or empty when it can: an executor-profile program of such an input is marked
 // Program::executable (every operand named and sized, sim/ops.h). The executor refuses the
 // others with this text.
