@@ -125,7 +125,12 @@ std::uint64_t at_peak(const Candidate& c, MemCategory m) { return c.at_peak_byte
 // The two largest device categories at the peak: "base_weights 64.2 GiB, activations 9.1 GiB".
 std::string top_categories(const Candidate& c) { return largest_categories(c.at_peak_bytes); }
 
-std::string gib(double bytes) { return fmt::format("{:.1f} GiB", bytes / static_cast<double>(1ull << 30)); }
+// GiB to one decimal; below 0.05 GiB, where that would print "0.0 GiB" (a small model's base, a
+// few MiB of all-gathers), in the unit that shows the size (human_bytes: "3.1 MiB").
+std::string gib(double bytes) {
+  if (bytes >= 0.0 && bytes < 0.05 * kGiB) return human_bytes(static_cast<std::uint64_t>(bytes));
+  return fmt::format("{:.1f} GiB", bytes / kGiB);
+}
 std::string gib(std::uint64_t bytes) { return gib(static_cast<double>(bytes)); }
 std::string gib_signed(std::int64_t bytes) { return gib(static_cast<double>(bytes < 0 ? -bytes : bytes)); }
 
