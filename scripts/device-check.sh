@@ -5,7 +5,7 @@
 #   scripts/device-check.sh DIR          # on the GPU machine, from the repository root
 # It builds what the checks need from the carried tree (build/device, the `device` preset),
 # runs the backend-ops tests and the NCCL communicator's on the GPU (ctest -L device), the cuBLAS GEMM throughput at the 1B
-# model's shapes, plan-and-run on the GPU at one rank (no mpirun) for DDP and ZeRO-3, and a
+# model's shapes, plan-and-run on the GPU at one rank (no mpirun) for DDP and ZeRO-3 (and DDP with flash attention), and a
 # transformers + PEFT run of the same model captured by tools/peftplan_callback.py and compared
 # with `plan --profile hf`, and PEFT's PeftModel.from_pretrained on the adapter our executor
 # trained, its loss against ours. Logs and figures go to DIR; the summary to stdout. Exit code 0 when
@@ -80,13 +80,22 @@ else
   tail -80 "$out/run.log"
   failed "plan-and-run on the GPU"
 fi
+step "plan-and-run on the GPU with flash attention (the fused CUDA kernels): the same job, DDP"
+if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --strategy ddp --attention flash --lora-r 16 --lora-alpha 16 \
+    --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --micro-batch 4 --seq-len 1024 --steps 8 --rounds 2 \
+    --out "$out/run-flash" >"$out/run-flash.log" 2>&1; then
+  tail -40 "$out/run-flash.log"
+else
+  tail -80 "$out/run-flash.log"
+  failed "plan-and-run on the GPU with flash attention"
+fi
 # The memory kinds beyond allocated, measured on the device (measurement.json), and the losses.
-python3 - "$out/run" <<'PY' || failed "reading the GPU run's measurements"
+python3 - "$out/run" "$out/run-flash" <<'PY' || failed "reading the GPU run's measurements"
 import json, pathlib, sys
-for m in sorted(pathlib.Path(sys.argv[1]).glob("*/measurement.json")):
+for m in sorted(p for d in sys.argv[1:] for p in [*pathlib.Path(d).glob("*/measurement.json"), *pathlib.Path(d).glob("measurement.json")]):
     j = json.loads(m.read_text()); d = j["memory"]["device"]; g = 2.0 ** 30
     losses = j.get("losses", [])
-    print(f"{m.parent.name}: allocated peak {d['peak_bytes'] / g:.3f} GiB, reserved peak {d.get('reserved_peak_bytes', 0) / g:.3f} GiB, "
+    print(f"{m.parent.relative_to(m.parents[1])}: allocated peak {d['peak_bytes'] / g:.3f} GiB, reserved peak {d.get('reserved_peak_bytes', 0) / g:.3f} GiB, "
           f"in use {d.get('in_use_bytes', 0) / g:.3f} GiB of {d.get('total_bytes', 0) / g:.1f}; "
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no losses")
 PY
