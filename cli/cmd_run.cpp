@@ -73,8 +73,10 @@ std::string cpu_model_name() {
 // (calibration.<N>.json beside the default calibration.json: a profile describes ranks sharing
 // the cores, so each rank count has its own). The cached one is made with `peftplan calibrate
 // --ranks N --quick` by this same binary, written where it was looked for: when it is missing,
-// when it predates the speed probe or has no scale for a kernel `program` runs (calibrate did not
-// measure that kernel yet), and when the machine's speed has moved away from it.
+// when it predates the speed probe or has no scale for a kernel `program` runs (written by a
+// calibrate that did not know the kernel), and when the machine's speed has moved away from it.
+// `program` is the first strategy's: the strategies of one run share their kernels (they differ
+// in collectives, copies and the optimizer's place, not in what the layers compute).
 // "Moved away" is the probe (executor/calibrate.h, speed_probe) taken now differing from the
 // profile's by more than `recalibrate_beyond` — or the profile having been calibrated beside more
 // other work than the machine has now (executor/host_load.h), by more than
@@ -97,7 +99,7 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
     for (sim::Kernel k : sim::uncalibrated_kernels(program, c)) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", sim::name_of(k));
     if (!given.empty()) {
       if (!missing.empty())
-        fmt::print("warning: the profile {} has no calibration of {} (made before calibrate measured them): those kernels are timed on "
+        fmt::print("warning: the profile {} has no calibration of {} (made before calibrate knew them): those kernels are timed on "
                    "the uncalibrated roofline; rerun peftplan calibrate\n",
                    path.string(), missing);
       fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);
@@ -112,7 +114,7 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
     const double then = c.host_calibration.speed_probe_flops_per_s;
     if (!missing.empty()) {
       why = fmt::format("the cached profile {} has no calibration of {}, which this run executes (it was made before calibrate "
-                        "measured them)",
+                        "knew them)",
                         path.string(), missing);
     } else if (sim::total_gpus(c) != N) {
       why = fmt::format("the cached profile {} has {} rank(s), this run {}", path.string(), sim::total_gpus(c), N);

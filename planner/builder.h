@@ -383,8 +383,6 @@ class Builder {
   }
   // Ranks a shard is split over: all of them, or a node's under HYBRID_SHARD.
   std::int32_t group() const { return s_.stage == Stage::fsdp_hybrid_shard && s_.shard_group > 0 ? s_.shard_group : s_.ranks; }
-  // ZeRO-3 as the executor runs it: the program names every tensor's place in the unit's
-  // gathered buffer and the shards the all_gathers read (see setup and gather_unit).
   // The fraction of attention's S x S_kv score GEMM work that is done. PyTorch's eager attention
   // (transformers' eager_attention_forward) multiplies the full matrices and masks afterwards: all
   // of it; flash-attn skips the blocks above the diagonal: half of it at large S. The executor
@@ -400,6 +398,8 @@ class Builder {
       done += static_cast<double>(std::min(rows, S - i0)) * static_cast<double>(std::min(S, i0 + rows));
     return done / (static_cast<double>(S) * static_cast<double>(S));
   }
+  // ZeRO-3 as the executor runs it: the program names every tensor's place in the unit's
+  // gathered buffer and the shards the all_gathers read (see setup and gather_unit).
   bool exec_z3() const { return zero3() && in_.profile == RuntimeProfile::executor; }
   // ZeRO-2 as the executor runs it with several ranks: the adapter partition is laid out per
   // gradient bucket (plan_buckets), so that every bucket's reduce_scatter fills a contiguous

@@ -214,7 +214,8 @@ void Builder::layer_forward(std::int32_t l, bool recompute) {
   // Args conventions (M = B·S rows, fp32 statistics):
   //   norm_fwd     {x [M,H], w [H], y [M,H], rstd [M]}: RMSNorm (LayerNorm: stats are mean, rstd)
   //   rope_fwd     {q [M,nh·d], k [M,nkv·d], tables}: rotates q and k in place
-  //   attention_fwd {q, k, v, P [B,nh,S,S] (eager; flash: lse [B,nh,S]), out [M,nh·d]}
+  //   attention_fwd {q, k, v, P [B,nh,S,S], out [M,nh·d]} (eager)
+  //   flash_attention_fwd {q, k, v, lse [B,nh,S], out [M,nh·d]}
   //   residual_add {a, b, out}: out = a + b (out -1: nothing to write, as in a recompute)
   //   mlp_act_fwd  {gate [M,I], up [M,I], act [M,I]}: act = silu(gate) ⊙ up (GELU: {fc1, -1, act})
   LayerBufs& lb = lb_[static_cast<std::size_t>(l)];

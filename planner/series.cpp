@@ -90,8 +90,9 @@ std::optional<MicroBatchSeries> MicroBatchSeries::make(const PlanInput& input) {
   s.model_flops_ = {nullptr, Type::f64, p.model_flops_per_step, q.model_flops_per_step - p.model_flops_per_step};
 
   // A double that moves is exact at every micro-batch only while it and its step are integers
-  // (below 2^53): FLOPs and the loss divisor are. A fraction (eager attention's GEMM share of a
-  // non-power-of-two block, summed into the step's FLOPs) could round differently at some B.
+  // (below 2^53): FLOPs and the loss divisor are. A fraction (the executor's attention work share
+  // of a non-power-of-two block, eager or flash, summed into the step's FLOPs) could round
+  // differently at some B.
   auto integral = [](double x) { return std::nearbyint(x) == x && std::fabs(x) < 0x1p53; };
   for (const Moving& m : s.moving_)
     if ((m.type == Type::f64 || m.type == Type::f64_bits) && (!integral(m.at_one) || !integral(m.per_sequence))) return std::nullopt;

@@ -426,46 +426,53 @@ TEST_P(BackendOps, AttentionForwardAndBackward) {
   expect_near(gv.host(), fd(2), 2e-3, "dv");
 }
 
-// Flash attention over five 64-row query tiles (S 300: the last one partial; the CPU's two key
-// tiles of 256) with GQA: its output and log-sum-exp against a naive softmax in double, its
-// gradients against the same backend's eager backward (held to finite differences above): both
-// are softmax(q·kᵀ/√d)·v.
+// Flash attention with GQA at head dims that take each of the CUDA kernels' tile sets (d up to
+// 64, 128 and 256; cuda_kernels.cu) and over several tiles (S 300: five 64-row query tiles, the
+// last one partial; the CPU's two key tiles of 256): its output and log-sum-exp against a naive
+// softmax in double, its gradients against the same backend's eager backward (held to finite
+// differences above): both are softmax(q·kᵀ/√d)·v.
 TEST_P(BackendOps, FlashAttentionMatchesNaiveAndEager) {
-  const Index Bb = 2, S = 300, nh = 4, nkv = 2, d = 8;
-  const Vec q = random_vec(Bb * S * nh * d, 26), k = random_vec(Bb * S * nkv * d, 27), v = random_vec(Bb * S * nkv * d, 28);
-  const Vec dout = random_vec(Bb * S * nh * d, 29);
-  std::vector<double> want(q.size(), 0.0), want_lse(Bb * nh * S);
-  for (Index b = 0; b < Bb; ++b)
-    for (Index h = 0; h < nh; ++h)
-      for (Index i = 0; i < S; ++i) {
-        std::vector<double> sc(i + 1);
-        double mx = -1e300, z = 0;
-        for (Index j = 0; j <= i; ++j) {
-          double t = 0;
-          for (Index e = 0; e < d; ++e) t += double(q[((b * S + i) * nh + h) * d + e]) * k[((b * S + j) * nkv + h / 2) * d + e];
-          mx = std::max(mx, sc[j] = t / std::sqrt(double(d)));
+  struct Shape {
+    Index S, d;
+  };
+  for (const Shape sh : {Shape{300, 8}, Shape{70, 72}, Shape{70, 128}, Shape{40, 200}}) {
+    const Index Bb = 2, S = sh.S, nh = 4, nkv = 2, d = sh.d, rep = nh / nkv;
+    SCOPED_TRACE(::testing::Message() << "S " << S << ", d " << d);
+    const Vec q = random_vec(Bb * S * nh * d, 26), k = random_vec(Bb * S * nkv * d, 27), v = random_vec(Bb * S * nkv * d, 28);
+    const Vec dout = random_vec(Bb * S * nh * d, 29);
+    std::vector<double> want(q.size(), 0.0), want_lse(Bb * nh * S);
+    for (Index b = 0; b < Bb; ++b)
+      for (Index h = 0; h < nh; ++h)
+        for (Index i = 0; i < S; ++i) {
+          std::vector<double> sc(i + 1);
+          double mx = -1e300, z = 0;
+          for (Index j = 0; j <= i; ++j) {
+            double t = 0;
+            for (Index e = 0; e < d; ++e) t += double(q[((b * S + i) * nh + h) * d + e]) * k[((b * S + j) * nkv + h / rep) * d + e];
+            mx = std::max(mx, sc[j] = t / std::sqrt(double(d)));
+          }
+          for (double& x : sc) z += (x = std::exp(x - mx));
+          want_lse[(b * nh + h) * S + i] = mx + std::log(z);
+          for (Index j = 0; j <= i; ++j)
+            for (Index e = 0; e < d; ++e) want[((b * S + i) * nh + h) * d + e] += sc[j] / z * v[((b * S + j) * nkv + h / rep) * d + e];
         }
-        for (double& x : sc) z += (x = std::exp(x - mx));
-        want_lse[(b * nh + h) * S + i] = mx + std::log(z);
-        for (Index j = 0; j <= i; ++j)
-          for (Index e = 0; e < d; ++e) want[((b * S + i) * nh + h) * d + e] += sc[j] / z * v[((b * S + j) * nkv + h / 2) * d + e];
-      }
-  Dev dq(be(), q), dk(be(), k), dv(be(), v), lse(be(), Bb * nh * S), out(be(), q.size());
-  be().flash_attention_forward(dq.get(), dk.get(), dv.get(), lse.get(), out.get(), Bb, S, nh, nkv, d);
-  expect_near(out.host(), want, 1e-5, "flash out");
-  expect_near(lse.host(), want_lse, 1e-5, "flash lse");
-  Dev g(be(), dout), gq(be(), q.size()), gk(be(), k.size()), gv(be(), v.size());
-  be().flash_attention_backward(g.get(), dq.get(), dk.get(), dv.get(), out.get(), lse.get(), gq.get(), gk.get(), gv.get(), Bb, S, nh,
-                                nkv, d);
-  Dev P(be(), Bb * nh * S * S), eo(be(), q.size()), scratch(be(), Bb * nh * S * S), eq(be(), q.size()), ek(be(), k.size()),
-      ev(be(), v.size());
-  be().attention_forward(dq.get(), dk.get(), dv.get(), P.get(), eo.get(), Bb, S, nh, nkv, d);
-  be().attention_backward(g.get(), dq.get(), dk.get(), dv.get(), P.get(), eq.get(), ek.get(), ev.get(), scratch.get(), Bb * nh * S * S,
-                          Bb, S, nh, nkv, d);
-  auto widen = [](const Vec& x) { return std::vector<double>(x.begin(), x.end()); };
-  expect_near(gq.host(), widen(eq.host()), 1e-4, "flash dq");
-  expect_near(gk.host(), widen(ek.host()), 1e-4, "flash dk");
-  expect_near(gv.host(), widen(ev.host()), 1e-4, "flash dv");
+    Dev dq(be(), q), dk(be(), k), dv(be(), v), lse(be(), Bb * nh * S), out(be(), q.size());
+    be().flash_attention_forward(dq.get(), dk.get(), dv.get(), lse.get(), out.get(), Bb, S, nh, nkv, d);
+    expect_near(out.host(), want, 1e-5, "flash out");
+    expect_near(lse.host(), want_lse, 1e-5, "flash lse");
+    Dev g(be(), dout), gq(be(), q.size()), gk(be(), k.size()), gv(be(), v.size());
+    be().flash_attention_backward(g.get(), dq.get(), dk.get(), dv.get(), out.get(), lse.get(), gq.get(), gk.get(), gv.get(), Bb, S, nh,
+                                  nkv, d);
+    Dev P(be(), Bb * nh * S * S), eo(be(), q.size()), scratch(be(), Bb * nh * S * S), eq(be(), q.size()), ek(be(), k.size()),
+        ev(be(), v.size());
+    be().attention_forward(dq.get(), dk.get(), dv.get(), P.get(), eo.get(), Bb, S, nh, nkv, d);
+    be().attention_backward(g.get(), dq.get(), dk.get(), dv.get(), P.get(), eq.get(), ek.get(), ev.get(), scratch.get(),
+                            Bb * nh * S * S, Bb, S, nh, nkv, d);
+    auto widen = [](const Vec& x) { return std::vector<double>(x.begin(), x.end()); };
+    expect_near(gq.host(), widen(eq.host()), 1e-4, "flash dq");
+    expect_near(gk.host(), widen(ek.host()), 1e-4, "flash dk");
+    expect_near(gv.host(), widen(ev.host()), 1e-4, "flash dv");
+  }
 }
 
 TEST_P(BackendOps, SwigluForwardAndBackward) {

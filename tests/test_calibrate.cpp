@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <set>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -643,6 +644,15 @@ TEST(CalibrateCli, QuickRunRecalibratesACacheWithoutAKernelTheRunExecutes) {
   const sim::Cluster fresh = sim::read_cluster_file(dir / "cache" / "peftplan" / "calibration.1.json");
   EXPECT_GT(fresh.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::flash_attention_fwd)], 0.0);
   EXPECT_GT(fresh.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::flash_attention_bwd)], 0.0);
+  // ...from flash ops calibration timed (every kernel the binary knows gets a scale, measured or
+  // not: apply_step_factors), in both sizes of the program that runs flash.
+  const auto m = models::read_json_file((dir / "cache" / "peftplan" / "calibration.1.measurements.json").string());
+  std::set<std::string> timed;
+  for (const auto& k : m.at("kernels"))
+    if (k.at("kernel") == "flash_attention_fwd" || k.at("kernel") == "flash_attention_bwd")
+      if (k.at("time_us").get<double>() > 0.0) timed.insert(k.at("kernel").get<std::string>() + " " + k.at("program").get<std::string>());
+  EXPECT_EQ(timed, (std::set<std::string>{"flash_attention_bwd zero2+offload bf16 flash B2 S128", "flash_attention_bwd zero2+offload bf16 flash B8 S256",
+                                          "flash_attention_fwd zero2+offload bf16 flash B2 S128", "flash_attention_fwd zero2+offload bf16 flash B8 S256"}));
   std::filesystem::remove_all(dir);
 }
 

@@ -740,3 +740,17 @@ TEST(ExplainCli, PrintsAndJson) {
 }
 
 }  // namespace
+
+// A reason names a small model's sizes in a unit that shows them: tiny-llama-4l's fp32 base is
+// 3,215,872 B (its base_weights in `plan --profile executor`), which one decimal of GiB would
+// print as "0.0 GiB".
+TEST(Recommend, SmallSizesReadInTheirOwnUnit) {
+  PlanInput in = lora("tiny-llama-4l", 8, 256);
+  in.profile = RuntimeProfile::executor;
+  in.training.precision = Precision::fp32;
+  const Recommendation r = search(in, "1xA100-80GB");
+  ASSERT_FALSE(r.ranked.empty());
+  const std::string& why = r.ranked.front().reason;
+  EXPECT_NE(why.find("base (3.1 MiB) fits"), std::string::npos) << why;
+  EXPECT_FALSE(std::regex_search(why, std::regex("[^0-9.]0\\.0 GiB"))) << why;  // "80.0 GiB" is the GPU
+}

@@ -2,8 +2,8 @@
 // (batch, head) over strided views of the [B,S,heads,d] activations (no transposed copies).
 // Mirrors transformers' eager_attention_forward with repeat_kv: query head h reads kv head
 // h / (nh/nkv); scores = q·kᵀ · (1/√d) + causal mask; softmax in the compute type; out = P·v.
-// Flash attention (kernels.h §5b) computes the same attention in kExecAttentionRows-square tiles
-// with an online softmax and keeps only each row's log-sum-exp.
+// Flash attention (kernels.h §5b) computes the same attention kExecAttentionRows queries at a
+// time against tiles of keys with an online softmax, and keeps only each row's log-sum-exp.
 // Deliberately not here: attention masks other than causal, dropout on P.
 #include <algorithm>
 #include <cmath>

@@ -413,13 +413,13 @@ class CudaBackend final : public Backend {
   // heads), tiles in shared memory and registers, no scratch and no atomics.
   void flash_attention_forward(const float* q, const float* k, const float* v, float* lse, float* out, Index B,
                                Index S, Index nh, Index nkv, Index d) override {
-    check_flash_shape(S, nh, nkv, d);
+    check_flash_shape(B, S, nh, nkv, d);
     PEFTPLAN_LAUNCH(cuda::flash_attention_forward(h_.stream, q, k, v, lse, out, B, S, nh, nkv, d));
   }
   void flash_attention_backward(const float* dout, const float* q, const float* k, const float* v, const float* out,
                                 const float* lse, float* dq, float* dk, float* dv, Index B, Index S, Index nh,
                                 Index nkv, Index d) override {
-    check_flash_shape(S, nh, nkv, d);
+    check_flash_shape(B, S, nh, nkv, d);
     PEFTPLAN_LAUNCH(cuda::flash_attention_backward(h_.stream, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, d));
   }
 
@@ -485,16 +485,12 @@ class CudaBackend final : public Backend {
   static float* kv(float* t, Index b, Index h, Index S, Index heads, Index d) { return t + b * S * heads * d + h * d; }
   static const float* qh(const float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
   static float* qh(float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
-  // The shapes the flash kernels take (cuda_kernels.h); the launcher would refuse the rest with
-  // cudaErrorInvalidValue, said here in words.
-  static void check_flash_shape(Index S, Index nh, Index nkv, Index d) {
-    PEFTPLAN_CHECK_MSG(nkv > 0 && nh % nkv == 0, "heads {} not a multiple of kv heads {}", nh, nkv);
-    PEFTPLAN_CHECK_MSG(S < cuda::kFlashMaxSeqLen, "cuda flash attention takes sequences shorter than {}, got {}",
-                       cuda::kFlashMaxSeqLen, S);
-    PEFTPLAN_CHECK_MSG(d >= 1 && d <= cuda::kFlashMaxHeadDim,
-                       "cuda flash attention takes head_dim 1..{} (its tiles in shared memory), got {}; "
-                       "plan with --attention eager for this model",
-                       cuda::kFlashMaxHeadDim, d);
+  // The shapes the flash kernels take (cuda_kernels.h flash_shape_refusal), said in words where the
+  // launcher would only return cudaErrorInvalidValue.
+  static void check_flash_shape(Index B, Index S, Index nh, Index nkv, Index d) {
+    const char* why = cuda::flash_shape_refusal(B, S, nh, nkv, d);
+    PEFTPLAN_CHECK_MSG(why == nullptr, "cuda flash attention: {} (B {}, S {}, heads {}, kv heads {}, head_dim {}); plan with "
+                       "--attention eager for this model", why ? why : "", B, S, nh, nkv, d);
   }
   void rope(float* x, const float* tables, Index B, Index S, Index nheads, Index d, float sign) {
     const Index half = cpu::rope_table_elems(S, d);

@@ -718,13 +718,16 @@ cudaError_t flash_backward_for(cudaStream_t s, const float* dout, const float* q
                       out, lse, dk, dv, B, S, nh, nkv, d, scale);
 }
 
-// Positions within a sequence are ints in the kernels' masks (a tile past S included).
-bool flash_shape_ok(Index B, Index S, Index nh, Index nkv, Index d) {
-  return B >= 0 && S >= 0 && S < kFlashMaxSeqLen && nh >= 0 && nkv > 0 && nh % nkv == 0 && d >= 1 &&
-         d <= kFlashMaxHeadDim;
-}
-
 }  // namespace
+
+// Positions within a sequence are ints in the kernels' masks (a tile past S included).
+const char* flash_shape_refusal(Index B, Index S, Index nh, Index nkv, Index d) {
+  if (B < 0 || S < 0 || nh < 0) return "negative shape";
+  if (nkv <= 0 || nh % nkv != 0) return "the heads are not a multiple of the kv heads";
+  if (S >= kFlashMaxSeqLen) return "the sequence is not shorter than 2^30 (positions are ints in the kernels)";
+  if (d < 1 || d > kFlashMaxHeadDim) return "head_dim is outside 1..256 (its tiles in shared memory)";
+  return nullptr;
+}
 
 // mixed = splitmix64(key seed), computed on the host by the caller (cuda_backend.cpp).
 cudaError_t dropout(cudaStream_t s, const float* x, float* out, Index n, std::uint64_t mixed, double p) {
@@ -819,7 +822,7 @@ cudaError_t convert(cudaStream_t s, const void* src, Storage from, void* dst, St
 
 cudaError_t flash_attention_forward(cudaStream_t s, const float* q, const float* k, const float* v, float* lse,
                                     float* out, Index B, Index S, Index nh, Index nkv, Index d) {
-  if (!flash_shape_ok(B, S, nh, nkv, d)) return cudaErrorInvalidValue;
+  if (flash_shape_refusal(B, S, nh, nkv, d)) return cudaErrorInvalidValue;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));  // as the CPU kernels form it
   const int hd = static_cast<int>(d);
   if (d <= 64) return flash_forward_for<64>(s, q, k, v, lse, out, B, S, nh, nkv, hd, scale);
@@ -829,7 +832,7 @@ cudaError_t flash_attention_forward(cudaStream_t s, const float* q, const float*
 cudaError_t flash_attention_backward(cudaStream_t s, const float* dout, const float* q, const float* k, const float* v,
                                      const float* out, const float* lse, float* dq, float* dk, float* dv, Index B,
                                      Index S, Index nh, Index nkv, Index d) {
-  if (!flash_shape_ok(B, S, nh, nkv, d)) return cudaErrorInvalidValue;
+  if (flash_shape_refusal(B, S, nh, nkv, d)) return cudaErrorInvalidValue;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int hd = static_cast<int>(d);
   if (d <= 64) return flash_backward_for<64>(s, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, hd, scale);

@@ -51,6 +51,9 @@ cudaError_t convert(cudaStream_t s, const void* src, Storage from, void* dst, St
 // kernels), nkv > 0 and nh % nkv == 0; a shape outside these is cudaErrorInvalidValue.
 inline constexpr Index kFlashMaxHeadDim = 256;
 inline constexpr Index kFlashMaxSeqLen = Index(1) << 30;
+// Why the flash kernels refuse a shape, in words, or null when they take it (the one rule the
+// launchers and the backend's error message share).
+const char* flash_shape_refusal(Index B, Index S, Index nh, Index nkv, Index d);
 // q[B,S,nh,d], k[B,S,nkv,d], v[B,S,nkv,d] -> out[B,S,nh,d], lse[B,nh,S] (log Σ_{j<=i} e^{score_ij}).
 cudaError_t flash_attention_forward(cudaStream_t s, const float* q, const float* k, const float* v, float* lse,
                                     float* out, Index B, Index S, Index nh, Index nkv, Index d);

@@ -162,13 +162,14 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
 
 // ---------------------------------------------------------------------------------------------
 // 5b. Flash attention (Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
-//     Partitioning", 2023, Algorithms 1 and 2): the same causal GQA attention computed in tiles of
-//     kExecAttentionRows queries × kExecAttentionRows keys with an online softmax, so the S×S
-//     probabilities are never stored. Saved for backward: lse[B,nh,S] = m + log l per row (m the
+//     Partitioning", 2023, Algorithms 1 and 2): the same causal GQA attention computed in tiles
+//     of queries against tiles of keys with an online softmax, so the S×S probabilities are never
+//     stored (the CPU: kExecAttentionRows queries against up to 4 × as many keys; CUDA: its own
+//     tiles, cuda_kernels.cu). Saved for backward: lse[B,nh,S] = m + log l per row (m the
 //     row's largest scaled score, l Σ exp(score − m)); the backward recomputes each tile's
 //     probabilities as exp(score − lse) and takes D = Σ dout ⊙ out per row from the forward's out.
-//     Tiles past the diagonal are skipped, so the work done is eager attention's causal blocks
-//     (planner Builder::score_work_fraction).
+//     Keys past a query tile's last row are skipped, so on the CPU the work done is eager
+//     attention's causal blocks (planner Builder::score_work_fraction).
 // ---------------------------------------------------------------------------------------------
 
 // q[B,S,nh,d], k[B,S,nkv,d], v[B,S,nkv,d] -> out[B,S,nh,d], lse[B,nh,S].

@@ -40,9 +40,9 @@ std::string_view name_of(RuntimeProfile p);
 inline constexpr std::array kRuntimeProfiles = {RuntimeProfile::executor, RuntimeProfile::deepspeed, RuntimeProfile::hf};
 static_assert(lists_every(kRuntimeProfiles, RuntimeProfile::hf));
 
-// Rows per causal block in the executor's eager attention (executor/cpu/attention.cpp): each
-// block of rows multiplies only the key columns up to its last row. The builder counts that work
-// for RuntimeProfile::executor; the executor's kernel uses this constant.
+// Rows per causal block in the executor's attention, eager and flash (executor/cpu/attention.cpp):
+// each block of rows multiplies only the key columns up to its last row. The builder counts that
+// work for RuntimeProfile::executor; the executor's CPU kernels use this constant.
 inline constexpr std::int64_t kExecAttentionRows = 64;
 
 // What the builder derives from the model and adapters alone (inventories and adapter

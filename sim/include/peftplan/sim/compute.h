@@ -53,8 +53,9 @@ ComputeCost host_compute_cost(const ComputeWork& work, Kernel kernel, const Clus
 double copy_time_s(std::uint64_t bytes, const Cluster& cluster);
 
 // The kernels of `program`'s device compute ops that a calibrated profile (some kernel scale
-// set) has no scale for, each once: a profile calibrated before the kernel was measured would time
-// it on the uncalibrated roofline. Empty for an uncalibrated cluster (a GPU catalog entry).
+// set) has no scale for, each once: the profile was written by a calibrate that did not know the
+// kernel (calibrate gives every kernel it knows a scale), and would time it on the uncalibrated
+// roofline. Empty for an uncalibrated cluster (a GPU catalog entry).
 std::vector<Kernel> uncalibrated_kernels(const Program& program, const Cluster& cluster);
 
 }  // namespace peftplan::sim
