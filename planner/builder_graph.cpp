@@ -487,7 +487,7 @@ void Builder::layer_backward(std::int32_t l) {
     compute("attention_eager", l, B, aw,
             ops::AttentionBwd{.d_out = d_attn, .probs = lb.probs, .q = lb.qkv[0], .k = lb.qkv[1], .v = lb.qkv[2], .dq = dq, .dk = dk, .dv = dv,
                               .scratch = dprobs, .B = Bm, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});
-  else  // flash reads the forward's output (FlashAttnFunc saves it; runtime rule attention_saves_output)
+  else  // flash reads the forward's output, which it saved (saved.cpp, Slot::attn_out)
     compute("attention_flash", l, B, aw,
             ops::FlashAttentionBwd{.d_out = d_attn, .q = lb.qkv[0], .k = lb.qkv[1], .v = lb.qkv[2], .out = lb.attn_out, .lse = lb.probs, .dq = dq,
                                    .dk = dk, .dv = dv, .B = Bm, .S = S, .nh = nh, .nkv = m_.kv_heads, .d = d});

@@ -29,7 +29,6 @@ void model_side(RuntimeRules& r) {
   // down(act(gate(x)) * up(x)), so the mul keeps act(gate(x)) and up(x), SiLU keeps gate(x).
   r.adapter_owns_input = true;
   r.norm_saves_fp32_input = true;
-  r.attention_saves_output = true;
   r.unfused_swiglu = true;
   // The Llama family's eager_attention_forward: softmax(..., dtype=torch.float32).to(query.dtype).
   r.eager_softmax_fp32 = true;
@@ -75,10 +74,8 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   switch (in.profile) {
     case RuntimeProfile::executor:
       // Our executor (executor/): every buffer is in the program; tokens are int32 ids and
-      // targets; no library outside it. Its flash attention, like flash-attn's FlashAttnFunc,
-      // reads the forward's output in backward (D = Σ d_out ⊙ out per row; kernels.h §5b).
+      // targets; no library outside it.
       r.fp32_master_for_mixed = false;
-      r.attention_saves_output = in.training.attention == Attention::flash;
       return r;
     case RuntimeProfile::deepspeed:
       // The HF model under DeepSpeed's engine: the model side as under hf. DeepSpeed casts the

@@ -173,11 +173,15 @@ LayerTable Builder::layer_table(std::int64_t l) const {
     add(Slot::attn_scores, row("attn.lse", "", {B, nh, S}, DType::fp32, true,
                                "flash attention saves the log-sum-exp per row (Dao, FlashAttention-2) instead of the scores"));
   }
-  const bool out_saved = needs(Role::attn_out) || rules_.attention_saves_output;
+  // Flash attention keeps its output for the backward's D = Σ d_out ⊙ out per row, whoever runs
+  // it: flash-attn's FlashAttnFunc (ctx.save_for_backward(q, k, v, out_padded, softmax_lse)),
+  // SDPA's flash and memory-efficient kernels (derivatives.yaml: _scaled_dot_product_flash_attention
+  // and _efficient_attention's backward take `output`), our executor's (kernels.h §5b). Eager
+  // attention's P·V matmul saves its inputs, not its output, and a frozen o_proj saves nothing.
+  const bool flash_keeps_out = t_.attention == Attention::flash;
+  const bool out_saved = needs(Role::attn_out) || flash_keeps_out;
   add(Slot::attn_out, row("attn.out", "", {M_, m_.q_width()}, cd, out_saved,
-                          needs(Role::attn_out) || !rules_.attention_saves_output
-                              ? kInputRule
-                              : "flash-attn's FlashAttnFunc saves its output (runtime rule attention_saves_output)"));
+                          needs(Role::attn_out) || !flash_keeps_out ? kInputRule : "flash attention saves its output for its backward"));
   linears(Role::attn_out, cd, false, "the residual add reads it; nothing saves it");
   // The residual after attention is the post-attention norm's input: saved by it, unless the
   // norm saves an fp32 copy instead.

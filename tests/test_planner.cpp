@@ -354,6 +354,17 @@ TEST(SavedTable, IsWhatEachProfileAllocates) {
   in.training.precision = Precision::fp32;
   in.training.attention = Attention::eager;
   EXPECT_EQ(saved_for_backward(in, 1).find("norm1.x_fp32"), nullptr);
+  // Attention's output, o_proj's input, with o_proj frozen: flash attention keeps it for its
+  // backward (FlashAttnFunc's save_for_backward; SDPA's flash kernel's backward takes `output`);
+  // eager attention's P·V matmul saves its inputs instead and the frozen o_proj's mm saves none.
+  for (const RuntimeProfile profile : {RuntimeProfile::hf, RuntimeProfile::deepspeed, RuntimeProfile::executor})
+    for (const Attention attention : {Attention::eager, Attention::flash}) {
+      in.profile = profile;
+      in.training.attention = attention;
+      const SavedTensor* out = saved_for_backward(in, 1).find("attn.out");
+      ASSERT_NE(out, nullptr);
+      EXPECT_EQ(out->kept, attention == Attention::flash) << name_of(profile) << " " << name_of(attention);
+    }
 }
 
 // --- FSDP (torch FSDP1 through accelerate, --profile hf) ---------------------------------------

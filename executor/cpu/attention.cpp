@@ -20,6 +20,16 @@ namespace peftplan::executor::cpu {
 
 using namespace detail;
 
+// Head h of batch b in a [B, S, heads, d] tensor: an [S, d] view whose rows are heads·d apart.
+template <typename T>
+CSMap<T> head(const T* t, Index b, Index h, Index S, Index heads, Index d) {
+  return CSMap<T>(t + (b * S * heads + h) * d, S, d, Eigen::OuterStride<>(heads * d));
+}
+template <typename T>
+SMap<T> head(T* t, Index b, Index h, Index S, Index heads, Index d) {
+  return SMap<T>(t + (b * S * heads + h) * d, S, d, Eigen::OuterStride<>(heads * d));
+}
+
 template <typename T>
 void attention_forward(const T* q, const T* k, const T* v, T* P, T* out, Index B, Index S,
                        Index nh, Index nkv, Index d) {
@@ -31,10 +41,10 @@ void attention_forward(const T* q, const T* k, const T* v, T* P, T* out, Index B
   for (Index b = 0; b < B; ++b) {
     for (Index h = 0; h < nh; ++h) {
       const Index kvh = h / rep;
-      CSMap<T> Q(q + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
-      CSMap<T> K(k + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-      CSMap<T> Vm(v + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-      SMap<T> O(out + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+      const auto Q = head(q, b, h, S, nh, d);
+      const auto K = head(k, b, kvh, S, nkv, d);
+      const auto Vm = head(v, b, kvh, S, nkv, d);
+      auto O = head(out, b, h, S, nh, d);
       T* p = P + (b * nh + h) * S * S;
       Map<T> Pm(p, S, S);
       // Causal: row block [i0, i0+len) attends to columns [0, i0+len) only, so the scores
@@ -83,16 +93,16 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
   for (Index task = 0; task < B * nkv; ++task) {
     const Index b = task / nkv, kvh = task % nkv;
     Map<T> dP(scratch + omp_get_thread_num() * S * S, S, S);
-    CSMap<T> K(k + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-    CSMap<T> Vm(v + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-    SMap<T> dK(dk + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-    SMap<T> dV(dv + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
+    const auto K = head(k, b, kvh, S, nkv, d);
+    const auto Vm = head(v, b, kvh, S, nkv, d);
+    auto dK = head(dk, b, kvh, S, nkv, d);
+    auto dV = head(dv, b, kvh, S, nkv, d);
     dK.setZero();
     dV.setZero();
     for (Index h = kvh * rep; h < (kvh + 1) * rep; ++h) {
-      CSMap<T> Q(q + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
-      CSMap<T> dO(dout + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
-      SMap<T> dQ(dq + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+      const auto Q = head(q, b, h, S, nh, d);
+      const auto dO = head(dout, b, h, S, nh, d);
+      auto dQ = head(dq, b, h, S, nh, d);
       const T* p = P + (b * nh + h) * S * S;
       CMap<T> Pm(p, S, S);
       // Causal row blocks as in the forward: row block [i0, i0+len) touches columns [0, i0+len).
@@ -162,10 +172,10 @@ void flash_attention_forward(const T* q, const T* k, const T* v, T* lse, T* out,
     for (Index h = 0; h < nh; ++h) {
       for (Index t = 0; t < tiles; ++t) {
         const Index kvh = h / rep, i0 = t * kTile, rows = std::min(kTile, S - i0);
-        CSMap<T> Q(q + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
-        CSMap<T> K(k + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-        CSMap<T> Vm(v + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-        SMap<T> O(out + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+        const auto Q = head(q, b, h, S, nh, d);
+        const auto K = head(k, b, kvh, S, nkv, d);
+        const auto Vm = head(v, b, kvh, S, nkv, d);
+        auto O = head(out, b, h, S, nh, d);
         auto Oi = O.middleRows(i0, rows);  // the unnormalised accumulator until the last tile
         Oi.setZero();
         Col<T> m = Col<T>::Constant(rows, -std::numeric_limits<T>::infinity()), l = Col<T>::Zero(rows);
@@ -200,18 +210,18 @@ void flash_attention_backward(const T* dout, const T* q, const T* k, const T* v,
 #pragma omp parallel for collapse(2) schedule(dynamic)
   for (Index b = 0; b < B; ++b) {
     for (Index kvh = 0; kvh < nkv; ++kvh) {
-      CSMap<T> K(k + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-      CSMap<T> Vm(v + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-      SMap<T> dK(dk + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
-      SMap<T> dV(dv + b * S * nkv * d + kvh * d, S, d, Eigen::OuterStride<>(nkv * d));
+      const auto K = head(k, b, kvh, S, nkv, d);
+      const auto Vm = head(v, b, kvh, S, nkv, d);
+      auto dK = head(dk, b, kvh, S, nkv, d);
+      auto dV = head(dv, b, kvh, S, nkv, d);
       dK.setZero();
       dV.setZero();
       Tile<T> p, dp;
       for (Index h = kvh * rep; h < (kvh + 1) * rep; ++h) {
-        CSMap<T> Q(q + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
-        CSMap<T> O(out + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
-        CSMap<T> dO(dout + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
-        SMap<T> dQ(dq + b * S * nh * d + h * d, S, d, Eigen::OuterStride<>(nh * d));
+        const auto Q = head(q, b, h, S, nh, d);
+        const auto O = head(out, b, h, S, nh, d);
+        const auto dO = head(dout, b, h, S, nh, d);
+        auto dQ = head(dq, b, h, S, nh, d);
         for (Index i0 = 0; i0 < S; i0 += kTile) {
           const Index rows = std::min(kTile, S - i0);
           const Col<T> D = (dO.middleRows(i0, rows).array() * O.middleRows(i0, rows).array()).rowwise().sum();

@@ -46,7 +46,6 @@ struct RuntimeRules {
   bool adapter_owns_input = false;     // each adapter saves its own (cast, dropped-out) input
                                        // and, with dropout, a 1-byte keep mask
   bool norm_saves_fp32_input = false;  // RMSNorm saves x.to(fp32), not x (and not its output)
-  bool attention_saves_output = false; // the attention kernel keeps its output for backward
   bool unfused_swiglu = false;         // SwiGLU as silu(gate) * up: the mul keeps silu(gate)
   bool eager_softmax_fp32 = false;     // eager attention's softmax in fp32, cast back: both kept
   bool layer_input_only_if_saved = false;  // a layer's input lives only while something saves it
