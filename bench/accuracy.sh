@@ -2,7 +2,8 @@
 # Accuracy of the simulator against the CPU executor on this machine: runs the matrix end to end
 # with `peftplan run` (strategies DDP, ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-2 + optimizer offload,
 # ZeRO-3 + optimizer offload × 1, 2, 4 ranks × checkpointing none/full × base fp32/bf16 ×
-# tiny-llama-2l/tiny-llama-4l), one calibration per rank count (`peftplan calibrate --ranks N`),
+# tiny-llama-2l/tiny-llama-4l, eager attention; and DDP, ZeRO-2 and ZeRO-3 with flash attention,
+# without checkpointing, fp32), one calibration per rank count (`peftplan calibrate --ranks N`),
 # with every configuration's rounds interleaved over the whole matrix (pass k runs each once; then
 # `peftplan compare` combines the rounds), and prints one row per configuration — the worst
 # memory category's error, the peak's error,
@@ -46,9 +47,10 @@ data="$here/README.md"
 
 if [[ $quick == 1 ]]; then
   ranks_list=(2); strategies=(ddp zero2 zero3+off); ckpts=(none); bases=(fp32); models=(tiny-llama-2l tiny-llama-4l)
+  flash_strategies=(ddp zero3+off)
 else
   ranks_list=(2 4 1); strategies=(ddp zero1 zero2 zero3 zero2+off zero3+off); ckpts=(none full); bases=(fp32 bf16)
-  models=(tiny-llama-2l tiny-llama-4l)
+  models=(tiny-llama-2l tiny-llama-4l); flash_strategies=(ddp zero2 zero3)
 fi
 
 # Sizes with a step of tens of milliseconds on 2 cores (timing resolution and noise).
@@ -76,6 +78,9 @@ if [[ $judge == 0 ]]; then
             echo "$model.n$n.$strat.ckpt-$ck.$base $n --model $model --lora-r 8 --lora-alpha 16 --lora-targets all-linear --gpus $n $flags --checkpointing $ck --base-dtype $base $(size_flags "$model")" >> "$configs"
           done
         done
+        # flash attention (the fused kernels) beside eager, without checkpointing, fp32 base
+        [[ " ${flash_strategies[*]} " == *" $strat "* ]] &&
+          echo "$model.n$n.$strat.ckpt-none.fp32.flash $n --model $model --lora-r 8 --lora-alpha 16 --lora-targets all-linear --gpus $n $flags --checkpointing none --base-dtype fp32 --attention flash $(size_flags "$model")" >> "$configs"
       done
     done
   done
@@ -132,10 +137,10 @@ done < "$configs"
 python3 - "$rows" <<'PY'
 import sys, statistics
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
-print(f'{"configuration":44} {"worst memory category":28} {"peak":>8} {"pred ms":>8} {"meas ms":>8} {"step err":>9} {"spread":>7} {"drift":>7} {"verdict":>12}  op that differs most (pred/meas)')
+print(f'{"configuration":48} {"worst memory category":28} {"peak":>8} {"pred ms":>8} {"meas ms":>8} {"step err":>9} {"spread":>7} {"drift":>7} {"verdict":>12}  op that differs most (pred/meas)')
 errs, conclusive, drifts = [], [], []
 for r in rows:
-    print(f'{r[0]:44} {r[1]:28} {r[2]:>8} {r[3]:>8} {r[4]:>8} {r[5]:>9} {r[6]:>7} {r[7]:>7} {r[8]:>12}  {r[9]}')
+    print(f'{r[0]:48} {r[1]:28} {r[2]:>8} {r[3]:>8} {r[4]:>8} {r[5]:>9} {r[6]:>7} {r[7]:>7} {r[8]:>12}  {r[9]}')
     if r[7].endswith("%"): drifts.append(abs(float(r[7][:-1])))
     if r[5].endswith("%"):
         errs.append(abs(float(r[5][:-1])))
