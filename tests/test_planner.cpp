@@ -361,7 +361,8 @@ TEST(SavedTable, IsWhatEachProfileAllocates) {
     for (const Attention attention : {Attention::eager, Attention::flash}) {
       in.profile = profile;
       in.training.attention = attention;
-      const SavedTensor* out = saved_for_backward(in, 1).find("attn.out");
+      const SavedTable table = saved_for_backward(in, 1);
+      const SavedTensor* out = table.find("attn.out");
       ASSERT_NE(out, nullptr);
       EXPECT_EQ(out->kept, attention == Attention::flash) << name_of(profile) << " " << name_of(attention);
     }
