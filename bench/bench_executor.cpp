@@ -67,9 +67,9 @@ double gemm_throughput(const sim::Program& program, Backend& be) {
     for (int rep = 0; rep < 3; ++rep) {
       const auto t0 = std::chrono::steady_clock::now();
       if (kernel == static_cast<int>(sim::Kernel::linear_fwd))
-        be.linear_forward(a.data(), w.data(), nullptr, c.data(), m, k, n, false);  // y[m,n] = x[m,k]·W[n,k]ᵀ
+        be.linear_forward(DType::fp32, a.data(), w.data(), nullptr, c.data(), m, k, n, false);  // y[m,n] = x[m,k]·W[n,k]ᵀ
       else
-        be.linear_backward_input(a.data(), w.data(), c.data(), m, n, k, false);  // dx[m,n] = dy[m,k]·W[k,n]
+        be.linear_backward_input(DType::fp32, a.data(), w.data(), c.data(), m, n, k, false);  // dx[m,n] = dy[m,k]·W[k,n]
       be.synchronize();
       best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       benchmark::DoNotOptimize(c.data());

@@ -48,17 +48,17 @@ void Session::Impl::compute(const sim::Op& op) {
   switch (op.kernel) {
     case Kernel::embedding_fwd: {
       const auto o = ops::read<ops::EmbeddingFwd>(program, op);
-      be.embedding_forward(at<std::int32_t>(o.tokens), at(o.table), at(o.out), o.M, o.V, o.H);
+      be.embedding_forward(dt, at<std::int32_t>(o.tokens), vp(o.table), vp(o.out), o.M, o.V, o.H);
       return;
     }
     case Kernel::norm_fwd: {
       const auto o = ops::read<ops::NormFwd>(program, op);
-      be.rmsnorm_forward(at(o.x), at(o.w), static_cast<float>(o.eps), at(o.y), at(o.rstd), o.M, o.H);
+      be.rmsnorm_forward(dt, vp(o.x), vp(o.w), static_cast<float>(o.eps), vp(o.y), at(o.rstd), o.M, o.H);
       return;
     }
     case Kernel::norm_bwd: {
       const auto o = ops::read<ops::NormBwd>(program, op);
-      be.rmsnorm_backward(at(o.dy), at(o.x), at(o.w), at(o.rstd), at(o.dx), o.M, o.H, op.accumulate);
+      be.rmsnorm_backward(dt, vp(o.dy), vp(o.x), vp(o.w), at(o.rstd), vp(o.dx), o.M, o.H, op.accumulate);
       return;
     }
     case Kernel::cast: {
@@ -70,29 +70,29 @@ void Session::Impl::compute(const sim::Op& op) {
     }
     case Kernel::linear_fwd: {
       const auto o = ops::read<ops::LinearFwd>(program, op);
-      be.linear_forward(at(o.x), at(o.w), opt(o.bias), at(o.y), o.M, o.K, o.N, op.accumulate);
+      be.linear_forward(dt, vp(o.x), vp(o.w), opt<void>(o.bias), vp(o.y), o.M, o.K, o.N, op.accumulate);
       return;
     }
     case Kernel::linear_bwd_data: {
       const auto o = ops::read<ops::LinearBwdData>(program, op);
-      be.linear_backward_input(at(o.dy), at(o.w), at(o.dx), o.M, o.K, o.N, op.accumulate);
+      be.linear_backward_input(dt, vp(o.dy), vp(o.w), vp(o.dx), o.M, o.K, o.N, op.accumulate);
       return;
     }
     case Kernel::dropout: {
       const auto o = ops::read<ops::Dropout>(program, op);
-      be.dropout_forward(at(o.x), at(o.out), o.n, dropout_key(o.p, o.adapter, op.micro_batch));
+      be.dropout_forward(dt, vp(o.x), vp(o.out), o.n, dropout_key(o.p, o.adapter, op.micro_batch));
       return;
     }
     case Kernel::lora_fwd: {
       const auto o = ops::read<ops::LoraFwd>(program, op);
-      be.lora_forward(at(o.x_in), at(o.a), at(o.b), static_cast<float>(o.scale), at(o.u), at(o.y), o.M, o.K, o.N, o.r);
+      be.lora_forward(dt, vp(o.x_in), vp(o.a), vp(o.b), static_cast<float>(o.scale), vp(o.u), vp(o.y), o.M, o.K, o.N, o.r);
       return;
     }
     case Kernel::lora_bwd: {
       const auto o = ops::read<ops::LoraBwd>(program, op);
       const DropoutKey key = o.p > 0.0 ? dropout_key(o.p, o.adapter, op.micro_batch) : DropoutKey{};
-      be.lora_backward(at(o.dy), at(o.x_in), at(o.a), at(o.b), at(o.u), static_cast<float>(o.scale), key, at(o.da), at(o.db), opt(o.dx),
-                       at(o.scratch), o.M, o.K, o.N, o.r);
+      be.lora_backward(dt, vp(o.dy), vp(o.x_in), vp(o.a), vp(o.b), vp(o.u), static_cast<float>(o.scale), key, vp(o.da), vp(o.db),
+                       opt<void>(o.dx), vp(o.scratch), o.M, o.K, o.N, o.r);
       return;
     }
     case Kernel::rope_tables: {
@@ -102,66 +102,66 @@ void Session::Impl::compute(const sim::Op& op) {
     }
     case Kernel::rope_fwd: {
       const auto o = ops::read<ops::RopeFwd>(program, op);
-      be.rope_forward(at(o.q), at(o.tables), o.B, o.S, o.nh, o.d);
-      be.rope_forward(at(o.k), at(o.tables), o.B, o.S, o.nkv, o.d);
+      be.rope_forward(dt, vp(o.q), at(o.tables), o.B, o.S, o.nh, o.d);
+      be.rope_forward(dt, vp(o.k), at(o.tables), o.B, o.S, o.nkv, o.d);
       return;
     }
     case Kernel::rope_bwd: {
       const auto o = ops::read<ops::RopeBwd>(program, op);
-      be.rope_backward(at(o.q), at(o.tables), o.B, o.S, o.nh, o.d);
-      be.rope_backward(at(o.k), at(o.tables), o.B, o.S, o.nkv, o.d);
+      be.rope_backward(dt, vp(o.q), at(o.tables), o.B, o.S, o.nh, o.d);
+      be.rope_backward(dt, vp(o.k), at(o.tables), o.B, o.S, o.nkv, o.d);
       return;
     }
     case Kernel::attention_fwd: {
       const auto o = ops::read<ops::AttentionFwd>(program, op);
-      be.attention_forward(at(o.q), at(o.k), at(o.v), at(o.probs), at(o.out), o.B, o.S, o.nh, o.nkv, o.d);
+      be.attention_forward(dt, vp(o.q), vp(o.k), vp(o.v), vp(o.probs), vp(o.out), o.B, o.S, o.nh, o.nkv, o.d);
       return;
     }
     case Kernel::attention_bwd: {
       const auto o = ops::read<ops::AttentionBwd>(program, op);
-      be.attention_backward(at(o.d_out), at(o.q), at(o.k), at(o.v), at(o.probs), at(o.dq), at(o.dk), at(o.dv), at(o.scratch),
-                            floats(o.scratch), o.B, o.S, o.nh, o.nkv, o.d);
+      be.attention_backward(dt, vp(o.d_out), vp(o.q), vp(o.k), vp(o.v), vp(o.probs), vp(o.dq), vp(o.dk), vp(o.dv), vp(o.scratch),
+                            elems(o.scratch), o.B, o.S, o.nh, o.nkv, o.d);
       return;
     }
     case Kernel::flash_attention_fwd: {
       const auto o = ops::read<ops::FlashAttentionFwd>(program, op);
-      be.flash_attention_forward(at(o.q), at(o.k), at(o.v), at(o.lse), at(o.out), o.B, o.S, o.nh, o.nkv, o.d);
+      be.flash_attention_forward(dt, vp(o.q), vp(o.k), vp(o.v), at(o.lse), vp(o.out), o.B, o.S, o.nh, o.nkv, o.d);
       return;
     }
     case Kernel::flash_attention_bwd: {
       const auto o = ops::read<ops::FlashAttentionBwd>(program, op);
-      be.flash_attention_backward(at(o.d_out), at(o.q), at(o.k), at(o.v), at(o.out), at(o.lse), at(o.dq), at(o.dk), at(o.dv), o.B,
+      be.flash_attention_backward(dt, vp(o.d_out), vp(o.q), vp(o.k), vp(o.v), vp(o.out), at(o.lse), vp(o.dq), vp(o.dk), vp(o.dv), o.B,
                                   o.S, o.nh, o.nkv, o.d);
       return;
     }
     case Kernel::residual_add: {
       const auto o = ops::read<ops::ResidualAdd>(program, op);
-      if (o.out >= 0) be.add(at(o.a), at(o.b), at(o.out), o.n);
+      if (o.out >= 0) be.add(dt, vp(o.a), vp(o.b), vp(o.out), o.n);
       return;
     }
     case Kernel::mlp_act_fwd: {
       const auto o = ops::read<ops::MlpActFwd>(program, op);
-      be.swiglu_forward(at(o.gate), at(o.up), at(o.act), o.n);
+      be.swiglu_forward(dt, vp(o.gate), vp(o.up), vp(o.act), o.n);
       return;
     }
     case Kernel::mlp_act_bwd: {
       const auto o = ops::read<ops::MlpActBwd>(program, op);
-      be.swiglu_backward(at(o.d_act), at(o.gate), at(o.up), at(o.d_gate), at(o.d_up), o.n);
+      be.swiglu_backward(dt, vp(o.d_act), vp(o.gate), vp(o.up), vp(o.d_gate), vp(o.d_up), o.n);
       return;
     }
     case Kernel::cross_entropy_fwd: {  // the targets follow the ids in the tokens buffer
       const auto o = ops::read<ops::CrossEntropyFwd>(program, op);
-      be.cross_entropy_forward(at(o.logits), at<std::int32_t>(o.tokens) + o.M, o.M, o.V, scalars + kLossSlot);
+      be.cross_entropy_forward(dt, vp(o.logits), at<std::int32_t>(o.tokens) + o.M, o.M, o.V, scalars + kLossSlot);
       return;
     }
     case Kernel::cross_entropy_bwd: {
       const auto o = ops::read<ops::CrossEntropyBwd>(program, op);
-      be.cross_entropy_backward(at(o.logits), at<std::int32_t>(o.tokens) + o.M, at(o.d_logits), o.divisor, o.M, o.V);
+      be.cross_entropy_backward(dt, vp(o.logits), at<std::int32_t>(o.tokens) + o.M, vp(o.d_logits), o.divisor, o.M, o.V);
       return;
     }
     case Kernel::grad_norm: {  // this rank's partition; a grad_sumsq all_reduce may follow
       const auto o = ops::read<ops::GradNorm>(program, op);
-      be.sum_squares(at(o.grads), floats(o.grads), scalars + kNormSlot);
+      be.sum_squares(dt, vp(o.grads), elems(o.grads), scalars + kNormSlot);
       have_norm = true;
       norm_on_host = false;
       return;
@@ -196,7 +196,7 @@ void Session::Impl::compute(const sim::Op& op) {
           if (host_step)
             cpu::scale_inplace(at(o.grads), static_cast<float>(coef), n);
           else
-            be.scale(at(o.grads), static_cast<float>(coef), n);
+            be.scale(DType::fp32, at(o.grads), static_cast<float>(coef), n);
         }
       }
       const std::int64_t step1 = step_index + 1;

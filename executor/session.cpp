@@ -60,6 +60,9 @@ void Session::Impl::setup() {
   planner::BuiltProgram built = planner::build_program(pin, {.names = false});
   program = std::move(built.program);
   const planner::ProgramFacts facts = built.facts;
+  dt = facts.compute_dtype;
+  if (!be.supports_compute(dt))
+    throw InputError(fmt::format("the {} backend does not compute on {} storage (training.precision)", be.name(), name_of(dt)));
   sim::verify_or_throw(program);  // what the interpreter loop below may assume (sim/verify.h)
   const auto inv = planner::make_inventory(in.model, in.peft);
   trainables = inv.trainables;
@@ -144,9 +147,9 @@ void Session::Impl::setup() {
       const models::TensorInfo& ti = *tp;
       // Stored as the builder sized it (planner::frozen_storage_dtype). Made on the host,
       // staged to the device.
-      const DType dt = planner::frozen_storage_dtype(ti, storage, facts.compute_dtype);
+      const DType tensor_dt = planner::frozen_storage_dtype(ti, storage, facts.compute_dtype);
       std::vector<std::byte> host(buf.bytes);
-      init_base_tensor(ti, dt, host, plan.run.seed, ckpt ? &*ckpt : nullptr);
+      init_base_tensor(ti, tensor_dt, host, plan.run.seed, ckpt ? &*ckpt : nullptr);
       be.copy_to_device(p, host.data(), buf.bytes);
     } else {
       be.fill_zero(p, buf.bytes);

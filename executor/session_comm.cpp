@@ -123,7 +123,7 @@ void Session::Impl::collective(std::size_t i, const sim::Op& op) {
         pd.req = comm->reduce_scatter_async(p, mine, rc, CommDType::fp32, ReduceOp::sum);
         if (op.buffer_out >= 0) {
           const std::int32_t out = op.buffer_out;
-          pd.after = [this, out, mine, rc] { be.add(at(out), mine, at(out), static_cast<std::int64_t>(rc)); };
+          pd.after = [this, out, mine, rc] { be.add(DType::fp32, at(out), mine, at(out), static_cast<std::int64_t>(rc)); };
         }
       }
       break;

@@ -179,6 +179,12 @@ struct Session::Impl {
   T* opt(std::int32_t id) const { return id < 0 ? nullptr : at<T>(id); }
   std::uint64_t bytes(std::int32_t id) const { return program.buffers[static_cast<std::size_t>(id)].bytes; }
   std::int64_t floats(std::int32_t id) const { return static_cast<std::int64_t>(bytes(id) / 4); }
+  // An operand in the compute dtype (backend.h "kernels"), and its element count.
+  void* vp(std::int32_t id) const { return at<void>(id); }
+  std::int64_t elems(std::int32_t id) const { return static_cast<std::int64_t>(bytes(id) / bytes_of(dt)); }
+  // The program's compute dtype (planner ProgramFacts): the storage of every kernel's activations,
+  // weights and their gradients; the backend is told it at each call.
+  DType dt = DType::fp32;
 
   void setup();
   void gather_adapter();  // ZeRO-3: the whole adapter into full_adapter

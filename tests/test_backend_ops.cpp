@@ -5,6 +5,7 @@
 // differences and PyTorch's formulas.
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -100,10 +101,10 @@ TEST_P(BackendOps, LinearForwardAndBackwardInput) {
       dx[m * K + k] = s;
     }
   Dev dxv(be(), x), dw(be(), W), db(be(), b), dy(be(), M * N), dacc(be(), y0), ddx(be(), M * K);
-  be().linear_forward(dxv.get(), dw.get(), db.get(), dy.get(), M, K, N, false);
-  be().linear_forward(dxv.get(), dw.get(), db.get(), dacc.get(), M, K, N, true);
+  be().linear_forward(DType::fp32, dxv.get(), dw.get(), db.get(), dy.get(), M, K, N, false);
+  be().linear_forward(DType::fp32, dxv.get(), dw.get(), db.get(), dacc.get(), M, K, N, true);
   Dev dy0(be(), y0);
-  be().linear_backward_input(dy0.get(), dw.get(), ddx.get(), M, K, N, false);
+  be().linear_backward_input(DType::fp32, dy0.get(), dw.get(), ddx.get(), M, K, N, false);
   expect_near(dy.host(), y, 1e-5, "y");
   expect_near(dacc.host(), yacc, 1e-5, "y accumulated");
   expect_near(ddx.host(), dx, 1e-5, "dx");
@@ -222,7 +223,7 @@ TEST_P(BackendOps, MarksTimeTheWorkBetweenThem) {
   be().reserve_marks(4);
   be().record_mark(0);
   be().record_mark(1);
-  for (int i = 0; i < 8; ++i) be().linear_forward(x.get(), w.get(), nullptr, y.get(), side, side, side, false);
+  for (int i = 0; i < 8; ++i) be().linear_forward(DType::fp32, x.get(), w.get(), nullptr, y.get(), side, side, side, false);
   be().record_mark(2);
   be().record_mark(3);
   be().synchronize();
@@ -241,9 +242,9 @@ TEST_P(BackendOps, DropoutKeepsOneMinusPScaledAndRepeats) {
   const Vec x = random_vec(n, 6);
   Dev dx(be(), x), a(be(), n), b(be(), n), c(be(), n);
   const DropoutKey key{0.25, 42}, other{0.25, 43};
-  be().dropout_forward(dx.get(), a.get(), n, key);
-  be().dropout_forward(dx.get(), b.get(), n, key);
-  be().dropout_forward(dx.get(), c.get(), n, other);
+  be().dropout_forward(DType::fp32, dx.get(), a.get(), n, key);
+  be().dropout_forward(DType::fp32, dx.get(), b.get(), n, key);
+  be().dropout_forward(DType::fp32, dx.get(), c.get(), n, other);
   const Vec va = a.host(), vb = b.host(), vc = c.host();
   EXPECT_EQ(va, vb);  // the same key, the same mask
   Index kept = 0, differ = 0;
@@ -300,11 +301,11 @@ TEST_P(BackendOps, LoraForwardAndBackward) {
       dx[m * K + k] = t;
     }
   Dev dxin(be(), x), dA_(be(), A), dB_(be(), B), du_(be(), M * R), dy_(be(), y0);
-  be().lora_forward(dxin.get(), dA_.get(), dB_.get(), s, du_.get(), dy_.get(), M, K, N, R);
+  be().lora_forward(DType::fp32, dxin.get(), dA_.get(), dB_.get(), s, du_.get(), dy_.get(), M, K, N, R);
   expect_near(du_.host(), u, 1e-5, "u");
   expect_near(dy_.host(), y, 1e-5, "y");
   Dev g(be(), dy), gA(be(), R * K), gB(be(), N * R), gx(be(), M * K), scratch(be(), M * R);
-  be().lora_backward(g.get(), dxin.get(), dA_.get(), dB_.get(), du_.get(), s, DropoutKey{}, gA.get(), gB.get(), gx.get(), scratch.get(),
+  be().lora_backward(DType::fp32, g.get(), dxin.get(), dA_.get(), dB_.get(), du_.get(), s, DropoutKey{}, gA.get(), gB.get(), gx.get(), scratch.get(),
                      M, K, N, R);
   expect_near(gA.host(), dA, 1e-5, "dA");
   expect_near(gB.host(), dB, 1e-5, "dB");
@@ -329,8 +330,8 @@ TEST_P(BackendOps, RmsNormForwardAndBackward) {
     for (Index h = 0; h < H; ++h) dx[m * H + h] = r * dy[m * H + h] * w[h] - r * r * r * x[m * H + h] * dot / H;
   }
   Dev dxv(be(), x), dw(be(), w), dyv(be(), M * H), dr(be(), M), g(be(), dy), gx(be(), M * H);
-  be().rmsnorm_forward(dxv.get(), dw.get(), static_cast<float>(eps), dyv.get(), dr.get(), M, H);
-  be().rmsnorm_backward(g.get(), dxv.get(), dw.get(), dr.get(), gx.get(), M, H, false);
+  be().rmsnorm_forward(DType::fp32, dxv.get(), dw.get(), static_cast<float>(eps), dyv.get(), dr.get(), M, H);
+  be().rmsnorm_backward(DType::fp32, g.get(), dxv.get(), dw.get(), dr.get(), gx.get(), M, H, false);
   expect_near(dyv.host(), y, 1e-5, "y");
   expect_near(dr.host(), rstd, 1e-5, "rstd");
   expect_near(gx.host(), dx, 1e-4, "dx");
@@ -362,9 +363,9 @@ TEST_P(BackendOps, RopeRotatesAndItsBackwardIsTheTranspose) {
           want[base + i] = x[base + i] * c + rot * sn;
         }
   Dev dx(be(), x);
-  be().rope_forward(dx.get(), tables.get(), Bb, S, nh, d);
+  be().rope_forward(DType::fp32, dx.get(), tables.get(), Bb, S, nh, d);
   expect_near(dx.host(), want, 1e-5, "rope");
-  be().rope_backward(dx.get(), tables.get(), Bb, S, nh, d);  // a rotation's transpose undoes it
+  be().rope_backward(DType::fp32, dx.get(), tables.get(), Bb, S, nh, d);  // a rotation's transpose undoes it
   expect_near(dx.host(), std::vector<double>(x.begin(), x.end()), 1e-5, "rope backward of rope");
 }
 
@@ -397,10 +398,10 @@ TEST_P(BackendOps, AttentionForwardAndBackward) {
   };
   const auto want = naive(q, k, v);
   Dev dq(be(), q), dk(be(), k), dv(be(), v), P(be(), Bb * nh * S * S), out(be(), q.size());
-  be().attention_forward(dq.get(), dk.get(), dv.get(), P.get(), out.get(), Bb, S, nh, nkv, d);
+  be().attention_forward(DType::fp32, dq.get(), dk.get(), dv.get(), P.get(), out.get(), Bb, S, nh, nkv, d);
   expect_near(out.host(), want, 1e-5, "attention out");
   Dev g(be(), dout), gq(be(), q.size()), gk(be(), k.size()), gv(be(), v.size()), scratch(be(), Bb * nh * S * S);
-  be().attention_backward(g.get(), dq.get(), dk.get(), dv.get(), P.get(), gq.get(), gk.get(), gv.get(), scratch.get(), Bb * nh * S * S, Bb, S,
+  be().attention_backward(DType::fp32, g.get(), dq.get(), dk.get(), dv.get(), P.get(), gq.get(), gk.get(), gv.get(), scratch.get(), Bb * nh * S * S, Bb, S,
                           nh, nkv, d);
   auto loss = [&](const Vec& qq, const Vec& kk, const Vec& vv) {
     const auto o = naive(qq, kk, vv);
@@ -457,16 +458,16 @@ TEST_P(BackendOps, FlashAttentionMatchesNaiveAndEager) {
             for (Index e = 0; e < d; ++e) want[((b * S + i) * nh + h) * d + e] += sc[j] / z * v[((b * S + j) * nkv + h / rep) * d + e];
         }
     Dev dq(be(), q), dk(be(), k), dv(be(), v), lse(be(), Bb * nh * S), out(be(), q.size());
-    be().flash_attention_forward(dq.get(), dk.get(), dv.get(), lse.get(), out.get(), Bb, S, nh, nkv, d);
+    be().flash_attention_forward(DType::fp32, dq.get(), dk.get(), dv.get(), lse.get(), out.get(), Bb, S, nh, nkv, d);
     expect_near(out.host(), want, 1e-5, "flash out");
     expect_near(lse.host(), want_lse, 1e-5, "flash lse");
     Dev g(be(), dout), gq(be(), q.size()), gk(be(), k.size()), gv(be(), v.size());
-    be().flash_attention_backward(g.get(), dq.get(), dk.get(), dv.get(), out.get(), lse.get(), gq.get(), gk.get(), gv.get(), Bb, S, nh,
+    be().flash_attention_backward(DType::fp32, g.get(), dq.get(), dk.get(), dv.get(), out.get(), lse.get(), gq.get(), gk.get(), gv.get(), Bb, S, nh,
                                   nkv, d);
     Dev P(be(), Bb * nh * S * S), eo(be(), q.size()), scratch(be(), Bb * nh * S * S), eq(be(), q.size()), ek(be(), k.size()),
         ev(be(), v.size());
-    be().attention_forward(dq.get(), dk.get(), dv.get(), P.get(), eo.get(), Bb, S, nh, nkv, d);
-    be().attention_backward(g.get(), dq.get(), dk.get(), dv.get(), P.get(), eq.get(), ek.get(), ev.get(), scratch.get(),
+    be().attention_forward(DType::fp32, dq.get(), dk.get(), dv.get(), P.get(), eo.get(), Bb, S, nh, nkv, d);
+    be().attention_backward(DType::fp32, g.get(), dq.get(), dk.get(), dv.get(), P.get(), eq.get(), ek.get(), ev.get(), scratch.get(),
                             Bb * nh * S * S, Bb, S, nh, nkv, d);
     auto widen = [](const Vec& x) { return std::vector<double>(x.begin(), x.end()); };
     expect_near(gq.host(), widen(eq.host()), 1e-4, "flash dq");
@@ -487,8 +488,8 @@ TEST_P(BackendOps, SwigluForwardAndBackward) {
     dg[i] = da[i] * up[i] * (sg + gte[i] * sg * (1 - sg));
   }
   Dev g(be(), gte), u(be(), up), out(be(), n), d(be(), da), gg(be(), n), gu(be(), n);
-  be().swiglu_forward(g.get(), u.get(), out.get(), n);
-  be().swiglu_backward(d.get(), g.get(), u.get(), gg.get(), gu.get(), n);
+  be().swiglu_forward(DType::fp32, g.get(), u.get(), out.get(), n);
+  be().swiglu_backward(DType::fp32, d.get(), g.get(), u.get(), gg.get(), gu.get(), n);
   expect_near(out.host(), a, 1e-5, "act");
   expect_near(gg.host(), dg, 1e-5, "d_gate");
   expect_near(gu.host(), du, 1e-5, "d_up");
@@ -502,7 +503,7 @@ TEST_P(BackendOps, EmbeddingAndCrossEntropy) {
   be().copy_to_device(tk, tokens.data(), 4 * tokens.size());
   const auto* t = static_cast<const std::int32_t*>(tk);
   Dev tab(be(), table), out(be(), Mr * H);
-  be().embedding_forward(t, tab.get(), out.get(), Mr, V, H);
+  be().embedding_forward(DType::fp32, t, tab.get(), out.get(), Mr, V, H);
   std::vector<double> want(Mr * H);
   for (Index m = 0; m < Mr; ++m)
     for (Index h = 0; h < H; ++h) want[m * H + h] = table[tokens[m] * H + h];
@@ -519,11 +520,11 @@ TEST_P(BackendOps, EmbeddingAndCrossEntropy) {
   }
   Dev lg(be(), logits), dlg(be(), Mr * V);
   DevScalar sum(be(), 1.5);  // the kernel adds to what the scalar holds
-  be().cross_entropy_forward(lg.get(), t, Mr, V, sum.get());
+  be().cross_entropy_forward(DType::fp32, lg.get(), t, Mr, V, sum.get());
   EXPECT_NEAR(sum.host(), 1.5 + loss, 1e-4);
-  be().cross_entropy_backward(lg.get(), t, dlg.get(), count, Mr, V);
+  be().cross_entropy_backward(DType::fp32, lg.get(), t, dlg.get(), count, Mr, V);
   expect_near(dlg.host(), dl, 1e-5, "d_logits");
-  be().cross_entropy_backward(lg.get(), t, lg.get(), count, Mr, V);  // in place
+  be().cross_entropy_backward(DType::fp32, lg.get(), t, lg.get(), count, Mr, V);  // in place
   expect_near(lg.host(), dl, 1e-5, "d_logits in place");
   be().device_memory().deallocate(tk, 4 * tokens.size());
 }
@@ -532,7 +533,7 @@ TEST_P(BackendOps, ElementwiseAndReductions) {
   const Index n = 41;
   const Vec a = random_vec(n, 25), b = random_vec(n, 26);
   Dev da(be(), a), db(be(), b), out(be(), n);
-  be().add(da.get(), db.get(), out.get(), n);
+  be().add(DType::fp32, da.get(), db.get(), out.get(), n);
   std::vector<double> sum(n), scaled(n);
   double ss = 0;
   for (Index i = 0; i < n; ++i) {
@@ -541,13 +542,13 @@ TEST_P(BackendOps, ElementwiseAndReductions) {
     ss += double(a[i]) * a[i];
   }
   expect_near(out.host(), sum, 1e-6, "add");
-  be().add(da.get(), db.get(), da.get(), n);  // out aliasing a
+  be().add(DType::fp32, da.get(), db.get(), da.get(), n);  // out aliasing a
   expect_near(da.host(), sum, 1e-6, "add in place");
   Dev dc(be(), a);
   DevScalar sq(be(), 99.0);  // overwritten
-  be().sum_squares(dc.get(), n, sq.get());
+  be().sum_squares(DType::fp32, dc.get(), n, sq.get());
   EXPECT_NEAR(sq.host(), ss, 1e-5 * ss);
-  be().scale(dc.get(), 0.5f, n);
+  be().scale(DType::fp32, dc.get(), 0.5f, n);
   expect_near(dc.host(), scaled, 1e-6, "scale");
 }
 
@@ -573,6 +574,222 @@ TEST_P(BackendOps, AdamwStepIsTorchsAdamW) {
   expect_near(dp.host(), p, 1e-5, "params");
   expect_near(dm.host(), m, 1e-5, "exp_avg");
   expect_near(dv.host(), v, 1e-5, "exp_avg_sq");
+}
+
+// --- bf16 storage ----------------------------------------------------------------------------
+// Every kernel with bf16 operands against the CPU backend's fp32 call on the same inputs (values
+// bf16 holds exactly, so only the kernel's own roundings differ): the tolerance is
+// atol + rtol·|ref| with both at bf16's unit roundoff 2⁻⁸ (an 8-bit significand: the ulp at 1 is
+// 2⁻⁷ and a store rounds to half of it; doubled for the stores that feed later products, such as
+// LoRA's u and eager attention's P), scaled by √K for an output that sums K products.
+
+Vec bf16_exact(Vec v) {
+  for (float& x : v) x = cpu::bf16_to_fp32(cpu::fp32_to_bf16(x));
+  return v;
+}
+
+// A device buffer in a storage dtype, filled from fp32 host values and read back widened.
+class Typed {
+ public:
+  Typed(Backend& be, DType dt, const Vec& host) : be_(be), dt_(dt), n_(host.size()) {
+    bytes_ = std::max<std::uint64_t>(4, storage_bytes(dt, static_cast<std::int64_t>(n_)));
+    p_ = be.device_memory().allocate(bytes_);
+    if (n_ == 0) return;
+    if (dt == DType::fp32) {
+      be.copy_to_device(p_, host.data(), 4 * n_);
+    } else {
+      std::vector<std::uint16_t> h(n_);
+      cpu::fp32_to_bf16(host.data(), h.data(), static_cast<Index>(n_));
+      be.copy_to_device(p_, h.data(), 2 * n_);
+    }
+  }
+  Typed(Backend& be, DType dt, std::size_t n) : Typed(be, dt, Vec(n, 0.0f)) {}
+  ~Typed() { be_.device_memory().deallocate(p_, bytes_); }
+  Typed(const Typed&) = delete;
+  Typed& operator=(const Typed&) = delete;
+  void* get() { return p_; }
+  Vec host() {
+    Vec out(n_);
+    be_.synchronize();
+    if (n_ == 0) return out;
+    if (dt_ == DType::fp32) {
+      be_.copy_to_host(out.data(), p_, 4 * n_);
+    } else {
+      std::vector<std::uint16_t> h(n_);
+      be_.copy_to_host(h.data(), p_, 2 * n_);
+      cpu::bf16_to_fp32(h.data(), out.data(), static_cast<Index>(n_));
+    }
+    return out;
+  }
+
+ private:
+  Backend& be_;
+  DType dt_;
+  std::size_t n_;
+  std::uint64_t bytes_ = 0;
+  void* p_ = nullptr;
+};
+
+// One method's calls at a storage dtype: its outputs, widened, with each output's reduction
+// length K and a factor for stores that feed later products.
+struct Bf16Case {
+  std::string name;
+  std::function<std::vector<Vec>(Backend&, DType)> run;
+  std::vector<double> K;
+  double factor = 1.0;
+};
+
+std::vector<Bf16Case> bf16_cases() {
+  constexpr Index Mr = 6, Kd = 40, Nd = 24, Rr = 4, H = 32;
+  std::vector<Bf16Case> cs;
+  const Vec x = bf16_exact(random_vec(Mr * Kd, 101)), W = bf16_exact(random_vec(Nd * Kd, 102)), bias = bf16_exact(random_vec(Nd, 103));
+  const Vec y0 = bf16_exact(random_vec(Mr * Nd, 104)), dy = bf16_exact(random_vec(Mr * Nd, 105));
+  cs.push_back({"linear", [=](Backend& be, DType dt) {
+                  Typed X(be, dt, x), Wt(be, dt, W), Bi(be, dt, bias), Y(be, dt, Mr * Nd), Ya(be, dt, y0), DY(be, dt, dy), DX(be, dt, x);
+                  be.linear_forward(dt, X.get(), Wt.get(), Bi.get(), Y.get(), Mr, Kd, Nd, false);
+                  be.linear_forward(dt, X.get(), Wt.get(), nullptr, Ya.get(), Mr, Kd, Nd, true);
+                  be.linear_backward_input(dt, DY.get(), Wt.get(), DX.get(), Mr, Kd, Nd, true);
+                  return std::vector<Vec>{Y.host(), Ya.host(), DX.host()};
+                }, {double(Kd), double(Kd), double(Nd)}});
+  cs.push_back({"dropout", [=](Backend& be, DType dt) {
+                  Typed X(be, dt, x), O(be, dt, x.size());
+                  be.dropout_forward(dt, X.get(), O.get(), Mr * Kd, DropoutKey{0.25, 7});
+                  return std::vector<Vec>{O.host()};
+                }, {1.0}});
+  const Vec A = bf16_exact(random_vec(Rr * Kd, 106)), B = bf16_exact(random_vec(Nd * Rr, 107));
+  cs.push_back({"lora", [=](Backend& be, DType dt) {
+                  Typed X(be, dt, x), Am(be, dt, A), Bm(be, dt, B), U(be, dt, Mr * Rr), Y(be, dt, y0);
+                  be.lora_forward(dt, X.get(), Am.get(), Bm.get(), 0.5f, U.get(), Y.get(), Mr, Kd, Nd, Rr);
+                  std::vector<Vec> out{U.host(), Y.host()};
+                  for (const double p : {0.0, 0.1}) {  // without dropout and through its mask
+                    Typed DY(be, dt, dy), dA(be, dt, A), dB(be, dt, B), DX(be, dt, x), SC(be, dt, Mr * (Rr + Kd));
+                    be.lora_backward(dt, DY.get(), X.get(), Am.get(), Bm.get(), U.get(), 0.5f, DropoutKey{p, 9}, dA.get(), dB.get(), DX.get(),
+                                     SC.get(), Mr, Kd, Nd, Rr);
+                    for (Typed* t : {&dA, &dB, &DX}) out.push_back(t->host());
+                  }
+                  return out;
+                }, {double(Kd), double(Rr), double(Mr * Nd), double(Mr), double(Rr * Nd), double(Mr * Nd), double(Mr), double(Rr * Nd)}, 2.0});
+  const Vec xh = bf16_exact(random_vec(Mr * H, 108)), w = bf16_exact(random_vec(H, 109)), dyh = bf16_exact(random_vec(Mr * H, 110));
+  cs.push_back({"rmsnorm", [=](Backend& be, DType dt) {
+                  Typed X(be, dt, xh), Wt(be, dt, w), Y(be, dt, Mr * H), DY(be, dt, dyh), DX(be, dt, xh);
+                  Dev rstd(be, Mr);
+                  be.rmsnorm_forward(dt, X.get(), Wt.get(), 1e-5f, Y.get(), rstd.get(), Mr, H);
+                  be.rmsnorm_backward(dt, DY.get(), X.get(), Wt.get(), rstd.get(), DX.get(), Mr, H, true);
+                  return std::vector<Vec>{Y.host(), rstd.host(), DX.host()};
+                }, {double(H), double(H), double(H)}});
+  constexpr Index Bb = 2, S = 20, nh = 4, nkv = 2, d = 16;
+  const Vec q = bf16_exact(random_vec(Bb * S * nh * d, 111)), k = bf16_exact(random_vec(Bb * S * nkv * d, 112));
+  const Vec v = bf16_exact(random_vec(Bb * S * nkv * d, 113)), dout = bf16_exact(random_vec(Bb * S * nh * d, 114));
+  cs.push_back({"rope", [=](Backend& be, DType dt) {
+                  Dev tables(be, S * d);
+                  be.rope_tables(tables.get(), S, d, 10000.0);
+                  Typed Q(be, dt, q), G(be, dt, dout);
+                  be.rope_forward(dt, Q.get(), tables.get(), Bb, S, nh, d);
+                  be.rope_backward(dt, G.get(), tables.get(), Bb, S, nh, d);
+                  return std::vector<Vec>{Q.host(), G.host()};
+                }, {2.0, 2.0}});
+  cs.push_back({"attention", [=](Backend& be, DType dt) {
+                  Typed Q(be, dt, q), Kt(be, dt, k), Vt(be, dt, v), P(be, dt, Bb * nh * S * S), O(be, dt, q.size()), G(be, dt, dout);
+                  Typed dQ(be, dt, q.size()), dK(be, dt, k.size()), dV(be, dt, v.size()), SC(be, dt, Bb * nh * S * S);
+                  be.attention_forward(dt, Q.get(), Kt.get(), Vt.get(), P.get(), O.get(), Bb, S, nh, nkv, d);
+                  be.attention_backward(dt, G.get(), Q.get(), Kt.get(), Vt.get(), P.get(), dQ.get(), dK.get(), dV.get(), SC.get(),
+                                        Bb * nh * S * S, Bb, S, nh, nkv, d);
+                  return std::vector<Vec>{P.host(), O.host(), dQ.host(), dK.host(), dV.host()};
+                }, {double(d), double(S), double(S * d), double(S * d * nh / nkv), double(S * nh / nkv)}, 2.0});
+  cs.push_back({"flash attention", [=](Backend& be, DType dt) {
+                  Typed Q(be, dt, q), Kt(be, dt, k), Vt(be, dt, v), O(be, dt, q.size()), G(be, dt, dout);
+                  Typed dQ(be, dt, q.size()), dK(be, dt, k.size()), dV(be, dt, v.size());
+                  Dev lse(be, Bb * nh * S);
+                  be.flash_attention_forward(dt, Q.get(), Kt.get(), Vt.get(), lse.get(), O.get(), Bb, S, nh, nkv, d);
+                  be.flash_attention_backward(dt, G.get(), Q.get(), Kt.get(), Vt.get(), O.get(), lse.get(), dQ.get(), dK.get(), dV.get(), Bb,
+                                              S, nh, nkv, d);
+                  return std::vector<Vec>{O.host(), lse.host(), dQ.host(), dK.host(), dV.host()};
+                }, {double(S), double(d), double(S * d), double(S * d * nh / nkv), double(S * nh / nkv)}, 2.0});
+  const Vec gate = bf16_exact(random_vec(200, 115, 3.0f)), up = bf16_exact(random_vec(200, 116)), da = bf16_exact(random_vec(200, 117));
+  cs.push_back({"swiglu", [=](Backend& be, DType dt) {
+                  Typed G(be, dt, gate), U(be, dt, up), Ac(be, dt, 200), DA(be, dt, da), DG(be, dt, 200), DU(be, dt, 200);
+                  be.swiglu_forward(dt, G.get(), U.get(), Ac.get(), 200);
+                  be.swiglu_backward(dt, DA.get(), G.get(), U.get(), DG.get(), DU.get(), 200);
+                  return std::vector<Vec>{Ac.host(), DG.host(), DU.host()};
+                }, {1.0, 1.0, 1.0}});
+  constexpr Index V = 50;
+  const Vec table = bf16_exact(random_vec(V * H, 118)), logits = bf16_exact(random_vec(Mr * V, 119, 3.0f));
+  cs.push_back({"embedding, cross-entropy", [=](Backend& be, DType dt) {
+                  const std::vector<std::int32_t> tokens = {3, 0, 49, 3, 17, cpu::kIgnoreIndex};
+                  void* tk = be.device_memory().allocate(4 * tokens.size());
+                  be.copy_to_device(tk, tokens.data(), 4 * tokens.size());
+                  const auto* t = static_cast<const std::int32_t*>(tk);
+                  std::vector<std::int32_t> ids = tokens;
+                  for (auto& i : ids) i = i < 0 ? 1 : i;  // the embedding's ids: every row a real token
+                  void* ik = be.device_memory().allocate(4 * ids.size());
+                  be.copy_to_device(ik, ids.data(), 4 * ids.size());
+                  Typed Tb(be, dt, table), E(be, dt, Mr * H), L(be, dt, logits), D(be, dt, Mr * V), Lin(be, dt, logits);
+                  be.embedding_forward(dt, static_cast<const std::int32_t*>(ik), Tb.get(), E.get(), Mr, V, H);
+                  DevScalar loss(be, 0.0);
+                  be.cross_entropy_forward(dt, L.get(), t, Mr, V, loss.get());
+                  be.cross_entropy_backward(dt, L.get(), t, D.get(), 5.0, Mr, V);
+                  be.cross_entropy_backward(dt, Lin.get(), t, Lin.get(), 5.0, Mr, V);  // in place
+                  std::vector<Vec> out{E.host(), Vec{static_cast<float>(loss.host())}, D.host(), Lin.host()};
+                  be.device_memory().deallocate(tk, 4 * tokens.size());
+                  be.device_memory().deallocate(ik, 4 * ids.size());
+                  return out;
+                }, {1.0, double(V), double(V), double(V)}});
+  const Vec ea = bf16_exact(random_vec(300, 120)), eb = bf16_exact(random_vec(300, 121));
+  cs.push_back({"add, sum of squares, scale", [=](Backend& be, DType dt) {
+                  Typed a(be, dt, ea), b(be, dt, eb), o(be, dt, 300), c(be, dt, ea);
+                  be.add(dt, a.get(), b.get(), o.get(), 300);
+                  be.add(dt, a.get(), b.get(), a.get(), 300);  // out aliasing a
+                  DevScalar sq(be, 5.0);
+                  be.sum_squares(dt, c.get(), 300, sq.get());
+                  be.scale(dt, c.get(), 0.37f, 300);
+                  return std::vector<Vec>{o.host(), a.host(), Vec{static_cast<float>(sq.host())}, c.host()};
+                }, {1.0, 1.0, 300.0, 1.0}});
+  return cs;
+}
+
+TEST_P(BackendOps, Bf16StorageMatchesTheCpuInFp32) {
+  ASSERT_TRUE(be().supports_compute(DType::bf16));
+  ASSERT_TRUE(be().supports_compute(DType::fp32));
+  auto ref_backend = make_backend("cpu", 1);
+  const double unit = std::ldexp(1.0, -8);
+  for (const Bf16Case& c : bf16_cases()) {
+    SCOPED_TRACE(c.name);
+    const std::vector<Vec> want = c.run(*ref_backend, DType::fp32), got = c.run(be(), DType::bf16);
+    ASSERT_EQ(want.size(), got.size());
+    ASSERT_EQ(want.size(), c.K.size());
+    for (std::size_t o = 0; o < want.size(); ++o) {
+      ASSERT_EQ(want[o].size(), got[o].size()) << "output " << o;
+      const double e = c.factor * unit * std::sqrt(c.K[o]);
+      double rel_max = 0.0;  // the largest error as a share of its tolerance
+      for (std::size_t i = 0; i < want[o].size(); ++i) {
+        const double w = want[o][i], g = got[o][i], tol = e * (1.0 + std::abs(w));
+        rel_max = std::max(rel_max, std::abs(g - w) / tol);
+        ASSERT_NEAR(g, w, tol) << "output " << o << " element " << i;
+      }
+      RecordProperty(c.name + " output " + std::to_string(o), std::to_string(rel_max));
+    }
+  }
+}
+
+TEST_P(BackendOps, Bf16RoundsWhereItStores) {
+  // Sums bf16 cannot hold (its ulp at 1 is 2⁻⁷): 1 + 2⁻⁹ rounds down to 1, 1 + 3·2⁻⁹ up to 1 + 2⁻⁷.
+  // Both inputs are exact in bf16 (3 needs two significand bits); the sums are not.
+  const Vec a = {1.0f, 1.0f}, b = {std::ldexp(1.0f, -9), 3.0f * std::ldexp(1.0f, -9)};
+  Typed da(be(), DType::bf16, a), db(be(), DType::bf16, b), out(be(), DType::bf16, 2);
+  be().add(DType::bf16, da.get(), db.get(), out.get(), 2);
+  EXPECT_EQ(out.host(), (Vec{1.0f, 1.0f + std::ldexp(1.0f, -7)}));
+}
+
+TEST_P(BackendOps, ComputeOnAnUnsupportedDtypeIsRefusedNamingIt) {
+  EXPECT_FALSE(be().supports_compute(DType::fp16));
+  Typed a(be(), DType::fp32, Vec(4, 1.0f)), o(be(), DType::fp32, 4);
+  try {
+    be().add(DType::fp16, a.get(), a.get(), o.get(), 2);
+    be().synchronize();
+    FAIL() << "no throw";
+  } catch (const InternalError& e) {
+    EXPECT_NE(std::string(e.what()).find("fp16"), std::string::npos) << e.what();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryBackend, BackendOps, ::testing::ValuesIn(backend_names()),

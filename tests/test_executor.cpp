@@ -402,7 +402,7 @@ TEST(ExecutorKernels, DropoutMatchesTheKernelMask) {
   const std::int64_t n = 40000;
   std::vector<float> x(n, 1.0f), y(n);
   const DropoutKey key{0.3, 12345};
-  cpu_backend().dropout_forward(x.data(), y.data(), n, key);
+  cpu_backend().dropout_forward(DType::fp32, x.data(), y.data(), n, key);
   std::vector<std::uint8_t> mask(n);
   cpu::dropout_mask(key.seed, 0, key.p, mask.data(), n);
   std::int64_t kept = 0;

@@ -1,9 +1,10 @@
 // The CPU backend: the Backend interface over the CPU kernels of kernels.h (Eigen GEMMs with
 // Eigen's own OpenMP parallelism, OpenMP loops elsewhere). Device memory is the heap; copies
 // are memcpy; kernels run inline on the calling thread, so synchronize() has nothing to wait
-// for and a timing mark is the host clock when it is recorded. The only code of its own is the dropout mask, generated on the fly from a counter-based
-// hash (the same bits as kernels.h dropout_mask) so that no mask buffer exists outside the
-// step program.
+// for and a timing mark is the host clock when it is recorded. Its own code: the dropout mask,
+// generated on the fly from a counter-based hash (the same bits as kernels.h dropout_mask) so that
+// no mask buffer exists outside the step program, and bf16 storage (In / Out below: widened to
+// fp32, computed, rounded once on store).
 #include <omp.h>
 
 #include <chrono>
@@ -39,6 +40,67 @@ inline bool keep(std::uint64_t mixed_seed, double p, Index i) {
   const std::uint64_t z = splitmix64(mixed_seed ^ static_cast<std::uint64_t>(i));
   return static_cast<double>(z >> 11) * 0x1p-53 >= p;
 }
+
+// Operands stored in bf16 (backend.h "kernels"): widened into fp32 copies, computed by the fp32
+// kernels of kernels.h, and rounded back once to nearest even when the call ends, so a bf16 call
+// rounds exactly where a bf16 GPU kernel stores. The copies are heap memory outside the tracked
+// allocator, as Eigen's packed panels are: the step program's categories hold the bf16 buffers.
+// fp32 operands pass straight through.
+void check_compute(DType dt, const char* what) {
+  if (dt != DType::fp32 && dt != DType::bf16)
+    throw InternalError(fmt::format("the cpu backend computes on fp32 and bf16 storage, not {} ({})", name_of(dt), what));
+}
+
+class In {  // an input operand
+ public:
+  In(DType dt, const void* p, Index n, const char* what = nullptr) {
+    if (what != nullptr) check_compute(dt, what);
+    if (p == nullptr || dt == DType::fp32) {
+      f_ = static_cast<const float*>(p);
+      return;
+    }
+    wide_.resize(static_cast<std::size_t>(n));
+    cpu::bf16_to_fp32(static_cast<const std::uint16_t*>(p), wide_.data(), n);
+    f_ = wide_.data();
+  }
+  const float* f() const { return f_; }
+
+ private:
+  std::vector<float> wide_;
+  const float* f_ = nullptr;
+};
+
+class Out {  // an output operand; `load` widens what it holds first (accumulation, in place)
+ public:
+  Out(DType dt, void* p, Index n, bool load, const char* what = nullptr) : n_(n) {
+    if (what != nullptr) check_compute(dt, what);
+    if (p == nullptr || dt == DType::fp32) {
+      f_ = static_cast<float*>(p);
+      return;
+    }
+    narrow_ = static_cast<std::uint16_t*>(p);
+    wide_.resize(static_cast<std::size_t>(n));
+    if (load) cpu::bf16_to_fp32(narrow_, wide_.data(), n);
+    f_ = wide_.data();
+  }
+  ~Out() {
+    if (narrow_ != nullptr) cpu::fp32_to_bf16(wide_.data(), narrow_, n_);
+  }
+  Out(const Out&) = delete;
+  Out& operator=(const Out&) = delete;
+  float* f() const { return f_; }
+  // Rounds the fp32 copy to what the storage will hold (a value read back before the call ends).
+  void round() {
+    if (narrow_ == nullptr) return;
+    for (float& x : wide_) x = cpu::bf16_to_fp32(cpu::fp32_to_bf16(x));
+  }
+
+ private:
+  Index n_;
+  std::uint16_t* narrow_ = nullptr;
+  std::vector<float> wide_;
+  float* f_ = nullptr;
+};
 
 class CpuBackend final : public Backend {
  public:
@@ -96,108 +158,169 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void linear_forward(const float* x, const float* W, const float* bias, float* y, Index M,
+  bool supports_compute(DType dt) const override { return dt == DType::fp32 || dt == DType::bf16; }
+
+  void linear_forward(DType dt, const void* x, const void* W, const void* bias, void* y, Index M,
                       Index K, Index N, bool accumulate) override {
-    cpu::linear_forward(x, W, bias, y, M, K, N, mode(accumulate));
+    const In X(dt, x, M * K, "linear_forward"), Wt(dt, W, N * K), Bi(dt, bias, N);
+    Out Y(dt, y, M * N, accumulate);
+    cpu::linear_forward(X.f(), Wt.f(), Bi.f(), Y.f(), M, K, N, mode(accumulate));
   }
-  void linear_backward_input(const float* dy, const float* W, float* dx, Index M, Index K,
+  void linear_backward_input(DType dt, const void* dy, const void* W, void* dx, Index M, Index K,
                              Index N, bool accumulate) override {
-    cpu::linear_backward_input(dy, W, dx, M, K, N, mode(accumulate));
+    const In DY(dt, dy, M * N, "linear_backward_input"), Wt(dt, W, N * K);
+    Out DX(dt, dx, M * K, accumulate);
+    cpu::linear_backward_input(DY.f(), Wt.f(), DX.f(), M, K, N, mode(accumulate));
   }
-  void dropout_forward(const float* x, float* out, Index n, const DropoutKey& key) override {
+  void dropout_forward(DType dt, const void* x, void* out, Index n, const DropoutKey& key) override {
+    const In X(dt, x, n, "dropout_forward");
+    Out O(dt, out, n, false);
+    const float* xf = X.f();
+    float* of = O.f();
     const std::uint64_t mixed = splitmix64(key.seed);
     const float s = static_cast<float>(1.0 / (1.0 - key.p));
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
-    for (Index i = 0; i < n; ++i) out[i] = keep(mixed, key.p, i) ? x[i] * s : 0.0f;
+    for (Index i = 0; i < n; ++i) of[i] = keep(mixed, key.p, i) ? xf[i] * s : 0.0f;
   }
-  void lora_forward(const float* x_in, const float* A, const float* B, float scale, float* u,
-                    float* y, Index M, Index K, Index N, Index r) override {
-    cpu::lora_forward<float>(x_in, A, B, scale, nullptr, 0.0f, u, y, nullptr, M, K, N, r);
+  void lora_forward(DType dt, const void* x_in, const void* A, const void* B, float scale, void* u,
+                    void* y, Index M, Index K, Index N, Index r) override {
+    const In X(dt, x_in, M * K, "lora_forward"), Am(dt, A, r * K), Bm(dt, B, N * r);
+    Out U(dt, u, M * r, false), Y(dt, y, M * N, true);
+    if (dt == DType::fp32) {
+      cpu::lora_forward<float>(X.f(), Am.f(), Bm.f(), scale, nullptr, 0.0f, U.f(), Y.f(), nullptr, M, K, N, r);
+      return;
+    }
+    // u as stored: rounded to the storage dtype before its product with B (backend.h), as torch
+    // keeps lora_A's output as a bf16 tensor.
+    cpu::linear_forward<float>(X.f(), Am.f(), nullptr, U.f(), M, K, r, Accum::overwrite);
+    U.round();
+    Map<float> Ym(Y.f(), M, N);
+    Ym.noalias() += scale * (CMap<float>(U.f(), M, r) * CMap<float>(Bm.f(), N, r).transpose());
   }
-  void lora_backward(const float* dy, const float* x_in, const float* A, const float* B,
-                     const float* u, float scale, const DropoutKey& key, float* dA, float* dB,
-                     float* dx, float* scratch, Index M, Index K, Index N, Index r) override {
+  void lora_backward(DType dt, const void* dy, const void* x_in, const void* A, const void* B,
+                     const void* u, float scale, const DropoutKey& key, void* dA, void* dB,
+                     void* dx, void* scratch, Index M, Index K, Index N, Index r) override {
+    const In DY(dt, dy, M * N, "lora_backward"), X(dt, x_in, M * K), Am(dt, A, r * K), Bm(dt, B, N * r), U(dt, u, M * r);
+    Out DA(dt, dA, r * K, true), DB(dt, dB, N * r, true), DX(dt, dx, M * K, true);
+    Out SC(dt, scratch, M * r + (key.p > 0.0 && dx != nullptr ? M * K : 0), false);
     if (key.p <= 0.0) {
-      cpu::lora_backward<float>(dy, x_in, A, B, u, scale, nullptr, 0.0f, dA, dB, dx, scratch, M,
+      cpu::lora_backward<float>(DY.f(), X.f(), Am.f(), Bm.f(), U.f(), scale, nullptr, 0.0f, DA.f(), DB.f(), DX.f(), SC.f(), M,
                                 K, N, r, Accum::add, Accum::add);
       return;
     }
     // x_in is the saved dropped input: dA and dB as without dropout; dx through the mask.
-    cpu::lora_backward<float>(dy, x_in, A, B, u, scale, nullptr, 0.0f, dA, dB, nullptr, scratch,
-                              M, K, N, r, Accum::add, Accum::add);
+    cpu::lora_backward<float>(DY.f(), X.f(), Am.f(), Bm.f(), U.f(), scale, nullptr, 0.0f, DA.f(), DB.f(), nullptr, SC.f(), M,
+                              K, N, r, Accum::add, Accum::add);
     if (dx == nullptr) return;
-    CMap<float> DU(scratch, M, r);
-    CMap<float> Am(A, r, K);
-    Map<float> G(scratch + M * r, M, K);
-    G.noalias() = DU * Am;
+    CMap<float> DU(SC.f(), M, r);
+    CMap<float> Amap(Am.f(), r, K);
+    Map<float> G(SC.f() + M * r, M, K);
+    G.noalias() = DU * Amap;
     const std::uint64_t mixed = splitmix64(key.seed);
     const float s = static_cast<float>(1.0 / (1.0 - key.p));
-    const float* g = scratch + M * r;
+    const float* g = SC.f() + M * r;
+    float* dxf = DX.f();
     const Index n = M * K;
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
     for (Index i = 0; i < n; ++i)
-      if (keep(mixed, key.p, i)) dx[i] += g[i] * s;
+      if (keep(mixed, key.p, i)) dxf[i] += g[i] * s;
   }
-  void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* rstd, Index M,
+  void rmsnorm_forward(DType dt, const void* x, const void* w, float eps, void* y, float* rstd, Index M,
                        Index H) override {
-    cpu::rmsnorm_forward(x, w, eps, y, rstd, M, H);
+    const In X(dt, x, M * H, "rmsnorm_forward"), Wt(dt, w, H);
+    Out Y(dt, y, M * H, false);
+    cpu::rmsnorm_forward(X.f(), Wt.f(), eps, Y.f(), rstd, M, H);
   }
-  void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd,
-                        float* dx, Index M, Index H, bool accumulate) override {
-    cpu::rmsnorm_backward<float>(dy, x, w, rstd, dx, nullptr, M, H, mode(accumulate), Accum::add);
+  void rmsnorm_backward(DType dt, const void* dy, const void* x, const void* w, const float* rstd,
+                        void* dx, Index M, Index H, bool accumulate) override {
+    const In DY(dt, dy, M * H, "rmsnorm_backward"), X(dt, x, M * H), Wt(dt, w, H);
+    Out DX(dt, dx, M * H, accumulate);
+    cpu::rmsnorm_backward<float>(DY.f(), X.f(), Wt.f(), rstd, DX.f(), nullptr, M, H, mode(accumulate), Accum::add);
   }
   void rope_tables(float* tables, Index S, Index d, double theta) override {
     cpu::rope_tables(tables, tables + cpu::rope_table_elems(S, d), S, d, theta);
   }
-  void rope_forward(float* x, const float* tables, Index B, Index S, Index nheads,
+  void rope_forward(DType dt, void* x, const float* tables, Index B, Index S, Index nheads,
                     Index d) override {
-    cpu::rope_forward(x, tables, tables + cpu::rope_table_elems(S, d), B, S, nheads, d);
+    Out X(dt, x, B * S * nheads * d, true, "rope_forward");
+    cpu::rope_forward(X.f(), tables, tables + cpu::rope_table_elems(S, d), B, S, nheads, d);
   }
-  void rope_backward(float* dx, const float* tables, Index B, Index S, Index nheads,
+  void rope_backward(DType dt, void* dx, const float* tables, Index B, Index S, Index nheads,
                      Index d) override {
-    cpu::rope_backward(dx, tables, tables + cpu::rope_table_elems(S, d), B, S, nheads, d);
+    Out DX(dt, dx, B * S * nheads * d, true, "rope_backward");
+    cpu::rope_backward(DX.f(), tables, tables + cpu::rope_table_elems(S, d), B, S, nheads, d);
   }
-  void attention_forward(const float* q, const float* k, const float* v, float* P, float* out,
+  void attention_forward(DType dt, const void* q, const void* k, const void* v, void* P, void* out,
                          Index B, Index S, Index nh, Index nkv, Index d) override {
-    cpu::attention_forward(q, k, v, P, out, B, S, nh, nkv, d);
+    const In Q(dt, q, B * S * nh * d, "attention_forward"), Kt(dt, k, B * S * nkv * d), Vt(dt, v, B * S * nkv * d);
+    Out Pm(dt, P, B * nh * S * S, false), O(dt, out, B * S * nh * d, false);
+    cpu::attention_forward(Q.f(), Kt.f(), Vt.f(), Pm.f(), O.f(), B, S, nh, nkv, d);
   }
-  void attention_backward(const float* dout, const float* q, const float* k, const float* v,
-                          const float* P, float* dq, float* dk, float* dv, float* scratch,
+  void attention_backward(DType dt, const void* dout, const void* q, const void* k, const void* v,
+                          const void* P, void* dq, void* dk, void* dv, void* scratch,
                           Index scratch_elems, Index B, Index S, Index nh, Index nkv,
                           Index d) override {
-    cpu::attention_backward(dout, q, k, v, P, dq, dk, dv, scratch, scratch_elems, B, S, nh, nkv, d);
+    const In DO(dt, dout, B * S * nh * d, "attention_backward"), Q(dt, q, B * S * nh * d), Kt(dt, k, B * S * nkv * d),
+        Vt(dt, v, B * S * nkv * d), Pm(dt, P, B * nh * S * S);
+    Out DQ(dt, dq, B * S * nh * d, false), DK(dt, dk, B * S * nkv * d, false), DV(dt, dv, B * S * nkv * d, false);
+    Out SC(dt, scratch, scratch_elems, false);
+    cpu::attention_backward(DO.f(), Q.f(), Kt.f(), Vt.f(), Pm.f(), DQ.f(), DK.f(), DV.f(), SC.f(), scratch_elems, B, S, nh, nkv, d);
   }
-  void flash_attention_forward(const float* q, const float* k, const float* v, float* lse, float* out, Index B,
-                               Index S, Index nh, Index nkv, Index d) override {
-    cpu::flash_attention_forward(q, k, v, lse, out, B, S, nh, nkv, d);
+  void flash_attention_forward(DType dt, const void* q, const void* k, const void* v, float* lse, void* out,
+                               Index B, Index S, Index nh, Index nkv, Index d) override {
+    const In Q(dt, q, B * S * nh * d, "flash_attention_forward"), Kt(dt, k, B * S * nkv * d), Vt(dt, v, B * S * nkv * d);
+    Out O(dt, out, B * S * nh * d, false);
+    cpu::flash_attention_forward(Q.f(), Kt.f(), Vt.f(), lse, O.f(), B, S, nh, nkv, d);
   }
-  void flash_attention_backward(const float* dout, const float* q, const float* k, const float* v, const float* out,
-                                const float* lse, float* dq, float* dk, float* dv, Index B, Index S, Index nh, Index nkv,
-                                Index d) override {
-    cpu::flash_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, d);
+  void flash_attention_backward(DType dt, const void* dout, const void* q, const void* k, const void* v,
+                                const void* out, const float* lse, void* dq, void* dk, void* dv, Index B, Index S,
+                                Index nh, Index nkv, Index d) override {
+    const In DO(dt, dout, B * S * nh * d, "flash_attention_backward"), Q(dt, q, B * S * nh * d), Kt(dt, k, B * S * nkv * d),
+        Vt(dt, v, B * S * nkv * d), O(dt, out, B * S * nh * d);
+    Out DQ(dt, dq, B * S * nh * d, false), DK(dt, dk, B * S * nkv * d, false), DV(dt, dv, B * S * nkv * d, false);
+    cpu::flash_attention_backward(DO.f(), Q.f(), Kt.f(), Vt.f(), O.f(), lse, DQ.f(), DK.f(), DV.f(), B, S, nh, nkv, d);
   }
-  void swiglu_forward(const float* gate, const float* up, float* act, Index n) override {
-    cpu::swiglu_forward(gate, up, act, n);
+  void swiglu_forward(DType dt, const void* gate, const void* up, void* act, Index n) override {
+    const In G(dt, gate, n, "swiglu_forward"), U(dt, up, n);
+    Out Ac(dt, act, n, false);
+    cpu::swiglu_forward(G.f(), U.f(), Ac.f(), n);
   }
-  void swiglu_backward(const float* dact, const float* gate, const float* up, float* dgate,
-                       float* dup, Index n) override {
-    cpu::swiglu_backward(dact, gate, up, dgate, dup, n);
+  void swiglu_backward(DType dt, const void* dact, const void* gate, const void* up, void* dgate,
+                       void* dup, Index n) override {
+    const In DA(dt, dact, n, "swiglu_backward"), G(dt, gate, n), U(dt, up, n);
+    Out DG(dt, dgate, n, false), DU(dt, dup, n, false);
+    cpu::swiglu_backward(DA.f(), G.f(), U.f(), DG.f(), DU.f(), n);
   }
-  void embedding_forward(const std::int32_t* tokens, const float* table, float* out, Index M,
+  void embedding_forward(DType dt, const std::int32_t* tokens, const void* table, void* out, Index M,
                          Index V, Index H) override {
-    cpu::embedding_forward(tokens, table, out, M, V, H);
+    const In T(dt, table, V * H, "embedding_forward");
+    Out O(dt, out, M * H, false);
+    cpu::embedding_forward(tokens, T.f(), O.f(), M, V, H);
   }
-  void cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M, Index V,
+  void cross_entropy_forward(DType dt, const void* logits, const std::int32_t* targets, Index M, Index V,
                              double* loss_sum) override {
-    *loss_sum += cpu::cross_entropy_forward(logits, targets, M, V);
+    const In L(dt, logits, M * V, "cross_entropy_forward");
+    *loss_sum += cpu::cross_entropy_forward(L.f(), targets, M, V);
   }
-  void cross_entropy_backward(const float* logits, const std::int32_t* targets, float* dlogits,
+  void cross_entropy_backward(DType dt, const void* logits, const std::int32_t* targets, void* dlogits,
                               double count, Index M, Index V) override {
-    cpu::cross_entropy_backward(logits, targets, dlogits, count, M, V);
+    const In L(dt, logits, M * V, "cross_entropy_backward");  // a copy when dlogits aliases it
+    Out D(dt, dlogits, M * V, false);
+    cpu::cross_entropy_backward(L.f(), targets, D.f(), count, M, V);
   }
-  void add(const float* a, const float* b, float* out, Index n) override { cpu::add(a, b, out, n); }
-  void sum_squares(const float* x, Index n, double* out) override { *out = cpu::sum_squares(x, n); }
-  void scale(float* x, float s, Index n) override { cpu::scale_inplace(x, s, n); }
+  void add(DType dt, const void* a, const void* b, void* out, Index n) override {
+    const In Am(dt, a, n, "add"), Bm(dt, b, n);
+    Out O(dt, out, n, false);
+    cpu::add(Am.f(), Bm.f(), O.f(), n);
+  }
+  void sum_squares(DType dt, const void* x, Index n, double* out) override {
+    const In X(dt, x, n, "sum_squares");
+    *out = cpu::sum_squares(X.f(), n);
+  }
+  void scale(DType dt, void* x, float s, Index n) override {
+    Out X(dt, x, n, true, "scale");
+    cpu::scale_inplace(X.f(), s, n);
+  }
   void adamw_step(float* param, const float* grad, float* m, float* v, Index n, std::int64_t step,
                   double lr, double beta1, double beta2, double eps, double weight_decay) override {
     executor::adamw_step(param, grad, m, v, n, step, lr,

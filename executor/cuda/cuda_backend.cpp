@@ -1,22 +1,26 @@
-// The CUDA backend: the Backend interface (backend.h) on one NVIDIA GPU. GEMMs go to cuBLAS in
-// full fp32 (no TF32: the executor profile computes in fp32 and the backend-ops test holds every
-// backend to the same fp64 references); the row- and element-wise ops are the kernels of
-// cuda_kernels.cu, launched from here. Everything is enqueued on one compute stream;
-// timing marks are CUDA events on it. Device memory is cudaMalloc'd exactly as asked (the tracked
-// allocator above counts every byte; no caching here), host memory is pinned (cudaMallocHost).
+// The CUDA backend: the Backend interface (backend.h) on one NVIDIA GPU. Every kernel computes on
+// fp32 or bf16 storage (supports_compute) and bf16 storage uses fp32 arithmetic and fp32
+// accumulation, rounding each stored value once. GEMMs go to cuBLAS: fp32 operands in full fp32
+// (cublasSgemm, no TF32: the backend-ops test holds every backend to the same fp64 references),
+// bf16 operands through cublasGemmEx with CUBLAS_COMPUTE_32F; the row- and element-wise ops are
+// the kernels of cuda_kernels.cu (templates on the storage), launched from here. Everything is
+// enqueued on one compute stream; timing marks are CUDA events on it. Device memory comes exactly as
+// asked from a stream-ordered pool of the backend's own (DeviceMemory below: the tracked allocator
+// above counts every byte, the pool's reserved high-water mark is the run's `reserved`), host
+// memory is pinned (cudaMallocHost).
 //
 // Row-major operands meet column-major cuBLAS by reading each row-major [r, c] matrix as the
 // column-major [c, r] matrix it already is in memory (its transpose): y = x·Wᵀ becomes
 // yᵀ = W·xᵀ, i.e. gemm(T, N) of the stored W and x, with no copies. Each call below names the
 // product it computes in row-major terms.
 //
-// Flash attention is the fused fp32 kernels of cuda_kernels.cu (FlashAttention-2's tiling, head
-// dims up to cuda::kFlashMaxHeadDim), eager attention the cuBLAS GEMMs around a softmax kernel.
+// Flash attention is the fused kernels of cuda_kernels.cu (FlashAttention-2's tiling in fp32 tiles,
+// head dims up to cuda::kFlashMaxHeadDim), eager attention the cuBLAS GEMMs around a softmax kernel.
 //
-// Deliberately not here: bf16 compute (the Backend computes in fp32; issue 17's bf16 program is
-// the next step), tensor-core flash attention (it would compute in TF32 or bf16, not fp32),
-// multi-stream overlap (collectives are the Communicator's), and checking token ids on the device
-// (the data loader checks them at the edge).
+// Deliberately not here: fp16 compute (fp16 is a storage convert() handles, not a compute dtype),
+// tensor-core flash attention (its products would run in TF32 or bf16, not fp32), multi-stream
+// overlap (collectives are the Communicator's), and checking token ids on the device (the data
+// loader checks them at the edge).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
@@ -180,7 +184,13 @@ class CudaBackend final : public Backend {
     PEFTPLAN_CUBLAS(cublasCreate(&h_.blas));
     PEFTPLAN_CUBLAS(cublasSetStream(h_.blas, h_.stream));
     // Full fp32 products: no TF32 (CUBLAS_DEFAULT_MATH is already that; said here for the reader).
-    PEFTPLAN_CUBLAS(cublasSetMathMode(h_.blas, CUBLAS_DEFAULT_MATH));
+    // bf16 products sum in fp32 with no reduction in bf16 either: CUBLAS_MATH_DISALLOW_REDUCED_
+    // PRECISION_REDUCTION "forces any reductions during matrix multiplications to use the
+    // accumulator type" where the output type is narrower (cuBLAS documentation, "cublasMath_t"; it
+    // changes nothing for fp32 outputs). PyTorch sets the same flag for bf16 GEMMs when
+    // allow_bf16_reduced_precision_reduction is off (aten/src/ATen/cuda/CUDABlas.cpp).
+    PEFTPLAN_CUBLAS(cublasSetMathMode(
+        h_.blas, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
     workspace_bytes_ = cublas_workspace_bytes(props_.major);
     PEFTPLAN_CUDA(cudaMalloc(&h_.workspace, workspace_bytes_));
     PEFTPLAN_CUBLAS(cublasSetWorkspace(h_.blas, h_.workspace, workspace_bytes_));
@@ -280,54 +290,77 @@ class CudaBackend final : public Backend {
     PEFTPLAN_LAUNCH(cuda::convert(h_.stream, src, storage_of(from), dst, storage_of(to), n));
   }
 
+  // fp32 and bf16: the GEMMs below and every kernel of cuda_kernels.cu take either storage; fp16 is
+  // converted (supports_storage) but not computed on.
+  bool supports_compute(DType dt) const override { return dt == DType::fp32 || dt == DType::bf16; }
+
   // ------------------------------------------------------------------------------ GEMMs
-  // y[M,N] (=|+=) x[M,K]·W[N,K]ᵀ: yᵀ = W·xᵀ.
-  void linear_forward(const float* x, const float* W, const float* bias, float* y, Index M, Index K, Index N,
+  // y[M,N] (=|+=) x[M,K]·W[N,K]ᵀ (+ bias): yᵀ = W·xᵀ. In fp32 the bias is added after the product
+  // (cuBLAS then the bias kernel). In bf16 that would round y twice, so an overwritten y starts as
+  // the bias rows and the GEMM adds its product to them (beta 1): x·Wᵀ + bias summed in fp32,
+  // rounded once. An accumulated y with a bias (the program builder accumulates only backward
+  // ops, planner/builder_graph.cpp) still takes the bias after the product: two roundings in bf16.
+  void linear_forward(DType dt, const void* x, const void* W, const void* bias, void* y, Index M, Index K, Index N,
                       bool accumulate) override {
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, 1.0f, W, K, x, K, accumulate ? 1.0f : 0.0f, y, N);
+    const cuda::Storage st = compute_storage(dt, __func__);
+    if (bias != nullptr && !accumulate && st == cuda::Storage::bf16) {
+      PEFTPLAN_LAUNCH(cuda::broadcast_bias(h_.stream, st, y, bias, M, N));
+      gemm(st, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, 1.0f, W, K, x, K, 1.0f, y, N);
+      return;
+    }
+    gemm(st, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, 1.0f, W, K, x, K, accumulate ? 1.0f : 0.0f, y, N);
     if (bias != nullptr) {
-      PEFTPLAN_LAUNCH(cuda::add_bias(h_.stream, y, bias, M, N));
+      PEFTPLAN_LAUNCH(cuda::add_bias(h_.stream, st, y, bias, M, N));
     }
   }
   // dx[M,K] (=|+=) dy[M,N]·W[N,K]: dxᵀ = Wᵀ·dyᵀ.
-  void linear_backward_input(const float* dy, const float* W, float* dx, Index M, Index K, Index N,
+  void linear_backward_input(DType dt, const void* dy, const void* W, void* dx, Index M, Index K, Index N,
                              bool accumulate) override {
-    gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, 1.0f, W, K, dy, N, accumulate ? 1.0f : 0.0f, dx, K);
+    const cuda::Storage st = compute_storage(dt, __func__);
+    gemm(st, CUBLAS_OP_N, CUBLAS_OP_N, K, M, N, 1.0f, W, K, dy, N, accumulate ? 1.0f : 0.0f, dx, K);
   }
-  void dropout_forward(const float* x, float* out, Index n, const DropoutKey& key) override {
-    PEFTPLAN_LAUNCH(cuda::dropout(h_.stream, x, out, n, splitmix64(key.seed), key.p));
+  void dropout_forward(DType dt, const void* x, void* out, Index n, const DropoutKey& key) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::dropout(h_.stream, st, x, out, n, splitmix64(key.seed), key.p));
   }
-  // u[M,r] = x_in·Aᵀ; y[M,N] += scale·u·Bᵀ.
-  void lora_forward(const float* x_in, const float* A, const float* B, float scale, float* u, float* y, Index M,
+  // u[M,r] = x_in·Aᵀ; y[M,N] += scale·u·Bᵀ. u is stored (rounded to dt) by the first product and
+  // the second reads it as stored (backend.h; PEFT's lora_B(lora_A(x)) in bf16 rounds u alike).
+  void lora_forward(DType dt, const void* x_in, const void* A, const void* B, float scale, void* u, void* y, Index M,
                     Index K, Index N, Index r) override {
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, r, M, K, 1.0f, A, K, x_in, K, 0.0f, u, r);
-    gemm(CUBLAS_OP_T, CUBLAS_OP_N, N, M, r, scale, B, r, u, r, 1.0f, y, N);
+    const cuda::Storage st = compute_storage(dt, __func__);
+    gemm(st, CUBLAS_OP_T, CUBLAS_OP_N, r, M, K, 1.0f, A, K, x_in, K, 0.0f, u, r);
+    gemm(st, CUBLAS_OP_T, CUBLAS_OP_N, N, M, r, scale, B, r, u, r, 1.0f, y, N);
   }
-  // du = scale·dy·B; dB += scale·dyᵀ·u; dA += duᵀ·x_in; dx += drop'(du·A).
-  void lora_backward(const float* dy, const float* x_in, const float* A, const float* B, const float* u, float scale,
-                     const DropoutKey& key, float* dA, float* dB, float* dx, float* scratch, Index M, Index K, Index N,
-                     Index r) override {
-    float* du = scratch;
-    gemm(CUBLAS_OP_N, CUBLAS_OP_N, r, M, N, scale, B, r, dy, N, 0.0f, du, r);
-    gemm(CUBLAS_OP_N, CUBLAS_OP_T, r, N, M, scale, u, r, dy, N, 1.0f, dB, r);
-    gemm(CUBLAS_OP_N, CUBLAS_OP_T, K, r, M, 1.0f, x_in, K, du, r, 1.0f, dA, K);
+  // du = scale·dy·B (scratch[0, M·r), in dt); dB += scale·dyᵀ·u; dA += duᵀ·x_in (du as stored);
+  // dx += drop'(du·A), with dropout through scratch[M·r, M·r + M·K) (in dt) and the mask kernel.
+  void lora_backward(DType dt, const void* dy, const void* x_in, const void* A, const void* B, const void* u,
+                     float scale, const DropoutKey& key, void* dA, void* dB, void* dx, void* scratch, Index M, Index K,
+                     Index N, Index r) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
+    void* du = scratch;
+    gemm(st, CUBLAS_OP_N, CUBLAS_OP_N, r, M, N, scale, B, r, dy, N, 0.0f, du, r);
+    gemm(st, CUBLAS_OP_N, CUBLAS_OP_T, r, N, M, scale, u, r, dy, N, 1.0f, dB, r);
+    gemm(st, CUBLAS_OP_N, CUBLAS_OP_T, K, r, M, 1.0f, x_in, K, du, r, 1.0f, dA, K);
     if (dx == nullptr) return;
     if (key.p <= 0.0) {
-      gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, M, r, 1.0f, A, K, du, r, 1.0f, dx, K);
+      gemm(st, CUBLAS_OP_N, CUBLAS_OP_N, K, M, r, 1.0f, A, K, du, r, 1.0f, dx, K);
       return;
     }
-    float* g = scratch + M * r;
-    gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, M, r, 1.0f, A, K, du, r, 0.0f, g, K);
-    PEFTPLAN_LAUNCH(cuda::dropout_backward_add(h_.stream, g, dx, M * K, splitmix64(key.seed), key.p));
+    void* g = at(scratch, M * r, dt);
+    gemm(st, CUBLAS_OP_N, CUBLAS_OP_N, K, M, r, 1.0f, A, K, du, r, 0.0f, g, K);
+    PEFTPLAN_LAUNCH(cuda::dropout_backward_add(h_.stream, st, g, dx, M * K, splitmix64(key.seed), key.p));
   }
 
   // ------------------------------------------------------------------------- row kernels
-  void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* rstd, Index M, Index H) override {
-    PEFTPLAN_LAUNCH(cuda::rmsnorm_forward(h_.stream, x, w, eps, y, rstd, M, H));
+  void rmsnorm_forward(DType dt, const void* x, const void* w, float eps, void* y, float* rstd, Index M,
+                       Index H) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::rmsnorm_forward(h_.stream, st, x, w, eps, y, rstd, M, H));
   }
-  void rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx, Index M,
+  void rmsnorm_backward(DType dt, const void* dy, const void* x, const void* w, const float* rstd, void* dx, Index M,
                         Index H, bool accumulate) override {
-    PEFTPLAN_LAUNCH(cuda::rmsnorm_backward(h_.stream, dy, x, w, rstd, dx, M, H, accumulate));
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::rmsnorm_backward(h_.stream, st, dy, x, w, rstd, dx, M, H, accumulate));
   }
   // The tables are made once per run: computed on the host by the CPU kernel (HF's fp32 formula,
   // kernels.h rope_tables) and uploaded, so both backends rotate by the very same angles.
@@ -337,47 +370,54 @@ class CudaBackend final : public Backend {
     cpu::rope_tables(host.data(), host.data() + half, S, d, theta);
     copy_to_device(tables, host.data(), host.size() * sizeof(float));
   }
-  void rope_forward(float* x, const float* tables, Index B, Index S, Index nheads, Index d) override {
-    rope(x, tables, B, S, nheads, d, 1.0f);
+  void rope_forward(DType dt, void* x, const float* tables, Index B, Index S, Index nheads, Index d) override {
+    rope(compute_storage(dt, __func__), x, tables, B, S, nheads, d, 1.0f);
   }
-  void rope_backward(float* dx, const float* tables, Index B, Index S, Index nheads, Index d) override {
-    rope(dx, tables, B, S, nheads, d, -1.0f);
+  void rope_backward(DType dt, void* dx, const float* tables, Index B, Index S, Index nheads, Index d) override {
+    rope(compute_storage(dt, __func__), dx, tables, B, S, nheads, d, -1.0f);
   }
 
   // Eager causal GQA attention. Per (batch, kv head), the rep = nh/nkv query heads that share it
   // are one strided-batched GEMM (their q columns are d apart; k and v are shared: stride 0):
   //   scores P_h = q_h·kᵀ·(1/√d)   → Pᵀ = k·q_hᵀ        gemm(T, N)
   //   out_h = P_h·v                → out_hᵀ = vᵀ·P_hᵀ    gemm(N, N)
-  // with the causal softmax between them over all B·nh·S rows.
-  void attention_forward(const float* q, const float* k, const float* v, float* P, float* out, Index B, Index S,
+  // with the causal softmax between them over all B·nh·S rows. P is stored in dt: in bf16 the
+  // scores are rounded as the first GEMM stores them and the softmax (fp32 inside) rounds the
+  // probabilities once more, like HF's eager attention in bf16 (bf16 scores from its matmul, then
+  // softmax(dtype=torch.float32).to(bf16); its 1/√d is a separate multiply, here the GEMM's alpha).
+  void attention_forward(DType dt, const void* q, const void* k, const void* v, void* P, void* out, Index B, Index S,
                          Index nh, Index nkv, Index d) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
     PEFTPLAN_CHECK_MSG(nkv > 0 && nh % nkv == 0, "heads {} not a multiple of kv heads {}", nh, nkv);
     const Index rep = nh / nkv;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     for (Index b = 0; b < B; ++b)
       for (Index kvh = 0; kvh < nkv; ++kvh) {
         const Index h0 = kvh * rep;
-        gemm_batched(CUBLAS_OP_T, CUBLAS_OP_N, S, S, d, scale, kv(k, b, kvh, S, nkv, d), nkv * d, 0,
-                     qh(q, b, h0, S, nh, d), nh * d, d, 0.0f, P + (b * nh + h0) * S * S, S, S * S, rep);
+        gemm_batched(st, CUBLAS_OP_T, CUBLAS_OP_N, S, S, d, scale, head(k, b, kvh, S, nkv, d, dt), nkv * d, 0,
+                     head(q, b, h0, S, nh, d, dt), nh * d, d, 0.0f, at(P, (b * nh + h0) * S * S, dt), S, S * S, rep);
       }
-    PEFTPLAN_LAUNCH(cuda::causal_softmax(h_.stream, P, B * nh * S, S));
+    PEFTPLAN_LAUNCH(cuda::causal_softmax(h_.stream, st, P, B * nh * S, S));
     for (Index b = 0; b < B; ++b)
       for (Index kvh = 0; kvh < nkv; ++kvh) {
         const Index h0 = kvh * rep;
-        gemm_batched(CUBLAS_OP_N, CUBLAS_OP_N, d, S, S, 1.0f, kv(v, b, kvh, S, nkv, d), nkv * d, 0,
-                     P + (b * nh + h0) * S * S, S, S * S, 0.0f, qh(out, b, h0, S, nh, d), nh * d, d, rep);
+        gemm_batched(st, CUBLAS_OP_N, CUBLAS_OP_N, d, S, S, 1.0f, head(v, b, kvh, S, nkv, d, dt), nkv * d, 0,
+                     at(P, (b * nh + h0) * S * S, dt), S, S * S, 0.0f, head(out, b, h0, S, nh, d, dt), nh * d, d, rep);
       }
   }
   // Backward per (batch, kv head), in groups of at most `workers` query heads (scratch holds one
-  // S×S dP per worker):
+  // S×S dP per worker, in dt: scratch_elems counts elements of dt):
   //   dP_h = dout_h·vᵀ       → dP_hᵀ = v·dout_hᵀ      gemm(T, N), batched
   //   dS_h = softmax'(P_h, dP_h)·(1/√d)                k_softmax_backward
   //   dq_h = dS_h·k          → dq_hᵀ = kᵀ·dS_hᵀ       gemm(N, N), batched
   //   dv += P_hᵀ·dout_h      → dvᵀ += dout_hᵀ·P_h     gemm(N, T), one head at a time (shared output)
   //   dk += dS_hᵀ·q_h        → dkᵀ += q_hᵀ·dS_h       gemm(N, T), one head at a time
-  void attention_backward(const float* dout, const float* q, const float* k, const float* v, const float* P, float* dq,
-                          float* dk, float* dv, float* scratch, Index scratch_elems, Index B, Index S, Index nh,
+  // In bf16, dP and dS are rounded as they are stored in the scratch, and dk, dv once per query head
+  // that adds into them (rep roundings where nh > nkv).
+  void attention_backward(DType dt, const void* dout, const void* q, const void* k, const void* v, const void* P,
+                          void* dq, void* dk, void* dv, void* scratch, Index scratch_elems, Index B, Index S, Index nh,
                           Index nkv, Index d) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
     PEFTPLAN_CHECK_MSG(nkv > 0 && nh % nkv == 0, "heads {} not a multiple of kv heads {}", nh, nkv);
     const Index workers = scratch_elems / (S * S);
     PEFTPLAN_CHECK_MSG(workers >= 1, "attention backward scratch {} < S*S = {}", scratch_elems, S * S);
@@ -385,24 +425,24 @@ class CudaBackend final : public Backend {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     for (Index b = 0; b < B; ++b)
       for (Index kvh = 0; kvh < nkv; ++kvh) {
-        const float* kk = kv(k, b, kvh, S, nkv, d);
-        const float* vv = kv(v, b, kvh, S, nkv, d);
-        float* dkk = kv(dk, b, kvh, S, nkv, d);
-        float* dvv = kv(dv, b, kvh, S, nkv, d);
+        const void* kk = head(k, b, kvh, S, nkv, d, dt);
+        const void* vv = head(v, b, kvh, S, nkv, d, dt);
+        void* dkk = head(dk, b, kvh, S, nkv, d, dt);
+        void* dvv = head(dv, b, kvh, S, nkv, d, dt);
         for (Index g0 = 0; g0 < rep; g0 += workers) {
           const Index heads = std::min(workers, rep - g0), h0 = kvh * rep + g0;
-          const float* Ph = P + (b * nh + h0) * S * S;
-          gemm_batched(CUBLAS_OP_T, CUBLAS_OP_N, S, S, d, 1.0f, vv, nkv * d, 0, qh(dout, b, h0, S, nh, d), nh * d, d,
-                       0.0f, scratch, S, S * S, heads);
-          PEFTPLAN_LAUNCH(cuda::softmax_backward(h_.stream, Ph, scratch, heads * S, S, scale));
-          gemm_batched(CUBLAS_OP_N, CUBLAS_OP_N, d, S, S, 1.0f, kk, nkv * d, 0, scratch, S, S * S, 0.0f,
-                       qh(dq, b, h0, S, nh, d), nh * d, d, heads);
+          const void* Ph = at(P, (b * nh + h0) * S * S, dt);
+          gemm_batched(st, CUBLAS_OP_T, CUBLAS_OP_N, S, S, d, 1.0f, vv, nkv * d, 0, head(dout, b, h0, S, nh, d, dt),
+                       nh * d, d, 0.0f, scratch, S, S * S, heads);
+          PEFTPLAN_LAUNCH(cuda::softmax_backward(h_.stream, st, Ph, scratch, heads * S, S, scale));
+          gemm_batched(st, CUBLAS_OP_N, CUBLAS_OP_N, d, S, S, 1.0f, kk, nkv * d, 0, scratch, S, S * S, 0.0f,
+                       head(dq, b, h0, S, nh, d, dt), nh * d, d, heads);
           for (Index j = 0; j < heads; ++j) {
             const float first = g0 + j == 0 ? 0.0f : 1.0f;  // the first head overwrites dk, dv
-            gemm(CUBLAS_OP_N, CUBLAS_OP_T, d, S, S, 1.0f, qh(dout, b, h0 + j, S, nh, d), nh * d, Ph + j * S * S, S,
-                 first, dvv, nkv * d);
-            gemm(CUBLAS_OP_N, CUBLAS_OP_T, d, S, S, 1.0f, qh(q, b, h0 + j, S, nh, d), nh * d, scratch + j * S * S, S,
-                 first, dkk, nkv * d);
+            gemm(st, CUBLAS_OP_N, CUBLAS_OP_T, d, S, S, 1.0f, head(dout, b, h0 + j, S, nh, d, dt), nh * d,
+                 at(Ph, j * S * S, dt), S, first, dvv, nkv * d);
+            gemm(st, CUBLAS_OP_N, CUBLAS_OP_T, d, S, S, 1.0f, head(q, b, h0 + j, S, nh, d, dt), nh * d,
+                 at(scratch, j * S * S, dt), S, first, dkk, nkv * d);
           }
         }
       }
@@ -410,49 +450,63 @@ class CudaBackend final : public Backend {
 
   // Flash attention (kernels.h §5b; Dao, FlashAttention-2, 2023, Algorithms 1 and 2): one fused
   // kernel forward, two backward (dq by query tile; dk, dv by key tile over the kv head's query
-  // heads), tiles in shared memory and registers, no scratch and no atomics.
-  void flash_attention_forward(const float* q, const float* k, const float* v, float* lse, float* out, Index B,
+  // heads), tiles in shared memory and registers, no scratch and no atomics. The operands are in
+  // dt, lse in fp32; the tiles are fp32 either way and each output is rounded once.
+  void flash_attention_forward(DType dt, const void* q, const void* k, const void* v, float* lse, void* out, Index B,
                                Index S, Index nh, Index nkv, Index d) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
     check_flash_shape(B, S, nh, nkv, d);
-    PEFTPLAN_LAUNCH(cuda::flash_attention_forward(h_.stream, q, k, v, lse, out, B, S, nh, nkv, d));
+    PEFTPLAN_LAUNCH(cuda::flash_attention_forward(h_.stream, st, q, k, v, lse, out, B, S, nh, nkv, d));
   }
-  void flash_attention_backward(const float* dout, const float* q, const float* k, const float* v, const float* out,
-                                const float* lse, float* dq, float* dk, float* dv, Index B, Index S, Index nh,
-                                Index nkv, Index d) override {
+  void flash_attention_backward(DType dt, const void* dout, const void* q, const void* k, const void* v,
+                                const void* out, const float* lse, void* dq, void* dk, void* dv, Index B, Index S,
+                                Index nh, Index nkv, Index d) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
     check_flash_shape(B, S, nh, nkv, d);
-    PEFTPLAN_LAUNCH(cuda::flash_attention_backward(h_.stream, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, d));
+    PEFTPLAN_LAUNCH(
+        cuda::flash_attention_backward(h_.stream, st, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, d));
   }
 
   // ------------------------------------------------------------------------- elementwise
-  void swiglu_forward(const float* gate, const float* up, float* act, Index n) override {
-    PEFTPLAN_LAUNCH(cuda::swiglu_forward(h_.stream, gate, up, act, n));
+  void swiglu_forward(DType dt, const void* gate, const void* up, void* act, Index n) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::swiglu_forward(h_.stream, st, gate, up, act, n));
   }
-  void swiglu_backward(const float* dact, const float* gate, const float* up, float* dgate, float* dup,
+  void swiglu_backward(DType dt, const void* dact, const void* gate, const void* up, void* dgate, void* dup,
                        Index n) override {
-    PEFTPLAN_LAUNCH(cuda::swiglu_backward(h_.stream, dact, gate, up, dgate, dup, n));
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::swiglu_backward(h_.stream, st, dact, gate, up, dgate, dup, n));
   }
-  void embedding_forward(const std::int32_t* tokens, const float* table, float* out, Index M, Index, Index H) override {
-    PEFTPLAN_LAUNCH(cuda::embedding(h_.stream, tokens, table, out, M, H));
+  void embedding_forward(DType dt, const std::int32_t* tokens, const void* table, void* out, Index M, Index,
+                         Index H) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::embedding(h_.stream, st, tokens, table, out, M, H));
   }
-  void cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M, Index V,
+  void cross_entropy_forward(DType dt, const void* logits, const std::int32_t* targets, Index M, Index V,
                              double* loss_sum) override {
-    PEFTPLAN_LAUNCH(cuda::cross_entropy(h_.stream, logits, targets, nullptr, 0.0, M, V, loss_sum));
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::cross_entropy(h_.stream, st, logits, targets, nullptr, 0.0, M, V, loss_sum));
   }
   // The loss sum of the backward pass is not returned through the Backend (the forward's is);
   // it goes to a scratch scalar of the backend's own.
-  void cross_entropy_backward(const float* logits, const std::int32_t* targets, float* dlogits, double count, Index M,
-                              Index V) override {
+  void cross_entropy_backward(DType dt, const void* logits, const std::int32_t* targets, void* dlogits, double count,
+                              Index M, Index V) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
     PEFTPLAN_CHECK_MSG(count > 0, "cross-entropy token count must be positive, got {}", count);
-    PEFTPLAN_LAUNCH(cuda::cross_entropy(h_.stream, logits, targets, dlogits, 1.0 / count, M, V, h_.discarded_loss));
+    PEFTPLAN_LAUNCH(
+        cuda::cross_entropy(h_.stream, st, logits, targets, dlogits, 1.0 / count, M, V, h_.discarded_loss));
   }
-  void add(const float* a, const float* b, float* out, Index n) override {
-    PEFTPLAN_LAUNCH(cuda::add(h_.stream, a, b, out, n));
+  void add(DType dt, const void* a, const void* b, void* out, Index n) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::add(h_.stream, st, a, b, out, n));
   }
-  void sum_squares(const float* x, Index n, double* out) override {
-    PEFTPLAN_LAUNCH(cuda::sum_squares(h_.stream, x, n, out));
+  void sum_squares(DType dt, const void* x, Index n, double* out) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::sum_squares(h_.stream, st, x, n, out));
   }
-  void scale(float* x, float s, Index n) override {
-    PEFTPLAN_LAUNCH(cuda::scale(h_.stream, x, s, n));
+  void scale(DType dt, void* x, float s, Index n) override {
+    const cuda::Storage st = compute_storage(dt, __func__);
+    PEFTPLAN_LAUNCH(cuda::scale(h_.stream, st, x, s, n));
   }
   void adamw_step(float* param, const float* grad, float* m, float* v, Index n, std::int64_t step, double lr,
                   double beta1, double beta2, double eps, double weight_decay) override {
@@ -465,26 +519,76 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // Column-major gemm on the compute stream: C[m,n] = alpha·op(A)·op(B) + beta·C.
-  void gemm(cublasOperation_t ta, cublasOperation_t tb, Index m, Index n, Index k, float alpha, const float* A,
-            Index lda, const float* B, Index ldb, float beta, float* C, Index ldc) {
+  // The kernels' storage for compute dtype `dt`; a dtype supports_compute refuses (fp16, the
+  // quantised dtypes) is an InternalError naming the backend, the method and the dtype.
+  cuda::Storage compute_storage(DType dt, const char* method) const {
+    if (!supports_compute(dt))
+      throw InternalError(fmt::format("cuda backend: {}: compute dtype {} is not supported (fp32 and bf16 are)", method,
+                                      name_of(dt)));
+    return storage_of(dt);
+  }
+
+  // Column-major gemm on the compute stream: C[m,n] = alpha·op(A)·op(B) + beta·C, A, B and C in
+  // the storage `st`, alpha and beta fp32.
+  //   fp32: cublasSgemm, full fp32 (CUBLAS_DEFAULT_MATH: no TF32), as before bf16 existed.
+  //   bf16: cublasGemmEx with Atype = Btype = Ctype = CUDA_R_16BF, computeType CUBLAS_COMPUTE_32F
+  //     and scale type CUDA_R_32F (float alpha, beta): one of the combinations the cuBLAS
+  //     documentation's "cublasGemmEx()" table of supported computeType / scaleType / Atype/Btype /
+  //     Ctype lists. The products are summed in fp32 and C (beta·C included) rounded to bf16 once,
+  //     on store; the handle's CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION (constructor) keeps
+  //     split-K partial sums in fp32 too. CUBLAS_GEMM_DEFAULT lets cuBLAS pick the algorithm.
+  void gemm(cuda::Storage st, cublasOperation_t ta, cublasOperation_t tb, Index m, Index n, Index k, float alpha,
+            const void* A, Index lda, const void* B, Index ldb, float beta, void* C, Index ldc) {
     if (m == 0 || n == 0) return;
-    PEFTPLAN_CUBLAS(cublasSgemm(h_.blas, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha, A,
-                                to_int(lda, "lda"), B, to_int(ldb, "ldb"), &beta, C, to_int(ldc, "ldc")));
+    if (st == cuda::Storage::fp32) {
+      PEFTPLAN_CUBLAS(cublasSgemm(h_.blas, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha,
+                                  static_cast<const float*>(A), to_int(lda, "lda"), static_cast<const float*>(B),
+                                  to_int(ldb, "ldb"), &beta, static_cast<float*>(C), to_int(ldc, "ldc")));
+      return;
+    }
+    const cudaDataType t = blas_type(st);
+    PEFTPLAN_CUBLAS(cublasGemmEx(h_.blas, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha, A, t,
+                                 to_int(lda, "lda"), B, t, to_int(ldb, "ldb"), &beta, C, t, to_int(ldc, "ldc"),
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
-  void gemm_batched(cublasOperation_t ta, cublasOperation_t tb, Index m, Index n, Index k, float alpha,
-                    const float* A, Index lda, Index sa, const float* B, Index ldb, Index sb, float beta, float* C,
-                    Index ldc, Index sc, Index batch) {
+  // The same over `batch` products whose operands are sa, sb, sc elements apart (cuBLAS
+  // documentation, "cublasGemmStridedBatchedEx()": the types and compute type of cublasGemmEx's
+  // table).
+  void gemm_batched(cuda::Storage st, cublasOperation_t ta, cublasOperation_t tb, Index m, Index n, Index k,
+                    float alpha, const void* A, Index lda, Index sa, const void* B, Index ldb, Index sb, float beta,
+                    void* C, Index ldc, Index sc, Index batch) {
     if (m == 0 || n == 0 || batch == 0) return;
-    PEFTPLAN_CUBLAS(cublasSgemmStridedBatched(h_.blas, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha,
-                                              A, to_int(lda, "lda"), sa, B, to_int(ldb, "ldb"), sb, &beta, C,
-                                              to_int(ldc, "ldc"), sc, to_int(batch, "batch")));
+    if (st == cuda::Storage::fp32) {
+      PEFTPLAN_CUBLAS(cublasSgemmStridedBatched(h_.blas, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"),
+                                                &alpha, static_cast<const float*>(A), to_int(lda, "lda"), sa,
+                                                static_cast<const float*>(B), to_int(ldb, "ldb"), sb, &beta,
+                                                static_cast<float*>(C), to_int(ldc, "ldc"), sc,
+                                                to_int(batch, "batch")));
+      return;
+    }
+    const cudaDataType t = blas_type(st);
+    PEFTPLAN_CUBLAS(cublasGemmStridedBatchedEx(h_.blas, ta, tb, to_int(m, "m"), to_int(n, "n"), to_int(k, "k"), &alpha,
+                                               A, t, to_int(lda, "lda"), sa, B, t, to_int(ldb, "ldb"), sb, &beta, C,
+                                               t, to_int(ldc, "ldc"), sc, to_int(batch, "batch"), CUBLAS_COMPUTE_32F,
+                                               CUBLAS_GEMM_DEFAULT));
   }
-  // Head h of batch b in [B,S,heads,d] (row stride heads·d).
-  static const float* kv(const float* t, Index b, Index h, Index S, Index heads, Index d) { return t + b * S * heads * d + h * d; }
-  static float* kv(float* t, Index b, Index h, Index S, Index heads, Index d) { return t + b * S * heads * d + h * d; }
-  static const float* qh(const float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
-  static float* qh(float* t, Index b, Index h, Index S, Index heads, Index d) { return kv(t, b, h, S, heads, d); }
+  // cuBLAS's name of a 16-bit storage the Ex GEMMs take (bf16 only: compute_storage refuses fp16).
+  static cudaDataType blas_type(cuda::Storage st) {
+    if (st == cuda::Storage::bf16) return CUDA_R_16BF;
+    throw InternalError("cuda backend: the Ex GEMMs take bf16 operands only");
+  }
+  // Element i of a buffer of dt (device pointers are byte addresses).
+  static const void* at(const void* p, Index i, DType dt) {
+    return static_cast<const char*>(p) + i * static_cast<Index>(bytes_of(dt));
+  }
+  static void* at(void* p, Index i, DType dt) { return static_cast<char*>(p) + i * static_cast<Index>(bytes_of(dt)); }
+  // Head h of batch b in [B,S,heads,d] (row stride heads·d) of dt.
+  static const void* head(const void* t, Index b, Index h, Index S, Index heads, Index d, DType dt) {
+    return at(t, b * S * heads * d + h * d, dt);
+  }
+  static void* head(void* t, Index b, Index h, Index S, Index heads, Index d, DType dt) {
+    return at(t, b * S * heads * d + h * d, dt);
+  }
   // The shapes the flash kernels take (cuda_kernels.h flash_shape_refusal), said in words where the
   // launcher would only return cudaErrorInvalidValue.
   static void check_flash_shape(Index B, Index S, Index nh, Index nkv, Index d) {
@@ -492,9 +596,9 @@ class CudaBackend final : public Backend {
     PEFTPLAN_CHECK_MSG(why == nullptr, "cuda flash attention: {} (B {}, S {}, heads {}, kv heads {}, head_dim {}); plan with "
                        "--attention eager for this model", why ? why : "", B, S, nh, nkv, d);
   }
-  void rope(float* x, const float* tables, Index B, Index S, Index nheads, Index d, float sign) {
+  void rope(cuda::Storage st, void* x, const float* tables, Index B, Index S, Index nheads, Index d, float sign) {
     const Index half = cpu::rope_table_elems(S, d);
-    PEFTPLAN_LAUNCH(cuda::rope(h_.stream, x, tables, tables + half, B, S, nheads, d, sign));
+    PEFTPLAN_LAUNCH(cuda::rope(h_.stream, st, x, tables, tables + half, B, S, nheads, d, sign));
   }
 
   int device_ = 0;

@@ -4,6 +4,15 @@
 // reduces (RMSNorm, softmax, cross-entropy), a grid-stride loop elsewhere, one block per tile for
 // flash attention; fp32 arithmetic in the same order of operations as the CPU kernels where the CPU
 // has one (kernels.cpp, optim.cpp; flash attention's tiles and sums are its own).
+//
+// Storage: every kernel but AdamW and the conversions is a template on the element type T of its
+// activations, weights and gradients, float (fp32) or __nv_bfloat16 (bf16). ld() widens an element
+// to fp32 as it is read, st() rounds an fp32 result to T, to nearest even, as it is written
+// (__float2bfloat16_rn), so bf16 storage gets fp32 arithmetic and fp32 accumulation with one
+// rounding per stored value (backend.h, "kernels"); for T = float both are plain loads and stores
+// and the arithmetic is what it was before the template. The launchers take the storage as a
+// value (Storage) and dispatch; fp16 is converted (convert()) but not computed on.
+//
 // This file includes no header of ours beyond cuda_kernels.h and kernels.h's plain declarations
 // (nvcc compiles it; fmt and the C++20 headers stay with the host compiler).
 #include <cuda_bf16.h>
@@ -13,6 +22,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_kernels.h"
 #include "peftplan/executor/kernels.h"  // plain declarations: cpu::kIgnoreIndex
@@ -22,6 +32,7 @@ namespace {
 
 constexpr int kThreads = 256;
 using cpu::kIgnoreIndex;  // torch.nn.CrossEntropyLoss's default
+using BF16 = __nv_bfloat16;
 
 // Grid-stride loops: enough blocks to fill the device a few times over, never more than needed.
 int blocks_for(Index n) {
@@ -33,6 +44,37 @@ int row_threads(Index len) {
   const Index t = ((len + 31) / 32) * 32;
   return static_cast<int>(t < 32 ? 32 : (t > 1024 ? 1024 : t));
 }
+
+// ------------------------------------------------------------------------------ storage
+
+// p[i] widened to fp32 (exact: bf16 is the top half of an fp32).
+__device__ inline float ld(const float* p, Index i) { return p[i]; }
+__device__ inline float ld(const BF16* p, Index i) { return __bfloat162float(p[i]); }
+// p[i] = v rounded to the storage, to nearest even (CUDA Math API, "Bfloat16 Conversion and Data
+// Movement": __float2bfloat16_rn; NaN stays NaN, overflow becomes ±inf).
+__device__ inline void st(float* p, Index i, float v) { p[i] = v; }
+__device__ inline void st(BF16* p, Index i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+// The element type of a Storage, for a launcher's generic lambda: f(Of<T>{}) with T float or
+// __nv_bfloat16; fp16 (no kernel computes on it) is cudaErrorInvalidValue, nothing launched.
+template <typename T>
+struct Of {
+  using type = T;
+};
+template <typename F>
+cudaError_t with_storage(Storage st, F&& f) {
+  switch (st) {
+    case Storage::fp32: return f(Of<float>{});
+    case Storage::bf16: return f(Of<BF16>{});
+    case Storage::fp16: break;
+  }
+  return cudaErrorInvalidValue;
+}
+// A launcher's untyped operand as the storage's elements.
+template <typename T>
+const T* as(const void* p) { return static_cast<const T*>(p); }
+template <typename T>
+T* as(void* p) { return static_cast<T*>(p); }
 
 // ------------------------------------------------------------------------------ block reduce
 
@@ -75,158 +117,202 @@ __device__ inline bool keep(std::uint64_t mixed, double p, Index i) {
   return static_cast<double>(z >> 11) * 0x1p-53 >= p;
 }
 
-__global__ void k_dropout(const float* x, float* out, Index n, std::uint64_t mixed, double p, float s) {
+template <typename T>
+__global__ void k_dropout(const T* x, T* out, Index n, std::uint64_t mixed, double p, float s) {
   for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x)
-    out[i] = keep(mixed, p, i) ? x[i] * s : 0.0f;
+    st(out, i, keep(mixed, p, i) ? ld(x, i) * s : 0.0f);
 }
 // dx[i] += keep ? g[i]·s : 0 (the LoRA input gradient through the dropout mask).
-__global__ void k_dropout_backward_add(const float* g, float* dx, Index n, std::uint64_t mixed, double p, float s) {
+template <typename T>
+__global__ void k_dropout_backward_add(const T* g, T* dx, Index n, std::uint64_t mixed, double p, float s) {
   for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x)
-    if (keep(mixed, p, i)) dx[i] += g[i] * s;
+    if (keep(mixed, p, i)) st(dx, i, ld(dx, i) + ld(g, i) * s);
 }
 
-__global__ void k_add_bias(float* y, const float* bias, Index M, Index N) {
+template <typename T>
+__global__ void k_add_bias(T* y, const T* bias, Index M, Index N) {
   const Index n = M * N;
   for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x)
-    y[i] += bias[i % N];
+    st(y, i, ld(y, i) + ld(bias, i % N));
+}
+// y = the bias on every row: a copy, exact in any storage.
+template <typename T>
+__global__ void k_broadcast_bias(T* y, const T* bias, Index M, Index N) {
+  const Index n = M * N;
+  for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x)
+    y[i] = bias[i % N];
 }
 
 // LlamaRMSNorm (transformers modeling_llama.py): y = w ⊙ x·rsqrt(mean(x²) + eps); one block a row.
-__global__ void k_rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* rstd, Index H) {
+// rstd is fp32 in every storage.
+template <typename T>
+__global__ void k_rmsnorm_forward(const T* x, const T* w, float eps, T* y, float* rstd, Index H) {
   __shared__ float sh[32];
   const Index m = blockIdx.x;
-  const float* xr = x + m * H;
+  const T* xr = x + m * H;
   float s = 0.0f;
-  for (Index j = threadIdx.x; j < H; j += blockDim.x) s += xr[j] * xr[j];
+  for (Index j = threadIdx.x; j < H; j += blockDim.x) {
+    const float xv = ld(xr, j);
+    s += xv * xv;
+  }
   s = block_sum(s, sh);
   const float rs = 1.0f / sqrtf(s / static_cast<float>(H) + eps);
   if (threadIdx.x == 0) rstd[m] = rs;
-  for (Index j = threadIdx.x; j < H; j += blockDim.x) y[m * H + j] = xr[j] * rs * w[j];
+  for (Index j = threadIdx.x; j < H; j += blockDim.x) st(y, m * H + j, ld(xr, j) * rs * ld(w, j));
 }
 // dx = rstd·(g⊙w − x·rstd·c), c = Σ(g⊙w⊙x)·rstd / H (kernels.h §3).
-__global__ void k_rmsnorm_backward(const float* dy, const float* x, const float* w, const float* rstd, float* dx,
-                                   Index H, bool accumulate) {
+template <typename T>
+__global__ void k_rmsnorm_backward(const T* dy, const T* x, const T* w, const float* rstd, T* dx, Index H,
+                                   bool accumulate) {
   __shared__ float sh[32];
   const Index m = blockIdx.x;
   const float rs = rstd[m];
-  const float* g = dy + m * H;
-  const float* xr = x + m * H;
+  const T* g = dy + m * H;
+  const T* xr = x + m * H;
   float s = 0.0f;
-  for (Index j = threadIdx.x; j < H; j += blockDim.x) s += g[j] * w[j] * xr[j];
+  for (Index j = threadIdx.x; j < H; j += blockDim.x) s += ld(g, j) * ld(w, j) * ld(xr, j);
   const float c = block_sum(s, sh) * rs / static_cast<float>(H);
   for (Index j = threadIdx.x; j < H; j += blockDim.x) {
-    const float v = rs * (g[j] * w[j] - xr[j] * (rs * c));
-    dx[m * H + j] = accumulate ? dx[m * H + j] + v : v;
+    const float v = rs * (ld(g, j) * ld(w, j) - ld(xr, j) * (rs * c));
+    st(dx, m * H + j, accumulate ? ld(dx, m * H + j) + v : v);
   }
 }
 
-// RoPE, rotate_half convention (kernels.h §4): sign +1 forward, −1 its transpose (backward).
-__global__ void k_rope(float* x, const float* cos, const float* sin, Index B, Index S, Index nheads, Index d, float sign) {
+// RoPE, rotate_half convention (kernels.h §4): sign +1 forward, −1 its transpose (backward). The
+// tables are fp32 in every storage.
+template <typename T>
+__global__ void k_rope(T* x, const float* cos, const float* sin, Index B, Index S, Index nheads, Index d, float sign) {
   const Index half = d / 2, n = B * S * nheads * half;
   for (Index t = blockIdx.x * Index(blockDim.x) + threadIdx.x; t < n; t += Index(gridDim.x) * blockDim.x) {
     const Index i = t % half, row = t / half;  // row = (b·S + s)·nheads + h
     const Index s = (row / nheads) % S;
-    float* v = x + row * d;
+    T* v = x + row * d;
     const float c = cos[s * half + i], si = sign * sin[s * half + i];
-    const float x1 = v[i], x2 = v[i + half];
-    v[i] = x1 * c - x2 * si;
-    v[i + half] = x2 * c + x1 * si;
+    const float x1 = ld(v, i), x2 = ld(v, i + half);
+    st(v, i, x1 * c - x2 * si);
+    st(v, i + half, x2 * c + x1 * si);
   }
 }
 
 // Causal softmax of one score row (one block a row of P[B·nh·S, S]): the scale is already in the
 // scores (the GEMM's alpha); masked columns j > i get probability 0, as kernels.h §5 saves P.
-__global__ void k_causal_softmax(float* P, Index S) {
+// fp32 keeps e^(s − max) in the row between the sum and the normalisation; a bf16 row would round
+// it there, so bf16 makes it again from the score and rounds once, at the probability's store.
+template <typename T>
+__global__ void k_causal_softmax(T* P, Index S) {
+  constexpr bool keep_e = std::is_same<T, float>::value;
   __shared__ float sh[32];
   const Index row = blockIdx.x, i = row % S;
-  float* r = P + row * S;
+  T* r = P + row * S;
   float mx = -INFINITY;
-  for (Index j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, r[j]);
+  for (Index j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, ld(r, j));
   mx = block_max(mx, sh);
   float s = 0.0f;
   for (Index j = threadIdx.x; j <= i; j += blockDim.x) {
-    const float e = expf(r[j] - mx);
-    r[j] = e;
+    const float e = expf(ld(r, j) - mx);
+    if constexpr (keep_e) st(r, j, e);
     s += e;
   }
   const float inv = 1.0f / block_sum(s, sh);
-  for (Index j = threadIdx.x; j < S; j += blockDim.x) r[j] = j <= i ? r[j] * inv : 0.0f;
+  for (Index j = threadIdx.x; j < S; j += blockDim.x) {
+    if (j > i) {
+      st(r, j, 0.0f);
+    } else if constexpr (keep_e) {
+      st(r, j, ld(r, j) * inv);
+    } else {
+      st(r, j, expf(ld(r, j) - mx) * inv);
+    }
+  }
 }
 // Softmax backward in place on dP (rows of `heads` consecutive heads): dS = P⊙(dP − Σ P⊙dP)·scale.
-__global__ void k_softmax_backward(const float* P, float* dP, Index S, float scale) {
+template <typename T>
+__global__ void k_softmax_backward(const T* P, T* dP, Index S, float scale) {
   __shared__ float sh[32];
   const Index row = blockIdx.x, i = row % S;
-  const float* p = P + row * S;
-  float* g = dP + row * S;
+  const T* p = P + row * S;
+  T* g = dP + row * S;
   float dot = 0.0f;
-  for (Index j = threadIdx.x; j <= i; j += blockDim.x) dot += p[j] * g[j];
+  for (Index j = threadIdx.x; j <= i; j += blockDim.x) dot += ld(p, j) * ld(g, j);
   dot = block_sum(dot, sh);
-  for (Index j = threadIdx.x; j < S; j += blockDim.x) g[j] = j <= i ? p[j] * (g[j] - dot) * scale : 0.0f;
+  for (Index j = threadIdx.x; j < S; j += blockDim.x) st(g, j, j <= i ? ld(p, j) * (ld(g, j) - dot) * scale : 0.0f);
 }
 
-__global__ void k_swiglu_forward(const float* g, const float* u, float* a, Index n) {
-  for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x)
-    a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-}
-__global__ void k_swiglu_backward(const float* da, const float* g, const float* u, float* dg, float* du, Index n) {
+template <typename T>
+__global__ void k_swiglu_forward(const T* g, const T* u, T* a, Index n) {
   for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x) {
-    const float sig = 1.0f / (1.0f + expf(-g[i]));
-    const float d = da[i];
-    dg[i] = d * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
-    du[i] = d * g[i] * sig;
+    const float gi = ld(g, i);
+    st(a, i, gi / (1.0f + expf(-gi)) * ld(u, i));
+  }
+}
+template <typename T>
+__global__ void k_swiglu_backward(const T* da, const T* g, const T* u, T* dg, T* du, Index n) {
+  for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x) {
+    const float gi = ld(g, i), ui = ld(u, i);
+    const float sig = 1.0f / (1.0f + expf(-gi));
+    const float d = ld(da, i);
+    st(dg, i, d * ui * sig * (1.0f + gi * (1.0f - sig)));
+    st(du, i, d * gi * sig);
   }
 }
 
-__global__ void k_embedding(const std::int32_t* tokens, const float* table, float* out, Index M, Index H) {
+// A row of the table per token: a copy, exact in any storage.
+template <typename T>
+__global__ void k_embedding(const std::int32_t* tokens, const T* table, T* out, Index M, Index H) {
   const Index n = M * H;
   for (Index t = blockIdx.x * Index(blockDim.x) + threadIdx.x; t < n; t += Index(gridDim.x) * blockDim.x)
     out[t] = table[static_cast<Index>(tokens[t / H]) * H + t % H];
 }
 
 // Cross-entropy over one row of logits (one block a row): logsumexp − logit[target], as ATen's
-// log_softmax (max-shifted). Rows whose target is ignore_index add nothing (backward: zeros).
-__global__ void k_cross_entropy(const float* logits, const std::int32_t* targets, float* dlogits, double inv_count,
-                                Index V, double* loss_sum, bool backward) {
+// log_softmax (max-shifted), in fp32 from logits of any storage; the loss sum is fp64. Rows whose
+// target is ignore_index add nothing (backward: zeros).
+template <typename T>
+__global__ void k_cross_entropy(const T* logits, const std::int32_t* targets, T* dlogits, double inv_count, Index V,
+                                double* loss_sum, bool backward) {
   __shared__ float sh[32];
   const Index m = blockIdx.x;
   const std::int32_t t = targets[m];
-  const float* row = logits + m * V;
+  const T* row = logits + m * V;
   if (t == kIgnoreIndex) {
     if (backward)
-      for (Index j = threadIdx.x; j < V; j += blockDim.x) dlogits[m * V + j] = 0.0f;
+      for (Index j = threadIdx.x; j < V; j += blockDim.x) st(dlogits, m * V + j, 0.0f);
     return;
   }
   float mx = -INFINITY;
-  for (Index j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  for (Index j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld(row, j));
   mx = block_max(mx, sh);
   float s = 0.0f;
-  for (Index j = threadIdx.x; j < V; j += blockDim.x) s += expf(row[j] - mx);
+  for (Index j = threadIdx.x; j < V; j += blockDim.x) s += expf(ld(row, j) - mx);
   const float log_sum = logf(block_sum(s, sh));
-  const float target_logit = row[t];
+  const float target_logit = ld(row, t);
   if (threadIdx.x == 0) atomicAdd(loss_sum, static_cast<double>(log_sum - (target_logit - mx)));
   if (!backward) return;
   __syncthreads();  // every thread has read row[t] before the row is overwritten in place
   const float inv = static_cast<float>(inv_count);
   for (Index j = threadIdx.x; j < V; j += blockDim.x) {
-    float v = expf((row[j] - mx) - log_sum) * inv;
+    float v = expf((ld(row, j) - mx) - log_sum) * inv;
     if (j == t) v -= inv;
-    dlogits[m * V + j] = v;
+    st(dlogits, m * V + j, v);
   }
 }
 
-__global__ void k_add(const float* a, const float* b, float* out, Index n) {
+template <typename T>
+__global__ void k_add(const T* a, const T* b, T* out, Index n) {
   for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x)
-    out[i] = a[i] + b[i];
+    st(out, i, ld(a, i) + ld(b, i));
 }
-__global__ void k_scale(float* x, float s, Index n) {
-  for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x) x[i] *= s;
+template <typename T>
+__global__ void k_scale(T* x, float s, Index n) {
+  for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x)
+    st(x, i, ld(x, i) * s);
 }
 // Σ x² in fp64: block partial sums, one atomicAdd per block into *out (zeroed first).
-__global__ void k_sum_squares(const float* x, Index n, double* out) {
+template <typename T>
+__global__ void k_sum_squares(const T* x, Index n, double* out) {
   __shared__ double sh[32];
   double s = 0.0;
   for (Index i = blockIdx.x * Index(blockDim.x) + threadIdx.x; i < n; i += Index(gridDim.x) * blockDim.x) {
-    const double v = x[i];
+    const double v = ld(x, i);
     s += v * v;
   }
   s = block_sum(s, sh);
@@ -284,6 +370,9 @@ __global__ void k_f16_to_bf16(const __half* s, __nv_bfloat16* d, Index n) {
 // over the key tiles up to the diagonal, one per (batch, kv head, key tile) makes dk and dv over
 // the rep query heads sharing the kv head and the query tiles from the diagonal on. Both
 // recompute the scores and P = e^(score − lse); each row's D = Σ dout ⊙ out is made in the block.
+// q, k, v, out and the gradients are stored in T (fp32 or bf16), lse in fp32: a tile is widened
+// to fp32 as it loads into shared memory (the same tiles and bytes for either storage) and each
+// output element is rounded to T once, when it is written; P, dS and the sums never leave fp32.
 //
 // Threads: 256 a block, a 16 × 16 grid (tx = threadIdx.x % 16, a half-warp; ty = threadIdx.x / 16).
 // Of a score tile [R][C] thread (ty, tx) holds rows ty + 16a (a < R/16) and columns tx + 16b
@@ -347,13 +436,14 @@ __device__ inline float half_warp_sum(float v) {
 __device__ inline float component(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 __device__ inline float4 scaled(const float4& v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
 
-// sh[rows][D + 4] = rows [0, valid) × columns [0, d) of src (row stride `stride` floats), zero
-// elsewhere: rows past S and columns past d contribute nothing to a dot product or a sum.
-template <int D>
-__device__ void flash_load(float* sh, int rows, const float* src, Index stride, int valid, int d) {
+// sh[rows][D + 4] = rows [0, valid) × columns [0, d) of src (row stride `stride` elements of T),
+// widened to fp32, zero elsewhere: rows past S and columns past d contribute nothing to a dot
+// product or a sum.
+template <int D, typename T>
+__device__ void flash_load(float* sh, int rows, const T* src, Index stride, int valid, int d) {
   for (int t = threadIdx.x; t < rows * D; t += kFlashThreads) {
     const int r = t / D, c = t % D;
-    sh[r * (D + 4) + c] = r < valid && c < d ? src[r * stride + c] : 0.0f;
+    sh[r * (D + 4) + c] = r < valid && c < d ? ld(src, r * stride + c) : 0.0f;
   }
 }
 
@@ -412,28 +502,30 @@ __device__ void flash_accumulate(float4 (&acc)[RM][D / 64], const float* T, cons
   }
 }
 
-// row[c .. c+3] = v·f, the columns below d only.
-__device__ inline void flash_store(float* row, int c, const float4& v, float f, int d) {
-  if (c < d) row[c] = v.x * f;
-  if (c + 1 < d) row[c + 1] = v.y * f;
-  if (c + 2 < d) row[c + 2] = v.z * f;
-  if (c + 3 < d) row[c + 3] = v.w * f;
+// row[c .. c+3] = v·f rounded to T, the columns below d only.
+template <typename T>
+__device__ inline void flash_store(T* row, int c, const float4& v, float f, int d) {
+  if (c < d) st(row, c, v.x * f);
+  if (c + 1 < d) st(row, c + 1, v.y * f);
+  if (c + 2 < d) st(row, c + 2, v.z * f);
+  if (c + 3 < d) st(row, c + 3, v.w * f);
 }
 
 // Σ_c dout[row][c]·out[row][c] over one row, by the 16 lanes of a half-warp (every lane gets it;
 // all 32 lanes of the warp call it, `live` false giving 0).
-__device__ inline float flash_row_dot(const float* dout_row, const float* out_row, int d, bool live) {
+template <typename T>
+__device__ inline float flash_row_dot(const T* dout_row, const T* out_row, int d, bool live) {
   float part = 0.0f;
   if (live)
-    for (int c = threadIdx.x % 16; c < d; c += 16) part += dout_row[c] * out_row[c];
+    for (int c = threadIdx.x % 16; c < d; c += 16) part += ld(dout_row, c) * ld(out_row, c);
   return half_warp_sum(part);
 }
 
 // Algorithm 1. Block id → (batch·head bh, query tile), the query tiles with the most key tiles first.
-template <int D, int BR, int BC>
+template <int D, int BR, int BC, typename T>
 __global__ void __launch_bounds__(kFlashThreads)
-    k_flash_forward(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                    float* __restrict__ lse, float* __restrict__ out, Index B, Index S, Index nh, Index nkv, int d,
+    k_flash_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    float* __restrict__ lse, T* __restrict__ out, Index B, Index S, Index nh, Index nkv, int d,
                     float scale) {
   constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
   extern __shared__ float4 flash_shared[];
@@ -448,8 +540,8 @@ __global__ void __launch_bounds__(kFlashThreads)
   const Index q0 = qt * BR, qs = nh * d, ks = nkv * d;  // first query; row strides
   const int rows = static_cast<int>(S - q0 < BR ? S - q0 : BR), dk4 = (d + 3) & ~3;
   flash_load<D>(Qs, BR, q + ((b * S + q0) * nh + h) * d, qs, rows, d);
-  const float* kb = k + (b * S * nkv + kvh) * d;
-  const float* vb = v + (b * S * nkv + kvh) * d;
+  const T* kb = k + (b * S * nkv + kvh) * d;
+  const T* vb = v + (b * S * nkv + kvh) * d;
 
   float m[RM], l[RM];  // running max and Σ e^(s − m) of each row (equal in the row's 16 lanes)
   float4 o[RM][CN];    // unnormalised output rows
@@ -504,7 +596,7 @@ __global__ void __launch_bounds__(kFlashThreads)
   for (int a = 0; a < RM; ++a) {
     const Index i = q0 + ty + 16 * a;
     if (i >= S) continue;
-    float* row = out + ((b * S + i) * nh + h) * d;
+    T* row = out + ((b * S + i) * nh + h) * d;
     const float inv = 1.0f / l[a];
 #pragma unroll
     for (int g = 0; g < CN; ++g) flash_store(row, 4 * tx + 64 * g, o[a][g], inv, d);
@@ -514,11 +606,11 @@ __global__ void __launch_bounds__(kFlashThreads)
 
 // Algorithm 2, dq half: dq_i = Σ_j dS_ij k_j / √d over the key tiles up to the diagonal,
 // dS_ij = P_ij (dout_i·v_j − D_i), P_ij = e^(s_ij − lse_i). Block id as the forward's.
-template <int D, int BR, int BC>
+template <int D, int BR, int BC, typename T>
 __global__ void __launch_bounds__(kFlashThreads)
-    k_flash_backward_dq(const float* __restrict__ dout, const float* __restrict__ q, const float* __restrict__ k,
-                        const float* __restrict__ v, const float* __restrict__ out, const float* __restrict__ lse,
-                        float* __restrict__ dq, Index B, Index S, Index nh, Index nkv, int d, float scale) {
+    k_flash_backward_dq(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
+                        const T* __restrict__ v, const T* __restrict__ out, const float* __restrict__ lse,
+                        T* __restrict__ dq, Index B, Index S, Index nh, Index nkv, int d, float scale) {
   constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
   extern __shared__ float4 flash_shared[];
   float* Qs = reinterpret_cast<float*>(flash_shared);  // [BR][ld]
@@ -535,8 +627,8 @@ __global__ void __launch_bounds__(kFlashThreads)
   const Index first = (b * S + q0) * nh + h;  // row index of (b, q0, h) in [B·S·nh, d]
   flash_load<D>(Qs, BR, q + first * d, qs, rows, d);
   flash_load<D>(dOs, BR, dout + first * d, qs, rows, d);
-  const float* kb = k + (b * S * nkv + kvh) * d;
-  const float* vb = v + (b * S * nkv + kvh) * d;
+  const T* kb = k + (b * S * nkv + kvh) * d;
+  const T* vb = v + (b * S * nkv + kvh) * d;
 
   float L[RM], Dr[RM];  // lse and D = Σ dout ⊙ out of each row
   float4 acc[RM][CN];
@@ -578,7 +670,7 @@ __global__ void __launch_bounds__(kFlashThreads)
   for (int a = 0; a < RM; ++a) {
     const Index i = q0 + ty + 16 * a;
     if (i >= S) continue;
-    float* row = dq + ((b * S + i) * nh + h) * d;
+    T* row = dq + ((b * S + i) * nh + h) * d;
 #pragma unroll
     for (int g = 0; g < CN; ++g) flash_store(row, 4 * tx + 64 * g, acc[a][g], scale, d);
   }
@@ -588,11 +680,11 @@ __global__ void __launch_bounds__(kFlashThreads)
 // dk_j = Σ_i dS_ij q_i / √d over the rep query heads of the kv head and the queries i >= j.
 // Block id → (batch·kv head, key tile), the key tiles with the most query tiles first. The score
 // tiles are transposed here: rows are keys, columns queries.
-template <int D, int BR, int BC>
+template <int D, int BR, int BC, typename T>
 __global__ void __launch_bounds__(kFlashThreads)
-    k_flash_backward_dkdv(const float* __restrict__ dout, const float* __restrict__ q, const float* __restrict__ k,
-                          const float* __restrict__ v, const float* __restrict__ out, const float* __restrict__ lse,
-                          float* __restrict__ dk, float* __restrict__ dv, Index B, Index S, Index nh, Index nkv, int d,
+    k_flash_backward_dkdv(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
+                          const T* __restrict__ v, const T* __restrict__ out, const float* __restrict__ lse,
+                          T* __restrict__ dk, T* __restrict__ dv, Index B, Index S, Index nh, Index nkv, int d,
                           float scale) {
   constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
   extern __shared__ float4 flash_shared[];
@@ -691,30 +783,30 @@ cudaError_t launch_flash(void (*kernel)(Params...), Index blocks, std::size_t sm
   return cudaGetLastError();
 }
 
-template <int D>
-cudaError_t flash_forward_for(cudaStream_t s, const float* q, const float* k, const float* v, float* lse, float* out,
-                              Index B, Index S, Index nh, Index nkv, int d, float scale) {
+template <int D, typename T>
+cudaError_t flash_forward_for(cudaStream_t s, const T* q, const T* k, const T* v, float* lse, T* out, Index B, Index S,
+                              Index nh, Index nkv, int d, float scale) {
   constexpr int R = FlashTiles<D>::fwd_q, C = FlashTiles<D>::fwd_k;
   constexpr std::size_t smem = flash_forward_smem(D, R, C);
   static_assert(smem <= kFlashMaxSharedBytes, "flash forward tile exceeds the shared memory budget");
-  return launch_flash(k_flash_forward<D, R, C>, B * nh * ((S + R - 1) / R), smem, s, q, k, v, lse, out, B, S, nh,
+  return launch_flash(k_flash_forward<D, R, C, T>, B * nh * ((S + R - 1) / R), smem, s, q, k, v, lse, out, B, S, nh,
                       nkv, d, scale);
 }
 
-template <int D>
-cudaError_t flash_backward_for(cudaStream_t s, const float* dout, const float* q, const float* k, const float* v,
-                               const float* out, const float* lse, float* dq, float* dk, float* dv, Index B, Index S,
-                               Index nh, Index nkv, int d, float scale) {
+template <int D, typename T>
+cudaError_t flash_backward_for(cudaStream_t s, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                               const float* lse, T* dq, T* dk, T* dv, Index B, Index S, Index nh, Index nkv, int d,
+                               float scale) {
   constexpr int QR = FlashTiles<D>::dq_q, QC = FlashTiles<D>::dq_k;
   constexpr int KR = FlashTiles<D>::dkv_k, KC = FlashTiles<D>::dkv_q;
   constexpr std::size_t dq_smem = flash_dq_smem(D, QR, QC), dkdv_smem = flash_dkdv_smem(D, KR, KC);
   static_assert(dq_smem <= kFlashMaxSharedBytes, "flash dq tile exceeds the shared memory budget");
   static_assert(dkdv_smem <= kFlashMaxSharedBytes, "flash dk/dv tile exceeds the shared memory budget");
-  if (const cudaError_t e = launch_flash(k_flash_backward_dq<D, QR, QC>, B * nh * ((S + QR - 1) / QR), dq_smem, s,
+  if (const cudaError_t e = launch_flash(k_flash_backward_dq<D, QR, QC, T>, B * nh * ((S + QR - 1) / QR), dq_smem, s,
                                          dout, q, k, v, out, lse, dq, B, S, nh, nkv, d, scale);
       e != cudaSuccess)
     return e;
-  return launch_flash(k_flash_backward_dkdv<D, KR, KC>, B * nkv * ((S + KR - 1) / KR), dkdv_smem, s, dout, q, k, v,
+  return launch_flash(k_flash_backward_dkdv<D, KR, KC, T>, B * nkv * ((S + KR - 1) / KR), dkdv_smem, s, dout, q, k, v,
                       out, lse, dk, dv, B, S, nh, nkv, d, scale);
 }
 
@@ -729,77 +821,140 @@ const char* flash_shape_refusal(Index B, Index S, Index nh, Index nkv, Index d) 
   return nullptr;
 }
 
+// Each launcher below dispatches on the storage first (with_storage: fp16 is cudaErrorInvalidValue
+// whatever the shape), then launches the kernel of that element type T.
+
 // mixed = splitmix64(key seed), computed on the host by the caller (cuda_backend.cpp).
-cudaError_t dropout(cudaStream_t s, const float* x, float* out, Index n, std::uint64_t mixed, double p) {
-  k_dropout<<<blocks_for(n), kThreads, 0, s>>>(x, out, n, mixed, p, static_cast<float>(1.0 / (1.0 - p)));
-  return cudaGetLastError();
+cudaError_t dropout(cudaStream_t s, Storage st, const void* x, void* out, Index n, std::uint64_t mixed, double p) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_dropout<T><<<blocks_for(n), kThreads, 0, s>>>(as<T>(x), as<T>(out), n, mixed, p,
+                                                    static_cast<float>(1.0 / (1.0 - p)));
+    return cudaGetLastError();
+  });
 }
-cudaError_t dropout_backward_add(cudaStream_t s, const float* g, float* dx, Index n, std::uint64_t mixed, double p) {
-  k_dropout_backward_add<<<blocks_for(n), kThreads, 0, s>>>(g, dx, n, mixed, p, static_cast<float>(1.0 / (1.0 - p)));
-  return cudaGetLastError();
+cudaError_t dropout_backward_add(cudaStream_t s, Storage st, const void* g, void* dx, Index n, std::uint64_t mixed,
+                                 double p) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_dropout_backward_add<T><<<blocks_for(n), kThreads, 0, s>>>(as<T>(g), as<T>(dx), n, mixed, p,
+                                                                 static_cast<float>(1.0 / (1.0 - p)));
+    return cudaGetLastError();
+  });
 }
-cudaError_t add_bias(cudaStream_t s, float* y, const float* bias, Index M, Index N) {
-  k_add_bias<<<blocks_for(M * N), kThreads, 0, s>>>(y, bias, M, N);
-  return cudaGetLastError();
+cudaError_t add_bias(cudaStream_t s, Storage st, void* y, const void* bias, Index M, Index N) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_add_bias<T><<<blocks_for(M * N), kThreads, 0, s>>>(as<T>(y), as<T>(bias), M, N);
+    return cudaGetLastError();
+  });
 }
-cudaError_t rmsnorm_forward(cudaStream_t s, const float* x, const float* w, float eps, float* y, float* rstd, Index M, Index H) {
-  if (M == 0) return cudaSuccess;
-  k_rmsnorm_forward<<<static_cast<unsigned>(M), row_threads(H), 0, s>>>(x, w, eps, y, rstd, H);
-  return cudaGetLastError();
+cudaError_t broadcast_bias(cudaStream_t s, Storage st, void* y, const void* bias, Index M, Index N) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_broadcast_bias<T><<<blocks_for(M * N), kThreads, 0, s>>>(as<T>(y), as<T>(bias), M, N);
+    return cudaGetLastError();
+  });
 }
-cudaError_t rmsnorm_backward(cudaStream_t s, const float* dy, const float* x, const float* w, const float* rstd, float* dx,
-                             Index M, Index H, bool accumulate) {
-  if (M == 0) return cudaSuccess;
-  k_rmsnorm_backward<<<static_cast<unsigned>(M), row_threads(H), 0, s>>>(dy, x, w, rstd, dx, H, accumulate);
-  return cudaGetLastError();
+cudaError_t rmsnorm_forward(cudaStream_t s, Storage st, const void* x, const void* w, float eps, void* y, float* rstd,
+                            Index M, Index H) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (M == 0) return cudaSuccess;
+    k_rmsnorm_forward<T><<<static_cast<unsigned>(M), row_threads(H), 0, s>>>(as<T>(x), as<T>(w), eps, as<T>(y), rstd,
+                                                                             H);
+    return cudaGetLastError();
+  });
 }
-cudaError_t rope(cudaStream_t s, float* x, const float* cos, const float* sin, Index B, Index S, Index nheads, Index d,
-                 float sign) {
-  k_rope<<<blocks_for(B * S * nheads * (d / 2)), kThreads, 0, s>>>(x, cos, sin, B, S, nheads, d, sign);
-  return cudaGetLastError();
+cudaError_t rmsnorm_backward(cudaStream_t s, Storage st, const void* dy, const void* x, const void* w, const float* rstd,
+                             void* dx, Index M, Index H, bool accumulate) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (M == 0) return cudaSuccess;
+    k_rmsnorm_backward<T><<<static_cast<unsigned>(M), row_threads(H), 0, s>>>(as<T>(dy), as<T>(x), as<T>(w), rstd,
+                                                                              as<T>(dx), H, accumulate);
+    return cudaGetLastError();
+  });
 }
-cudaError_t causal_softmax(cudaStream_t s, float* P, Index rows, Index S) {
-  if (rows == 0) return cudaSuccess;
-  k_causal_softmax<<<static_cast<unsigned>(rows), row_threads(S), 0, s>>>(P, S);
-  return cudaGetLastError();
+cudaError_t rope(cudaStream_t s, Storage st, void* x, const float* cos, const float* sin, Index B, Index S,
+                 Index nheads, Index d, float sign) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_rope<T><<<blocks_for(B * S * nheads * (d / 2)), kThreads, 0, s>>>(as<T>(x), cos, sin, B, S, nheads, d, sign);
+    return cudaGetLastError();
+  });
 }
-cudaError_t softmax_backward(cudaStream_t s, const float* P, float* dP, Index rows, Index S, float scale) {
-  if (rows == 0) return cudaSuccess;
-  k_softmax_backward<<<static_cast<unsigned>(rows), row_threads(S), 0, s>>>(P, dP, S, scale);
-  return cudaGetLastError();
+cudaError_t causal_softmax(cudaStream_t s, Storage st, void* P, Index rows, Index S) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (rows == 0) return cudaSuccess;
+    k_causal_softmax<T><<<static_cast<unsigned>(rows), row_threads(S), 0, s>>>(as<T>(P), S);
+    return cudaGetLastError();
+  });
 }
-cudaError_t swiglu_forward(cudaStream_t s, const float* g, const float* u, float* a, Index n) {
-  k_swiglu_forward<<<blocks_for(n), kThreads, 0, s>>>(g, u, a, n);
-  return cudaGetLastError();
+cudaError_t softmax_backward(cudaStream_t s, Storage st, const void* P, void* dP, Index rows, Index S, float scale) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (rows == 0) return cudaSuccess;
+    k_softmax_backward<T><<<static_cast<unsigned>(rows), row_threads(S), 0, s>>>(as<T>(P), as<T>(dP), S, scale);
+    return cudaGetLastError();
+  });
 }
-cudaError_t swiglu_backward(cudaStream_t s, const float* da, const float* g, const float* u, float* dg, float* du, Index n) {
-  k_swiglu_backward<<<blocks_for(n), kThreads, 0, s>>>(da, g, u, dg, du, n);
-  return cudaGetLastError();
+cudaError_t swiglu_forward(cudaStream_t s, Storage st, const void* g, const void* u, void* a, Index n) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_swiglu_forward<T><<<blocks_for(n), kThreads, 0, s>>>(as<T>(g), as<T>(u), as<T>(a), n);
+    return cudaGetLastError();
+  });
 }
-cudaError_t embedding(cudaStream_t s, const std::int32_t* tokens, const float* table, float* out, Index M, Index H) {
-  k_embedding<<<blocks_for(M * H), kThreads, 0, s>>>(tokens, table, out, M, H);
-  return cudaGetLastError();
+cudaError_t swiglu_backward(cudaStream_t s, Storage st, const void* da, const void* g, const void* u, void* dg,
+                            void* du, Index n) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_swiglu_backward<T><<<blocks_for(n), kThreads, 0, s>>>(as<T>(da), as<T>(g), as<T>(u), as<T>(dg), as<T>(du), n);
+    return cudaGetLastError();
+  });
 }
-cudaError_t cross_entropy(cudaStream_t s, const float* logits, const std::int32_t* targets, float* dlogits,
+cudaError_t embedding(cudaStream_t s, Storage st, const std::int32_t* tokens, const void* table, void* out, Index M,
+                      Index H) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_embedding<T><<<blocks_for(M * H), kThreads, 0, s>>>(tokens, as<T>(table), as<T>(out), M, H);
+    return cudaGetLastError();
+  });
+}
+cudaError_t cross_entropy(cudaStream_t s, Storage st, const void* logits, const std::int32_t* targets, void* dlogits,
                           double inv_count, Index M, Index V, double* loss_sum) {
-  if (M == 0) return cudaSuccess;
-  k_cross_entropy<<<static_cast<unsigned>(M), row_threads(V), 0, s>>>(logits, targets, dlogits, inv_count, V, loss_sum,
-                                                                     dlogits != nullptr);
-  return cudaGetLastError();
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (M == 0) return cudaSuccess;
+    k_cross_entropy<T><<<static_cast<unsigned>(M), row_threads(V), 0, s>>>(
+        as<T>(logits), targets, as<T>(dlogits), inv_count, V, loss_sum, dlogits != nullptr);
+    return cudaGetLastError();
+  });
 }
-cudaError_t add(cudaStream_t s, const float* a, const float* b, float* out, Index n) {
-  k_add<<<blocks_for(n), kThreads, 0, s>>>(a, b, out, n);
-  return cudaGetLastError();
+cudaError_t add(cudaStream_t s, Storage st, const void* a, const void* b, void* out, Index n) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_add<T><<<blocks_for(n), kThreads, 0, s>>>(as<T>(a), as<T>(b), as<T>(out), n);
+    return cudaGetLastError();
+  });
 }
-cudaError_t scale(cudaStream_t s, float* x, float f, Index n) {
-  k_scale<<<blocks_for(n), kThreads, 0, s>>>(x, f, n);
-  return cudaGetLastError();
+cudaError_t scale(cudaStream_t s, Storage st, void* x, float f, Index n) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    k_scale<T><<<blocks_for(n), kThreads, 0, s>>>(as<T>(x), f, n);
+    return cudaGetLastError();
+  });
 }
-cudaError_t sum_squares(cudaStream_t s, const float* x, Index n, double* out) {
-  if (const cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), s); e != cudaSuccess) return e;
-  if (n == 0) return cudaSuccess;
-  k_sum_squares<<<blocks_for(n), kThreads, 0, s>>>(x, n, out);
-  return cudaGetLastError();
+cudaError_t sum_squares(cudaStream_t s, Storage st, const void* x, Index n, double* out) {
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    if (const cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), s); e != cudaSuccess) return e;
+    if (n == 0) return cudaSuccess;
+    k_sum_squares<T><<<blocks_for(n), kThreads, 0, s>>>(as<T>(x), n, out);
+    return cudaGetLastError();
+  });
 }
 cudaError_t adamw(cudaStream_t s, float* param, const float* grad, float* m, float* v, Index n, const AdamWScalars& c) {
   if (n == 0) return cudaSuccess;
@@ -820,24 +975,34 @@ cudaError_t convert(cudaStream_t s, const void* src, Storage from, void* dst, St
   return cudaGetLastError();
 }
 
-cudaError_t flash_attention_forward(cudaStream_t s, const float* q, const float* k, const float* v, float* lse,
-                                    float* out, Index B, Index S, Index nh, Index nkv, Index d) {
+cudaError_t flash_attention_forward(cudaStream_t s, Storage st, const void* q, const void* k, const void* v,
+                                    float* lse, void* out, Index B, Index S, Index nh, Index nkv, Index d) {
   if (flash_shape_refusal(B, S, nh, nkv, d)) return cudaErrorInvalidValue;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));  // as the CPU kernels form it
   const int hd = static_cast<int>(d);
-  if (d <= 64) return flash_forward_for<64>(s, q, k, v, lse, out, B, S, nh, nkv, hd, scale);
-  if (d <= 128) return flash_forward_for<128>(s, q, k, v, lse, out, B, S, nh, nkv, hd, scale);
-  return flash_forward_for<256>(s, q, k, v, lse, out, B, S, nh, nkv, hd, scale);
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    const T *qt = as<T>(q), *kt = as<T>(k), *vt = as<T>(v);
+    T* ot = as<T>(out);
+    if (d <= 64) return flash_forward_for<64>(s, qt, kt, vt, lse, ot, B, S, nh, nkv, hd, scale);
+    if (d <= 128) return flash_forward_for<128>(s, qt, kt, vt, lse, ot, B, S, nh, nkv, hd, scale);
+    return flash_forward_for<256>(s, qt, kt, vt, lse, ot, B, S, nh, nkv, hd, scale);
+  });
 }
-cudaError_t flash_attention_backward(cudaStream_t s, const float* dout, const float* q, const float* k, const float* v,
-                                     const float* out, const float* lse, float* dq, float* dk, float* dv, Index B,
-                                     Index S, Index nh, Index nkv, Index d) {
+cudaError_t flash_attention_backward(cudaStream_t s, Storage st, const void* dout, const void* q, const void* k,
+                                     const void* v, const void* out, const float* lse, void* dq, void* dk, void* dv,
+                                     Index B, Index S, Index nh, Index nkv, Index d) {
   if (flash_shape_refusal(B, S, nh, nkv, d)) return cudaErrorInvalidValue;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int hd = static_cast<int>(d);
-  if (d <= 64) return flash_backward_for<64>(s, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, hd, scale);
-  if (d <= 128) return flash_backward_for<128>(s, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, hd, scale);
-  return flash_backward_for<256>(s, dout, q, k, v, out, lse, dq, dk, dv, B, S, nh, nkv, hd, scale);
+  return with_storage(st, [&](auto t) {
+    using T = typename decltype(t)::type;
+    const T *dOt = as<T>(dout), *qt = as<T>(q), *kt = as<T>(k), *vt = as<T>(v), *ot = as<T>(out);
+    T *dqt = as<T>(dq), *dkt = as<T>(dk), *dvt = as<T>(dv);
+    if (d <= 64) return flash_backward_for<64>(s, dOt, qt, kt, vt, ot, lse, dqt, dkt, dvt, B, S, nh, nkv, hd, scale);
+    if (d <= 128) return flash_backward_for<128>(s, dOt, qt, kt, vt, ot, lse, dqt, dkt, dvt, B, S, nh, nkv, hd, scale);
+    return flash_backward_for<256>(s, dOt, qt, kt, vt, ot, lse, dqt, dkt, dvt, B, S, nh, nkv, hd, scale);
+  });
 }
 
 }  // namespace peftplan::executor::cuda

@@ -3,7 +3,7 @@
 // op names; a backend owns its device memory, its streams and its library handles.
 //
 // Conventions: every pointer is device memory of this backend (the CPU backend's device is the
-// host), fp32 unless the parameter says otherwise, row-major, with the dimension names of
+// host), `float*` fp32 and `void*` in the call's storage dtype (below), row-major, with the dimension names of
 // kernels.h (M token rows, K in-features, N out-features, r LoRA rank, H hidden, I intermediate,
 // V vocab, nh/nkv heads, d head_dim). Kernels are enqueued in call order on the backend's
 // compute stream and may still be running when the call returns; the host touches device
@@ -11,9 +11,10 @@
 // decision needs (the loss, the gradient norm) are written to device scalars it copies back.
 // Scratch is always passed in: a kernel never allocates (the tracked allocator sees every byte).
 //
-// Dtypes: storage dtypes cross the interface in convert(); the kernels compute in fp32 (the
-// executor profile's compute dtype, planner ProgramFacts), and a backend says which storage
-// dtypes it converts (supports_storage). Timing is by marks on the compute stream (CUDA events
+// Dtypes: storage dtypes cross the interface in convert(); a kernel's activations and weights
+// are stored in the dtype its call names (the program's compute dtype, planner ProgramFacts:
+// fp32, or bf16 in mixed precision) and computed in fp32; a backend says which storage dtypes it
+// converts (supports_storage) and which it computes on (supports_compute). Timing is by marks on the compute stream (CUDA events
 // on a device), read after one synchronize() per step, not by a synchronize after every op.
 //
 // The CUDA backend (executor/cuda/: cuBLAS GEMMs, its own stream and device memory) is a file
@@ -109,76 +110,87 @@ class Backend {
   // naming both.
   virtual void convert(const void* src, DType from, void* dst, DType to, Index n) = 0;
 
-  // --- kernels (fp32 compute) ------------------------------------------------------------
+  // --- kernels ---------------------------------------------------------------------------
+  // `dt` is the storage dtype of every `void*` operand of a call: the activations, the weights
+  // the kernel reads and the gradients it writes, all in the program's compute dtype (fp32, or
+  // bf16 as mixed-precision training stores them; supports_compute says which a backend runs).
+  // `float*` operands are fp32 whatever `dt` is: RMSNorm's rstd, RoPE's tables, flash
+  // attention's lse, and the optimizer's parameters, gradients and states (the fp32 masters of a
+  // mixed-precision run). Every kernel widens its inputs to fp32, computes and accumulates in
+  // fp32 and rounds once, to nearest even, when it stores (cuBLAS's CUBLAS_COMPUTE_32F with bf16
+  // operands; torch's bf16 kernels accumulate in fp32 the same way).
+  virtual bool supports_compute(DType dt) const = 0;
   // y[M,N] (=|+=) x[M,K]·W[N,K]ᵀ (+ bias[N]).
-  virtual void linear_forward(const float* x, const float* W, const float* bias, float* y,
+  virtual void linear_forward(DType dt, const void* x, const void* W, const void* bias, void* y,
                               Index M, Index K, Index N, bool accumulate) = 0;
   // dx[M,K] (=|+=) dy[M,N]·W[N,K].
-  virtual void linear_backward_input(const float* dy, const float* W, float* dx, Index M,
+  virtual void linear_backward_input(DType dt, const void* dy, const void* W, void* dx, Index M,
                                      Index K, Index N, bool accumulate) = 0;
   // out[n] = x ⊙ keep / (1 − p) with the mask of `key`.
-  virtual void dropout_forward(const float* x, float* out, Index n, const DropoutKey& key) = 0;
-  // u[M,r] = x_in·Aᵀ; y[M,N] += scale·u·Bᵀ.
-  virtual void lora_forward(const float* x_in, const float* A, const float* B, float scale,
-                            float* u, float* y, Index M, Index K, Index N, Index r) = 0;
+  virtual void dropout_forward(DType dt, const void* x, void* out, Index n, const DropoutKey& key) = 0;
+  // u[M,r] = x_in·Aᵀ; y[M,N] += scale·u·Bᵀ (u as stored: rounded to `dt` before its product).
+  virtual void lora_forward(DType dt, const void* x_in, const void* A, const void* B, float scale,
+                            void* u, void* y, Index M, Index K, Index N, Index r) = 0;
   // du = scale·dy·B (scratch[0, M·r)); dB += scale·dyᵀ·u; dA += duᵀ·x_in;
   // dx += drop'(du·A) (dx may be null; with key.p > 0 du·A goes through scratch[M·r, M·r+M·K)).
-  virtual void lora_backward(const float* dy, const float* x_in, const float* A, const float* B,
-                             const float* u, float scale, const DropoutKey& key, float* dA,
-                             float* dB, float* dx, float* scratch, Index M, Index K, Index N,
-                             Index r) = 0;
-  // RMSNorm: y = w ⊙ x·rstd, rstd[M] saved.
-  virtual void rmsnorm_forward(const float* x, const float* w, float eps, float* y, float* rstd,
-                               Index M, Index H) = 0;
+  virtual void lora_backward(DType dt, const void* dy, const void* x_in, const void* A,
+                             const void* B, const void* u, float scale, const DropoutKey& key,
+                             void* dA, void* dB, void* dx, void* scratch, Index M, Index K,
+                             Index N, Index r) = 0;
+  // RMSNorm: y = w ⊙ x·rstd, rstd[M] (fp32) saved.
+  virtual void rmsnorm_forward(DType dt, const void* x, const void* w, float eps, void* y,
+                               float* rstd, Index M, Index H) = 0;
   // dx (=|+=) RMSNorm input gradient; the frozen weight gets no gradient.
-  virtual void rmsnorm_backward(const float* dy, const float* x, const float* w,
-                                const float* rstd, float* dx, Index M, Index H,
+  virtual void rmsnorm_backward(DType dt, const void* dy, const void* x, const void* w,
+                                const float* rstd, void* dx, Index M, Index H,
                                 bool accumulate) = 0;
-  // cos[S, d/2] then sin[S, d/2] in `tables`.
+  // cos[S, d/2] then sin[S, d/2] in `tables` (fp32).
   virtual void rope_tables(float* tables, Index S, Index d, double theta) = 0;
   // In place on x[B,S,nheads,d]; backward = the transposed rotation.
-  virtual void rope_forward(float* x, const float* tables, Index B, Index S, Index nheads,
-                            Index d) = 0;
-  virtual void rope_backward(float* dx, const float* tables, Index B, Index S, Index nheads,
-                             Index d) = 0;
-  // Eager causal GQA attention (kernels.h §5); scratch_elems: a multiple of S·S.
-  virtual void attention_forward(const float* q, const float* k, const float* v, float* P,
-                                 float* out, Index B, Index S, Index nh, Index nkv, Index d) = 0;
-  virtual void attention_backward(const float* dout, const float* q, const float* k,
-                                  const float* v, const float* P, float* dq, float* dk, float* dv,
-                                  float* scratch, Index scratch_elems, Index B, Index S, Index nh,
+  virtual void rope_forward(DType dt, void* x, const float* tables, Index B, Index S,
+                            Index nheads, Index d) = 0;
+  virtual void rope_backward(DType dt, void* dx, const float* tables, Index B, Index S,
+                             Index nheads, Index d) = 0;
+  // Eager causal GQA attention (kernels.h §5); P[B,nh,S,S] stored in `dt`; scratch_elems: a
+  // multiple of S·S.
+  virtual void attention_forward(DType dt, const void* q, const void* k, const void* v, void* P,
+                                 void* out, Index B, Index S, Index nh, Index nkv, Index d) = 0;
+  virtual void attention_backward(DType dt, const void* dout, const void* q, const void* k,
+                                  const void* v, const void* P, void* dq, void* dk, void* dv,
+                                  void* scratch, Index scratch_elems, Index B, Index S, Index nh,
                                   Index nkv, Index d) = 0;
   // Flash (fused, tiled) causal GQA attention (kernels.h §5b): the same output as
   // attention_forward without the S×S probabilities; lse[B,nh,S] (fp32), each row's log Σ exp of
   // its scaled scores, is saved instead. No scratch: tiles live on chip (registers, shared memory,
   // the stack).
-  virtual void flash_attention_forward(const float* q, const float* k, const float* v, float* lse,
-                                       float* out, Index B, Index S, Index nh, Index nkv,
-                                       Index d) = 0;
+  virtual void flash_attention_forward(DType dt, const void* q, const void* k, const void* v,
+                                       float* lse, void* out, Index B, Index S, Index nh,
+                                       Index nkv, Index d) = 0;
   // dq, dk, dv (overwritten) from d_out, recomputing the probabilities from q, k and lse; `out`
   // (the forward's) gives each row's Σ d_out ⊙ out.
-  virtual void flash_attention_backward(const float* dout, const float* q, const float* k,
-                                        const float* v, const float* out, const float* lse,
-                                        float* dq, float* dk, float* dv, Index B, Index S,
-                                        Index nh, Index nkv, Index d) = 0;
-  virtual void swiglu_forward(const float* gate, const float* up, float* act, Index n) = 0;
-  virtual void swiglu_backward(const float* dact, const float* gate, const float* up,
-                               float* dgate, float* dup, Index n) = 0;
-  virtual void embedding_forward(const std::int32_t* tokens, const float* table, float* out,
-                                 Index M, Index V, Index H) = 0;
+  virtual void flash_attention_backward(DType dt, const void* dout, const void* q, const void* k,
+                                        const void* v, const void* out, const float* lse,
+                                        void* dq, void* dk, void* dv, Index B, Index S, Index nh,
+                                        Index nkv, Index d) = 0;
+  virtual void swiglu_forward(DType dt, const void* gate, const void* up, void* act, Index n) = 0;
+  virtual void swiglu_backward(DType dt, const void* dact, const void* gate, const void* up,
+                               void* dgate, void* dup, Index n) = 0;
+  virtual void embedding_forward(DType dt, const std::int32_t* tokens, const void* table,
+                                 void* out, Index M, Index V, Index H) = 0;
   // *loss_sum += the loss summed over the rows (targets already shifted); loss_sum is one
   // device fp64.
-  virtual void cross_entropy_forward(const float* logits, const std::int32_t* targets, Index M,
-                                     Index V, double* loss_sum) = 0;
+  virtual void cross_entropy_forward(DType dt, const void* logits, const std::int32_t* targets,
+                                     Index M, Index V, double* loss_sum) = 0;
   // dlogits = (softmax − onehot) / count; dlogits may alias logits.
-  virtual void cross_entropy_backward(const float* logits, const std::int32_t* targets,
-                                      float* dlogits, double count, Index M, Index V) = 0;
+  virtual void cross_entropy_backward(DType dt, const void* logits, const std::int32_t* targets,
+                                      void* dlogits, double count, Index M, Index V) = 0;
   // out = a + b (out may alias a or b).
-  virtual void add(const float* a, const float* b, float* out, Index n) = 0;
+  virtual void add(DType dt, const void* a, const void* b, void* out, Index n) = 0;
   // *out = Σ x² (accumulated in fp64); out is one device fp64.
-  virtual void sum_squares(const float* x, Index n, double* out) = 0;
-  virtual void scale(float* x, float s, Index n) = 0;
-  // torch.optim.AdamW over n elements (optim.h adamw_step).
+  virtual void sum_squares(DType dt, const void* x, Index n, double* out) = 0;
+  virtual void scale(DType dt, void* x, float s, Index n) = 0;
+  // torch.optim.AdamW over n fp32 elements (optim.h adamw_step): a mixed-precision run steps its
+  // fp32 masters, as DeepSpeed's and torch's optimizers do.
   virtual void adamw_step(float* param, const float* grad, float* m, float* v, Index n,
                           std::int64_t step, double lr, double beta1, double beta2, double eps,
                           double weight_decay) = 0;
