@@ -43,12 +43,19 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
     s.read_bytes(s.opt_states, blob.data() + 16, 4 * ns);  // staged through the backend
     if (np) s.read_bytes(s.host_params, blob.data() + 16 + 4 * ns, 4 * np);
     write_text_atomic(tmp / fmt::format("optimizer.rank{}.bin", s.rank), blob);
-    if (s.zero3) {
-      const std::uint64_t nt = static_cast<std::uint64_t>(s.floats(s.trainable_shard));
-      std::string shard(8 + 4 * nt, '\0');
+    if (s.zero3) {  // elements of the compute dtype
+      const std::uint64_t nt = static_cast<std::uint64_t>(s.elems(s.trainable_shard));
+      std::string shard(8 + s.es() * nt, '\0');
       std::memcpy(shard.data(), &nt, 8);
-      s.read_bytes(s.trainable_shard, shard.data() + 8, 4 * nt);
+      s.read_bytes(s.trainable_shard, shard.data() + 8, s.es() * nt);
       write_text_atomic(tmp / fmt::format("trainable.rank{}.bin", s.rank), shard);
+    }
+    if (s.master_root() >= 0) {  // mixed precision: the fp32 masters (the bf16 weights are their rounding)
+      const std::uint64_t nm = s.bytes(s.master_root()) / 4;
+      std::string master(8 + 4 * nm, '\0');
+      std::memcpy(master.data(), &nm, 8);
+      s.read_bytes(s.master_root(), master.data() + 8, 4 * nm);
+      write_text_atomic(tmp / fmt::format("master.rank{}.bin", s.rank), master);
     }
   }
   if (s.comm) s.comm->barrier();
@@ -67,7 +74,8 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
                                   {"seed", s.plan.run.seed},
                                   {"ranks", s.N},
                                   {"strategy", planner::name_of(s.plan.input.strategy.stage)},
-                                  {"offload_optimizer", s.host_params >= 0}};
+                                  {"offload_optimizer", s.host_params >= 0},
+                                  {"compute_dtype", name_of(s.dt)}};
     write_text_atomic(tmp / "trainer_state.json", state.dump(1) + "\n");
     replace_directory(tmp, final_dir);
     write_text_atomic(dir / "latest", name + "\n");
@@ -146,11 +154,14 @@ void Session::resume(const std::filesystem::path& where_in) {
   same("strategy", std::string(planner::name_of(s.plan.input.strategy.stage)));
   same("seed", s.plan.run.seed);
   same("offload_optimizer", s.host_params >= 0);
+  // (A checkpoint from before mixed precision has no compute_dtype: it was fp32.)
+  if (const std::string was = st.value("compute_dtype", std::string("fp32")); was != name_of(s.dt))
+    throw InputError(fmt::format("{}/trainer_state.json: compute_dtype is {}, this run has {}", dir.string(), was, name_of(s.dt)));
   const SafetensorsFile adapter = SafetensorsFile::open(dir / "adapter_model.safetensors");
   for (const auto& [id, tt] : s.adapter_views) {
     std::vector<float> host(static_cast<std::size_t>(tt->numel()));
     init_adapter_tensor(*tt, host, s.plan.run.seed, &adapter);
-    s.write_bytes(id, host.data(), 4 * host.size());
+    s.write_compute(id, host);
   }
   const fs::path opt = dir / fmt::format("optimizer.rank{}.bin", s.rank);
   std::ifstream f(opt, std::ios::binary);
@@ -173,12 +184,24 @@ void Session::resume(const std::filesystem::path& where_in) {
     std::ifstream tf(tp, std::ios::binary);
     std::uint64_t nt = 0;
     tf.read(reinterpret_cast<char*>(&nt), 8);
-    if (!tf || nt != static_cast<std::uint64_t>(s.floats(s.trainable_shard)))
+    if (!tf || nt != static_cast<std::uint64_t>(s.elems(s.trainable_shard)))
       throw InputError(fmt::format("{}: adapter partition of another shape (or missing)", tp.string()));
-    std::vector<char> part(4 * nt);
-    tf.read(part.data(), static_cast<std::streamsize>(4 * nt));
+    std::vector<char> part(s.es() * nt);
+    tf.read(part.data(), static_cast<std::streamsize>(part.size()));
     if (!tf) throw InputError(fmt::format("{}: truncated", tp.string()));
-    s.write_bytes(s.trainable_shard, part.data(), 4 * nt);
+    s.write_bytes(s.trainable_shard, part.data(), part.size());
+  }
+  if (s.master_root() >= 0) {
+    const fs::path mp = dir / fmt::format("master.rank{}.bin", s.rank);
+    std::ifstream mf(mp, std::ios::binary);
+    std::uint64_t nm = 0;
+    mf.read(reinterpret_cast<char*>(&nm), 8);
+    if (!mf || nm != s.bytes(s.master_root()) / 4)
+      throw InputError(fmt::format("{}: fp32 master weights of another shape (or missing: a checkpoint of an fp32 run)", mp.string()));
+    std::vector<char> master(4 * nm);
+    mf.read(master.data(), static_cast<std::streamsize>(master.size()));
+    if (!mf) throw InputError(fmt::format("{}: truncated", mp.string()));
+    s.write_bytes(s.master_root(), master.data(), master.size());
   }
   s.steps_done = st.at("step").get<std::int64_t>();
 }

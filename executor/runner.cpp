@@ -149,14 +149,14 @@ void Session::Impl::compute(const sim::Op& op) {
       be.swiglu_backward(dt, vp(o.d_act), vp(o.gate), vp(o.up), vp(o.d_gate), vp(o.d_up), o.n);
       return;
     }
-    case Kernel::cross_entropy_fwd: {  // the targets follow the ids in the tokens buffer
+    case Kernel::cross_entropy_fwd: {  // the targets follow the ids in the tokens buffer; fp32 logits (ops.h)
       const auto o = ops::read<ops::CrossEntropyFwd>(program, op);
-      be.cross_entropy_forward(dt, vp(o.logits), at<std::int32_t>(o.tokens) + o.M, o.M, o.V, scalars + kLossSlot);
+      be.cross_entropy_forward(DType::fp32, vp(o.logits), at<std::int32_t>(o.tokens) + o.M, o.M, o.V, scalars + kLossSlot);
       return;
     }
     case Kernel::cross_entropy_bwd: {
       const auto o = ops::read<ops::CrossEntropyBwd>(program, op);
-      be.cross_entropy_backward(dt, vp(o.logits), at<std::int32_t>(o.tokens) + o.M, vp(o.d_logits), o.divisor, o.M, o.V);
+      be.cross_entropy_backward(DType::fp32, vp(o.logits), at<std::int32_t>(o.tokens) + o.M, vp(o.d_logits), o.divisor, o.M, o.V);
       return;
     }
     case Kernel::grad_norm: {  // this rank's partition; a grad_sumsq all_reduce may follow
@@ -179,24 +179,29 @@ void Session::Impl::compute(const sim::Op& op) {
         throw NonFiniteError(first_nonfinite(o.grads, norm));
       }
       const std::int64_t n = o.n;
-      float* params = at(o.params);
-      if (floats(o.params) != n) {  // this rank's block of trainable.flat
-        PEFTPLAN_CHECK(floats(o.params) == n * N);
-        params += static_cast<std::int64_t>(rank) * n;
-      }
+      // Mixed precision: AdamW steps the fp32 master over the gradients widened to fp32, and the
+      // parameters are the master rounded back (DeepSpeed's bf16 optimizer step).
+      const bool mixed = o.master >= 0;
+      PEFTPLAN_CHECK_MSG(mixed == (dt != DType::fp32) && (!mixed || o.grads32 >= 0),
+                         "a {} program's optimizer step {} an fp32 master", name_of(dt), mixed ? "has" : "lacks");
+      std::byte* block = param_block(o.params, n);
+      float* params = mixed ? at(o.master) : reinterpret_cast<float*>(block);
+      float* grads = mixed ? at(o.grads32) : at(o.grads);
       // An offloaded optimizer's step (the program's cpu_adam, on the host stream) runs on the
       // host over its host buffers, as DeepSpeed's CPU Adam does, whatever the backend: once the
       // device's queue has drained (the gradients' copy to the host has landed). Elsewhere the
       // backend's AdamW. Both are optim.h adamw_step's arithmetic.
       const bool host_step = op.stream == sim::Stream::host;
+      PEFTPLAN_CHECK(!(host_step && mixed));  // executor_limitation: no offload with bf16
       if (host_step) be.synchronize();
+      if (mixed) be.convert(vp(o.grads), dt, grads, DType::fp32, n);
       if (t.grad_clip > 0.0) {
         const double coef = clip_coefficient(norm, t.grad_clip);
         if (coef < 1.0) {
           if (host_step)
-            cpu::scale_inplace(at(o.grads), static_cast<float>(coef), n);
+            cpu::scale_inplace(grads, static_cast<float>(coef), n);
           else
-            be.scale(DType::fp32, at(o.grads), static_cast<float>(coef), n);
+            be.scale(DType::fp32, grads, static_cast<float>(coef), n);
         }
       }
       const std::int64_t step1 = step_index + 1;
@@ -204,11 +209,12 @@ void Session::Impl::compute(const sim::Op& op) {
       if (!lr_logged) meas.lrs.push_back(lr);
       lr_logged = true;
       if (host_step)
-        executor::adamw_step(params, at(o.grads), at(o.states), at(o.states) + n, n, step1, lr,
+        executor::adamw_step(params, grads, at(o.states), at(o.states) + n, n, step1, lr,
                              AdamWConfig{t.adam_beta1, t.adam_beta2, t.adam_eps, t.weight_decay});
       else
-        be.adamw_step(params, at(o.grads), at(o.states), at(o.states) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
+        be.adamw_step(params, grads, at(o.states), at(o.states) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
                       t.weight_decay);
+      if (mixed) be.convert(params, DType::fp32, block, dt, n);
       return;
     }
     case Kernel::embedding_bwd:
@@ -223,7 +229,7 @@ void Session::Impl::compute(const sim::Op& op) {
 // The message of a non-finite step: the norm, the loss so far and the first gradient element that
 // is not finite in this rank's gradient buffer, named by the program's view that holds it.
 std::string Session::Impl::first_nonfinite(std::int32_t grad, double norm) {
-  const std::vector<float> g = read_floats(grad);
+  const std::vector<float> g = read_compute(grad);
   const auto n = static_cast<std::int64_t>(g.size());
   std::int64_t bad = -1;
   for (std::int64_t i = 0; i < n && bad < 0; ++i)
@@ -231,7 +237,7 @@ std::string Session::Impl::first_nonfinite(std::int32_t grad, double norm) {
   std::string where = "no element of this rank's gradients (another rank's shard holds it)";
   if (bad >= 0) {
     where = fmt::format("element {} of {}", bad, buffer_label(grad));
-    const std::uint64_t byte = static_cast<std::uint64_t>(bad) * sizeof(float);
+    const std::uint64_t byte = static_cast<std::uint64_t>(bad) * es();
     for (std::size_t v = 0; v < program.buffers.size(); ++v) {
       const sim::Buffer& b = program.buffers[v];
       if (b.view_of == grad && b.role == sim::BufferRole::adapter_grad && b.offset <= byte && byte < b.offset + b.bytes) {

@@ -211,8 +211,10 @@ void Session::Impl::setup() {
         if (const models::TensorInfo* tp = tensor_of(vb)) {
           init_base(*tp, full.data() + off, vb.bytes);
         } else if (const models::TrainableTensor* tt = adapter_of(vb)) {
-          init_adapter_tensor(*tt, {reinterpret_cast<float*>(full.data() + off), static_cast<std::size_t>(tt->numel())}, plan.run.seed,
-                              adapter_file ? &*adapter_file : nullptr);
+          std::vector<float> w(static_cast<std::size_t>(tt->numel()));
+          init_adapter_tensor(*tt, w, plan.run.seed, adapter_file ? &*adapter_file : nullptr);
+          PEFTPLAN_CHECK(w.size() * es() == vb.bytes);
+          to_storage(w, full.data() + off);
           layout.adapters.emplace_back(tt, off);
         }
       }
@@ -225,9 +227,13 @@ void Session::Impl::setup() {
   for (const auto& [id, tt] : adapter_views) {
     std::vector<float> host(static_cast<std::size_t>(tt->numel()));
     init_adapter_tensor(*tt, host, plan.run.seed, adapter_file ? &*adapter_file : nullptr);
-    write_bytes(id, host.data(), 4 * host.size());
+    write_compute(id, host);
   }
   if (comm) base_counters = comm->counters();
+  for (std::size_t k = first_step_op; k < program.ops.size(); ++k)
+    if (program.ops[k].kind == OpKind::compute && program.ops[k].kernel == Kernel::optimizer_step)
+      if (const auto o = sim::ops::read<sim::ops::OptimizerStep>(program, program.ops[k]); o.master >= 0) masters.push_back(o.master);
+  init_masters();
   // The offloaded step's host copy of this rank's partition: the step's param_h2d copies run
   // backwards (ZeRO-2 has one per bucket, from a view of optimizer.params into its region).
   if (host_params >= 0)
@@ -310,6 +316,19 @@ Session::Session(const planner::PlanFile& plan, Backend& backend, TokenData data
 
 Session::~Session() = default;
 
+// Mixed precision: each optimizer op's fp32 master is its parameter block widened (DeepSpeed
+// copies the bf16 module's partition to fp32 the same way, stage_1_and_2.py
+// single_partition_of_fp32_groups), at setup and whenever the weights are set.
+void Session::Impl::init_masters() {
+  for (std::size_t k = first_step_op; k < program.ops.size() && !masters.empty(); ++k) {
+    const sim::Op& op = program.ops[k];
+    if (op.kind != OpKind::compute || op.kernel != Kernel::optimizer_step) continue;
+    const auto o = sim::ops::read<sim::ops::OptimizerStep>(program, op);
+    if (o.master < 0) continue;
+    be.convert(param_block(o.params, o.n), dt, at<std::byte>(o.master), DType::fp32, o.n);
+  }
+}
+
 // ZeRO-3: the whole adapter, all_gathered from the ranks' shards (a collective outside the
 // step: its bytes are not counted in the step's measurement).
 void Session::Impl::gather_adapter() {
@@ -329,7 +348,7 @@ void Session::Impl::gather_adapter() {
     read_bytes(l.shard, mine, bytes(l.shard));
     if (N > 1) comm->all_gather(mine, region.data(), bytes(l.shard), CommDType::uint8);
     for (const auto& [tt, off] : l.adapters)
-      std::memcpy(full_adapter.data() + flat_offset.at(tt->name), region.data() + off, 4 * static_cast<std::size_t>(tt->numel()));
+      from_storage(region.data() + off, {full_adapter.data() + flat_offset.at(tt->name), static_cast<std::size_t>(tt->numel())});
   }
   if (comm) {
     const CommCounters after = comm->counters();
@@ -361,7 +380,8 @@ std::vector<float> Session::trainable_weights() {
   for (const auto& [id, t] : s.adapter_views_in_order()) {
     const std::size_t at = out.size();
     out.resize(at + static_cast<std::size_t>(t->numel()));
-    s.read_bytes(id, out.data() + at, 4 * static_cast<std::uint64_t>(t->numel()));
+    const std::vector<float> w = s.read_compute(id);
+    std::copy(w.begin(), w.end(), out.begin() + static_cast<std::ptrdiff_t>(at));
   }
   return out;
 }
@@ -373,6 +393,8 @@ void Session::set_trainable_weights(std::span<const float> w) {
   if (static_cast<std::int64_t>(w.size()) != total)
     throw InternalError(fmt::format("set_trainable_weights: {} values for an adapter of {}", w.size(), total));
   if (s.zero3) {  // each rank writes what its shards hold of each tensor
+    std::vector<std::byte> stored(w.size() * s.es());
+    s.to_storage(w, stored.data());
     std::unordered_map<const models::TrainableTensor*, std::int64_t> flat;
     std::int64_t off = 0;
     for (const auto& tt : s.trainables) {
@@ -382,24 +404,25 @@ void Session::set_trainable_weights(std::span<const float> w) {
     for (const Impl::ShardLayout& l : s.shard_layouts) {
       const std::uint64_t lo = static_cast<std::uint64_t>(s.rank) * s.bytes(l.shard), hi = lo + s.bytes(l.shard);
       for (const auto& [tt, at] : l.adapters) {
-        const std::uint64_t a = std::max(lo, at), b = std::min(hi, at + 4 * static_cast<std::uint64_t>(tt->numel()));
+        const std::uint64_t a = std::max(lo, at), b = std::min(hi, at + s.es() * static_cast<std::uint64_t>(tt->numel()));
         if (a >= b) continue;
-        const auto* src = reinterpret_cast<const std::byte*>(w.data() + flat.at(tt)) + (a - at);
+        const std::byte* src = stored.data() + s.es() * static_cast<std::uint64_t>(flat.at(tt)) + (a - at);
         s.write_bytes(l.shard, src, b - a, a - lo);
       }
     }
-    return;
+  } else {
+    std::size_t at = 0;
+    for (const auto& [id, t] : s.adapter_views_in_order()) {
+      s.write_compute(id, w.subspan(at, static_cast<std::size_t>(t->numel())));
+      at += static_cast<std::size_t>(t->numel());
+    }
   }
-  std::size_t at = 0;
-  for (const auto& [id, t] : s.adapter_views_in_order()) {
-    s.write_bytes(id, w.data() + at, 4 * static_cast<std::uint64_t>(t->numel()));
-    at += static_cast<std::size_t>(t->numel());
-  }
+  s.init_masters();  // the masters follow the weights set
 }
 
 std::vector<float> Session::gradients() const {
   PEFTPLAN_CHECK_MSG(impl_->grad_flat >= 0, "this strategy keeps no full gradient buffer");
-  return impl_->read_floats(impl_->grad_flat);
+  return impl_->read_compute(impl_->grad_flat);
 }
 std::int64_t Session::steps_done() const { return impl_->steps_done; }
 
@@ -421,7 +444,7 @@ void Session::save_adapter(const std::filesystem::path& dir) const {
   }
   std::vector<std::vector<float>> host;  // each tensor staged to the host
   for (const auto& [id, t] : s.adapter_views_in_order()) {
-    host.push_back(s.read_floats(id));
+    host.push_back(s.read_compute(id));
     out.push_back({t, host.back()});
   }
   executor::save_adapter(dir, s.plan.input.peft.adapters.at(0), s.plan.input.model.name, out);

@@ -104,26 +104,30 @@ void Session::Impl::collective(std::size_t i, const sim::Op& op) {
   // The payload is ready once the kernels before it have run: this communicator reads memory
   // from its own thread, so the compute queue is drained first (a no-op on the CPU backend).
   be.synchronize();
-  float* p = at(op.buffer);
-  const std::size_t n = op.bytes / 4;
+  // The arrays are the compute dtype's: gradients and the adapter's parameters (fp32, or bf16
+  // in mixed precision, summed in fp32 and rounded as NCCL's bf16 reductions do).
+  const CommDType cdt = dt == DType::bf16 ? CommDType::bf16 : CommDType::fp32;
+  const std::uint64_t e = es();
+  std::byte* p = at<std::byte>(op.buffer);
+  const std::size_t n = op.bytes / e;
   Pending pd;
   pd.op = i;
   pd.root = root_of(op.buffer);
   switch (op.collective) {
     case sim::Collective::all_reduce:
-      pd.req = comm->all_reduce_async(p, p, n, CommDType::fp32, ReduceOp::sum);
+      pd.req = comm->all_reduce_async(p, p, n, cdt, ReduceOp::sum);
       break;
     case sim::Collective::reduce_scatter: {
       const std::size_t rc = n / static_cast<std::size_t>(N);
-      float* mine = p + static_cast<std::size_t>(rank) * rc;
-      if (op.buffer_out >= 0) PEFTPLAN_CHECK(static_cast<std::size_t>(floats(op.buffer_out)) == rc);
+      std::byte* mine = p + static_cast<std::size_t>(rank) * rc * e;
+      if (op.buffer_out >= 0) PEFTPLAN_CHECK(static_cast<std::size_t>(elems(op.buffer_out)) == rc);
       if (op.buffer_out >= 0 && !op.accumulate) {
-        pd.req = comm->reduce_scatter_async(p, at(op.buffer_out), rc, CommDType::fp32, ReduceOp::sum);
+        pd.req = comm->reduce_scatter_async(p, vp(op.buffer_out), rc, cdt, ReduceOp::sum);
       } else {
-        pd.req = comm->reduce_scatter_async(p, mine, rc, CommDType::fp32, ReduceOp::sum);
+        pd.req = comm->reduce_scatter_async(p, mine, rc, cdt, ReduceOp::sum);
         if (op.buffer_out >= 0) {
           const std::int32_t out = op.buffer_out;
-          pd.after = [this, out, mine, rc] { be.add(DType::fp32, at(out), mine, at(out), static_cast<std::int64_t>(rc)); };
+          pd.after = [this, out, mine, rc] { be.add(dt, vp(out), mine, vp(out), static_cast<std::int64_t>(rc)); };
         }
       }
       break;
@@ -136,7 +140,7 @@ void Session::Impl::collective(std::size_t i, const sim::Op& op) {
         break;
       }
       const std::size_t sc = n / static_cast<std::size_t>(N);
-      pd.req = comm->all_gather_async(p + static_cast<std::size_t>(rank) * sc, p, sc, CommDType::fp32);
+      pd.req = comm->all_gather_async(p + static_cast<std::size_t>(rank) * sc * e, p, sc, cdt);
       break;
     }
     case sim::Collective::broadcast:

@@ -33,6 +33,7 @@
 #include "peftplan/common/schemas.h"
 #include "peftplan/executor/calibrate.h"
 #include "peftplan/executor/communicator.h"
+#include "peftplan/executor/kernels.h"
 #include "peftplan/executor/model.h"
 #include "peftplan/executor/optim.h"
 #include "peftplan/executor/plan_file.h"
@@ -89,6 +90,8 @@ struct Session::Impl {
   std::vector<float> full_adapter;              // the whole adapter (flat, inventory order)
   std::int32_t grad_shard = -1;                 // persistent gradient partition (ZeRO-2)
   std::int32_t opt_states = -1, host_params = -1;  // optimizer.states, optimizer.params (offload)
+  std::vector<std::int32_t> masters;  // the fp32 master buffers the optimizer ops step (mixed precision)
+  std::int32_t master_root() const { return masters.empty() ? -1 : root_of(masters.front()); }
   std::int32_t rank = 0, N = 1;                 // this rank, data-parallel size
   // Collectives in flight on the communication thread, in issue order.
   struct Pending {
@@ -188,6 +191,15 @@ struct Session::Impl {
 
   void setup();
   void gather_adapter();  // ZeRO-3: the whole adapter into full_adapter
+  void init_masters();    // mixed precision: the fp32 masters from the parameters they step
+  // The n parameters an optimizer op steps: its params buffer, or this rank's block of it when
+  // it holds N·n (ZeRO-1/2's replicated trainable.flat).
+  std::byte* param_block(std::int32_t params, std::int64_t n) const {
+    std::byte* p = at<std::byte>(params);
+    if (elems(params) == n) return p;
+    PEFTPLAN_CHECK(elems(params) == n * N);
+    return p + static_cast<std::uint64_t>(rank) * static_cast<std::uint64_t>(n) * es();
+  }
   std::vector<std::pair<std::int32_t, const models::TrainableTensor*>> adapter_views_in_order() const;
   void run_ops(bool update);
   void collective(std::size_t i, const sim::Op& op);
@@ -220,6 +232,29 @@ struct Session::Impl {
   }
   void write_bytes(std::int32_t id, const void* src, std::uint64_t n, std::uint64_t offset = 0) const {
     be.copy_to_device(at<std::byte>(id) + offset, src, n);
+  }
+  // Host copies of a compute-dtype buffer's elements (the adapter, its gradients): widened to
+  // fp32 on the way out, rounded to nearest even on the way in (bf16 programs).
+  std::uint64_t es() const { return bytes_of(dt); }
+  void to_storage(std::span<const float> v, std::byte* dst) const {
+    if (dt == DType::fp32) std::memcpy(dst, v.data(), 4 * v.size());
+    else cpu::fp32_to_bf16(v.data(), reinterpret_cast<std::uint16_t*>(dst), static_cast<std::int64_t>(v.size()));
+  }
+  void from_storage(const std::byte* src, std::span<float> out) const {
+    if (dt == DType::fp32) std::memcpy(out.data(), src, 4 * out.size());
+    else cpu::bf16_to_fp32(reinterpret_cast<const std::uint16_t*>(src), out.data(), static_cast<std::int64_t>(out.size()));
+  }
+  std::vector<float> read_compute(std::int32_t id) const {
+    std::vector<std::byte> raw(bytes(id));
+    read_bytes(id, raw.data(), raw.size());
+    std::vector<float> v(raw.size() / es());
+    from_storage(raw.data(), v);
+    return v;
+  }
+  void write_compute(std::int32_t id, std::span<const float> v) const {
+    std::vector<std::byte> raw(v.size() * es());
+    to_storage(v, raw.data());
+    write_bytes(id, raw.data(), raw.size());
   }
   std::vector<float> read_floats(std::int32_t id) const {
     std::vector<float> v(static_cast<std::size_t>(floats(id)));

@@ -554,6 +554,7 @@ class Builder {
   std::int32_t trainable_flat_ = -1; // trainable weights, flat (replicated strategies)
   std::int32_t embed_buf_ = -1;
   std::int32_t opt_states_ = -1;     // optimizer.states (m then v for AdamW)
+  std::int32_t master_ = -1;         // optimizer.master_fp32 (mixed precision)
   std::vector<std::int32_t> norm1_, norm2_;  // per layer: input / post-attention norm weights
   std::int32_t final_norm_ = -1;     // model.norm.weight
   std::int32_t rope_ = -1;           // RoPE cos/sin tables, live for the whole step

@@ -104,7 +104,9 @@ void Builder::layout_facts() {
     case Precision::bf16_mixed:
     case Precision::bf16_pure: f_.compute_dtype = DType::bf16; break;
   }
-  if (exec) f_.compute_dtype = DType::fp32;  // the executor computes in fp32
+  // The executor stores its activations in fp32, or in bf16 under bf16 mixed precision (fp32
+  // masters; fp16's loss scaling and pure bf16's bf16 moments it does not run: executor_limitation).
+  if (exec && t_.precision != Precision::bf16_mixed) f_.compute_dtype = DType::fp32;
   const bool mixed = t_.precision == Precision::fp16_mixed || t_.precision == Precision::bf16_mixed;
   const bool peft = !in_.peft.adapters.empty();
   f_.trainable_dtype = peft && rules_.adapter_dtype ? *rules_.adapter_dtype : f_.compute_dtype;

@@ -131,9 +131,12 @@ void Builder::setup() {
   if (t_.optimizer == Optimizer::adamw && rules_.states_follow_params && !host_opt) per_tensor(opt_states_, tw, 2);
   if (exec_z2() && !host_opt)  // per bucket: its m then its v (the step runs bucket by bucket)
     for (GradBucket& bk : lay_.buckets)
-      bk.state_view = p_.add_view(std::string(), opt_states_, 2 * tw * static_cast<std::uint64_t>(bk.part_offset),
-                                  2 * tw * static_cast<std::uint64_t>(shard(bk.numel)));
-  if (f_.master_weights) alloc([&] { return "optimizer.master_fp32"; }, opt_cat, f32(opt_numel), S);
+      bk.state_view = p_.add_view(std::string(), opt_states_, 2 * static_cast<std::uint64_t>(state) * static_cast<std::uint64_t>(bk.part_offset),
+                                  2 * static_cast<std::uint64_t>(state) * static_cast<std::uint64_t>(shard(bk.numel)));
+  if (f_.master_weights) master_ = alloc([&] { return "optimizer.master_fp32"; }, opt_cat, f32(opt_numel), S);
+  if (exec_z2() && master_ >= 0)  // per bucket: its block of the partition, like the states
+    for (GradBucket& bk : lay_.buckets)
+      bk.master_view = p_.add_view(std::string(), master_, 4 * static_cast<std::uint64_t>(bk.part_offset), 4 * static_cast<std::uint64_t>(shard(bk.numel)));
   // Runtime profile: buffers outside the model.
   if (in_.profile == RuntimeProfile::deepspeed) {
     const bool overlap = s_.ds.overlap(zero3());
@@ -262,7 +265,11 @@ void Builder::optimizer_step() {
         const std::int64_t sb = shard(bk.numel);
         sim::ComputeWork wb = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(sb)), 10.0 * static_cast<double>(sb));
         wb.params = sb;
-        dep = compute("adamw", -1, O, wb, ops::OptimizerStep{.params = bk.param_view, .grads = bk.grad_view, .states = bk.state_view, .n = sb}, {before});
+        const std::int32_t g32v = g32 >= 0 ? p_.add_view(std::string(), g32, 4 * static_cast<std::uint64_t>(bk.part_offset), 4 * static_cast<std::uint64_t>(sb)) : -1;
+        dep = compute("adamw", -1, O, wb,
+                      ops::OptimizerStep{.params = bk.param_view, .grads = bk.grad_view, .states = bk.state_view, .master = bk.master_view, .grads32 = g32v,
+                                         .n = sb},
+                      {before});
       }
     } else {
       // Runtime rule: torch's foreach AdamW holds sqrt(v) for the whole partition while it
@@ -275,7 +282,7 @@ void Builder::optimizer_step() {
       // Operands: parameters, gradients, states, and the foreach temporary when there is one.
       dep = compute("adamw", -1, O, w,
                     ops::OptimizerStep{.params = params, .grads = grad_shard_ >= 0 ? grad_shard_ : grad_flat_, .states = opt_states_, .sqrt_v = sqrt_v,
-                                       .n = part},
+                                       .master = exec ? master_ : -1, .grads32 = exec ? g32 : -1, .n = part},
                     {dep});
       free(sqrt_v, O);
     }

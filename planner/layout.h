@@ -115,7 +115,7 @@ struct GradBucket {
   // ZeRO-2 in the executor profile (bucket-partitioned layout, see plan_buckets): the bucket's
   // block in every rank's partition (elements), its region of trainable.flat, and its views.
   std::int64_t part_offset = 0, region = 0;
-  std::int32_t grad_view = -1, param_view = -1, state_view = -1, host_view = -1;
+  std::int32_t grad_view = -1, param_view = -1, state_view = -1, host_view = -1, master_view = -1;
 };
 
 // What a layout is keyed by: every input field the layout layer reads. The model and the adapters

@@ -21,6 +21,7 @@ BuiltProgram Builder::build() {
   p_.ranks = s_.ranks;
   p_.micro_batches = static_cast<std::int32_t>(t_.grad_accum);
   p_.executable = in_.profile == RuntimeProfile::executor && executor_limitation(in_).empty();
+  p_.compute_dtype = f_.compute_dtype;
   p_.tokens_per_step = t_.micro_batch * t_.seq_len * t_.grad_accum;
   // Reserve for the whole program at once: growing vectors of ~10^4 ops dominated build time.
   const auto per_mb = static_cast<std::size_t>(m_.layers) * (zero3() ? 200 : 160) + 64;
@@ -59,8 +60,12 @@ BuiltProgram Builder::build() {
   if (rope) {
     const std::int64_t per_pos = rules_.rope_table_elems_per_pos > 0 ? static_cast<std::int64_t>(rules_.rope_table_elems_per_pos) * m_.head_dim
                                                                       : (m_.head_dim / 2) * 2;
-    rope_ = alloc([&] { return "rope.tables"; }, Cat::workspace, act(kv_len_ * per_pos), Phase::forward);
-    compute("rope_tables", -1, Phase::forward, elementwise(act(kv_len_ * (m_.head_dim / 2) * 2)),
+    // The executor keeps them in fp32 whatever it computes in (its kernels rotate in fp32, ops.h
+    // RopeTables); transformers casts them to the activations' dtype (LlamaRotaryEmbedding.forward:
+    // cos.to(dtype=x.dtype)).
+    const auto table = [&](std::int64_t n) { return in_.profile == RuntimeProfile::executor ? f32(n) : act(n); };
+    rope_ = alloc([&] { return "rope.tables"; }, Cat::workspace, table(kv_len_ * per_pos), Phase::forward);
+    compute("rope_tables", -1, Phase::forward, elementwise(table(kv_len_ * (m_.head_dim / 2) * 2)),
             ops::RopeTables{.tables = rope_, .S = kv_len_, .d = m_.head_dim, .theta = m_.rope_theta});
   }
   for (std::int32_t mb = 0; mb < p_.micro_batches; ++mb) micro_batch(mb);
@@ -156,8 +161,9 @@ std::vector<std::string> validate(const PlanInput& in) {
   if (in.profile == RuntimeProfile::executor && t.cross_entropy == CrossEntropy::chunked)
     throw KnobError({Knob::cross_entropy, Knob::profile},
                     "training.cross_entropy chunked: our executor computes the standard loss; plan it with profile hf or deepspeed");
-  if (in.profile == RuntimeProfile::executor && t.precision != Precision::fp32)
-    warnings.push_back("the executor profile computes in fp32: training.precision is ignored for activations and adapters");
+  if (in.profile == RuntimeProfile::executor && (t.precision == Precision::fp16_mixed || t.precision == Precision::bf16_pure))
+    warnings.push_back(fmt::format("the executor profile computes in fp32 or bf16 mixed precision: training.precision {} is planned as fp32",
+                                   name_of(t.precision)));
   if (t.seq_len > in.model.max_positions && in.model.max_positions > 0)
     warnings.push_back(fmt::format("training.seq_len {} exceeds max_position_embeddings {}", t.seq_len, in.model.max_positions));
   return warnings;
@@ -190,6 +196,10 @@ std::string executor_limitation(const PlanInput& in) {
   if (a.lora.use_dora || a.lora.lora_bias || a.lora.bias != "none" || !a.lora.modules_to_save.empty())
     return "DoRA, LoRA bias, bias != \"none\" or modules_to_save";
   if (t.cross_entropy != CrossEntropy::standard) return "the chunked cross-entropy (use standard)";
+  if (t.precision == Precision::fp16_mixed || t.precision == Precision::bf16_pure)
+    return fmt::format("precision {} (supported: fp32, bf16: fp16 needs loss scaling, pure bf16 bf16 moments)", name_of(t.precision));
+  if (t.precision == Precision::bf16_mixed && (st.offload_optimizer != OffloadDevice::none || st.offload_param != OffloadDevice::none))
+    return "offload with bf16 (the offloaded step keeps no fp32 master yet; use fp32)";
   return {};
 }
 

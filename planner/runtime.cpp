@@ -74,8 +74,8 @@ RuntimeRules runtime_rules(const PlanInput& in) {
   switch (in.profile) {
     case RuntimeProfile::executor:
       // Our executor (executor/): every buffer is in the program; tokens are int32 ids and
-      // targets; no library outside it.
-      r.fp32_master_for_mixed = false;
+      // targets; no library outside it. Under bf16 mixed precision it keeps fp32 master weights
+      // of its partition, as DeepSpeed does (fp32_master_for_mixed, the rule's default).
       return r;
     case RuntimeProfile::deepspeed:
       // The HF model under DeepSpeed's engine: the model side as under hf. DeepSpeed casts the

@@ -44,6 +44,7 @@ void visit_interpreted(const Program& p, V& h) {
   h.add(p.tokens_per_step);
   h.add(p.model_flops_per_step);
   h.add(p.executable);
+  h.add(static_cast<std::uint8_t>(p.compute_dtype));
   h.add(p.buffers.size());
   for (const Buffer& b : p.buffers) {
     h.add(b.category);

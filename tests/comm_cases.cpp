@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <memory>
 #include <numeric>
@@ -218,12 +219,45 @@ TEST_F(Comm, ProgressBoardShowsEveryRanksLastPost) {
 
 TEST_F(Comm, BadArgumentsAreRefusedBeforeMpi) {
   std::uint16_t h[2] = {0, 0};
-  // MPI has no 16-bit float type to reduce (and the one-rank communicator refuses what MPI's
-  // does); NCCL has ncclBfloat16 and ncclFloat16 (test_comm_nccl.cpp reduces them).
+  // MPI has no 16-bit float type to reduce: bf16 sums are an operation of our own, nothing else
+  // (and the one-rank communicator refuses what MPI's does); NCCL has ncclBfloat16 and
+  // ncclFloat16 (test_comm_nccl.cpp reduces them).
   if (world().backend() != "nccl") {
-    EXPECT_THROW(world().all_reduce(h, h, 2, CommDType::bf16), InternalError);
+    EXPECT_THROW(world().all_reduce(h, h, 2, CommDType::fp16), InternalError);
+    EXPECT_THROW(world().all_reduce(h, h, 2, CommDType::bf16, ReduceOp::max), InternalError);
   }
   EXPECT_THROW(world().broadcast(h, h, 2, CommDType::fp16, world().size()), InternalError);
+}
+
+// bf16 sums (the gradients of a bf16 mixed-precision program): each rank's values are small
+// integers and halves, exact in bf16 and in every partial sum, so the result is exact whatever
+// order the reduction takes. (The rounding itself is the backend's conversion, tested there.)
+TEST_F(Comm, Bf16SumsWidenAddAndRound) {
+  Communicator& c = world();
+  const int n = c.size(), r = c.rank();
+  auto bf = [](float f) {
+    std::uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<std::uint16_t>(u >> 16);  // exact for the values used here
+  };
+  auto fl = [](std::uint16_t h) {
+    const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  std::vector<std::uint16_t> a = {bf(1.5f), bf(static_cast<float>(r)), bf(-0.5f)};
+  c.all_reduce(a.data(), a.data(), a.size(), CommDType::bf16);
+  EXPECT_EQ(fl(a[0]), 1.5f * static_cast<float>(n));
+  EXPECT_EQ(fl(a[1]), static_cast<float>(tri0(n)));
+  EXPECT_EQ(fl(a[2]), -0.5f * static_cast<float>(n));
+  std::vector<std::uint16_t> s(2 * static_cast<std::size_t>(n));
+  for (std::size_t j = 0; j < s.size(); ++j) s[j] = bf(static_cast<float>(j) + 0.5f * static_cast<float>(r));
+  std::vector<std::uint16_t> got(2);
+  c.reduce_scatter(s.data(), got.data(), 2, CommDType::bf16);
+  for (std::size_t i = 0; i < 2; ++i)
+    EXPECT_EQ(fl(got[i]), static_cast<float>(n) * static_cast<float>(2 * r + static_cast<int>(i)) + 0.5f * static_cast<float>(tri0(n)))
+        << "element " << i;
 }
 
 }  // namespace

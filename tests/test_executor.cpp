@@ -48,6 +48,7 @@ struct Config {
   planner::Stage stage = planner::Stage::ddp;
   planner::OffloadDevice offload_optimizer = planner::OffloadDevice::none;
   planner::Attention attention = planner::Attention::eager;
+  planner::Precision precision = planner::Precision::fp32;
 };
 
 planner::PlanFile make_plan(const Config& c) {
@@ -66,7 +67,7 @@ planner::PlanFile make_plan(const Config& c) {
   in.training.micro_batch = c.B;
   in.training.seq_len = c.S;
   in.training.grad_accum = c.accum;
-  in.training.precision = planner::Precision::fp32;
+  in.training.precision = c.precision;
   in.training.attention = c.attention;
   in.training.checkpointing = c.ckpt;
   in.training.checkpoint_every = c.ckpt_every;
@@ -129,6 +130,16 @@ TEST(ExecutorMemory, MeasuredEqualsPredictedExactly) {
   { Config c; c.attention = planner::Attention::flash; c.ckpt = planner::Checkpointing::full; cases.push_back(c); }
   { Config c; c.attention = planner::Attention::flash; c.dropout = 0.1; c.targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
     c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; cases.push_back(c); }
+  // bf16 mixed precision: bf16 activations, adapter and gradients, an fp32 master and fp32
+  // gradients for the optimizer, fp32 logits for the loss; eager and flash, checkpointed, with
+  // accumulation, an fp32 base cast per use, and ZeRO-2 / ZeRO-3 on one rank.
+  const auto bf16 = planner::Precision::bf16_mixed;
+  { Config c; c.precision = bf16; cases.push_back(c); }
+  { Config c; c.precision = bf16; c.dropout = 0.1; c.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"}; c.accum = 2; cases.push_back(c); }
+  { Config c; c.precision = bf16; c.attention = planner::Attention::flash; c.ckpt = planner::Checkpointing::full; c.S = 70; cases.push_back(c); }
+  { Config c; c.precision = bf16; c.base = DType::fp32; c.model = "tiny-llama-tied"; cases.push_back(c); }
+  { Config c; c.precision = bf16; c.stage = planner::Stage::zero2; c.accum = 2; cases.push_back(c); }
+  { Config c; c.precision = bf16; c.stage = planner::Stage::zero3; c.ckpt = planner::Checkpointing::full; cases.push_back(c); }
   for (const Config& c : cases) {
     const planner::PlanFile pf = make_plan(c);
     Session s(pf, cpu_backend(), corpus(pf));
@@ -136,9 +147,9 @@ TEST(ExecutorMemory, MeasuredEqualsPredictedExactly) {
     s.step();
     const sim::MemoryProfile want = sim::walk_memory(s.program());
     const MemoryStats& got = s.memory();
-    const std::string what = fmt::format("{} targets {} dropout {} accum {} ckpt {} base {} attention {}", c.model, fmt::join(c.targets, ","),
-                                         c.dropout, c.accum, planner::name_of(c.ckpt), c.base ? name_of(*c.base) : "fp32",
-                                         planner::name_of(c.attention));
+    const std::string what = fmt::format("{} targets {} dropout {} accum {} ckpt {} base {} attention {} precision {} {}", c.model,
+                                         fmt::join(c.targets, ","), c.dropout, c.accum, planner::name_of(c.ckpt), c.base ? name_of(*c.base) : "fp32",
+                                         planner::name_of(c.attention), planner::name_of(c.precision), planner::name_of(c.stage));
     for (int k = 0; k < sim::kNumCategories; ++k)
       EXPECT_EQ(got.peak_bytes[static_cast<std::size_t>(k)], want.category_peak_bytes[static_cast<std::size_t>(k)])
           << what << ": " << sim::name_of(static_cast<sim::MemCategory>(k));
@@ -181,24 +192,36 @@ TEST_P(ExecutorDevice, TrainsAsTheCpuBackendDoes) {
   // Flash attention over two tiles, GQA, under checkpointing.
   { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.attention = planner::Attention::flash; c.S = 96;
     c.B = 1; c.ckpt = planner::Checkpointing::full; cases.push_back(c); }
+  // bf16 mixed precision (cuBLAS's bf16 GEMMs, every kernel on bf16 storage, fp32 masters):
+  // eager with dropout, and flash under checkpointing with ZeRO-3.
+  { Config c; c.precision = planner::Precision::bf16_mixed; c.dropout = 0.1; c.targets = {"q_proj", "v_proj", "down_proj"}; cases.push_back(c); }
+  { Config c; c.precision = planner::Precision::bf16_mixed; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral";
+    c.attention = planner::Attention::flash; c.S = 96; c.B = 1; c.ckpt = planner::Checkpointing::full; c.stage = planner::Stage::zero3;
+    cases.push_back(c); }
   for (const Config& c : cases) {
     planner::PlanFile pf = make_plan(c);
     pf.input.training.lr = 3e-3;
+    const bool bf16 = c.precision == planner::Precision::bf16_mixed;
     Session on_cpu(pf, cpu_backend(), corpus(pf));
     Session on_dev(pf, *dev, corpus(pf));
-    const std::string what = fmt::format("{} on {}: {} targets {} dropout {} accum {} ckpt {} {}{}", c.model, GetParam(), c.targets.size(),
+    const std::string what = fmt::format("{} on {}: {} targets {} dropout {} accum {} ckpt {} {}{} {}", c.model, GetParam(), c.targets.size(),
                                          fmt::join(c.targets, ","), c.dropout, c.accum, planner::name_of(c.ckpt), planner::name_of(c.stage),
-                                         c.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "");
+                                         c.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "",
+                                         planner::name_of(c.precision));
     // Both compute in fp32 (ε = 2^-23 ≈ 1.2e-7); a reduction of K terms summed in another order
     // differs by about ε·√K (K ≤ 1024 here: ~4e-6 relative), compounded over the ~30 ops of a
     // layer chain and three AdamW updates, whose m/√v turns small gradient differences into
     // parameter differences of the same relative size. The bounds keep 25x and 250x of room over
     // that ~4e-6 for the loss and for the gradient norm (a sum of squares over every gradient).
+    // In bf16 a store rounds to 2^-8 relative, and an element whose fp32 sums differ by an ulp may
+    // round to neighbouring bf16 values: the same budget at bf16's unit roundoff (as
+    // ExecutorPrecision holds bf16 against fp32 on the CPU).
+    const double ltol = bf16 ? 4e-3 : 1e-4, ntol = bf16 ? 3e-2 : 1e-3;
     for (int k = 0; k < 3; ++k) {
       const StepStats want = on_cpu.step();
       const StepStats got = on_dev.step();
-      EXPECT_NEAR(got.loss, want.loss, 1e-4 * std::abs(want.loss)) << what << ", step " << k + 1;
-      EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-3 * want.grad_norm + 1e-7) << what << ", step " << k + 1;
+      EXPECT_NEAR(got.loss, want.loss, ltol * std::abs(want.loss)) << what << ", step " << k + 1;
+      EXPECT_NEAR(got.grad_norm, want.grad_norm, ntol * want.grad_norm + 1e-7) << what << ", step " << k + 1;
     }
     const sim::MemoryProfile walk = sim::walk_memory(on_dev.program());
     for (int k = 0; k < sim::kNumCategories; ++k)
@@ -395,6 +418,72 @@ TEST(ExecutorAttention, FlashTrainsAsEagerDoes) {
   }
   const auto act = static_cast<std::size_t>(sim::MemCategory::activations);
   EXPECT_LT(flash.memory().peak_bytes[act], eager.memory().peak_bytes[act]);
+}
+
+// bf16 mixed precision trains as fp32 does, to bf16's rounding: the same losses and gradient
+// norms within a few bf16 units (2^-8 relative) over three steps, with the activations, the
+// adapter and its gradients stored in bf16 (half the fp32 run's bytes in those categories) and an
+// fp32 master the bf16 adapter is the rounding of.
+TEST(ExecutorPrecision, Bf16TrainsAsFp32Does) {
+  Config c;
+  c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral";
+  c.targets = {"q_proj", "v_proj", "down_proj"};
+  c.S = 32;
+  c.dropout = 0.1;
+  Config b = c;
+  b.precision = planner::Precision::bf16_mixed;
+  const planner::PlanFile pf = make_plan(c), pb = make_plan(b);
+  Session fp32(pf, cpu_backend(), corpus(pf)), mixed(pb, cpu_backend(), corpus(pb));
+  randomise_adapter(fp32, 5, 0.05f);
+  randomise_adapter(mixed, 5, 0.05f);
+  for (int k = 0; k < 3; ++k) {
+    const StepStats want = fp32.step(), got = mixed.step();
+    EXPECT_NEAR(got.loss, want.loss, 4e-3 * std::abs(want.loss)) << "step " << k + 1;
+    EXPECT_NEAR(got.grad_norm, want.grad_norm, 3e-2 * want.grad_norm) << "step " << k + 1;
+    EXPECT_NE(got.loss, want.loss) << "step " << k + 1 << ": bf16 storage rounds somewhere";
+  }
+  // Each AdamW step moves a weight by about lr at most (|m̂/√v̂| ≤ 1), so where a gradient is
+  // mostly noise the two runs may step apart by 2·lr a step; beyond that, the bf16 rounding.
+  const auto w32 = fp32.trainable_weights(), w16 = mixed.trainable_weights();
+  ASSERT_EQ(w32.size(), w16.size());
+  const double lr = pf.input.training.lr;
+  double moved = 0.0;
+  for (std::size_t i = 0; i < w16.size(); ++i) {
+    EXPECT_EQ(w16[i], cpu::bf16_to_fp32(cpu::fp32_to_bf16(w16[i]))) << "element " << i << " is not a bf16 value";
+    EXPECT_NEAR(w16[i], w32[i], 3 * 2 * lr + std::ldexp(std::abs(w32[i]), -8)) << "element " << i;
+    moved = std::max(moved, std::abs(double(w16[i]) - double(w32[i])));
+  }
+  EXPECT_GT(moved, 0.0);
+  using sim::MemCategory;
+  for (const MemCategory cat : {MemCategory::activations, MemCategory::workspace}) {
+    const auto k = static_cast<std::size_t>(cat);
+    EXPECT_LT(mixed.memory().peak_bytes[k], fp32.memory().peak_bytes[k]) << sim::name_of(cat);
+  }
+  // Per trainable element: the adapter 2 B instead of 4; the moments 8 B and the fp32 master 4 B
+  // beside them; the bf16 gradients 2 B and, during the step, their fp32 copy 4 B.
+  auto peak = [](const Session& s, MemCategory cat) { return s.memory().peak_bytes[static_cast<std::size_t>(cat)]; };
+  EXPECT_EQ(peak(mixed, MemCategory::trainable_weights) * 2, peak(fp32, MemCategory::trainable_weights));
+  EXPECT_EQ(peak(mixed, MemCategory::optimizer_states) * 2, peak(fp32, MemCategory::optimizer_states) * 3);
+  EXPECT_EQ(peak(mixed, MemCategory::gradients) * 2, peak(fp32, MemCategory::gradients) * 3);
+}
+
+// What the executor does not run in mixed precision is refused at the session, naming it: fp16
+// (it would need loss scaling), pure bf16 (bf16 moments), and offload with bf16 (the offloaded
+// step keeps no fp32 master yet).
+TEST(ExecutorPrecision, UnrunPrecisionsAreRefusedNamingThem) {
+  auto refused = [](const Config& c, const std::string& says) {
+    const planner::PlanFile pf = make_plan(c);
+    try {
+      Session s(pf, cpu_backend(), corpus(pf));
+      ADD_FAILURE() << says << ": accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  { Config c; c.precision = planner::Precision::fp16_mixed; refused(c, "precision fp16"); }
+  { Config c; c.precision = planner::Precision::bf16_pure; refused(c, "precision bf16-pure"); }
+  { Config c; c.precision = planner::Precision::bf16_mixed; c.stage = planner::Stage::zero2;
+    c.offload_optimizer = planner::OffloadDevice::cpu; refused(c, "offload with bf16"); }
 }
 
 // Dropout masks in the backend are the kernels' counter-based masks (kernels.h dropout_mask).

@@ -53,6 +53,7 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/executor/communicator.h"
+#include "peftplan/executor/kernels.h"
 
 namespace peftplan::executor {
 namespace {
@@ -77,7 +78,7 @@ MPI_Datatype mpi_type(CommDType t) {
     case CommDType::fp32: return MPI_FLOAT;
     case CommDType::fp64: return MPI_DOUBLE;
     case CommDType::fp16:
-    case CommDType::bf16: return MPI_UINT16_T;  // moved as raw bits, never reduced
+    case CommDType::bf16: return MPI_UINT16_T;  // raw bits; bf16 sums through bf16_sum_op below
     case CommDType::int32: return MPI_INT32_T;
     case CommDType::int64: return MPI_INT64_T;
     case CommDType::uint8: return MPI_UINT8_T;
@@ -94,10 +95,30 @@ MPI_Op mpi_op(ReduceOp op) {
   return MPI_OP_NULL;
 }
 
-void check_reducible(CommDType t) {
-  PEFTPLAN_CHECK_MSG(t != CommDType::fp16 && t != CommDType::bf16,
-                     "the MPI communicator cannot reduce {} (MPI has no 16-bit float type)",
-                     name_of(t));
+// bf16 sums: MPI has no bf16 type, so bf16 arrays travel as MPI_UINT16_T under an operation of
+// our own (MPI 4.0 §6.9.5, MPI_Op_create) that widens both operands to fp32, adds and rounds to
+// nearest even: every step of the reduction rounds, as NCCL's bf16 sums do between ring steps.
+// Commutative, so MPI may reduce in any order (the ranks still agree: MPI_Iallreduce gives every
+// rank the same result for the same inputs with OpenMPI's algorithms; the DDP tests hold it).
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const std::uint16_t*>(in);
+  auto* b = static_cast<std::uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = cpu::fp32_to_bf16(cpu::bf16_to_fp32(a[i]) + cpu::bf16_to_fp32(b[i]));
+}
+MPI_Op bf16_sum_op() {  // made once, on the first communication thread that reduces bf16
+  static const MPI_Op op = [] {
+    MPI_Op o = MPI_OP_NULL;
+    PEFTPLAN_MPI_CHECK(MPI_Op_create(&bf16_sum, 1, &o));
+    return o;
+  }();
+  return op;
+}
+MPI_Op mpi_op(CommDType t, ReduceOp op) { return t == CommDType::bf16 ? bf16_sum_op() : mpi_op(op); }
+
+void check_reducible(CommDType t, ReduceOp op) {
+  PEFTPLAN_CHECK_MSG(t != CommDType::fp16 && (t != CommDType::bf16 || op == ReduceOp::sum),
+                     "the MPI communicator cannot reduce {} by {} (MPI has no 16-bit float type; bf16 sums are our own operation)",
+                     name_of(t), op == ReduceOp::sum ? "sum" : op == ReduceOp::max ? "max" : "min");
 }
 
 int mpi_count(std::size_t count) {
@@ -341,12 +362,12 @@ class MpiCommunicator final : public Communicator {
 
   std::unique_ptr<CommRequest> all_reduce_async(const void* send, void* recv, std::size_t count,
                                                 CommDType dtype, ReduceOp op) override {
-    check_reducible(dtype);
+    check_reducible(dtype, op);
     const int n = mpi_count(count);
     const void* sbuf = send == recv ? MPI_IN_PLACE : send;
     return submit(CommKind::all_reduce, count * bytes_of(dtype), [=](MPI_Comm c) {
       MPI_Request req = MPI_REQUEST_NULL;
-      PEFTPLAN_MPI_CHECK(MPI_Iallreduce(sbuf, recv, n, mpi_type(dtype), mpi_op(op), c, &req));
+      PEFTPLAN_MPI_CHECK(MPI_Iallreduce(sbuf, recv, n, mpi_type(dtype), mpi_op(dtype, op), c, &req));
       wait_low_cpu(req, kCollectiveLongestSleep);
     });
   }
@@ -354,7 +375,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<CommRequest> reduce_scatter_async(const void* send, void* recv,
                                                     std::size_t recv_count, CommDType dtype,
                                                     ReduceOp op) override {
-    check_reducible(dtype);
+    check_reducible(dtype, op);
     const int n = mpi_count(recv_count);
     mpi_count(recv_count * static_cast<std::size_t>(size_));
     const std::size_t block = recv_count * bytes_of(dtype);
@@ -367,12 +388,12 @@ class MpiCommunicator final : public Communicator {
                       // MPI's in-place form reads the whole array from the receive buffer and
                       // leaves this rank's block at its start; NCCL's leaves it at block `rank`.
                       PEFTPLAN_MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, base, n,
-                                                                   mpi_type(dtype), mpi_op(op), c, &req));
+                                                                   mpi_type(dtype), mpi_op(dtype, op), c, &req));
                       wait_low_cpu(req, kCollectiveLongestSleep);
                       if (rank != 0) std::memmove(recv, base, block);
                     } else {
                       PEFTPLAN_MPI_CHECK(MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype),
-                                                                   mpi_op(op), c, &req));
+                                                                   mpi_op(dtype, op), c, &req));
                       wait_low_cpu(req, kCollectiveLongestSleep);
                     }
                   });

@@ -6,7 +6,7 @@
 //
 // Deliberately not here: a communication thread (nothing waits on a peer, so there is nothing to
 // overlap), a progress board (no peer to name), and MPI's int-count limit (no library under it).
-// What the MPI communicator refuses as a misuse (reducing fp16/bf16, a root that is not a rank),
+// What the MPI communicator refuses as a misuse (reducing fp16, bf16 but by a sum, a root that is not a rank),
 // this one refuses too, so that code tried on one rank does not first fail on two.
 #include <chrono>
 #include <cstring>
@@ -33,9 +33,9 @@ class DoneRequest final : public CommRequest {
   double seconds_;
 };
 
-void check_reducible(CommDType t) {
-  PEFTPLAN_CHECK_MSG(t != CommDType::fp16 && t != CommDType::bf16,
-                     "the communicator cannot reduce {} (the MPI one has no 16-bit float type either)", name_of(t));
+void check_reducible(CommDType t, ReduceOp op) {
+  PEFTPLAN_CHECK_MSG(t != CommDType::fp16 && (t != CommDType::bf16 || op == ReduceOp::sum),
+                     "the communicator cannot reduce {} by anything but a bf16 sum (what the MPI one reduces)", name_of(t));
 }
 
 class SelfCommunicator final : public Communicator {
@@ -46,15 +46,15 @@ class SelfCommunicator final : public Communicator {
   std::string_view backend() const override { return "self"; }
 
   std::unique_ptr<CommRequest> all_reduce_async(const void* send, void* recv, std::size_t count, CommDType dtype,
-                                                ReduceOp) override {
-    check_reducible(dtype);
+                                                ReduceOp op) override {
+    check_reducible(dtype, op);
     return run(CommKind::all_reduce, send, recv, count * bytes_of(dtype));
   }
 
   // One rank receives block 0, the whole array; in place means recv == send (+ 0 · recv_count).
   std::unique_ptr<CommRequest> reduce_scatter_async(const void* send, void* recv, std::size_t recv_count,
-                                                    CommDType dtype, ReduceOp) override {
-    check_reducible(dtype);
+                                                    CommDType dtype, ReduceOp op) override {
+    check_reducible(dtype, op);
     return run(CommKind::reduce_scatter, send, recv, recv_count * bytes_of(dtype));
   }
 

@@ -43,48 +43,65 @@ inline bool keep(std::uint64_t mixed_seed, double p, Index i) {
 
 // Operands stored in bf16 (backend.h "kernels"): widened into fp32 copies, computed by the fp32
 // kernels of kernels.h, and rounded back once to nearest even when the call ends, so a bf16 call
-// rounds exactly where a bf16 GPU kernel stores. The copies are heap memory outside the tracked
-// allocator, as Eigen's packed panels are: the step program's categories hold the bf16 buffers.
-// fp32 operands pass straight through.
+// rounds exactly where a bf16 GPU kernel stores. The copies live in blocks the backend keeps from
+// call to call (Scratch: a fresh heap block per call page-faulted its way to 50× the kernel's
+// time), heap memory outside the tracked allocator, as Eigen's packed panels are: the step
+// program's categories hold the bf16 buffers. fp32 operands pass straight through.
 void check_compute(DType dt, const char* what) {
   if (dt != DType::fp32 && dt != DType::bf16)
     throw InternalError(fmt::format("the cpu backend computes on fp32 and bf16 storage, not {} ({})", name_of(dt), what));
 }
 
+class Scratch {  // fp32 blocks, the i-th operand of a call in the i-th (grown, never shrunk)
+ public:
+  Scratch& fresh() {
+    next_ = 0;
+    return *this;
+  }
+  float* take(Index n) {
+    if (next_ == blocks_.size()) blocks_.emplace_back();
+    std::vector<float>& b = blocks_[next_++];
+    if (b.size() < static_cast<std::size_t>(n)) b.resize(static_cast<std::size_t>(n));
+    return b.data();
+  }
+
+ private:
+  std::vector<std::vector<float>> blocks_;
+  std::size_t next_ = 0;
+};
+
 class In {  // an input operand
  public:
-  In(DType dt, const void* p, Index n, const char* what = nullptr) {
+  In(Scratch& sc, DType dt, const void* p, Index n, const char* what = nullptr) {
     if (what != nullptr) check_compute(dt, what);
     if (p == nullptr || dt == DType::fp32) {
       f_ = static_cast<const float*>(p);
       return;
     }
-    wide_.resize(static_cast<std::size_t>(n));
-    cpu::bf16_to_fp32(static_cast<const std::uint16_t*>(p), wide_.data(), n);
-    f_ = wide_.data();
+    float* w = sc.take(n);
+    cpu::bf16_to_fp32(static_cast<const std::uint16_t*>(p), w, n);
+    f_ = w;
   }
   const float* f() const { return f_; }
 
  private:
-  std::vector<float> wide_;
   const float* f_ = nullptr;
 };
 
 class Out {  // an output operand; `load` widens what it holds first (accumulation, in place)
  public:
-  Out(DType dt, void* p, Index n, bool load, const char* what = nullptr) : n_(n) {
+  Out(Scratch& sc, DType dt, void* p, Index n, bool load, const char* what = nullptr) : n_(n) {
     if (what != nullptr) check_compute(dt, what);
     if (p == nullptr || dt == DType::fp32) {
       f_ = static_cast<float*>(p);
       return;
     }
     narrow_ = static_cast<std::uint16_t*>(p);
-    wide_.resize(static_cast<std::size_t>(n));
-    if (load) cpu::bf16_to_fp32(narrow_, wide_.data(), n);
-    f_ = wide_.data();
+    f_ = sc.take(n);
+    if (load) cpu::bf16_to_fp32(narrow_, f_, n);
   }
   ~Out() {
-    if (narrow_ != nullptr) cpu::fp32_to_bf16(wide_.data(), narrow_, n_);
+    if (narrow_ != nullptr) cpu::fp32_to_bf16(f_, narrow_, n_);
   }
   Out(const Out&) = delete;
   Out& operator=(const Out&) = delete;
@@ -92,13 +109,12 @@ class Out {  // an output operand; `load` widens what it holds first (accumulati
   // Rounds the fp32 copy to what the storage will hold (a value read back before the call ends).
   void round() {
     if (narrow_ == nullptr) return;
-    for (float& x : wide_) x = cpu::bf16_to_fp32(cpu::fp32_to_bf16(x));
+    for (Index i = 0; i < n_; ++i) f_[i] = cpu::bf16_to_fp32(cpu::fp32_to_bf16(f_[i]));
   }
 
  private:
   Index n_;
   std::uint16_t* narrow_ = nullptr;
-  std::vector<float> wide_;
   float* f_ = nullptr;
 };
 
@@ -162,19 +178,22 @@ class CpuBackend final : public Backend {
 
   void linear_forward(DType dt, const void* x, const void* W, const void* bias, void* y, Index M,
                       Index K, Index N, bool accumulate) override {
-    const In X(dt, x, M * K, "linear_forward"), Wt(dt, W, N * K), Bi(dt, bias, N);
-    Out Y(dt, y, M * N, accumulate);
+    Scratch& sc = scratch_.fresh();
+    const In X(sc, dt, x, M * K, "linear_forward"), Wt(sc, dt, W, N * K), Bi(sc, dt, bias, N);
+    Out Y(sc, dt, y, M * N, accumulate);
     cpu::linear_forward(X.f(), Wt.f(), Bi.f(), Y.f(), M, K, N, mode(accumulate));
   }
   void linear_backward_input(DType dt, const void* dy, const void* W, void* dx, Index M, Index K,
                              Index N, bool accumulate) override {
-    const In DY(dt, dy, M * N, "linear_backward_input"), Wt(dt, W, N * K);
-    Out DX(dt, dx, M * K, accumulate);
+    Scratch& sc = scratch_.fresh();
+    const In DY(sc, dt, dy, M * N, "linear_backward_input"), Wt(sc, dt, W, N * K);
+    Out DX(sc, dt, dx, M * K, accumulate);
     cpu::linear_backward_input(DY.f(), Wt.f(), DX.f(), M, K, N, mode(accumulate));
   }
   void dropout_forward(DType dt, const void* x, void* out, Index n, const DropoutKey& key) override {
-    const In X(dt, x, n, "dropout_forward");
-    Out O(dt, out, n, false);
+    Scratch& sc = scratch_.fresh();
+    const In X(sc, dt, x, n, "dropout_forward");
+    Out O(sc, dt, out, n, false);
     const float* xf = X.f();
     float* of = O.f();
     const std::uint64_t mixed = splitmix64(key.seed);
@@ -184,8 +203,9 @@ class CpuBackend final : public Backend {
   }
   void lora_forward(DType dt, const void* x_in, const void* A, const void* B, float scale, void* u,
                     void* y, Index M, Index K, Index N, Index r) override {
-    const In X(dt, x_in, M * K, "lora_forward"), Am(dt, A, r * K), Bm(dt, B, N * r);
-    Out U(dt, u, M * r, false), Y(dt, y, M * N, true);
+    Scratch& sc = scratch_.fresh();
+    const In X(sc, dt, x_in, M * K, "lora_forward"), Am(sc, dt, A, r * K), Bm(sc, dt, B, N * r);
+    Out U(sc, dt, u, M * r, false), Y(sc, dt, y, M * N, true);
     if (dt == DType::fp32) {
       cpu::lora_forward<float>(X.f(), Am.f(), Bm.f(), scale, nullptr, 0.0f, U.f(), Y.f(), nullptr, M, K, N, r);
       return;
@@ -200,9 +220,10 @@ class CpuBackend final : public Backend {
   void lora_backward(DType dt, const void* dy, const void* x_in, const void* A, const void* B,
                      const void* u, float scale, const DropoutKey& key, void* dA, void* dB,
                      void* dx, void* scratch, Index M, Index K, Index N, Index r) override {
-    const In DY(dt, dy, M * N, "lora_backward"), X(dt, x_in, M * K), Am(dt, A, r * K), Bm(dt, B, N * r), U(dt, u, M * r);
-    Out DA(dt, dA, r * K, true), DB(dt, dB, N * r, true), DX(dt, dx, M * K, true);
-    Out SC(dt, scratch, M * r + (key.p > 0.0 && dx != nullptr ? M * K : 0), false);
+    Scratch& sc = scratch_.fresh();
+    const In DY(sc, dt, dy, M * N, "lora_backward"), X(sc, dt, x_in, M * K), Am(sc, dt, A, r * K), Bm(sc, dt, B, N * r), U(sc, dt, u, M * r);
+    Out DA(sc, dt, dA, r * K, true), DB(sc, dt, dB, N * r, true), DX(sc, dt, dx, M * K, true);
+    Out SC(sc, dt, scratch, M * r + (key.p > 0.0 && dx != nullptr ? M * K : 0), false);
     if (key.p <= 0.0) {
       cpu::lora_backward<float>(DY.f(), X.f(), Am.f(), Bm.f(), U.f(), scale, nullptr, 0.0f, DA.f(), DB.f(), DX.f(), SC.f(), M,
                                 K, N, r, Accum::add, Accum::add);
@@ -227,14 +248,16 @@ class CpuBackend final : public Backend {
   }
   void rmsnorm_forward(DType dt, const void* x, const void* w, float eps, void* y, float* rstd, Index M,
                        Index H) override {
-    const In X(dt, x, M * H, "rmsnorm_forward"), Wt(dt, w, H);
-    Out Y(dt, y, M * H, false);
+    Scratch& sc = scratch_.fresh();
+    const In X(sc, dt, x, M * H, "rmsnorm_forward"), Wt(sc, dt, w, H);
+    Out Y(sc, dt, y, M * H, false);
     cpu::rmsnorm_forward(X.f(), Wt.f(), eps, Y.f(), rstd, M, H);
   }
   void rmsnorm_backward(DType dt, const void* dy, const void* x, const void* w, const float* rstd,
                         void* dx, Index M, Index H, bool accumulate) override {
-    const In DY(dt, dy, M * H, "rmsnorm_backward"), X(dt, x, M * H), Wt(dt, w, H);
-    Out DX(dt, dx, M * H, accumulate);
+    Scratch& sc = scratch_.fresh();
+    const In DY(sc, dt, dy, M * H, "rmsnorm_backward"), X(sc, dt, x, M * H), Wt(sc, dt, w, H);
+    Out DX(sc, dt, dx, M * H, accumulate);
     cpu::rmsnorm_backward<float>(DY.f(), X.f(), Wt.f(), rstd, DX.f(), nullptr, M, H, mode(accumulate), Accum::add);
   }
   void rope_tables(float* tables, Index S, Index d, double theta) override {
@@ -242,83 +265,97 @@ class CpuBackend final : public Backend {
   }
   void rope_forward(DType dt, void* x, const float* tables, Index B, Index S, Index nheads,
                     Index d) override {
-    Out X(dt, x, B * S * nheads * d, true, "rope_forward");
+    Scratch& sc = scratch_.fresh();
+    Out X(sc, dt, x, B * S * nheads * d, true, "rope_forward");
     cpu::rope_forward(X.f(), tables, tables + cpu::rope_table_elems(S, d), B, S, nheads, d);
   }
   void rope_backward(DType dt, void* dx, const float* tables, Index B, Index S, Index nheads,
                      Index d) override {
-    Out DX(dt, dx, B * S * nheads * d, true, "rope_backward");
+    Scratch& sc = scratch_.fresh();
+    Out DX(sc, dt, dx, B * S * nheads * d, true, "rope_backward");
     cpu::rope_backward(DX.f(), tables, tables + cpu::rope_table_elems(S, d), B, S, nheads, d);
   }
   void attention_forward(DType dt, const void* q, const void* k, const void* v, void* P, void* out,
                          Index B, Index S, Index nh, Index nkv, Index d) override {
-    const In Q(dt, q, B * S * nh * d, "attention_forward"), Kt(dt, k, B * S * nkv * d), Vt(dt, v, B * S * nkv * d);
-    Out Pm(dt, P, B * nh * S * S, false), O(dt, out, B * S * nh * d, false);
+    Scratch& sc = scratch_.fresh();
+    const In Q(sc, dt, q, B * S * nh * d, "attention_forward"), Kt(sc, dt, k, B * S * nkv * d), Vt(sc, dt, v, B * S * nkv * d);
+    Out Pm(sc, dt, P, B * nh * S * S, false), O(sc, dt, out, B * S * nh * d, false);
     cpu::attention_forward(Q.f(), Kt.f(), Vt.f(), Pm.f(), O.f(), B, S, nh, nkv, d);
   }
   void attention_backward(DType dt, const void* dout, const void* q, const void* k, const void* v,
                           const void* P, void* dq, void* dk, void* dv, void* scratch,
                           Index scratch_elems, Index B, Index S, Index nh, Index nkv,
                           Index d) override {
-    const In DO(dt, dout, B * S * nh * d, "attention_backward"), Q(dt, q, B * S * nh * d), Kt(dt, k, B * S * nkv * d),
-        Vt(dt, v, B * S * nkv * d), Pm(dt, P, B * nh * S * S);
-    Out DQ(dt, dq, B * S * nh * d, false), DK(dt, dk, B * S * nkv * d, false), DV(dt, dv, B * S * nkv * d, false);
-    Out SC(dt, scratch, scratch_elems, false);
+    Scratch& sc = scratch_.fresh();
+    const In DO(sc, dt, dout, B * S * nh * d, "attention_backward"), Q(sc, dt, q, B * S * nh * d), Kt(sc, dt, k, B * S * nkv * d),
+        Vt(sc, dt, v, B * S * nkv * d), Pm(sc, dt, P, B * nh * S * S);
+    Out DQ(sc, dt, dq, B * S * nh * d, false), DK(sc, dt, dk, B * S * nkv * d, false), DV(sc, dt, dv, B * S * nkv * d, false);
+    Out SC(sc, dt, scratch, scratch_elems, false);
     cpu::attention_backward(DO.f(), Q.f(), Kt.f(), Vt.f(), Pm.f(), DQ.f(), DK.f(), DV.f(), SC.f(), scratch_elems, B, S, nh, nkv, d);
   }
   void flash_attention_forward(DType dt, const void* q, const void* k, const void* v, float* lse, void* out,
                                Index B, Index S, Index nh, Index nkv, Index d) override {
-    const In Q(dt, q, B * S * nh * d, "flash_attention_forward"), Kt(dt, k, B * S * nkv * d), Vt(dt, v, B * S * nkv * d);
-    Out O(dt, out, B * S * nh * d, false);
+    Scratch& sc = scratch_.fresh();
+    const In Q(sc, dt, q, B * S * nh * d, "flash_attention_forward"), Kt(sc, dt, k, B * S * nkv * d), Vt(sc, dt, v, B * S * nkv * d);
+    Out O(sc, dt, out, B * S * nh * d, false);
     cpu::flash_attention_forward(Q.f(), Kt.f(), Vt.f(), lse, O.f(), B, S, nh, nkv, d);
   }
   void flash_attention_backward(DType dt, const void* dout, const void* q, const void* k, const void* v,
                                 const void* out, const float* lse, void* dq, void* dk, void* dv, Index B, Index S,
                                 Index nh, Index nkv, Index d) override {
-    const In DO(dt, dout, B * S * nh * d, "flash_attention_backward"), Q(dt, q, B * S * nh * d), Kt(dt, k, B * S * nkv * d),
-        Vt(dt, v, B * S * nkv * d), O(dt, out, B * S * nh * d);
-    Out DQ(dt, dq, B * S * nh * d, false), DK(dt, dk, B * S * nkv * d, false), DV(dt, dv, B * S * nkv * d, false);
+    Scratch& sc = scratch_.fresh();
+    const In DO(sc, dt, dout, B * S * nh * d, "flash_attention_backward"), Q(sc, dt, q, B * S * nh * d), Kt(sc, dt, k, B * S * nkv * d),
+        Vt(sc, dt, v, B * S * nkv * d), O(sc, dt, out, B * S * nh * d);
+    Out DQ(sc, dt, dq, B * S * nh * d, false), DK(sc, dt, dk, B * S * nkv * d, false), DV(sc, dt, dv, B * S * nkv * d, false);
     cpu::flash_attention_backward(DO.f(), Q.f(), Kt.f(), Vt.f(), O.f(), lse, DQ.f(), DK.f(), DV.f(), B, S, nh, nkv, d);
   }
   void swiglu_forward(DType dt, const void* gate, const void* up, void* act, Index n) override {
-    const In G(dt, gate, n, "swiglu_forward"), U(dt, up, n);
-    Out Ac(dt, act, n, false);
+    Scratch& sc = scratch_.fresh();
+    const In G(sc, dt, gate, n, "swiglu_forward"), U(sc, dt, up, n);
+    Out Ac(sc, dt, act, n, false);
     cpu::swiglu_forward(G.f(), U.f(), Ac.f(), n);
   }
   void swiglu_backward(DType dt, const void* dact, const void* gate, const void* up, void* dgate,
                        void* dup, Index n) override {
-    const In DA(dt, dact, n, "swiglu_backward"), G(dt, gate, n), U(dt, up, n);
-    Out DG(dt, dgate, n, false), DU(dt, dup, n, false);
+    Scratch& sc = scratch_.fresh();
+    const In DA(sc, dt, dact, n, "swiglu_backward"), G(sc, dt, gate, n), U(sc, dt, up, n);
+    Out DG(sc, dt, dgate, n, false), DU(sc, dt, dup, n, false);
     cpu::swiglu_backward(DA.f(), G.f(), U.f(), DG.f(), DU.f(), n);
   }
   void embedding_forward(DType dt, const std::int32_t* tokens, const void* table, void* out, Index M,
                          Index V, Index H) override {
-    const In T(dt, table, V * H, "embedding_forward");
-    Out O(dt, out, M * H, false);
+    Scratch& sc = scratch_.fresh();
+    const In T(sc, dt, table, V * H, "embedding_forward");
+    Out O(sc, dt, out, M * H, false);
     cpu::embedding_forward(tokens, T.f(), O.f(), M, V, H);
   }
   void cross_entropy_forward(DType dt, const void* logits, const std::int32_t* targets, Index M, Index V,
                              double* loss_sum) override {
-    const In L(dt, logits, M * V, "cross_entropy_forward");
+    Scratch& sc = scratch_.fresh();
+    const In L(sc, dt, logits, M * V, "cross_entropy_forward");
     *loss_sum += cpu::cross_entropy_forward(L.f(), targets, M, V);
   }
   void cross_entropy_backward(DType dt, const void* logits, const std::int32_t* targets, void* dlogits,
                               double count, Index M, Index V) override {
-    const In L(dt, logits, M * V, "cross_entropy_backward");  // a copy when dlogits aliases it
-    Out D(dt, dlogits, M * V, false);
+    Scratch& sc = scratch_.fresh();
+    const In L(sc, dt, logits, M * V, "cross_entropy_backward");  // a copy when dlogits aliases it
+    Out D(sc, dt, dlogits, M * V, false);
     cpu::cross_entropy_backward(L.f(), targets, D.f(), count, M, V);
   }
   void add(DType dt, const void* a, const void* b, void* out, Index n) override {
-    const In Am(dt, a, n, "add"), Bm(dt, b, n);
-    Out O(dt, out, n, false);
+    Scratch& sc = scratch_.fresh();
+    const In Am(sc, dt, a, n, "add"), Bm(sc, dt, b, n);
+    Out O(sc, dt, out, n, false);
     cpu::add(Am.f(), Bm.f(), O.f(), n);
   }
   void sum_squares(DType dt, const void* x, Index n, double* out) override {
-    const In X(dt, x, n, "sum_squares");
+    Scratch& sc = scratch_.fresh();
+    const In X(sc, dt, x, n, "sum_squares");
     *out = cpu::sum_squares(X.f(), n);
   }
   void scale(DType dt, void* x, float s, Index n) override {
-    Out X(dt, x, n, true, "scale");
+    Scratch& sc = scratch_.fresh();
+    Out X(sc, dt, x, n, true, "scale");
     cpu::scale_inplace(X.f(), s, n);
   }
   void adamw_step(float* param, const float* grad, float* m, float* v, Index n, std::int64_t step,
@@ -330,6 +367,7 @@ class CpuBackend final : public Backend {
  private:
   using Clock = std::chrono::steady_clock;
   int threads_ = 1;
+  Scratch scratch_;
   std::vector<Clock::time_point> marks_;
 };
 

@@ -11,7 +11,7 @@
 // Conventions: buffers are row-major; M token rows, K in-features, N out-features, r LoRA rank,
 // H hidden, I intermediate (times experts per token), V vocabulary, B micro-batch, S sequence,
 // nh / nkv heads, d head dimension. "Elements" are in the compute dtype unless a slot says
-// otherwise; an executable program (Program::executable) computes in fp32.
+// otherwise; an executable program (Program::executable) stores them in Program::compute_dtype.
 // Deliberately not here: costs (sim::ComputeWork), how a kernel computes (executor/backend.h),
 // and which kernels a profile emits (planner/program.cpp).
 #pragma once
@@ -36,7 +36,9 @@ using Dim = std::int64_t;
 
 // How the slot's bytes follow from the op's shape, for the size check of an executable program.
 enum class Elem : std::uint8_t {
-  compute,  // fp32 elements (the executor's compute dtype)
+  compute,  // elements in the program's compute dtype (Program::compute_dtype: fp32 or bf16)
+  f32,      // fp32 elements whatever the compute dtype (norm statistics, RoPE tables, the
+            //   log-sum-exp, the optimizer's master weights, fp32 gradients and moments)
   i32,      // int32 elements (token ids)
   cast_src, // the cast's source dtype (Cast::from)
   cast_dst, // the cast's destination dtype (Cast::to)
@@ -92,7 +94,7 @@ struct NormFwd {
     v.slot(s.x, {"x", true, s.M * s.H});
     v.slot(s.w, {"w", true, s.H});
     v.slot(s.y, {"y", true, s.M * s.H});
-    v.slot(s.rstd, {"rstd", true, s.M});
+    v.slot(s.rstd, {"rstd", true, s.M, Elem::f32});
   }
 };
 // norm_bwd: dx (=|+= with Op::accumulate) the input gradient; the frozen weight gets none.
@@ -105,7 +107,7 @@ struct NormBwd {
     v.slot(s.dy, {"dy", true, s.M * s.H});
     v.slot(s.x, {"x", true, s.M * s.H});
     v.slot(s.w, {"w", true, s.H});
-    v.slot(s.rstd, {"rstd", true, s.M});
+    v.slot(s.rstd, {"rstd", true, s.M, Elem::f32});
     v.slot(s.dx, {"dx", true, s.M * s.H});
   }
 };
@@ -230,7 +232,7 @@ struct RopeTables {
   template <class Sx, class Vis> static void visit(Sx& s, Vis& v) {
     v.dim(s.S); v.dim(s.d);
     v.scalar(s.theta);
-    v.slot(s.tables, {"tables", true, s.S * s.d});
+    v.slot(s.tables, {"tables", true, s.S * s.d, Elem::f32});
   }
 };
 // rope_fwd / rope_bwd: q[B,S,nh,d] and k[B,S,nkv,d] rotated in place (backward: the transposed
@@ -242,7 +244,7 @@ struct Rope {
     v.dim(s.B); v.dim(s.S); v.dim(s.nh); v.dim(s.nkv); v.dim(s.d);
     v.slot(s.q, {"q", true, s.B * s.S * s.nh * s.d});
     v.slot(s.k, {"k", true, s.B * s.S * s.nkv * s.d});
-    v.slot(s.tables, {"tables", true, s.S * s.d});
+    v.slot(s.tables, {"tables", true, s.S * s.d, Elem::f32});
   }
 };
 struct RopeFwd : Rope { static constexpr Kernel kernel = Kernel::rope_fwd; };
@@ -293,7 +295,7 @@ struct FlashAttentionFwd {
     v.slot(s.q, {"q", true, s.B * s.S * s.nh * s.d});
     v.slot(s.k, {"k", true, s.B * s.S * s.nkv * s.d});
     v.slot(s.v, {"v", true, s.B * s.S * s.nkv * s.d});
-    v.slot(s.lse, {"lse", true, s.B * s.nh * s.S});
+    v.slot(s.lse, {"lse", true, s.B * s.nh * s.S, Elem::f32});
     v.slot(s.out, {"out", true, s.B * s.S * s.nh * s.d});
   }
 };
@@ -311,7 +313,7 @@ struct FlashAttentionBwd {
     v.slot(s.k, {"k", true, kv});
     v.slot(s.v, {"v", true, kv});
     v.slot(s.out, {"out", true, q});
-    v.slot(s.lse, {"lse", true, s.B * s.nh * s.S});
+    v.slot(s.lse, {"lse", true, s.B * s.nh * s.S, Elem::f32});
     v.slot(s.dq, {"dq", true, q});
     v.slot(s.dk, {"dk", true, kv});
     v.slot(s.dv, {"dv", true, kv});
@@ -363,7 +365,7 @@ struct CrossEntropyFwd {
   Dim M = 0, V = 0;
   template <class S, class Vis> static void visit(S& s, Vis& v) {
     v.dim(s.M); v.dim(s.V);
-    v.slot(s.logits, {"logits", true, s.M * s.V});
+    v.slot(s.logits, {"logits", true, s.M * s.V, Elem::f32});
     v.slot(s.tokens, {"tokens", true, 2 * s.M, Elem::i32});
   }
 };
@@ -377,9 +379,9 @@ struct CrossEntropyBwd {
   template <class S, class Vis> static void visit(S& s, Vis& v) {
     v.dim(s.M); v.dim(s.V);
     v.scalar(s.divisor);
-    v.slot(s.logits, {"logits", true, s.M * s.V});
+    v.slot(s.logits, {"logits", true, s.M * s.V, Elem::f32});
     v.slot(s.tokens, {"tokens", true, 2 * s.M, Elem::i32});
-    v.slot(s.d_logits, {"d_logits", true, s.M * s.V});
+    v.slot(s.d_logits, {"d_logits", true, s.M * s.V, Elem::f32});
   }
 };
 // grad_norm: the sum of squares of this rank's gradient partition (then all-reduced as a
@@ -389,19 +391,23 @@ struct GradNorm {
   Id grads = -1;
   template <class S, class Vis> static void visit(S& s, Vis& v) { v.slot(s.grads, {"grads", true, -1, Elem::any}); }
 };
-// optimizer_step: AdamW over n elements of this rank's partition. states holds m then v, n
+// optimizer_step: AdamW over n elements of this rank's partition. states holds m then v, n fp32
 // elements each; params is n elements, or N·n (this rank's block of a replicated flat: ZeRO-1/2);
-// sqrt_v is torch's foreach temporary (cost-only).
+// sqrt_v is torch's foreach temporary (cost-only). Mixed precision (DeepSpeed's
+// single_partition_of_fp32_groups, stage_1_and_2.py): master holds the partition's fp32 weights;
+// the step widens grads into grads32, steps master and rounds it into params.
 struct OptimizerStep {
   static constexpr Kernel kernel = Kernel::optimizer_step;
-  Id params = -1, grads = -1, states = -1, sqrt_v = -1;
+  Id params = -1, grads = -1, states = -1, sqrt_v = -1, master = -1, grads32 = -1;
   Dim n = 0;
   template <class S, class Vis> static void visit(S& s, Vis& v) {
     v.dim(s.n);
     v.slot(s.params, {"params", true, -1, Elem::any});
     v.slot(s.grads, {"grads", true, s.n});
-    v.slot(s.states, {"states", true, 2 * s.n});
+    v.slot(s.states, {"states", true, 2 * s.n, Elem::f32});
     v.slot(s.sqrt_v, {"sqrt_v", false, -1, Elem::any});
+    v.slot(s.master, {"master", false, s.n, Elem::f32});
+    v.slot(s.grads32, {"grads32", false, s.n, Elem::f32});
   }
 };
 // accumulate: an elementwise pass the cost-only profiles emit (bucket packing, PEFT's scaling
@@ -534,7 +540,8 @@ void for_each_slot(const Program& program, const Op& op, G&& g) {
 // Bytes per element of a slot of this kind (0: not determined by the shape).
 inline std::uint64_t elem_bytes(const Program& program, const Op& op, Elem e) {
   switch (e) {
-    case Elem::compute:
+    case Elem::compute: return bytes_of(program.compute_dtype);
+    case Elem::f32:
     case Elem::i32: return 4;
     case Elem::cast_src: return bytes_of(read<Cast>(program, op).from);
     case Elem::cast_dst: return bytes_of(read<Cast>(program, op).to);

@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "peftplan/common/dtype.h"
+
 namespace peftplan::sim {
 
 // Memory categories of ../shared/DESIGN.md, the same names everywhere (planner, executor,
@@ -262,10 +264,13 @@ struct Program {
   std::int32_t micro_batches = 1;      // gradient-accumulation steps in this program
   std::int64_t tokens_per_step = 0;    // tokens this rank processes in the step
   double model_flops_per_step = 0.0;   // useful model FLOPs (no recompute) for MFU, this rank
-  // Built for the executor: every required operand slot is filled and sized for fp32 compute,
+  // Built for the executor: every required operand slot is filled and sized for compute_dtype,
   // and sim::verify checks them (ops::SlotSpec); the cost-only profiles name only what their
   // interpreters read (liveness and the caching-allocator replay).
   bool executable = false;
+  // The storage of an executable program's compute operands (ops::Elem::compute): fp32, or bf16
+  // in mixed precision (the fp32 master weights and moments are ops::Elem::f32 slots).
+  DType compute_dtype = DType::fp32;
 
   std::int32_t add_buffer(std::string name, MemCategory category, std::uint64_t bytes) {
     Buffer b;
