@@ -209,7 +209,7 @@ class GemmBuffers {
   GemmBuffers& operator=(const GemmBuffers&) = delete;
   GemmBuffers& operator=(GemmBuffers&&) = delete;
   // Enqueues the product on the backend (Backend::linear_forward, the executor's linear layer).
-  void run() { be_->linear_forward(DType::fp32, x_, W_, nullptr, y_, s_.M, s_.K, s_.N, false); }  // the executor profile computes in fp32
+  void run() { be_->linear_forward(DType::fp32, x_, W_, nullptr, y_, s_.M, s_.K, s_.N, false); }  // calibration's programs compute in fp32
 
  private:
   float* place(const std::vector<float>& host) {

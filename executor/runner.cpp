@@ -192,9 +192,9 @@ void Session::Impl::compute(const sim::Op& op) {
       // device's queue has drained (the gradients' copy to the host has landed). Elsewhere the
       // backend's AdamW. Both are optim.h adamw_step's arithmetic.
       const bool host_step = op.stream == sim::Stream::host;
-      PEFTPLAN_CHECK(!(host_step && mixed));  // executor_limitation: no offload with bf16
       if (host_step) be.synchronize();
-      if (mixed) be.convert(vp(o.grads), dt, grads, DType::fp32, n);
+      if (mixed && host_step) cpu::bf16_to_fp32(at<const std::uint16_t>(o.grads), grads, n);
+      else if (mixed) be.convert(vp(o.grads), dt, grads, DType::fp32, n);
       if (t.grad_clip > 0.0) {
         const double coef = clip_coefficient(norm, t.grad_clip);
         if (coef < 1.0) {
@@ -214,7 +214,8 @@ void Session::Impl::compute(const sim::Op& op) {
       else
         be.adamw_step(params, grads, at(o.states), at(o.states) + n, n, step1, lr, t.adam_beta1, t.adam_beta2, t.adam_eps,
                       t.weight_decay);
-      if (mixed) be.convert(params, DType::fp32, block, dt, n);
+      if (mixed && host_step) cpu::fp32_to_bf16(params, reinterpret_cast<std::uint16_t*>(block), n);
+      else if (mixed) be.convert(params, DType::fp32, block, dt, n);
       return;
     }
     case Kernel::embedding_bwd:

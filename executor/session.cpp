@@ -230,23 +230,11 @@ void Session::Impl::setup() {
     write_compute(id, host);
   }
   if (comm) base_counters = comm->counters();
+  refresh_host_params();
   for (std::size_t k = first_step_op; k < program.ops.size(); ++k)
     if (program.ops[k].kind == OpKind::compute && program.ops[k].kernel == Kernel::optimizer_step)
       if (const auto o = sim::ops::read<sim::ops::OptimizerStep>(program, program.ops[k]); o.master >= 0) masters.push_back(o.master);
   init_masters();
-  // The offloaded step's host copy of this rank's partition: the step's param_h2d copies run
-  // backwards (ZeRO-2 has one per bucket, from a view of optimizer.params into its region).
-  if (host_params >= 0)
-    for (std::size_t k = first_step_op; k < program.ops.size(); ++k) {
-      const sim::Op& op = program.ops[k];
-      if (op.kind != OpKind::copy || op.copy_dir != sim::CopyDir::host_to_device || root_of(op.buffer) != host_params) continue;
-      auto block = [&](std::int32_t id) {
-        auto* p = at<std::byte>(id);
-        return bytes(id) == op.bytes ? p : p + static_cast<std::uint64_t>(rank) * op.bytes;
-      };
-      be.synchronize();
-      be.copy_to_host(block(op.buffer), block(op.buffer_out), op.bytes);
-    }
   if (adapter_file)  // every tensor of the file must belong to the adapter
     for (const auto& st : adapter_file->tensors())
       if (std::none_of(trainables.begin(), trainables.end(), [&](const models::TrainableTensor& tt) { return tt.name == st.name; }))
@@ -316,16 +304,39 @@ Session::Session(const planner::PlanFile& plan, Backend& backend, TokenData data
 
 Session::~Session() = default;
 
+// The offloaded step's host copy of this rank's partition (optimizer.params) from the device's
+// weights: the step's param_h2d copies run backwards (ZeRO-2 has one per bucket, from a view of
+// optimizer.params into its region). At setup and whenever the weights are set.
+void Session::Impl::refresh_host_params() {
+  if (host_params < 0) return;
+  for (std::size_t k = first_step_op; k < program.ops.size(); ++k) {
+    const sim::Op& op = program.ops[k];
+    if (op.kind != OpKind::copy || op.copy_dir != sim::CopyDir::host_to_device || root_of(op.buffer) != host_params) continue;
+    auto block = [&](std::int32_t id) {
+      auto* p = at<std::byte>(id);
+      return bytes(id) == op.bytes ? p : p + static_cast<std::uint64_t>(rank) * op.bytes;
+    };
+    be.synchronize();
+    be.copy_to_host(block(op.buffer), block(op.buffer_out), op.bytes);
+  }
+}
+
 // Mixed precision: each optimizer op's fp32 master is its parameter block widened (DeepSpeed
 // copies the bf16 module's partition to fp32 the same way, stage_1_and_2.py
-// single_partition_of_fp32_groups), at setup and whenever the weights are set.
+// single_partition_of_fp32_groups), at setup and whenever the weights are set. The offloaded
+// step's master and parameters (optimizer.params) are host memory, widened on the host.
 void Session::Impl::init_masters() {
   for (std::size_t k = first_step_op; k < program.ops.size() && !masters.empty(); ++k) {
     const sim::Op& op = program.ops[k];
     if (op.kind != OpKind::compute || op.kernel != Kernel::optimizer_step) continue;
     const auto o = sim::ops::read<sim::ops::OptimizerStep>(program, op);
     if (o.master < 0) continue;
-    be.convert(param_block(o.params, o.n), dt, at<std::byte>(o.master), DType::fp32, o.n);
+    if (op.stream == sim::Stream::host) {
+      be.synchronize();
+      from_storage(param_block(o.params, o.n), {at(o.master), static_cast<std::size_t>(o.n)});
+    } else {
+      be.convert(param_block(o.params, o.n), dt, at<std::byte>(o.master), DType::fp32, o.n);
+    }
   }
 }
 
@@ -417,7 +428,8 @@ void Session::set_trainable_weights(std::span<const float> w) {
       at += static_cast<std::size_t>(t->numel());
     }
   }
-  s.init_masters();  // the masters follow the weights set
+  s.refresh_host_params();  // the offloaded step's copy and the masters follow the weights set
+  s.init_masters();
 }
 
 std::vector<float> Session::gradients() const {

@@ -191,6 +191,7 @@ struct Session::Impl {
 
   void setup();
   void gather_adapter();  // ZeRO-3: the whole adapter into full_adapter
+  void refresh_host_params();  // optimizer offload: the host copy of the partition from the device
   void init_masters();    // mixed precision: the fp32 masters from the parameters they step
   // The n parameters an optimizer op steps: its params buffer, or this rank's block of it when
   // it holds N·n (ZeRO-1/2's replicated trainable.flat).

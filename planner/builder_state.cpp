@@ -157,8 +157,9 @@ void Builder::setup() {
     add_cuda_runtime();
   }
   if (host_opt) staging_ = alloc([&] { return "host.staging"; }, Cat::host_pinned_buffers, tw * static_cast<std::uint64_t>(opt_numel), S);
-  // The executor's offloaded step updates a host copy of this rank's parameter partition (the
-  // fp32 "master" DeepSpeed keeps on the CPU) and copies it back.
+  // The executor's offloaded step updates a host copy of this rank's parameter partition (in fp32
+  // the "master" DeepSpeed keeps on the CPU; in bf16 the weights its fp32 master rounds into) and
+  // copies it back.
   if (host_opt && in_.profile == RuntimeProfile::executor)
     host_params_ = state_buffer(sim::BufferRole::optimizer_params, Cat::host_optimizer_states, tw * static_cast<std::uint64_t>(opt_numel), S);
   if (exec_z2() && host_params_ >= 0)
@@ -237,9 +238,12 @@ void Builder::optimizer_step() {
     sim::ComputeWork w = elementwise(static_cast<std::uint64_t>(state_rw * 2.0 * static_cast<double>(part)), 10.0 * static_cast<double>(part));
     w.params = part;
     // cpu_adam (executor) {host params, host.staging (the gradients), states}: as optimizer_step
+    // Mixed precision: the gradients widened into grad.fp32 on the host, the host master
+    // stepped and rounded into host_params_, which the copies bring back.
     if (exec)
-      dep = compute("cpu_adam", -1, O, w, ops::OptimizerStep{.params = host_params_, .grads = staging_, .states = opt_states_, .n = part}, {d2h},
-                    Stream::host);
+      dep = compute("cpu_adam", -1, O, w,
+                    ops::OptimizerStep{.params = host_params_, .grads = staging_, .states = opt_states_, .master = master_, .grads32 = g32, .n = part},
+                    {d2h}, Stream::host);
     else
       dep = compute("cpu_adam", -1, O, w, ops::OptimizerStep{.n = part}, {d2h}, Stream::host);
     if (exec_z2()) {  // bucket by bucket: this rank's block of each bucket's region

@@ -162,8 +162,8 @@ std::vector<std::string> validate(const PlanInput& in) {
     throw KnobError({Knob::cross_entropy, Knob::profile},
                     "training.cross_entropy chunked: our executor computes the standard loss; plan it with profile hf or deepspeed");
   if (in.profile == RuntimeProfile::executor && (t.precision == Precision::fp16_mixed || t.precision == Precision::bf16_pure))
-    warnings.push_back(fmt::format("the executor profile computes in fp32 or bf16 mixed precision: training.precision {} is planned as fp32",
-                                   name_of(t.precision)));
+    warnings.push_back(fmt::format("the executor runs fp32 and bf16 mixed precision: training.precision {} is planned as fp32, and the "
+                                   "executor refuses it", name_of(t.precision)));
   if (t.seq_len > in.model.max_positions && in.model.max_positions > 0)
     warnings.push_back(fmt::format("training.seq_len {} exceeds max_position_embeddings {}", t.seq_len, in.model.max_positions));
   return warnings;
@@ -198,8 +198,6 @@ std::string executor_limitation(const PlanInput& in) {
   if (t.cross_entropy != CrossEntropy::standard) return "the chunked cross-entropy (use standard)";
   if (t.precision == Precision::fp16_mixed || t.precision == Precision::bf16_pure)
     return fmt::format("precision {} (supported: fp32, bf16: fp16 needs loss scaling, pure bf16 bf16 moments)", name_of(t.precision));
-  if (t.precision == Precision::bf16_mixed && (st.offload_optimizer != OffloadDevice::none || st.offload_param != OffloadDevice::none))
-    return "offload with bf16 (the offloaded step keeps no fp32 master yet; use fp32)";
   return {};
 }
 

@@ -5,7 +5,8 @@
 #   scripts/device-check.sh DIR          # on the GPU machine, from the repository root
 # It builds what the checks need from the carried tree (build/device, the `device` preset),
 # runs the backend-ops tests and the NCCL communicator's on the GPU (ctest -L device), the cuBLAS GEMM throughput at the 1B
-# model's shapes, plan-and-run on the GPU at one rank (no mpirun) for DDP and ZeRO-3 (and DDP in bf16 with flash attention), and a
+# model's shapes, plan-and-run on the GPU at one rank (no mpirun) for DDP and ZeRO-3 (and DDP with flash attention, in fp32 and
+# in bf16 mixed precision), and a
 # transformers + PEFT run of the same model captured by tools/peftplan_callback.py and compared
 # with `plan --profile hf`, and PEFT's PeftModel.from_pretrained on the adapter our executor
 # trained, its loss against ours. Logs and figures go to DIR; the summary to stdout. Exit code 0 when
@@ -80,17 +81,26 @@ else
   tail -80 "$out/run.log"
   failed "plan-and-run on the GPU"
 fi
-step "plan-and-run on the GPU in bf16 mixed precision with flash attention (what users run: bf16 GEMMs, the fused CUDA kernels on bf16, fp32 masters): the same job, DDP"
-if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --strategy ddp --precision bf16 --attention flash --lora-r 16 --lora-alpha 16 \
+step "plan-and-run on the GPU with flash attention (the fused CUDA kernels): the same job, DDP"
+if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --strategy ddp --attention flash --lora-r 16 --lora-alpha 16 \
     --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --micro-batch 4 --seq-len 1024 --steps 8 --rounds 2 \
     --out "$out/run-flash" >"$out/run-flash.log" 2>&1; then
   tail -40 "$out/run-flash.log"
 else
   tail -80 "$out/run-flash.log"
+  failed "plan-and-run on the GPU with flash attention"
+fi
+step "plan-and-run on the GPU in bf16 mixed precision with flash attention (what users run: bf16 GEMMs, the fused kernels on bf16, fp32 masters): the same job, DDP"
+if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --strategy ddp --precision bf16 --attention flash --lora-r 16 --lora-alpha 16 \
+    --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --micro-batch 4 --seq-len 1024 --steps 8 --rounds 2 \
+    --out "$out/run-bf16" >"$out/run-bf16.log" 2>&1; then
+  tail -40 "$out/run-bf16.log"
+else
+  tail -80 "$out/run-bf16.log"
   failed "plan-and-run on the GPU in bf16 with flash attention"
 fi
 # The memory kinds beyond allocated, measured on the device (measurement.json), and the losses.
-python3 - "$out/run" "$out/run-flash" <<'PY' || failed "reading the GPU run's measurements"
+python3 - "$out/run" "$out/run-flash" "$out/run-bf16" <<'PY' || failed "reading the GPU run's measurements"
 import json, pathlib, sys
 for m in sorted(p for d in sys.argv[1:] for p in [*pathlib.Path(d).glob("*/measurement.json"), *pathlib.Path(d).glob("measurement.json")]):
     j = json.loads(m.read_text()); d = j["memory"]["device"]; g = 2.0 ** 30

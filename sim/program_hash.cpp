@@ -44,7 +44,9 @@ void visit_interpreted(const Program& p, V& h) {
   h.add(p.tokens_per_step);
   h.add(p.model_flops_per_step);
   h.add(p.executable);
-  h.add(static_cast<std::uint8_t>(p.compute_dtype));
+  // Only where it is not fp32, so that the hashes of the fp32 programs made before it existed
+  // (every plan.json written then) stay what they were.
+  if (p.compute_dtype != DType::fp32) h.add(static_cast<std::uint8_t>(p.compute_dtype));
   h.add(p.buffers.size());
   for (const Buffer& b : p.buffers) {
     h.add(b.category);

@@ -258,6 +258,22 @@ TEST_F(Comm, Bf16SumsWidenAddAndRound) {
   for (std::size_t i = 0; i < 2; ++i)
     EXPECT_EQ(fl(got[i]), static_cast<float>(n) * static_cast<float>(2 * r + static_cast<int>(i)) + 0.5f * static_cast<float>(tri0(n)))
         << "element " << i;
+  // Sums bf16 must round (values with all 8 significand bits set, differing per rank): every rank
+  // gets the same bits (DDP's replicas step their own copies from them, so they must agree), and
+  // each is the exact sum within the rounding of the n − 1 additions, 2⁻⁸ relative each.
+  const std::size_t m = 64;
+  std::vector<std::uint16_t> x(m);
+  std::vector<double> exact(m, 0.0);
+  for (std::size_t j = 0; j < m; ++j) {
+    for (int k = 0; k < n; ++k) exact[j] += fl(bf(1.0f + 127.0f / 128.0f * static_cast<float>((j + 3 * static_cast<std::size_t>(k)) % 7) / 7.0f));
+    x[j] = bf(1.0f + 127.0f / 128.0f * static_cast<float>((j + 3 * static_cast<std::size_t>(r)) % 7) / 7.0f);
+  }
+  c.all_reduce(x.data(), x.data(), m, CommDType::bf16);
+  std::vector<std::uint16_t> all(m * static_cast<std::size_t>(n));
+  c.all_gather(x.data(), all.data(), m, CommDType::bf16);
+  for (int k = 0; k < n; ++k)
+    for (std::size_t j = 0; j < m; ++j) EXPECT_EQ(all[static_cast<std::size_t>(k) * m + j], x[j]) << "rank " << k << " element " << j;
+  for (std::size_t j = 0; j < m; ++j) EXPECT_NEAR(fl(x[j]), exact[j], std::ldexp(exact[j], -8) * (n - 1) + 1e-12) << "element " << j;
 }
 
 }  // namespace

@@ -236,6 +236,16 @@ TEST(Distributed, Bf16MixedPrecisionMatchesSingleRank) {
   Case z3{planner::Stage::zero3, false, planner::Checkpointing::full, 0.1, 0.5, true};
   z3.mixed = true;
   check_against_single_rank(z3);
+  // The offloaded optimizer: bf16 gradients widened on the host, the host master stepped and
+  // rounded into the host copy the copies bring back; and ZeRO-3's parameter offload.
+  for (const planner::Stage st : {planner::Stage::zero1, planner::Stage::zero2, planner::Stage::zero3}) {
+    Case o{st, true, planner::Checkpointing::none, 0.1, 0.5};
+    o.mixed = true;
+    check_against_single_rank(o);
+  }
+  Case zp{planner::Stage::zero3, true, planner::Checkpointing::full, 0.1, 0.5, false, 0, true};
+  zp.mixed = true;
+  check_against_single_rank(zp);
 }
 
 // ZeRO-3 on one rank (no communicator): each gather is a copy of the shard, the gradients are
@@ -282,7 +292,8 @@ TEST(Distributed, ResumeFromCheckpointGivesTheSameLosses) {
                         Case{planner::Stage::zero3, true, planner::Checkpointing::none, 0.1, 0.5, false, 0, true},
                         // bf16 mixed precision: the fp32 masters too (master.rank<r>.bin)
                         Case{planner::Stage::zero2, false, planner::Checkpointing::none, 0.1, 0.5, false, 500, false, true},
-                        Case{planner::Stage::zero3, false, planner::Checkpointing::none, 0.1, 0.5, false, 0, false, true}}) {
+                        Case{planner::Stage::zero3, false, planner::Checkpointing::none, 0.1, 0.5, false, 0, false, true},
+                        Case{planner::Stage::zero2, true, planner::Checkpointing::none, 0.1, 0.5, false, 0, false, true}}) {
     const std::string what = describe(c, N);
     planner::PlanFile plan = make_plan(c, N, kAccum);
     std::vector<double> straight;

@@ -42,8 +42,11 @@ inline bool keep(std::uint64_t mixed_seed, double p, Index i) {
 }
 
 // Operands stored in bf16 (backend.h "kernels"): widened into fp32 copies, computed by the fp32
-// kernels of kernels.h, and rounded back once to nearest even when the call ends, so a bf16 call
-// rounds exactly where a bf16 GPU kernel stores. The copies live in blocks the backend keeps from
+// kernels of kernels.h, and rounded back once to nearest even when the call ends: an output rounds
+// where a bf16 GPU kernel stores it, the intermediates of a call (eager attention's scores before
+// the softmax, LoRA's du) stay fp32 where the CUDA backend rounds them (backend.h). The copies,
+// up to twice the largest bf16 operand of a call (the logits, eager attention's probabilities),
+// live in blocks the backend keeps from
 // call to call (Scratch: a fresh heap block per call page-faulted its way to 50× the kernel's
 // time), heap memory outside the tracked allocator, as Eigen's packed panels are: the step
 // program's categories hold the bf16 buffers. fp32 operands pass straight through.

@@ -527,12 +527,12 @@ __global__ void __launch_bounds__(kFlashThreads)
     k_flash_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     float* __restrict__ lse, T* __restrict__ out, Index B, Index S, Index nh, Index nkv, int d,
                     float scale) {
-  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
+  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ldt = D + 4, lp = BC + 4;
   extern __shared__ float4 flash_shared[];
-  float* Qs = reinterpret_cast<float*>(flash_shared);  // [BR][ld]
-  float* Ks = Qs + BR * ld;                            // [BC][ld]
-  float* Vs = Ks + BC * ld;                            // [BC][ld]
-  float* Ps = Vs + BC * ld;                            // [BR][lp]
+  float* Qs = reinterpret_cast<float*>(flash_shared);  // [BR][ldt]
+  float* Ks = Qs + BR * ldt;                            // [BC][ldt]
+  float* Vs = Ks + BC * ldt;                            // [BC][ldt]
+  float* Ps = Vs + BC * ldt;                            // [BR][lp]
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const Index heads = B * nh, tiles = (S + BR - 1) / BR;
   const Index bh = blockIdx.x % heads, qt = tiles - 1 - blockIdx.x / heads;
@@ -611,13 +611,13 @@ __global__ void __launch_bounds__(kFlashThreads)
     k_flash_backward_dq(const T* __restrict__ dout, const T* __restrict__ q, const T* __restrict__ k,
                         const T* __restrict__ v, const T* __restrict__ out, const float* __restrict__ lse,
                         T* __restrict__ dq, Index B, Index S, Index nh, Index nkv, int d, float scale) {
-  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
+  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ldt = D + 4, lp = BC + 4;
   extern __shared__ float4 flash_shared[];
-  float* Qs = reinterpret_cast<float*>(flash_shared);  // [BR][ld]
-  float* dOs = Qs + BR * ld;                           // [BR][ld]
-  float* Ks = dOs + BR * ld;                           // [BC][ld]
-  float* Vs = Ks + BC * ld;                            // [BC][ld]
-  float* dSs = Vs + BC * ld;                           // [BR][lp]
+  float* Qs = reinterpret_cast<float*>(flash_shared);  // [BR][ldt]
+  float* dOs = Qs + BR * ldt;                           // [BR][ldt]
+  float* Ks = dOs + BR * ldt;                           // [BC][ldt]
+  float* Vs = Ks + BC * ldt;                            // [BC][ldt]
+  float* dSs = Vs + BC * ldt;                           // [BR][lp]
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const Index heads = B * nh, tiles = (S + BR - 1) / BR;
   const Index bh = blockIdx.x % heads, qt = tiles - 1 - blockIdx.x / heads;
@@ -686,13 +686,13 @@ __global__ void __launch_bounds__(kFlashThreads)
                           const T* __restrict__ v, const T* __restrict__ out, const float* __restrict__ lse,
                           T* __restrict__ dk, T* __restrict__ dv, Index B, Index S, Index nh, Index nkv, int d,
                           float scale) {
-  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ld = D + 4, lp = BC + 4;
+  constexpr int RM = BR / 16, SN = BC / 16, CN = D / 64, ldt = D + 4, lp = BC + 4;
   extern __shared__ float4 flash_shared[];
-  float* Ks = reinterpret_cast<float*>(flash_shared);  // [BR][ld]
-  float* Vs = Ks + BR * ld;                            // [BR][ld]
-  float* Qs = Vs + BR * ld;                            // [BC][ld]
-  float* dOs = Qs + BC * ld;                           // [BC][ld]
-  float* Ps = dOs + BC * ld;                           // [BR][lp]
+  float* Ks = reinterpret_cast<float*>(flash_shared);  // [BR][ldt]
+  float* Vs = Ks + BR * ldt;                            // [BR][ldt]
+  float* Qs = Vs + BR * ldt;                            // [BC][ldt]
+  float* dOs = Qs + BC * ldt;                           // [BC][ldt]
+  float* Ps = dOs + BC * ldt;                           // [BR][lp]
   float* dSs = Ps + BR * lp;                           // [BR][lp]
   float* Ls = dSs + BR * lp;                           // [BC]: lse of the tile's queries
   float* Ds = Ls + BC;                                 // [BC]: Σ dout ⊙ out of the tile's queries

@@ -117,8 +117,12 @@ class Backend {
   // `float*` operands are fp32 whatever `dt` is: RMSNorm's rstd, RoPE's tables, flash
   // attention's lse, and the optimizer's parameters, gradients and states (the fp32 masters of a
   // mixed-precision run). Every kernel widens its inputs to fp32, computes and accumulates in
-  // fp32 and rounds once, to nearest even, when it stores (cuBLAS's CUBLAS_COMPUTE_32F with bf16
-  // operands; torch's bf16 kernels accumulate in fp32 the same way).
+  // fp32 and rounds to nearest even when it stores (cuBLAS's CUBLAS_COMPUTE_32F with bf16
+  // operands; torch's bf16 kernels accumulate in fp32 the same way). Outputs round once; where a
+  // kernel stores an intermediate in a buffer of the call (LoRA's u and du, eager attention's
+  // scores and probabilities, its backward's scratch) a backend may round it there too, and the
+  // backends differ in that (the CUDA backend rounds every one it stores; the CPU backend rounds
+  // u, which the call returns, and keeps the others in fp32): tests allow for it.
   virtual bool supports_compute(DType dt) const = 0;
   // y[M,N] (=|+=) x[M,K]·W[N,K]ᵀ (+ bias[N]).
   virtual void linear_forward(DType dt, const void* x, const void* W, const void* bias, void* y,

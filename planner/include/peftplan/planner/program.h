@@ -31,7 +31,8 @@ namespace peftplan::planner {
 
 // What sits outside the model and how precise the prediction is.
 enum class RuntimeProfile {
-  executor,   // our own engine (exact): fp32 compute, no framework buffers, no CUDA context
+  executor,   // our own engine (exact): fp32 or bf16 mixed-precision compute, no framework buffers,
+              // no CUDA context
   deepspeed,  // DeepSpeed ZeRO: bucket buffers, persistence threshold, CUDA context
   hf,         // transformers + PEFT in eager PyTorch (Trainer / TRL / accelerate, DDP's 25 MiB
               // buckets): runtime.cpp lists its rules and the versions they were read from
