@@ -71,34 +71,27 @@ step "cuBLAS GEMM throughput at tinyllama-1.1b's shapes (M = 4 x 1024 tokens)"
 "$bin/executor/peftplan-cuda-gemm" --model tinyllama-1.1b --tokens 4096 --json "$out/gemm.json" 2>&1 | tee "$out/gemm.txt" ||
   failed "GEMM probe"
 
+# One plan-and-run of the 1B job on the GPU at one rank: its folder under DIR, what to call it
+# when it fails, then the flags that differ between the jobs.
+gpu_run() {
+  local dir=$1 what=$2
+  shift 2
+  if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --lora-r 16 --lora-alpha 16 \
+      --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --micro-batch 4 --seq-len 1024 --steps 8 --rounds 2 \
+      "$@" --out "$out/$dir" >"$out/$dir.log" 2>&1; then
+    tail -60 "$out/$dir.log"
+  else
+    tail -80 "$out/$dir.log"
+    failed "$what"
+  fi
+}
 step "plan-and-run on the GPU: tinyllama-1.1b, LoRA r 16 on q,k,v,o, one rank, DDP and ZeRO-3"
 export XDG_CACHE_HOME="$out/cache" PEFTPLAN_BACKEND=cuda
-if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --strategy ddp,zero3 --lora-r 16 --lora-alpha 16 \
-    --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --micro-batch 4 --seq-len 1024 --steps 8 --rounds 2 \
-    --out "$out/run" >"$out/run.log" 2>&1; then
-  tail -60 "$out/run.log"
-else
-  tail -80 "$out/run.log"
-  failed "plan-and-run on the GPU"
-fi
+gpu_run run "plan-and-run on the GPU" --strategy ddp,zero3
 step "plan-and-run on the GPU with flash attention (the fused CUDA kernels): the same job, DDP"
-if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --strategy ddp --attention flash --lora-r 16 --lora-alpha 16 \
-    --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --micro-batch 4 --seq-len 1024 --steps 8 --rounds 2 \
-    --out "$out/run-flash" >"$out/run-flash.log" 2>&1; then
-  tail -40 "$out/run-flash.log"
-else
-  tail -80 "$out/run-flash.log"
-  failed "plan-and-run on the GPU with flash attention"
-fi
+gpu_run run-flash "plan-and-run on the GPU with flash attention" --strategy ddp --attention flash
 step "plan-and-run on the GPU in bf16 mixed precision with flash attention (what users run: bf16 GEMMs, the fused kernels on bf16, fp32 masters): the same job, DDP"
-if "$bin/cli/peftplan" run --model tinyllama-1.1b --gpus 1 --strategy ddp --precision bf16 --attention flash --lora-r 16 --lora-alpha 16 \
-    --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --micro-batch 4 --seq-len 1024 --steps 8 --rounds 2 \
-    --out "$out/run-bf16" >"$out/run-bf16.log" 2>&1; then
-  tail -40 "$out/run-bf16.log"
-else
-  tail -80 "$out/run-bf16.log"
-  failed "plan-and-run on the GPU in bf16 with flash attention"
-fi
+gpu_run run-bf16 "plan-and-run on the GPU in bf16 with flash attention" --strategy ddp --precision bf16 --attention flash
 # The memory kinds beyond allocated, measured on the device (measurement.json), and the losses.
 python3 - "$out/run" "$out/run-flash" "$out/run-bf16" <<'PY' || failed "reading the GPU run's measurements"
 import json, pathlib, sys

@@ -402,12 +402,19 @@ TEST(ExecutorGradients, LoraGradientsMatchFiniteDifferences) {
 // the same, step for step, to fp32 rounding in another summation order (the bound: 1e-5 relative,
 // 80x fp32's ε of 1.2e-7, over three AdamW steps), while the flash step's activations peak is
 // lower: it saves no [B, nh, S, S] probabilities.
-TEST(ExecutorAttention, FlashTrainsAsEagerDoes) {
+// GQA (tiny-mistral, 4:1), LoRA with dropout on attention and the MLP: the plan the training
+// comparisons below train two ways.
+static Config gqa_with_dropout(std::int64_t S) {
   Config c;
   c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral";
   c.targets = {"q_proj", "v_proj", "down_proj"};
-  c.S = 96;
+  c.S = S;
   c.dropout = 0.1;
+  return c;
+}
+
+TEST(ExecutorAttention, FlashTrainsAsEagerDoes) {
+  const Config c = gqa_with_dropout(96);
   Config f = c;
   f.attention = planner::Attention::flash;
   const planner::PlanFile pe = make_plan(c), pfl = make_plan(f);
@@ -426,11 +433,7 @@ TEST(ExecutorAttention, FlashTrainsAsEagerDoes) {
 // adapter and its gradients stored in bf16 (half the fp32 run's bytes in those categories) and an
 // fp32 master the bf16 adapter is the rounding of.
 TEST(ExecutorPrecision, Bf16TrainsAsFp32Does) {
-  Config c;
-  c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral";
-  c.targets = {"q_proj", "v_proj", "down_proj"};
-  c.S = 32;
-  c.dropout = 0.1;
+  const Config c = gqa_with_dropout(32);
   Config b = c;
   b.precision = planner::Precision::bf16_mixed;
   const planner::PlanFile pf = make_plan(c), pb = make_plan(b);
