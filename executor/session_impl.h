@@ -226,7 +226,7 @@ struct Session::Impl {
                    mix(static_cast<std::uint64_t>(adapter) + 0x51ed27ull))};
   }
   // Host access to device buffers, always staged through the Backend (synchronize, then a
-  // copy): a buffer's (or view's) bytes to and from host memory, and its fp32 elements.
+  // copy): a buffer's (or view's) bytes to and from host memory, and its elements.
   void read_bytes(std::int32_t id, void* dst, std::uint64_t n, std::uint64_t offset = 0) const {
     be.synchronize();
     be.copy_to_host(dst, at<std::byte>(id) + offset, n);
@@ -256,11 +256,6 @@ struct Session::Impl {
     std::vector<std::byte> raw(v.size() * es());
     to_storage(v, raw.data());
     write_bytes(id, raw.data(), raw.size());
-  }
-  std::vector<float> read_floats(std::int32_t id) const {
-    std::vector<float> v(static_cast<std::size_t>(floats(id)));
-    read_bytes(id, v.data(), 4 * v.size());
-    return v;
   }
   double read_scalar(std::size_t slot);
   double step_loss_sum() {  // this step's loss sum (all ranks' once the loss is all-reduced)
