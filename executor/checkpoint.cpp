@@ -43,20 +43,17 @@ void Session::save_checkpoint(const std::filesystem::path& dir) const {
     s.read_bytes(s.opt_states, blob.data() + 16, 4 * ns);  // staged through the backend
     if (np) s.read_bytes(s.host_params, blob.data() + 16 + 4 * ns, 4 * np);
     write_text_atomic(tmp / fmt::format("optimizer.rank{}.bin", s.rank), blob);
-    if (s.zero3) {  // elements of the compute dtype
-      const std::uint64_t nt = static_cast<std::uint64_t>(s.elems(s.trainable_shard));
-      std::string shard(8 + s.es() * nt, '\0');
-      std::memcpy(shard.data(), &nt, 8);
-      s.read_bytes(s.trainable_shard, shard.data() + 8, s.es() * nt);
-      write_text_atomic(tmp / fmt::format("trainable.rank{}.bin", s.rank), shard);
-    }
-    if (s.master_root() >= 0) {  // mixed precision: the fp32 masters (the bf16 weights are their rounding)
-      const std::uint64_t nm = s.bytes(s.master_root()) / 4;
-      std::string master(8 + 4 * nm, '\0');
-      std::memcpy(master.data(), &nm, 8);
-      s.read_bytes(s.master_root(), master.data() + 8, 4 * nm);
-      write_text_atomic(tmp / fmt::format("master.rank{}.bin", s.rank), master);
-    }
+    // A buffer of this rank as a file: a uint64 element count, then its bytes as held.
+    auto save_buffer = [&](std::int32_t id, std::uint64_t elem_bytes, const char* file) {
+      const std::uint64_t n = s.bytes(id) / elem_bytes;
+      std::string bytes(8 + elem_bytes * n, '\0');
+      std::memcpy(bytes.data(), &n, 8);
+      s.read_bytes(id, bytes.data() + 8, elem_bytes * n);
+      write_text_atomic(tmp / fmt::format("{}.rank{}.bin", file, s.rank), bytes);
+    };
+    if (s.zero3) save_buffer(s.trainable_shard, s.es(), "trainable");  // in the compute dtype
+    // Mixed precision: the fp32 masters (the bf16 weights are their rounding).
+    if (s.master_root() >= 0) save_buffer(s.master_root(), 4, "master");
   }
   if (s.comm) s.comm->barrier();
   if (s.rank == 0) {
@@ -179,30 +176,20 @@ void Session::resume(const std::filesystem::path& where_in) {
     if (f) s.write_bytes(s.host_params, host.data(), 4 * np);
   }
   if (!f) throw InputError(fmt::format("{}: truncated", opt.string()));
-  if (s.zero3) {  // this rank's adapter partition, padding included
-    const fs::path tp = dir / fmt::format("trainable.rank{}.bin", s.rank);
-    std::ifstream tf(tp, std::ios::binary);
-    std::uint64_t nt = 0;
-    tf.read(reinterpret_cast<char*>(&nt), 8);
-    if (!tf || nt != static_cast<std::uint64_t>(s.elems(s.trainable_shard)))
-      throw InputError(fmt::format("{}: adapter partition of another shape (or missing)", tp.string()));
-    std::vector<char> part(s.es() * nt);
-    tf.read(part.data(), static_cast<std::streamsize>(part.size()));
-    if (!tf) throw InputError(fmt::format("{}: truncated", tp.string()));
-    s.write_bytes(s.trainable_shard, part.data(), part.size());
-  }
-  if (s.master_root() >= 0) {
-    const fs::path mp = dir / fmt::format("master.rank{}.bin", s.rank);
-    std::ifstream mf(mp, std::ios::binary);
-    std::uint64_t nm = 0;
-    mf.read(reinterpret_cast<char*>(&nm), 8);
-    if (!mf || nm != s.bytes(s.master_root()) / 4)
-      throw InputError(fmt::format("{}: fp32 master weights of another shape (or missing: a checkpoint of an fp32 run)", mp.string()));
-    std::vector<char> master(4 * nm);
-    mf.read(master.data(), static_cast<std::streamsize>(master.size()));
-    if (!mf) throw InputError(fmt::format("{}: truncated", mp.string()));
-    s.write_bytes(s.master_root(), master.data(), master.size());
-  }
+  // A buffer save_checkpoint wrote as a file (a uint64 element count, then its bytes), back.
+  auto load_buffer = [&](std::int32_t id, std::uint64_t elem_bytes, const char* name, const char* what) {
+    const fs::path path = dir / fmt::format("{}.rank{}.bin", name, s.rank);
+    std::ifstream in(path, std::ios::binary);
+    std::uint64_t n = 0;
+    in.read(reinterpret_cast<char*>(&n), 8);
+    if (!in || n != s.bytes(id) / elem_bytes) throw InputError(fmt::format("{}: {} of another shape (or missing)", path.string(), what));
+    std::vector<char> blob(elem_bytes * n);
+    in.read(blob.data(), static_cast<std::streamsize>(blob.size()));
+    if (!in) throw InputError(fmt::format("{}: truncated", path.string()));
+    s.write_bytes(id, blob.data(), blob.size());
+  };
+  if (s.zero3) load_buffer(s.trainable_shard, s.es(), "trainable", "adapter partition");  // padding included
+  if (s.master_root() >= 0) load_buffer(s.master_root(), 4, "master", "fp32 master weights (a checkpoint of an fp32 run has none)");
   s.steps_done = st.at("step").get<std::int64_t>();
 }
 
