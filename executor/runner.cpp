@@ -287,10 +287,12 @@ void Session::Impl::run_ops(bool update) {
       case OpKind::alloc: alloc_op(i, op); break;
       case OpKind::free:
         wait_for_buffer(op.buffer);
+        wait_for_copies(op.buffer);
         alloc.release(ptr[static_cast<std::size_t>(op.buffer)]);
         ptr[static_cast<std::size_t>(op.buffer)] = nullptr;
         break;
       case OpKind::collective:
+        wait_for_copy_deps(op);  // ZeRO-3's offloaded weights come through a copy to the device
         try {
           collective(i, op);
         } catch (const CommError&) {
@@ -300,19 +302,22 @@ void Session::Impl::run_ops(bool update) {
         }
         break;
       case OpKind::copy: {
+        // On the copy queue, once the kernels enqueued so far (its source's writers among them)
+        // have run; timed by marks around it on that queue.
         wait_through(i);
-        const auto s = Clock::now();
+        be.record_mark(ready_mark(i));
+        be.wait_mark(Backend::Queue::copy, ready_mark(i));
+        be.record_copy_mark(begin_mark(i));
         copy(op);
-        if (op_runs > 0) {
-          const double dur = std::chrono::duration<double>(Clock::now() - s).count();
-          op_warm_s[i] += dur;
-          op_cur[i] += dur;
-        }
+        be.record_copy_mark(end_mark(i));
+        copies.push_back({i, root_of(op.buffer), root_of(op.buffer_out)});
+        timed.push_back(i);
         break;
       }
       case OpKind::compute: {
         for (std::int32_t dep : program.deps_of(op))
           if (program.ops[static_cast<std::size_t>(dep)].kind == OpKind::collective) wait_through(static_cast<std::size_t>(dep));
+        wait_for_copy_deps(op);
         be.record_mark(begin_mark(i));
         compute(op);
         be.record_mark(end_mark(i));
@@ -323,6 +328,7 @@ void Session::Impl::run_ops(bool update) {
   }
   if (!pending.empty()) wait_through(pending.back().op);
   be.synchronize();
+  copies.clear();
   if (board) board->post(step_index, static_cast<std::int64_t>(program.ops.size()));  // between steps
   for (std::size_t i : timed) {
     const double dur = be.seconds_between(begin_mark(i), end_mark(i));

@@ -94,7 +94,7 @@ void Session::Impl::setup() {
   coll_cur.assign(coll_ops.size(), 0.0);
   last_start_s.assign(program.ops.size(), 0.0);
   last_dur_s.assign(program.ops.size(), -1.0);
-  be.reserve_marks(end_mark(program.ops.size()));
+  be.reserve_marks(mark_slots(program.ops.size()));
   // The state buffers by role; adapter tensors: views of trainable.flat, or (ZeRO-3) of a unit's
   // gathered buffer, the latter filled through the shards the gathers read (below).
   zero3 = in.strategy.stage == planner::Stage::zero3;

@@ -149,8 +149,8 @@ void Session::Impl::collective(std::size_t i, const sim::Op& op) {
   pending.push_back(std::move(pd));
 }
 
-// A copy between device and host buffers (optimizer offload): Op::buffer to Op::buffer_out; a
-// side N times the copy's bytes contributes this rank's block.
+// A copy between device and host buffers (offload), on the backend's copy queue: Op::buffer to
+// Op::buffer_out; a side N times the copy's bytes contributes this rank's block.
 void Session::Impl::copy(const sim::Op& op) {
   PEFTPLAN_CHECK_MSG(op.buffer >= 0 && op.buffer_out >= 0, "a copy of the executor's program names no source or destination");
   auto block = [&](std::int32_t id) {
@@ -159,8 +159,25 @@ void Session::Impl::copy(const sim::Op& op) {
     PEFTPLAN_CHECK(bytes(id) == op.bytes * static_cast<std::uint64_t>(N));
     return p + static_cast<std::uint64_t>(rank) * op.bytes;
   };
-  if (op.copy_dir == sim::CopyDir::device_to_host) be.copy_to_host(block(op.buffer_out), block(op.buffer), op.bytes);
-  else be.copy_to_device(block(op.buffer_out), block(op.buffer), op.bytes);
+  be.copy_async(block(op.buffer_out), block(op.buffer), op.bytes);
+}
+
+// Before an op that reads what a copy it depends on wrote: the compute queue waits for the copy.
+void Session::Impl::wait_for_copy_deps(const sim::Op& op) {
+  for (std::int32_t dep : program.deps_of(op))
+    if (program.ops[static_cast<std::size_t>(dep)].kind == OpKind::copy) be.wait_mark(Backend::Queue::compute, end_mark(static_cast<std::size_t>(dep)));
+}
+
+// Before a buffer's memory goes back to the allocator: the queued copies that read or write it
+// have finished. A device buffer's next user is a kernel, or a copy ordered after the kernels, so
+// the compute queue waits; a host buffer's is the host (the offloaded optimizer), which waits.
+void Session::Impl::wait_for_copies(std::int32_t root) {
+  const bool host = sim::on_host(program.buffers[static_cast<std::size_t>(root)].category);
+  for (const QueuedCopy& c : copies)
+    if (c.from == root || c.to == root) {
+      if (host) be.wait_mark_on_host(end_mark(c.op));
+      else be.wait_mark(Backend::Queue::compute, end_mark(c.op));
+    }
 }
 
 

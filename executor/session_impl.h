@@ -148,12 +148,25 @@ struct Session::Impl {
   std::deque<std::vector<double>> coll_recent;  // the last steps' (after the first), at most 32
   Measurement meas;
 
-  // Timing marks (Backend::record_mark): the step's start, then a begin and an end per op; the
-  // compute ops run_ops marked, whose times it reads after the step's synchronize.
+  // Timing marks (Backend::record_mark): the step's start, then per op a begin and an end (on
+  // the compute queue for a kernel, on the copy queue for a copy) and, for a copy, the compute
+  // queue's point it waits for (its source written); the ops run_ops marked, whose times it reads
+  // after the step's synchronize.
   static constexpr std::size_t kStartMark = 0;
-  static std::size_t begin_mark(std::size_t op) { return 1 + 2 * op; }
-  static std::size_t end_mark(std::size_t op) { return 2 + 2 * op; }
+  static std::size_t begin_mark(std::size_t op) { return 1 + 3 * op; }
+  static std::size_t end_mark(std::size_t op) { return 2 + 3 * op; }
+  static std::size_t ready_mark(std::size_t op) { return 3 + 3 * op; }
+  static std::size_t mark_slots(std::size_t ops) { return 1 + 3 * ops; }
   std::vector<std::size_t> timed;
+  // The step's copies on the copy queue (Backend::copy_async), in issue order: what a kernel that
+  // reads their destination, or a free of either side, waits for (their end marks).
+  struct QueuedCopy {
+    std::size_t op = 0;
+    std::int32_t from = -1, to = -1;  // the allocated buffers (views resolved)
+  };
+  std::vector<QueuedCopy> copies;
+  void wait_for_copies(std::int32_t root);
+  void wait_for_copy_deps(const sim::Op& op);
   std::vector<std::int32_t> host_tokens;        // a micro-batch's tokens and targets, staged
 
   Impl(const planner::PlanFile& p, Backend& b, TokenData tokens, Communicator* c, const SessionOptions& o)

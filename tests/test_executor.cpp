@@ -47,6 +47,7 @@ struct Config {
   std::optional<DType> base;
   planner::Stage stage = planner::Stage::ddp;
   planner::OffloadDevice offload_optimizer = planner::OffloadDevice::none;
+  planner::OffloadDevice offload_param = planner::OffloadDevice::none;
   planner::Attention attention = planner::Attention::eager;
   planner::Precision precision = planner::Precision::fp32;
 };
@@ -76,6 +77,7 @@ planner::PlanFile make_plan(const Config& c) {
   in.profile = planner::RuntimeProfile::executor;
   in.strategy.stage = c.stage;
   in.strategy.offload_optimizer = c.offload_optimizer;
+  in.strategy.offload_param = c.offload_param;
   pf.run.steps = 2;
   pf.run.seed = 7;
   return pf;
@@ -188,8 +190,11 @@ TEST_P(ExecutorDevice, TrainsAsTheCpuBackendDoes) {
   { Config c; c.accum = 3; c.B = 1; cases.push_back(c); }
   { Config c; c.model = "tiny-llama-tied"; c.targets = {"q_proj", "v_proj", "gate_proj", "down_proj"}; cases.push_back(c); }
   { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.targets = {"k_proj", "down_proj"}; c.S = 32; cases.push_back(c); }
-  // The offloaded optimizer: gradients copied to pinned host memory, AdamW on the host.
+  // The offloaded optimizer: gradients copied to pinned host memory on the copy stream, AdamW on
+  // the host; and ZeRO-3's offloaded weights, copied to the device before each unit's gather.
   { Config c; c.stage = planner::Stage::zero2; c.offload_optimizer = planner::OffloadDevice::cpu; cases.push_back(c); }
+  { Config c; c.stage = planner::Stage::zero3; c.offload_optimizer = planner::OffloadDevice::cpu; c.offload_param = planner::OffloadDevice::cpu;
+    c.accum = 2; c.B = 1; cases.push_back(c); }
   // Flash attention over two tiles, GQA, under checkpointing.
   { Config c; c.model = std::string(PEFTPLAN_TEST_DATA) + "/executor/tiny-mistral"; c.attention = planner::Attention::flash; c.S = 96;
     c.B = 1; c.ckpt = planner::Checkpointing::full; cases.push_back(c); }
@@ -205,10 +210,10 @@ TEST_P(ExecutorDevice, TrainsAsTheCpuBackendDoes) {
     const bool bf16 = c.precision == planner::Precision::bf16_mixed;
     Session on_cpu(pf, cpu_backend(), corpus(pf));
     Session on_dev(pf, *dev, corpus(pf));
-    const std::string what = fmt::format("{} on {}: {} targets {} dropout {} accum {} ckpt {} {}{} {}", c.model, GetParam(), c.targets.size(),
+    const std::string what = fmt::format("{} on {}: {} targets {} dropout {} accum {} ckpt {} {}{}{} {}", c.model, GetParam(), c.targets.size(),
                                          fmt::join(c.targets, ","), c.dropout, c.accum, planner::name_of(c.ckpt), planner::name_of(c.stage),
                                          c.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "",
-                                         planner::name_of(c.precision));
+                                         c.offload_param == planner::OffloadDevice::cpu ? " + offload param" : "", planner::name_of(c.precision));
     // Both compute in fp32 (ε = 2^-23 ≈ 1.2e-7); a reduction of K terms summed in another order
     // differs by about ε·√K (K ≤ 1024 here: ~4e-6 relative), compounded over the ~30 ops of a
     // layer chain and three AdamW updates, whose m/√v turns small gradient differences into
@@ -311,6 +316,61 @@ TEST(ExecutorProgram, RunsProgramsBuiltWithoutNamesForEveryStrategy) {
     const sim::MemoryProfile want = sim::walk_memory(s.program());
     EXPECT_EQ(s.memory().device_peak_bytes, want.device_peak_bytes);
   }
+}
+
+// The copy queue (backend.h): a device may run an offload copy at any time between the marks that
+// order it. A CPU backend whose copies run as late as the marks allow (CpuCopyQueue::when_waited:
+// at the first wait that needs one, reading its source then) trains bit for bit as the inline one
+// only if the runner makes every wait a device needs: a kernel or collective that reads a copy's
+// destination before it landed reads stale bytes (taking out the runner's wait_for_copy_deps
+// fails the ZeRO-3 parameter-offload cases here). The waits before a free and the host's
+// synchronize before the offloaded step are not what these programs depend on (their copies are
+// waited for earlier: the gathers that read them, the gradient norm read back), so taking those
+// out passes; they guard programs that free a copy's side sooner. Every offload the executor
+// runs, with an accumulation, in fp32 and bf16.
+TEST(ExecutorCopyQueue, CopiesRunAsLateAsTheMarksAllowTrainAlike) {
+  const std::unique_ptr<Backend> late = make_cpu_backend(1, CpuCopyQueue::when_waited);
+  struct Offload {
+    planner::Stage stage;
+    planner::OffloadDevice param = planner::OffloadDevice::none;
+  };
+  const std::vector<Offload> offloads = {{planner::Stage::zero1},
+                                         {planner::Stage::zero2},
+                                         {planner::Stage::zero3},
+                                         {planner::Stage::zero3, planner::OffloadDevice::cpu}};
+  for (const auto precision : {planner::Precision::fp32, planner::Precision::bf16_mixed})
+    for (const Offload& o : offloads) {
+      Config c;
+      c.targets = {"q_proj", "v_proj", "down_proj"};
+      c.dropout = 0.1;
+      c.accum = 2;
+      c.B = 1;
+      c.stage = o.stage;
+      c.offload_optimizer = planner::OffloadDevice::cpu;
+      c.offload_param = o.param;
+      c.precision = precision;
+      planner::PlanFile pf = make_plan(c);
+      pf.input.training.lr = 3e-3;
+      SCOPED_TRACE(fmt::format("{}{} {}", planner::name_of(o.stage), o.param == planner::OffloadDevice::cpu ? " + offload param" : "",
+                               planner::name_of(precision)));
+      Session inline_copies(pf, cpu_backend(), corpus(pf));
+      Session late_copies(pf, *late, corpus(pf));
+      std::array<int, 2> ways{};  // device to host, host to device
+      for (const sim::Op& op : late_copies.program().ops)
+        if (op.kind == sim::OpKind::copy && op.phase != sim::Phase::setup) ++ways[static_cast<std::size_t>(op.copy_dir)];
+      EXPECT_GE(ways[0], 1);  // the gradients out and the parameters back (ZeRO-3's weights too)
+      EXPECT_GE(ways[1], o.param == planner::OffloadDevice::cpu ? 2 : 1);
+      randomise_adapter(inline_copies, 3, 0.05f);
+      randomise_adapter(late_copies, 3, 0.05f);
+      for (int k = 0; k < 3; ++k) {
+        const StepStats want = inline_copies.step();
+        const StepStats got = late_copies.step();
+        EXPECT_EQ(got.loss, want.loss) << "step " << k + 1;
+        EXPECT_EQ(got.grad_norm, want.grad_norm) << "step " << k + 1;
+      }
+      EXPECT_EQ(late_copies.trainable_weights(), inline_copies.trainable_weights());
+      EXPECT_EQ(late_copies.memory().device_peak_bytes, inline_copies.memory().device_peak_bytes);
+    }
 }
 
 // The op times a run reports are its steady step's (planner::steady_samples, the step validation

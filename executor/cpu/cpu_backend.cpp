@@ -1,14 +1,17 @@
 // The CPU backend: the Backend interface over the CPU kernels of kernels.h (Eigen GEMMs with
 // Eigen's own OpenMP parallelism, OpenMP loops elsewhere). Device memory is the heap; copies
-// are memcpy; kernels run inline on the calling thread, so synchronize() has nothing to wait
-// for and a timing mark is the host clock when it is recorded. Its own code: the dropout mask,
+// are memcpy; kernels run inline on the calling thread, so a timing mark is the host clock when it
+// is recorded, and only the copy queue can hold work back (when_waited, backend.h). Its own code: the dropout mask,
 // generated on the fly from a counter-based hash (the same bits as kernels.h dropout_mask) so that
 // no mask buffer exists outside the step program, and bf16 storage (In / Out below: widened to
 // fp32, computed, rounded once on store).
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
+#include <optional>
 #include <vector>
 
 #include <Eigen/Core>
@@ -121,9 +124,22 @@ class Out {  // an output operand; `load` widens what it holds first (accumulati
   float* f_ = nullptr;
 };
 
+// The heap, and with a copy queue that runs late (when_waited) every block handed back filled
+// with 0xFF bytes first (NaN in fp32 and bf16): a queued copy that reads a block after its owner
+// freed it then carries NaN into training, where without it the heap's stale bytes could pass.
+class HeapThatPoisonsFrees final : public MemoryResource {
+ public:
+  std::string_view name() const override { return heap_memory().name(); }
+  void* allocate(std::uint64_t bytes) override { return heap_memory().allocate(bytes); }
+  void deallocate(void* p, std::uint64_t bytes) override {
+    std::memset(p, 0xFF, bytes);
+    heap_memory().deallocate(p, bytes);
+  }
+};
+
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads) {
+  CpuBackend(int threads, CpuCopyQueue copies) : copies_(copies) {
     if (threads > 0) omp_set_num_threads(threads);
     threads_ = omp_get_max_threads();
     Eigen::setNbThreads(threads_);
@@ -139,18 +155,34 @@ class CpuBackend final : public Backend {
     return cpu::gemm_packing_bytes(M, N, K, threads_);
   }
 
-  MemoryResource& device_memory() override { return heap_memory(); }
-  MemoryResource& host_memory() override { return heap_memory(); }
+  MemoryResource& device_memory() override { return memory(); }
+  MemoryResource& host_memory() override { return memory(); }
   void copy_to_device(void* dst, const void* src, std::uint64_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_to_host(void* dst, const void* src, std::uint64_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_device(void* dst, const void* src, std::uint64_t bytes) override { std::memmove(dst, src, bytes); }
   void fill_zero(void* dst, std::uint64_t bytes) override { std::memset(dst, 0, bytes); }
-  void synchronize() override {}
+  void synchronize() override { run_copies_through(std::nullopt); }
 
   void reserve_marks(std::size_t slots) override {
     if (marks_.size() < slots) marks_.resize(slots);
   }
   void record_mark(std::size_t slot) override { marks_.at(slot) = Clock::now(); }
+
+  // The copy queue: each copy at once, or (when_waited) queued with the marks recorded after it
+  // until a wait or a synchronize reaches them. The compute queue is the calling thread, so a
+  // wait on a compute mark has nothing to wait for.
+  void copy_async(void* dst, const void* src, std::uint64_t bytes) override {
+    if (copies_ == CpuCopyQueue::at_enqueue) std::memcpy(dst, src, bytes);
+    else queued_.push_back({dst, src, bytes, 0});
+  }
+  void record_copy_mark(std::size_t slot) override {
+    marks_.at(slot) = Clock::now();
+    if (copies_ == CpuCopyQueue::when_waited) queued_.push_back({nullptr, nullptr, 0, slot});
+  }
+  void wait_mark(Queue waiter, std::size_t slot) override {
+    if (waiter == Queue::compute) run_copies_through(slot);
+  }
+  void wait_mark_on_host(std::size_t slot) override { run_copies_through(slot); }
   double seconds_between(std::size_t from, std::size_t to) override {
     return std::chrono::duration<double>(marks_.at(to) - marks_.at(from)).count();
   }
@@ -372,10 +404,36 @@ class CpuBackend final : public Backend {
   int threads_ = 1;
   Scratch scratch_;
   std::vector<Clock::time_point> marks_;
+  // when_waited: copies and copy-queue marks in the order they were enqueued (a mark: dst null).
+  struct Queued {
+    void* dst;
+    const void* src;
+    std::uint64_t bytes;
+    std::size_t mark;
+  };
+  CpuCopyQueue copies_ = CpuCopyQueue::at_enqueue;
+  std::deque<Queued> queued_;
+  HeapThatPoisonsFrees poisoned_;
+  MemoryResource& memory() { return copies_ == CpuCopyQueue::when_waited ? poisoned_ : heap_memory(); }
+  // Runs the queue through the mark `slot` (everything: nullopt); a slot not queued (a compute
+  // mark, or one already reached) runs nothing.
+  void run_copies_through(std::optional<std::size_t> slot) {
+    if (slot && std::none_of(queued_.begin(), queued_.end(), [&](const Queued& q) { return q.dst == nullptr && q.mark == *slot; })) return;
+    while (!queued_.empty()) {
+      const Queued q = queued_.front();
+      queued_.pop_front();
+      if (q.dst != nullptr) {
+        std::memcpy(q.dst, q.src, q.bytes);
+        continue;
+      }
+      marks_.at(q.mark) = Clock::now();
+      if (slot && q.mark == *slot) return;
+    }
+  }
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int threads) { return std::make_unique<CpuBackend>(threads); }
+std::unique_ptr<Backend> make_cpu_backend(int threads, CpuCopyQueue copies) { return std::make_unique<CpuBackend>(threads, copies); }
 
 }  // namespace peftplan::executor

@@ -3,8 +3,10 @@
 // accumulation, rounding each stored value once. GEMMs go to cuBLAS: fp32 operands in full fp32
 // (cublasSgemm, no TF32: the backend-ops test holds every backend to the same fp64 references),
 // bf16 operands through cublasGemmEx with CUBLAS_COMPUTE_32F; the row- and element-wise ops are
-// the kernels of cuda_kernels.cu (templates on the storage), launched from here. Everything is
-// enqueued on one compute stream; timing marks are CUDA events on it. Device memory comes exactly as
+// the kernels of cuda_kernels.cu (templates on the storage), launched from here. Kernels are
+// enqueued on one compute stream and the step's offload copies on a copy stream of their own
+// (backend.h "the copy queue"), between pinned host buffers so that they run asynchronously;
+// timing marks are CUDA events on either, and waits between them cudaStreamWaitEvent. Device memory comes exactly as
 // asked from a stream-ordered pool of the backend's own (DeviceMemory below: the tracked allocator
 // above counts every byte, the pool's reserved high-water mark is the run's `reserved`), host
 // memory is pinned (cudaMallocHost).
@@ -18,8 +20,8 @@
 // head dims up to cuda::kFlashMaxHeadDim), eager attention the cuBLAS GEMMs around a softmax kernel.
 //
 // Deliberately not here: fp16 compute (fp16 is a storage convert() handles, not a compute dtype),
-// tensor-core flash attention (its products would run in TF32 or bf16, not fp32), multi-stream
-// overlap (collectives are the Communicator's), and checking token ids on the device (the data
+// tensor-core flash attention (its products would run in TF32 or bf16, not fp32), the
+// collectives' stream (the Communicator's), and checking token ids on the device (the data
 // loader checks them at the edge).
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -158,6 +160,7 @@ std::uint64_t cublas_workspace_bytes(int major) { return major >= 9 ? (32ull << 
 // the constructor stops half-way.
 struct Handles {
   cudaStream_t stream = nullptr;
+  cudaStream_t copy_stream = nullptr;
   cublasHandle_t blas = nullptr;
   void* workspace = nullptr;
   double* discarded_loss = nullptr;  // cross_entropy_backward's loss sum, not read
@@ -170,6 +173,7 @@ struct Handles {
     if (blas != nullptr) cublasDestroy(blas);
     if (workspace != nullptr) cudaFree(workspace);
     if (discarded_loss != nullptr) cudaFree(discarded_loss);
+    if (copy_stream != nullptr) cudaStreamDestroy(copy_stream);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
 };
@@ -180,6 +184,7 @@ class CudaBackend final : public Backend {
     PEFTPLAN_CUDA(cudaGetDevice(&device_));
     PEFTPLAN_CUDA(cudaGetDeviceProperties(&props_, device_));
     PEFTPLAN_CUDA(cudaStreamCreateWithFlags(&h_.stream, cudaStreamNonBlocking));
+    PEFTPLAN_CUDA(cudaStreamCreateWithFlags(&h_.copy_stream, cudaStreamNonBlocking));
     device_memory_.bind(h_.stream, device_);
     PEFTPLAN_CUBLAS(cublasCreate(&h_.blas));
     PEFTPLAN_CUBLAS(cublasSetStream(h_.blas, h_.stream));
@@ -200,7 +205,10 @@ class CudaBackend final : public Backend {
     cublas_version_ = version;
   }
   // Work still queued finishes before the pool and the handles go (members, in reverse order).
-  ~CudaBackend() override { cudaStreamSynchronize(h_.stream); }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(h_.copy_stream);
+    cudaStreamSynchronize(h_.stream);
+  }
 
   std::string_view name() const override { return "cuda"; }
   std::string description() const override {
@@ -225,7 +233,7 @@ class CudaBackend final : public Backend {
   MemoryResource& device_memory() override { return device_memory_; }
   MemoryResource& host_memory() override { return host_memory_; }
   // Both directions finish before returning: the host buffer may be a temporary (upload) or read
-  // at once (download). Offload copies that overlap compute belong on a copy stream (issue 17).
+  // at once (download). The step's offload copies, which overlap the kernels, are copy_async's.
   // Every copy says cudaMemcpyDefault: with unified addressing the driver knows which side each
   // pointer is on, and callers do move bytes between two host buffers (offloaded states) through
   // these methods, for which a stated direction would be wrong.
@@ -265,7 +273,10 @@ class CudaBackend final : public Backend {
     PEFTPLAN_CUDA(cudaMemGetInfo(&free, &total));
     return MemoryKinds{device_memory_.reserved_high(), total - free, total};
   }
-  void synchronize() override { PEFTPLAN_CUDA(cudaStreamSynchronize(h_.stream)); }
+  void synchronize() override {
+    PEFTPLAN_CUDA(cudaStreamSynchronize(h_.copy_stream));
+    PEFTPLAN_CUDA(cudaStreamSynchronize(h_.stream));
+  }
 
   void reserve_marks(std::size_t slots) override {
     while (h_.marks.size() < slots) {
@@ -275,6 +286,19 @@ class CudaBackend final : public Backend {
     }
   }
   void record_mark(std::size_t slot) override { PEFTPLAN_CUDA(cudaEventRecord(h_.marks.at(slot), h_.stream)); }
+
+  // The copy queue (backend.h): a second stream. Host buffers are pinned (host_memory()), so
+  // cudaMemcpyAsync returns at once and the copy engine moves the bytes while kernels run
+  // (CUDA C++ Programming Guide, "Asynchronous Concurrent Execution": a copy from pageable memory
+  // is staged and may serialise with the host).
+  void copy_async(void* dst, const void* src, std::uint64_t bytes) override {
+    PEFTPLAN_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, h_.copy_stream));
+  }
+  void record_copy_mark(std::size_t slot) override { PEFTPLAN_CUDA(cudaEventRecord(h_.marks.at(slot), h_.copy_stream)); }
+  void wait_mark(Queue waiter, std::size_t slot) override {
+    PEFTPLAN_CUDA(cudaStreamWaitEvent(waiter == Queue::copy ? h_.copy_stream : h_.stream, h_.marks.at(slot), 0));
+  }
+  void wait_mark_on_host(std::size_t slot) override { PEFTPLAN_CUDA(cudaEventSynchronize(h_.marks.at(slot))); }
   double seconds_between(std::size_t from, std::size_t to) override {
     float ms = 0.0f;
     PEFTPLAN_CUDA(cudaEventElapsedTime(&ms, h_.marks.at(from), h_.marks.at(to)));

@@ -101,6 +101,24 @@ class Backend {
   virtual void record_mark(std::size_t slot) = 0;
   virtual double seconds_between(std::size_t from, std::size_t to) = 0;
 
+  // --- the copy queue --------------------------------------------------------------------
+  // The step program's host <-> device copies (Stream::copy: an offloaded optimizer's gradients
+  // and parameters, ZeRO-3's offloaded weights) run on a queue of their own, so that a device
+  // overlaps them with its kernels, as DeepSpeed's offload copies run on side streams between
+  // pinned host buffers (host_memory() is pinned on CUDA). Marks order the two queues:
+  // record_copy_mark is record_mark on the copy queue (the slots are shared, and seconds_between
+  // reads across queues); wait_mark(q, slot) makes queue q's later work start once the mark has
+  // been reached (cudaStreamWaitEvent); wait_mark_on_host blocks the host until then
+  // (cudaEventSynchronize); synchronize() waits for both queues. A copy on the copy queue may run
+  // at any time between the marks that order it: the caller orders it after the kernels that write
+  // its source (a compute mark it waits for) and orders whatever reads its destination, or reuses
+  // either side's memory, after its end mark.
+  enum class Queue : std::uint8_t { compute, copy };
+  virtual void copy_async(void* dst, const void* src, std::uint64_t bytes) = 0;
+  virtual void record_copy_mark(std::size_t slot) = 0;
+  virtual void wait_mark(Queue waiter, std::size_t slot) = 0;
+  virtual void wait_mark_on_host(std::size_t slot) = 0;
+
   // --- dtypes ----------------------------------------------------------------------------
   // Whether convert() reads and writes `d` (fp32, and bf16 / fp16 on the CPU; quantised
   // storage is not an executor dtype).
@@ -201,7 +219,13 @@ class Backend {
 };
 
 // The CPU backend: Eigen GEMMs and OpenMP loops on `threads` threads (0: OpenMP's default).
-std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+// Its kernels run inline; its copy queue runs each copy when it is enqueued (`at_enqueue`), or
+// as late as the marks allow (`when_waited`: a copy runs when a wait on a mark after it, or a
+// synchronize, needs it, reading its source then), which is what a device's copy engine may do:
+// a run on it trains exactly as an inline one only if every wait the device needs was made
+// (tests/test_executor.cpp ExecutorCopyQueue).
+enum class CpuCopyQueue : std::uint8_t { at_enqueue, when_waited };
+std::unique_ptr<Backend> make_cpu_backend(int threads = 0, CpuCopyQueue copies = CpuCopyQueue::at_enqueue);
 
 // The backends this build has, by name ("cpu"; a CUDA build adds "cuda"), and a factory: the
 // backend-ops test runs every Backend method on each of them (tests/test_backend_ops.cpp).

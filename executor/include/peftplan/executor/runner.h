@@ -6,8 +6,10 @@
 //   compute    -> one Backend call, dispatched on Op::kernel, with the buffers Op::args names
 //                 (conventions in planner/program.cpp) and the dimensions of the model;
 //   collective -> the Communicator (one rank: nothing to exchange, skipped);
-//   copy       -> a backend copy (the executor profile emits none without offload; ZeRO-3's
-//                 parameter offload stages each host shard on the device before its gather).
+//   copy       -> a copy on the backend's copy queue, after the kernels issued before it (the
+//                 executor profile emits none without offload; ZeRO-3's parameter offload stages
+//                 each host shard on the device before its gather); the ops that depend on it,
+//                 and the frees of either side, wait for it (backend.h "the copy queue").
 // Setup ops (weights, adapter, gradients, optimizer states) run once, when the session starts;
 // the rest once per optimizer step. Because every byte a kernel touches is a program buffer,
 // the measured memory per category is the planner's prediction.
