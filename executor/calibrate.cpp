@@ -134,17 +134,43 @@ double log_shape_factor(const GemmShape& s, double h) {
          std::log(saturate(static_cast<double>(s.K), h));
 }
 
-// For a given half_dim, the best log(plateau) and the squared log error.
-std::pair<double, double> curve_at(std::span<const GemmResult> r, double h) {
+// The curve's time for one GEMM: a fixed cost per call (launch and library setup) plus its
+// FLOPs at sim's rate, plateau × f(M)·f(N)·f(K) (sim::gemm_efficiency).
+double curve_seconds(const GemmShape& s, double log_plateau, double h, double latency_s) {
+  return latency_s + gemm_flops(s) * std::exp(-log_plateau - log_shape_factor(s, h));
+}
+
+// For a given half_dim and latency, the best log(plateau) and the squared log error of the
+// times. Without a latency the best is closed-form (the mean log rate over the shape factor);
+// with one, a golden-section search on log(plateau) around the rates the times leave once the
+// latency is taken off.
+std::pair<double, double> curve_at(std::span<const GemmResult> r, double h, double latency_s = 0.0) {
+  auto sse_at = [&](double lp) {
+    double sse = 0.0;
+    for (const auto& g : r) {
+      const double e = std::log(g.seconds) - std::log(curve_seconds(g.shape, lp, h, latency_s));
+      sse += e * e;
+    }
+    return sse;
+  };
   double mean = 0.0;
   for (const auto& g : r) mean += std::log(g.flops_per_s) - log_shape_factor(g.shape, h);
   mean /= static_cast<double>(r.size());
-  double sse = 0.0;
+  if (latency_s <= 0.0) return {mean, sse_at(mean)};
+  double a = mean - 1.0, b = mean;  // the plateau is at least the no-latency one's rate scale
   for (const auto& g : r) {
-    const double e = std::log(g.flops_per_s) - log_shape_factor(g.shape, h) - mean;
-    sse += e * e;
+    const double left = g.seconds - latency_s;
+    if (left > 0.0) b = std::max(b, std::log(gemm_flops(g.shape) / left) - log_shape_factor(g.shape, h));
   }
-  return {mean, sse};
+  b += 1.0;
+  const double gr = (std::sqrt(5.0) - 1.0) / 2.0;
+  for (int it = 0; it < 80; ++it) {
+    const double c = b - gr * (b - a), d = a + gr * (b - a);
+    if (sse_at(c) < sse_at(d)) b = d;
+    else a = c;
+  }
+  const double lp = 0.5 * (a + b);
+  return {lp, sse_at(lp)};
 }
 
 // sim's time for a ring collective on a one-node probe cluster with the given link.
@@ -579,38 +605,87 @@ std::vector<CollectiveFit> fit_collectives(std::span<const CollectivePoint> poin
 
 GemmCurve fit_gemm_curve(std::span<const GemmResult> results) {
   PEFTPLAN_CHECK(!results.empty());
-  // sse(h) over a log grid 0.25 .. 8192, then golden-section refinement around the best cell.
-  constexpr int kGrid = 160;
+  // Three parameters: the plateau, the half-size h and a per-call latency, fitted to the times in
+  // log space (every shape counts by its relative error). The latency is what a GPU's small GEMMs
+  // take whatever their size (the first H200 calibration: every shape below the 1B layer's in
+  // about the same 13 µs of launch): without it the curve explains their low rates by a large
+  // h and a plateau far above the chip's (462 TFLOP/s fp32 on a 67 TFLOP/s part). On a CPU the
+  // small shapes run at the large ones' rate and the latency comes out near 0.
+  // For each latency on a log grid (0 and 1 ns .. 10 ms), sse(h) over a log grid 0.25 .. 8192,
+  // golden-section refinement of h around the best cell; then the best latency is refined the
+  // same way at its h.
+  constexpr int kGrid = 160, kLatencyGrid = 49;
   const double lo = std::log(0.25), hi = std::log(8192.0);
-  double best_h = 0.0, best_sse = curve_at(results, 0.0).second;  // h = 0: no shape effect
-  int best_i = -1;
-  for (int i = 0; i < kGrid; ++i) {
-    const double h = std::exp(lo + (hi - lo) * i / (kGrid - 1));
-    const double sse = curve_at(results, h).second;
-    if (sse < best_sse) best_sse = sse, best_h = h, best_i = i;
-  }
-  if (best_i >= 0) {
-    double a = lo + (hi - lo) * std::max(0, best_i - 1) / (kGrid - 1);
-    double b = lo + (hi - lo) * std::min(kGrid - 1, best_i + 1) / (kGrid - 1);
-    const double g = (std::sqrt(5.0) - 1.0) / 2.0;
-    for (int it = 0; it < 60; ++it) {
-      const double c = b - g * (b - a), d = a + g * (b - a);
-      if (curve_at(results, std::exp(c)).second < curve_at(results, std::exp(d)).second) b = d;
-      else a = c;
+  const double llo = std::log(1e-9), lhi = std::log(1e-2);
+  const double gr = (std::sqrt(5.0) - 1.0) / 2.0;
+  auto best_h_at = [&](double latency_s) {
+    double best_h = 0.0, best_sse = curve_at(results, 0.0, latency_s).second;  // h = 0: no shape effect
+    int best_i = -1;
+    for (int i = 0; i < kGrid; ++i) {
+      const double h = std::exp(lo + (hi - lo) * i / (kGrid - 1));
+      const double sse = curve_at(results, h, latency_s).second;
+      if (sse < best_sse) best_sse = sse, best_h = h, best_i = i;
     }
-    const double h = std::exp(0.5 * (a + b));
-    if (curve_at(results, h).second < best_sse) best_h = h;
+    if (best_i >= 0) {
+      double a = lo + (hi - lo) * std::max(0, best_i - 1) / (kGrid - 1);
+      double b = lo + (hi - lo) * std::min(kGrid - 1, best_i + 1) / (kGrid - 1);
+      for (int it = 0; it < 60; ++it) {
+        const double c = b - gr * (b - a), d = a + gr * (b - a);
+        if (curve_at(results, std::exp(c), latency_s).second < curve_at(results, std::exp(d), latency_s).second) b = d;
+        else a = c;
+      }
+      const double h = std::exp(0.5 * (a + b));
+      const double sse = curve_at(results, h, latency_s).second;
+      if (sse < best_sse) best_sse = sse, best_h = h;
+    }
+    return std::pair{best_h, best_sse};
+  };
+  auto [best_h, best_sse] = best_h_at(0.0);
+  double best_latency = 0.0;
+  int best_j = -1;
+  for (int j = 0; j < kLatencyGrid; ++j) {
+    const double latency = std::exp(llo + (lhi - llo) * j / (kLatencyGrid - 1));
+    const auto [h, sse] = best_h_at(latency);
+    if (sse < best_sse) best_sse = sse, best_h = h, best_latency = latency, best_j = j;
+  }
+  if (best_j >= 0 && best_h > 0.0) {
+    // The two interact (a longer latency leaves the small shapes less to explain by h): refine
+    // them in turn, each by golden section in log space within a bracket that halves each round.
+    auto golden = [&](double a, double b, auto&& sse_of) {
+      for (int it = 0; it < 40; ++it) {
+        const double c = b - gr * (b - a), d = a + gr * (b - a);
+        if (sse_of(c) < sse_of(d)) b = d;
+        else a = c;
+      }
+      return 0.5 * (a + b);
+    };
+    double wl = (lhi - llo) / (kLatencyGrid - 1), wh = (hi - lo) / (kGrid - 1);
+    for (int round = 0; round < 12; ++round, wl *= 0.5, wh *= 0.5) {
+      const double ll = golden(std::log(best_latency) - wl, std::log(best_latency) + wl,
+                               [&](double x) { return curve_at(results, best_h, std::exp(x)).second; });
+      const double sl = curve_at(results, best_h, std::exp(ll)).second;
+      if (sl < best_sse) best_sse = sl, best_latency = std::exp(ll);
+      const double lh = golden(std::log(best_h) - wh, std::log(best_h) + wh,
+                               [&](double x) { return curve_at(results, std::exp(x), best_latency).second; });
+      const double sh = curve_at(results, std::exp(lh), best_latency).second;
+      if (sh < best_sse) best_sse = sh, best_h = std::exp(lh);
+    }
   }
   GemmCurve c;
   c.half_dim = best_h;
-  c.plateau_flops_per_s = std::exp(curve_at(results, best_h).first);
+  c.latency_s = best_latency;
+  c.plateau_flops_per_s = std::exp(curve_at(results, best_h, best_latency).first);
   std::vector<double> pred, meas;
   for (const auto& g : results) {
-    pred.push_back(c.plateau_flops_per_s * std::exp(log_shape_factor(g.shape, best_h)));
+    pred.push_back(gemm_curve_flops_per_s(c, g.shape));
     meas.push_back(g.flops_per_s);
   }
   c.rms_rel_error = rms_rel(pred, meas);
   return c;
+}
+
+double gemm_curve_flops_per_s(const GemmCurve& c, const GemmShape& s) {
+  return gemm_flops(s) / curve_seconds(s, std::log(c.plateau_flops_per_s), c.half_dim, c.latency_s);
 }
 
 LinkFit fit_link(std::span<const CollectivePoint> points, int ranks) {
@@ -978,18 +1053,16 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
   o += fmt::format("# {:>6} {:>6} {:>6} {:>12} {:>10} {:>10} {:>7}\n", "M", "K", "N", "time(us)",
                    "GFLOP/s", "sim", "err");
   for (const auto& g : cal.gemm) {
-    const double sim_rate = cal.gemm_curve.plateau_flops_per_s *
-                            sim::gemm_efficiency(g.shape.M, g.shape.N, g.shape.K, 1,
-                                                 {.gemm_max = 1.0,
-                                                  .gemm_half_dim = cal.gemm_curve.half_dim});
+    const double sim_rate = gemm_curve_flops_per_s(cal.gemm_curve, g.shape);
     o += fmt::format("  {:>6} {:>6} {:>6} {:>12.1f} {:>10.2f} {:>10.2f} {:>+6.0f}%\n", g.shape.M,
                      g.shape.K, g.shape.N, g.seconds / kMicro, g.flops_per_s / kGiga,
                      sim_rate / kGiga, 100.0 * (sim_rate / g.flops_per_s - 1.0));
   }
   o += fmt::format("# representative (layer mix): {:.2f} GFLOP/s; fitted curve: plateau {:.2f} "
-                   "GFLOP/s, half_dim {:.1f}, rms error {:.0f}%\n",
+                   "GFLOP/s, half_dim {:.1f}, latency {:.2f} us per call (the profile carries it as each kernel's fitted "
+                   "per-call overhead), rms error {:.0f}%\n",
                    cal.gemm_representative_flops_per_s / kGiga,
-                   cal.gemm_curve.plateau_flops_per_s / kGiga, cal.gemm_curve.half_dim,
+                   cal.gemm_curve.plateau_flops_per_s / kGiga, cal.gemm_curve.half_dim, cal.gemm_curve.latency_s / kMicro,
                    100.0 * cal.gemm_curve.rms_rel_error);
   if (cal.probe_before_flops_per_s > 0.0 && cal.probe_after_flops_per_s > 0.0)
     o += fmt::format("# machine-speed probe (the reference step program, every rank at once, {:.1f} s each): {:.2f} GFLOP/s per rank "
@@ -1177,6 +1250,7 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
       {"gemm_representative_GFLOPs", cal.gemm_representative_flops_per_s / kGiga},
       {"gemm_curve", {{"plateau_GFLOPs", cal.gemm_curve.plateau_flops_per_s / kGiga},
                       {"half_dim", cal.gemm_curve.half_dim},
+                      {"latency_us", cal.gemm_curve.latency_s / kMicro},
                       {"rms_rel_error", cal.gemm_curve.rms_rel_error}}},
       {"shared", shared},
       {"collectives", coll},

@@ -84,7 +84,38 @@ TEST(Calibrate, GemmCurveFitRecoversSimsCurve) {
   GemmCurve c = fit_gemm_curve(r);
   EXPECT_NEAR(c.half_dim, 48.0, 0.5);
   EXPECT_NEAR(c.plateau_flops_per_s, 80e9, 80e9 * 0.005);
+  EXPECT_LT(c.latency_s, 1e-8);  // the CPU's case: no per-call cost to find
   EXPECT_LT(c.rms_rel_error, 0.005);
+}
+
+// A GPU's GEMMs: the device calibration's shapes (calibration_gemm_shapes(quick, device)) timed
+// as the first H200 calibration saw them — every CPU-sized shape in about the same 13 µs of launch
+// and cuBLAS setup, the 1B layer's at its sustained rate, fp32 49.7-51.4 TFLOP/s on the 2048-5632
+// shapes (README, "Measured on one NVIDIA H200": q_proj 49.7, gate_proj 46.2, down_proj 51.4,
+// lm_head 51.0). Made here as 13 µs + FLOPs at 55 TFLOP/s × f(M)f(N)f(K), half-size 200. The
+// curve must find the three back: without the latency it put the plateau at 462 TFLOP/s, 7x the
+// chip's fp32 peak, and predicted the 1B job's step 2.4x too fast.
+TEST(Calibrate, GemmCurveFitFindsAGpusLaunchLatency) {
+  sim::Efficiency e;
+  e.gemm_max = 1.0;
+  e.gemm_half_dim = 200.0;
+  std::vector<GemmResult> r;
+  for (const GemmShape& s : calibration_gemm_shapes(true, true)) {
+    GemmResult g;
+    g.shape = s;
+    g.seconds = 13e-6 + gemm_flops(s) / (55e12 * sim::gemm_efficiency(s.M, s.N, s.K, 1, e));
+    g.flops_per_s = gemm_flops(s) / g.seconds;
+    r.push_back(g);
+  }
+  const GemmCurve c = fit_gemm_curve(r);
+  EXPECT_NEAR(c.latency_s, 13e-6, 13e-6 * 0.02);
+  EXPECT_NEAR(c.plateau_flops_per_s, 55e12, 55e12 * 0.03);
+  EXPECT_NEAR(c.half_dim, 200.0, 20.0);
+  EXPECT_LT(c.rms_rel_error, 0.01);
+  // The largest shape (lm_head, 4096 x 2048 -> 32000) at the curve's rate: 10.5 ms, as measured.
+  const GemmShape head{4096, 2048, 32000};
+  EXPECT_NEAR(gemm_flops(head) / gemm_curve_flops_per_s(c, head), 13e-6 + gemm_flops(head) / (55e12 * sim::gemm_efficiency(4096, 32000, 2048, 1, e)),
+              1e-4);
 }
 
 // A cluster whose intra-node link is (latency, rate), as make_profile builds it.

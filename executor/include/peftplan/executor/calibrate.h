@@ -95,10 +95,13 @@ struct CollectiveFit {
 
 // sim's GEMM efficiency curve with gemm_max = 1: rate = plateau × f(M) f(N) f(K),
 // f(x) = x / (x + half_dim).
+// The GEMM timing curve calibration fits (fit_gemm_curve): seconds per call = latency_s +
+// FLOPs / (plateau × f(M)·f(N)·f(K)), f(x) = x / (x + half_dim) as sim::gemm_efficiency.
 struct GemmCurve {
   double plateau_flops_per_s = 0.0;
   double half_dim = 0.0;
-  double rms_rel_error = 0.0;  // over the measured shapes
+  double latency_s = 0.0;      // per call, whatever the size (a GPU's launch)
+  double rms_rel_error = 0.0;  // of the rates, over the measured shapes
 };
 
 // The intra-node link for sim::collective_cost (ring, efficiency 1).
@@ -273,6 +276,8 @@ double wire_bytes(sim::Collective kind, std::uint64_t bytes, int ranks);
 AlphaBeta fit_alpha_beta(std::span<const double> x_bytes, std::span<const double> time_s);
 std::vector<CollectiveFit> fit_collectives(std::span<const CollectivePoint> points);
 GemmCurve fit_gemm_curve(std::span<const GemmResult> results);
+// The curve's rate for one shape: FLOPs over its seconds per call.
+double gemm_curve_flops_per_s(const GemmCurve& c, const GemmShape& s);
 // Latency and bandwidth of one intra-node link such that sim::collective_cost reproduces the
 // measurements at `ranks` ranks (least squares on log(t_sim / t_measured) over every kind and size).
 LinkFit fit_link(std::span<const CollectivePoint> points, int ranks);
