@@ -142,8 +142,8 @@ double curve_seconds(const GemmShape& s, double log_plateau, double h, double la
 
 // For a given half_dim and latency, the best log(plateau) and the squared log error of the
 // times. Without a latency the best is closed-form (the mean log rate over the shape factor);
-// with one, a golden-section search on log(plateau) around the rates the times leave once the
-// latency is taken off.
+// with one, Gauss-Newton from there: d log(time_i) / d log(plateau) = -w_i, w_i the share of
+// time_i that is FLOPs, so a step is sum(e_i w_i) / sum(w_i^2), halved until the error falls.
 std::pair<double, double> curve_at(std::span<const GemmResult> r, double h, double latency_s = 0.0) {
   auto sse_at = [&](double lp) {
     double sse = 0.0;
@@ -153,24 +153,33 @@ std::pair<double, double> curve_at(std::span<const GemmResult> r, double h, doub
     }
     return sse;
   };
-  double mean = 0.0;
-  for (const auto& g : r) mean += std::log(g.flops_per_s) - log_shape_factor(g.shape, h);
-  mean /= static_cast<double>(r.size());
-  if (latency_s <= 0.0) return {mean, sse_at(mean)};
-  double a = mean - 1.0, b = mean;  // the plateau is at least the no-latency one's rate scale
-  for (const auto& g : r) {
-    const double left = g.seconds - latency_s;
-    if (left > 0.0) b = std::max(b, std::log(gemm_flops(g.shape) / left) - log_shape_factor(g.shape, h));
+  double lp = 0.0;
+  for (const auto& g : r) lp += std::log(g.flops_per_s) - log_shape_factor(g.shape, h);
+  lp /= static_cast<double>(r.size());
+  double sse = sse_at(lp);
+  if (latency_s <= 0.0) return {lp, sse};
+  for (int it = 0; it < 30; ++it) {
+    double ew = 0.0, ww = 0.0;
+    for (const auto& g : r) {
+      const double t = curve_seconds(g.shape, lp, h, latency_s), w = (t - latency_s) / t;
+      ew += (std::log(g.seconds) - std::log(t)) * w;
+      ww += w * w;
+    }
+    if (!(ww > 1e-300)) break;  // every time is all latency: the plateau is not seen
+    double step = std::clamp(-ew / ww, -2.0, 2.0);
+    bool better = false;
+    for (int half = 0; half < 30 && !better; ++half, step *= 0.5) {
+      const double next = sse_at(lp + step);
+      if (next < sse) {
+        better = true;
+        lp += step;
+        if (sse - next < 1e-15 * (1.0 + sse)) it = 30;  // converged
+        sse = next;
+      }
+    }
+    if (!better) break;
   }
-  b += 1.0;
-  const double gr = (std::sqrt(5.0) - 1.0) / 2.0;
-  for (int it = 0; it < 80; ++it) {
-    const double c = b - gr * (b - a), d = a + gr * (b - a);
-    if (sse_at(c) < sse_at(d)) b = d;
-    else a = c;
-  }
-  const double lp = 0.5 * (a + b);
-  return {lp, sse_at(lp)};
+  return {lp, sse};
 }
 
 // sim's time for a ring collective on a one-node probe cluster with the given link.
