@@ -6,7 +6,7 @@
 # It builds what the checks need from the carried tree (build/device, the `device` preset),
 # runs the backend-ops tests and the NCCL communicator's on the GPU (ctest -L device), the cuBLAS GEMM throughput at the 1B
 # model's shapes, plan-and-run on the GPU at one rank (no mpirun) for DDP and ZeRO-3 (and DDP with flash attention, in fp32 and
-# in bf16 mixed precision), and a
+# in bf16 mixed precision, and ZeRO-2 with the optimizer offloaded in bf16), and a
 # transformers + PEFT run of the same model captured by tools/peftplan_callback.py and compared
 # with `plan --profile hf`, and PEFT's PeftModel.from_pretrained on the adapter our executor
 # trained, its loss against ours. Logs and figures go to DIR; the summary to stdout. Exit code 0 when
@@ -92,8 +92,10 @@ step "plan-and-run on the GPU with flash attention (the fused CUDA kernels): the
 gpu_run run-flash "plan-and-run on the GPU with flash attention" --strategy ddp --attention flash
 step "plan-and-run on the GPU in bf16 mixed precision with flash attention (what users run: bf16 GEMMs, the fused kernels on bf16, fp32 masters): the same job, DDP"
 gpu_run run-bf16 "plan-and-run on the GPU in bf16 with flash attention" --strategy ddp --precision bf16 --attention flash
+step "plan-and-run on the GPU with the optimizer offloaded (gradients out and weights back on the copy stream, AdamW on the host), bf16, flash: the same job, ZeRO-2"
+gpu_run run-offload "plan-and-run on the GPU with the optimizer offloaded" --strategy zero2 --offload-optimizer cpu --precision bf16 --attention flash
 # The memory kinds beyond allocated, measured on the device (measurement.json), and the losses.
-python3 - "$out/run" "$out/run-flash" "$out/run-bf16" <<'PY' || failed "reading the GPU run's measurements"
+python3 - "$out/run" "$out/run-flash" "$out/run-bf16" "$out/run-offload" <<'PY' || failed "reading the GPU run's measurements"
 import json, pathlib, sys
 for m in sorted(p for d in sys.argv[1:] for p in [*pathlib.Path(d).glob("*/measurement.json"), *pathlib.Path(d).glob("measurement.json")]):
     j = json.loads(m.read_text()); d = j["memory"]["device"]; g = 2.0 ** 30
