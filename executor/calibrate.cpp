@@ -141,9 +141,10 @@ double curve_seconds(const GemmShape& s, double log_plateau, double h, double la
 }
 
 // For a given half_dim and latency, the best log(plateau) and the squared log error of the
-// times. Without a latency the best is closed-form (the mean log rate over the shape factor);
-// with one, Gauss-Newton from there: d log(time_i) / d log(plateau) = -w_i, w_i the share of
-// time_i that is FLOPs, so a step is sum(e_i w_i) / sum(w_i^2), halved until the error falls.
+// times. Without a latency the best is closed-form (the mean of log(FLOPs / time) less the shape
+// factor); with one, Gauss-Newton from there: with e_i = log t_i - log(curve_i),
+// d e_i / d log(plateau) = w_i, the share of curve_i that is FLOPs, so a step is
+// -sum(e_i w_i) / sum(w_i^2), halved until the error falls.
 std::pair<double, double> curve_at(std::span<const GemmResult> r, double h, double latency_s = 0.0) {
   auto sse_at = [&](double lp) {
     double sse = 0.0;
@@ -154,15 +155,15 @@ std::pair<double, double> curve_at(std::span<const GemmResult> r, double h, doub
     return sse;
   };
   double lp = 0.0;
-  for (const auto& g : r) lp += std::log(g.flops_per_s) - log_shape_factor(g.shape, h);
+  for (const auto& g : r) lp += std::log(gemm_flops(g.shape) / g.seconds) - log_shape_factor(g.shape, h);
   lp /= static_cast<double>(r.size());
   double sse = sse_at(lp);
   if (latency_s <= 0.0) return {lp, sse};
   for (int it = 0; it < 30; ++it) {
     double ew = 0.0, ww = 0.0;
     for (const auto& g : r) {
-      const double t = curve_seconds(g.shape, lp, h, latency_s), w = (t - latency_s) / t;
-      ew += (std::log(g.seconds) - std::log(t)) * w;
+      const double x = gemm_flops(g.shape) * std::exp(-lp - log_shape_factor(g.shape, h)), w = x / (latency_s + x);
+      ew += (std::log(g.seconds) - std::log(latency_s + x)) * w;
       ww += w * w;
     }
     if (!(ww > 1e-300)) break;  // every time is all latency: the plateau is not seen
@@ -614,6 +615,8 @@ std::vector<CollectiveFit> fit_collectives(std::span<const CollectivePoint> poin
 
 GemmCurve fit_gemm_curve(std::span<const GemmResult> results) {
   PEFTPLAN_CHECK(!results.empty());
+  for (const auto& g : results)
+    PEFTPLAN_CHECK_MSG(g.seconds > 0.0 && gemm_flops(g.shape) > 0.0, "a GEMM timing of {} s for {}x{}x{}", g.seconds, g.shape.M, g.shape.K, g.shape.N);
   // Three parameters: the plateau, the half-size h and a per-call latency, fitted to the times in
   // log space (every shape counts by its relative error). The latency is what a GPU's small GEMMs
   // take whatever their size (the first H200 calibration: every shape below the 1B layer's in
@@ -657,7 +660,7 @@ GemmCurve fit_gemm_curve(std::span<const GemmResult> results) {
     const auto [h, sse] = best_h_at(latency);
     if (sse < best_sse) best_sse = sse, best_h = h, best_latency = latency, best_j = j;
   }
-  if (best_j >= 0 && best_h > 0.0) {
+  if (best_j >= 0) {
     // The two interact (a longer latency leaves the small shapes less to explain by h): refine
     // them in turn, each by golden section in log space within a bracket that halves each round.
     auto golden = [&](double a, double b, auto&& sse_of) {
@@ -674,6 +677,7 @@ GemmCurve fit_gemm_curve(std::span<const GemmResult> results) {
                                [&](double x) { return curve_at(results, best_h, std::exp(x)).second; });
       const double sl = curve_at(results, best_h, std::exp(ll)).second;
       if (sl < best_sse) best_sse = sl, best_latency = std::exp(ll);
+      if (best_h <= 0.0) continue;  // no shape effect: only the latency to refine
       const double lh = golden(std::log(best_h) - wh, std::log(best_h) + wh,
                                [&](double x) { return curve_at(results, std::exp(x), best_latency).second; });
       const double sh = curve_at(results, std::exp(lh), best_latency).second;
@@ -1068,8 +1072,8 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
                      sim_rate / kGiga, 100.0 * (sim_rate / g.flops_per_s - 1.0));
   }
   o += fmt::format("# representative (layer mix): {:.2f} GFLOP/s; fitted curve: plateau {:.2f} "
-                   "GFLOP/s, half_dim {:.1f}, latency {:.2f} us per call (the profile carries it as each kernel's fitted "
-                   "per-call overhead), rms error {:.0f}%\n",
+                   "GFLOP/s, half_dim {:.1f}, latency {:.2f} us per call (reported; the profile's per-call costs are "
+                   "each kernel's overhead fitted on the programs), rms error {:.0f}%\n",
                    cal.gemm_representative_flops_per_s / kGiga,
                    cal.gemm_curve.plateau_flops_per_s / kGiga, cal.gemm_curve.half_dim, cal.gemm_curve.latency_s / kMicro,
                    100.0 * cal.gemm_curve.rms_rel_error);

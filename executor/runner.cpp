@@ -189,8 +189,9 @@ void Session::Impl::compute(const sim::Op& op) {
       float* grads = mixed ? at(o.grads32) : at(o.grads);
       // An offloaded optimizer's step (the program's cpu_adam, on the host stream) runs on the
       // host over its host buffers, as DeepSpeed's CPU Adam does, whatever the backend: once the
-      // device's queue has drained (the gradients' copy to the host has landed). Elsewhere the
-      // backend's AdamW. Both are optim.h adamw_step's arithmetic.
+      // gradients' copies to the host have landed (waited for on the host, wait_for_copy_deps)
+      // and the device's queues have drained. Elsewhere the backend's AdamW. Both are optim.h
+      // adamw_step's arithmetic.
       const bool host_step = op.stream == sim::Stream::host;
       if (host_step) be.synchronize();
       if (mixed && host_step) cpu::bf16_to_fp32(at<const std::uint16_t>(o.grads), grads, n);
@@ -270,6 +271,7 @@ void Session::Impl::run_ops(bool update) {
   // Compute ops are timed by marks on the compute stream (backend.h), read once the step's
   // queue has drained: no synchronize between ops, so a device overlaps them as it would.
   timed.clear();
+  copies.clear();
   be.record_mark(kStartMark);
   for (std::size_t i = first_step_op; i < program.ops.size(); ++i) {
     const sim::Op& op = program.ops[i];

@@ -162,10 +162,14 @@ void Session::Impl::copy(const sim::Op& op) {
   be.copy_async(block(op.buffer_out), block(op.buffer), op.bytes);
 }
 
-// Before an op that reads what a copy it depends on wrote: the compute queue waits for the copy.
+// Before an op that reads what a copy it depends on wrote: the compute queue waits for the copy,
+// or, for an op on the host (the offloaded optimizer's step), the host does.
 void Session::Impl::wait_for_copy_deps(const sim::Op& op) {
-  for (std::int32_t dep : program.deps_of(op))
-    if (program.ops[static_cast<std::size_t>(dep)].kind == OpKind::copy) be.wait_mark(Backend::Queue::compute, end_mark(static_cast<std::size_t>(dep)));
+  for (std::int32_t dep : program.deps_of(op)) {
+    if (program.ops[static_cast<std::size_t>(dep)].kind != OpKind::copy) continue;
+    if (op.stream == sim::Stream::host) be.wait_mark_on_host(end_mark(static_cast<std::size_t>(dep)));
+    else be.wait_mark(Backend::Queue::compute, end_mark(static_cast<std::size_t>(dep)));
+  }
 }
 
 // Before a buffer's memory goes back to the allocator: the queued copies that read or write it

@@ -175,7 +175,16 @@ struct Session::Impl {
     be.reset_device_memory_peak();  // this run's reserved peak, not an earlier run's (backend.h)
     scalars = static_cast<double*>(be.device_memory().allocate(kScalarSlots * sizeof(double)));
   }
-  ~Impl() { be.device_memory().deallocate(scalars, kScalarSlots * sizeof(double)); }
+  // A step that threw may leave copies queued (the copy queue, backend.h): they finish before
+  // the scalars and then every block (`alloc`, destroyed after this body) go back; a device
+  // error there is the step's, already reported.
+  ~Impl() {
+    try {
+      be.synchronize();
+    } catch (...) {
+    }
+    be.device_memory().deallocate(scalars, kScalarSlots * sizeof(double));
+  }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
   SessionOptions options;

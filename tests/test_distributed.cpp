@@ -103,8 +103,9 @@ TokenData corpus(const planner::PlanFile& pf) {
 
 // The CPU backend with the late copy queue (backend.h CpuCopyQueue::when_waited): the offload
 // cases' copies run as late as their marks allow, as a device's copy engine may run them, so a
-// wait the runner misses between copies, collectives and kernels shows as a difference from one
-// rank's training (which runs on it too).
+// wait the runner misses between a copy and the kernels, frees or host step after it shows as a
+// difference from one rank's training (which runs on it too). Collectives are not checked against
+// copies here: the runner drains both queues before each array collective.
 Backend& backend() {
   static std::unique_ptr<Backend> b = make_cpu_backend(1, CpuCopyQueue::when_waited);
   return *b;

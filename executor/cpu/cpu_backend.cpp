@@ -126,7 +126,8 @@ class Out {  // an output operand; `load` widens what it holds first (accumulati
 
 // The heap, and with a copy queue that runs late (when_waited) every block handed back filled
 // with 0xFF bytes first (NaN in fp32 and bf16): a queued copy that reads a block after its owner
-// freed it then carries NaN into training, where without it the heap's stale bytes could pass.
+// freed it reads NaN, or, where the heap has handed the block to a new owner already (it reuses
+// the last block of a size first), that owner's bytes; either differs from the inline run.
 class HeapThatPoisonsFrees final : public MemoryResource {
  public:
   std::string_view name() const override { return heap_memory().name(); }
@@ -173,11 +174,11 @@ class CpuBackend final : public Backend {
   // wait on a compute mark has nothing to wait for.
   void copy_async(void* dst, const void* src, std::uint64_t bytes) override {
     if (copies_ == CpuCopyQueue::at_enqueue) std::memcpy(dst, src, bytes);
-    else queued_.push_back({dst, src, bytes, 0});
+    else queued_.push_back({false, dst, src, bytes, 0});
   }
   void record_copy_mark(std::size_t slot) override {
     marks_.at(slot) = Clock::now();
-    if (copies_ == CpuCopyQueue::when_waited) queued_.push_back({nullptr, nullptr, 0, slot});
+    if (copies_ == CpuCopyQueue::when_waited) queued_.push_back({true, nullptr, nullptr, 0, slot});
   }
   void wait_mark(Queue waiter, std::size_t slot) override {
     if (waiter == Queue::compute) run_copies_through(slot);
@@ -404,8 +405,9 @@ class CpuBackend final : public Backend {
   int threads_ = 1;
   Scratch scratch_;
   std::vector<Clock::time_point> marks_;
-  // when_waited: copies and copy-queue marks in the order they were enqueued (a mark: dst null).
+  // when_waited: copies and copy-queue marks in the order they were enqueued.
   struct Queued {
+    bool is_mark;
     void* dst;
     const void* src;
     std::uint64_t bytes;
@@ -418,11 +420,11 @@ class CpuBackend final : public Backend {
   // Runs the queue through the mark `slot` (everything: nullopt); a slot not queued (a compute
   // mark, or one already reached) runs nothing.
   void run_copies_through(std::optional<std::size_t> slot) {
-    if (slot && std::none_of(queued_.begin(), queued_.end(), [&](const Queued& q) { return q.dst == nullptr && q.mark == *slot; })) return;
+    if (slot && std::none_of(queued_.begin(), queued_.end(), [&](const Queued& q) { return q.is_mark && q.mark == *slot; })) return;
     while (!queued_.empty()) {
       const Queued q = queued_.front();
       queued_.pop_front();
-      if (q.dst != nullptr) {
+      if (!q.is_mark) {
         std::memcpy(q.dst, q.src, q.bytes);
         continue;
       }

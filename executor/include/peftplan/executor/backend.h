@@ -223,7 +223,9 @@ class Backend {
 // as late as the marks allow (`when_waited`: a copy runs when a wait on a mark after it, or a
 // synchronize, needs it, reading its source then), which is what a device's copy engine may do:
 // a run on it trains exactly as an inline one only if every wait the device needs was made
-// (tests/test_executor.cpp ExecutorCopyQueue).
+// (tests/test_executor.cpp ExecutorCopyQueue). What it cannot show: a copy run too early (its
+// kernels have all run inline before it), and which queue waited (the compute queue is the
+// calling thread, so a compute-queue wait is a host wait here too).
 enum class CpuCopyQueue : std::uint8_t { at_enqueue, when_waited };
 std::unique_ptr<Backend> make_cpu_backend(int threads = 0, CpuCopyQueue copies = CpuCopyQueue::at_enqueue);
 
