@@ -623,13 +623,22 @@ GemmCurve fit_gemm_curve(std::span<const GemmResult> results) {
   // about the same 13 µs of launch): without it the curve explains their low rates by a large
   // h and a plateau far above the chip's (462 TFLOP/s fp32 on a 67 TFLOP/s part). On a CPU the
   // small shapes run at the large ones' rate and the latency comes out near 0.
-  // For each latency on a log grid (0 and 1 ns .. 10 ms), sse(h) over a log grid 0.25 .. 8192,
-  // golden-section refinement of h around the best cell; then the best latency is refined the
-  // same way at its h.
+  // For each latency on a log grid (0 and 1 ns .. 10 ms), sse(h) over a log grid 0.25 .. 8192
+  // with golden-section refinement of h around the best cell; then the latency and h of the best
+  // are refined in turn, each by golden section in log space within a bracket that halves each
+  // round (the two interact: a longer latency leaves the small shapes less to explain by h).
   constexpr int kGrid = 160, kLatencyGrid = 49;
   const double lo = std::log(0.25), hi = std::log(8192.0);
   const double llo = std::log(1e-9), lhi = std::log(1e-2);
   const double gr = (std::sqrt(5.0) - 1.0) / 2.0;
+  auto golden = [&](double a, double b, int iterations, auto&& sse_of) {
+    for (int it = 0; it < iterations; ++it) {
+      const double c = b - gr * (b - a), d = a + gr * (b - a);
+      if (sse_of(c) < sse_of(d)) b = d;
+      else a = c;
+    }
+    return 0.5 * (a + b);
+  };
   auto best_h_at = [&](double latency_s) {
     double best_h = 0.0, best_sse = curve_at(results, 0.0, latency_s).second;  // h = 0: no shape effect
     int best_i = -1;
@@ -639,14 +648,9 @@ GemmCurve fit_gemm_curve(std::span<const GemmResult> results) {
       if (sse < best_sse) best_sse = sse, best_h = h, best_i = i;
     }
     if (best_i >= 0) {
-      double a = lo + (hi - lo) * std::max(0, best_i - 1) / (kGrid - 1);
-      double b = lo + (hi - lo) * std::min(kGrid - 1, best_i + 1) / (kGrid - 1);
-      for (int it = 0; it < 60; ++it) {
-        const double c = b - gr * (b - a), d = a + gr * (b - a);
-        if (curve_at(results, std::exp(c), latency_s).second < curve_at(results, std::exp(d), latency_s).second) b = d;
-        else a = c;
-      }
-      const double h = std::exp(0.5 * (a + b));
+      const double h = std::exp(golden(lo + (hi - lo) * std::max(0, best_i - 1) / (kGrid - 1),
+                                       lo + (hi - lo) * std::min(kGrid - 1, best_i + 1) / (kGrid - 1), 60,
+                                       [&](double x) { return curve_at(results, std::exp(x), latency_s).second; }));
       const double sse = curve_at(results, h, latency_s).second;
       if (sse < best_sse) best_sse = sse, best_h = h;
     }
@@ -661,24 +665,14 @@ GemmCurve fit_gemm_curve(std::span<const GemmResult> results) {
     if (sse < best_sse) best_sse = sse, best_h = h, best_latency = latency, best_j = j;
   }
   if (best_j >= 0) {
-    // The two interact (a longer latency leaves the small shapes less to explain by h): refine
-    // them in turn, each by golden section in log space within a bracket that halves each round.
-    auto golden = [&](double a, double b, auto&& sse_of) {
-      for (int it = 0; it < 40; ++it) {
-        const double c = b - gr * (b - a), d = a + gr * (b - a);
-        if (sse_of(c) < sse_of(d)) b = d;
-        else a = c;
-      }
-      return 0.5 * (a + b);
-    };
     double wl = (lhi - llo) / (kLatencyGrid - 1), wh = (hi - lo) / (kGrid - 1);
     for (int round = 0; round < 12; ++round, wl *= 0.5, wh *= 0.5) {
-      const double ll = golden(std::log(best_latency) - wl, std::log(best_latency) + wl,
+      const double ll = golden(std::log(best_latency) - wl, std::log(best_latency) + wl, 40,
                                [&](double x) { return curve_at(results, best_h, std::exp(x)).second; });
       const double sl = curve_at(results, best_h, std::exp(ll)).second;
       if (sl < best_sse) best_sse = sl, best_latency = std::exp(ll);
       if (best_h <= 0.0) continue;  // no shape effect: only the latency to refine
-      const double lh = golden(std::log(best_h) - wh, std::log(best_h) + wh,
+      const double lh = golden(std::log(best_h) - wh, std::log(best_h) + wh, 40,
                                [&](double x) { return curve_at(results, std::exp(x), best_latency).second; });
       const double sh = curve_at(results, std::exp(lh), best_latency).second;
       if (sh < best_sse) best_sse = sh, best_h = std::exp(lh);

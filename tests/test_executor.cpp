@@ -103,6 +103,19 @@ void randomise_adapter(Session& s, unsigned seed, float scale) {
   s.set_trainable_weights(w);
 }
 
+// Three steps of two sessions side by side: the same losses and gradient norms, to these
+// relative bounds; `rounds_apart`: the second must not give the first's losses bit for bit.
+void expect_trains_alike(Session& want_s, Session& got_s, double loss_tol, double norm_tol, bool rounds_apart) {
+  for (int k = 0; k < 3; ++k) {
+    const StepStats want = want_s.step(), got = got_s.step();
+    EXPECT_NEAR(got.loss, want.loss, loss_tol * std::abs(want.loss)) << "step " << k + 1;
+    EXPECT_NEAR(got.grad_norm, want.grad_norm, norm_tol * want.grad_norm) << "step " << k + 1;
+    if (rounds_apart) {
+      EXPECT_NE(got.loss, want.loss) << "step " << k + 1 << ": its storage should round somewhere";
+    }
+  }
+}
+
 fs::path temp_dir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("peftplan_test_executor_" + name + "_" + std::to_string(::getpid()));
   fs::create_directories(p);
@@ -362,12 +375,7 @@ TEST(ExecutorCopyQueue, CopiesRunAsLateAsTheMarksAllowTrainAlike) {
       EXPECT_GE(ways[1], o.param == planner::OffloadDevice::cpu ? 2 : 1);
       randomise_adapter(inline_copies, 3, 0.05f);
       randomise_adapter(late_copies, 3, 0.05f);
-      for (int k = 0; k < 3; ++k) {
-        const StepStats want = inline_copies.step();
-        const StepStats got = late_copies.step();
-        EXPECT_EQ(got.loss, want.loss) << "step " << k + 1;
-        EXPECT_EQ(got.grad_norm, want.grad_norm) << "step " << k + 1;
-      }
+      expect_trains_alike(inline_copies, late_copies, 0.0, 0.0, false);  // bit for bit
       EXPECT_EQ(late_copies.trainable_weights(), inline_copies.trainable_weights());
       EXPECT_EQ(late_copies.memory().device_peak_bytes, inline_copies.memory().device_peak_bytes);
     }
@@ -471,19 +479,6 @@ static Config gqa_with_dropout(std::int64_t S) {
   c.S = S;
   c.dropout = 0.1;
   return c;
-}
-
-// Three steps of two sessions side by side: the same losses and gradient norms, to these
-// relative bounds; `rounds_apart`: the second must not give the first's losses bit for bit.
-static void expect_trains_alike(Session& want_s, Session& got_s, double loss_tol, double norm_tol, bool rounds_apart) {
-  for (int k = 0; k < 3; ++k) {
-    const StepStats want = want_s.step(), got = got_s.step();
-    EXPECT_NEAR(got.loss, want.loss, loss_tol * std::abs(want.loss)) << "step " << k + 1;
-    EXPECT_NEAR(got.grad_norm, want.grad_norm, norm_tol * want.grad_norm) << "step " << k + 1;
-    if (rounds_apart) {
-      EXPECT_NE(got.loss, want.loss) << "step " << k + 1 << ": its storage should round somewhere";
-    }
-  }
 }
 
 TEST(ExecutorAttention, FlashTrainsAsEagerDoes) {
