@@ -74,7 +74,8 @@ std::string cpu_model_name() {
 // the cores, so each rank count has its own). The cached one is made with `peftplan calibrate
 // --ranks N --quick` by this same binary, written where it was looked for: when it is missing,
 // when it predates the speed probe or has no scale for a kernel `program` runs (written by a
-// calibrate that did not know the kernel), and when the machine's speed has moved away from it.
+// calibrate that did not know the kernel, or, for a bf16 program, before calibrate timed a bf16
+// program), and when the machine's speed has moved away from it.
 // `program` is the first strategy's: the strategies of one run share their kernels (they differ
 // in collectives, copies and the optimizer's place, not in what the layers compute).
 // "Moved away" is the probe (executor/calibrate.h, speed_probe) taken now differing from the
@@ -97,11 +98,18 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
     // A kernel the run executes that the profile never measured (it predates the kernel).
     std::string missing;
     for (sim::Kernel k : sim::uncalibrated_kernels(program, c)) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", sim::name_of(k));
+    // A bf16 run on a profile calibrated before calibrate ran a bf16 program (its kernels would
+    // be timed with the fp32 programs' factors).
+    const bool lacks_bf16 = sim::lacks_bf16_calibration(program, c);
     if (!given.empty()) {
       if (!missing.empty())
         fmt::print("warning: the profile {} has no calibration of {} (made before calibrate knew them): those kernels are timed on "
                    "the uncalibrated roofline; rerun peftplan calibrate\n",
                    path.string(), missing);
+      if (lacks_bf16)
+        fmt::print("warning: the profile {} has no calibration of a bf16 program's kernels (made before calibrate ran one): they are "
+                   "timed with the fp32 programs' factors, which miss the bf16 conversions; rerun peftplan calibrate\n",
+                   path.string());
       fmt::print("cluster: calibrated profile {} ({})\n", path.string(), c.name);
       if (sim::total_gpus(c) < N)
         throw input_error("--calibration", "", fmt::format("must profile at least {} ranks, has {} (rerun peftplan calibrate --ranks {})",
@@ -116,6 +124,10 @@ sim::Cluster calibrated_cluster(const std::string& given, std::int32_t N, double
       why = fmt::format("the cached profile {} has no calibration of {}, which this run executes (it was made before calibrate "
                         "knew them)",
                         path.string(), missing);
+    } else if (lacks_bf16) {
+      why = fmt::format("the cached profile {} has no calibration of a bf16 program's kernels, which this run executes (it was made "
+                        "before calibrate ran one)",
+                        path.string());
     } else if (sim::total_gpus(c) != N) {
       why = fmt::format("the cached profile {} has {} rank(s), this run {}", path.string(), sim::total_gpus(c), N);
     } else if (!(then > 0.0)) {

@@ -334,9 +334,11 @@ namespace {
 
 // Calibration's step programs: tiny-llama-4l, LoRA r 8 on every linear, fp32; program 0 DDP,
 // 1 ZeRO-2 with optimizer offload, a bf16 base and flash attention, 2 ZeRO-3; 0 and 2 run eager
-// attention, so each attention kernel is timed at both sizes.
+// attention, so each attention kernel is timed at both sizes. Program 3 is DDP in bf16 mixed
+// precision with flash attention (bf16 activations, adapter and gradients, fp32 masters): the
+// samples of HostCalibration::bf16_kernel_scale.
 planner::PlanFile calibration_plan(int program, std::int64_t micro_batch, std::int64_t seq_len, int ranks) {
-  PEFTPLAN_CHECK(program >= 0 && program < 3 && ranks >= 1);
+  PEFTPLAN_CHECK(program >= 0 && program < 4 && ranks >= 1);
   planner::PlanFile pf;
   auto& in = pf.input;
   in.model = models::load_model("tiny-llama-4l");
@@ -348,8 +350,8 @@ planner::PlanFile calibration_plan(int program, std::int64_t micro_batch, std::i
   in.peft.adapters = {a};
   in.training.micro_batch = micro_batch;
   in.training.seq_len = seq_len;
-  in.training.precision = planner::Precision::fp32;
-  in.training.attention = program == 1 ? planner::Attention::flash : planner::Attention::eager;
+  in.training.precision = program == 3 ? planner::Precision::bf16_mixed : planner::Precision::fp32;
+  in.training.attention = program == 1 || program == 3 ? planner::Attention::flash : planner::Attention::eager;
   in.training.lr = 1e-4;
   in.profile = planner::RuntimeProfile::executor;
   in.strategy.ranks = ranks;
@@ -889,6 +891,9 @@ void apply_step_factors(const StepFactors& f, sim::Cluster& c) {
     if (sim::name_of(static_cast<sim::Kernel>(i)) == "unknown") continue;
     h.kernel_scale[i] = (h.kernel_scale[i] > 0.0 ? h.kernel_scale[i] : 1.0) * f.per_work;
     h.kernel_overhead_s[i] *= f.per_call;
+    // a bf16 calibration where there is one (0 stays 0: the kernel's fp32 factors, scaled above)
+    h.bf16_kernel_scale[i] *= f.per_work;
+    h.bf16_kernel_overhead_s[i] *= f.per_call;
   }
   c.cpu_adam_params_per_s /= f.per_work;
   h.copy_scale = (h.copy_scale > 0.0 ? h.copy_scale : 1.0) * f.per_work;
@@ -967,13 +972,18 @@ void fit_kernel_scales(std::span<const KernelSample> kernels, std::span<const Co
   // non-negative). Summing within a program first keeps the fit unbiased when single ops are
   // noisy (ranks time-sharing cores: a descheduled op takes many times its share; per-op relative
   // weights would discount exactly those). Programs of one size only, or a fit without a positive
-  // scale, fall back to the ratio of sums (scale = ΣT / ΣR, no overhead).
+  // scale, fall back to the ratio of sums (scale = ΣT / ΣR, no overhead). The fp32 programs' ops
+  // fit kernel_scale and kernel_overhead_s, the bf16 programs' bf16_kernel_scale and
+  // bf16_kernel_overhead_s, each on its own samples.
   struct Agg {
     std::string program;
     double n = 0.0, roof = 0.0, meas = 0.0;
   };
-  std::array<std::vector<Agg>, sim::kKernelSlots> agg;
+  using Aggs = std::array<std::vector<Agg>, sim::kKernelSlots>;
+  Aggs agg, agg_bf16;
   double host_params = 0.0, host_s = 0.0;
+  sim::Cluster base = c;  // the roofline, without kernel factors
+  base.host_calibration = {};
   for (const KernelSample& k : kernels) {
     if (k.seconds <= 0.0) continue;
     if (k.host && k.kernel == sim::Kernel::optimizer_step && k.work.params > 0) {
@@ -984,37 +994,43 @@ void fit_kernel_scales(std::span<const KernelSample> kernels, std::span<const Co
     if (k.host) continue;
     const auto i = static_cast<std::size_t>(k.kernel);
     if (i >= sim::kKernelSlots) continue;
-    const double r = sim::device_compute_cost(k.work, k.kernel, c, DType::fp32).time_s;
+    const bool bf16 = k.dtype == DType::bf16;
+    const double r = sim::device_compute_cost(k.work, k.kernel, base, bf16 ? DType::bf16 : DType::fp32).time_s;
     if (!(r > 0.0)) continue;
-    auto it = std::find_if(agg[i].begin(), agg[i].end(), [&](const Agg& a) { return a.program == k.program; });
-    if (it == agg[i].end()) it = agg[i].insert(agg[i].end(), Agg{k.program});
+    std::vector<Agg>& a = (bf16 ? agg_bf16 : agg)[i];
+    auto it = std::find_if(a.begin(), a.end(), [&](const Agg& x) { return x.program == k.program; });
+    if (it == a.end()) it = a.insert(a.end(), Agg{k.program});
     it->n += 1.0;
     it->roof += r;
     it->meas += k.seconds;
   }
-  for (std::size_t i = 0; i < sim::kKernelSlots; ++i) {
-    c.host_calibration.kernel_scale[i] = 0.0;
-    c.host_calibration.kernel_overhead_s[i] = 0.0;
-    if (agg[i].empty()) continue;
-    std::vector<double> n, r, t, w;
-    for (const Agg& a : agg[i]) {
-      n.push_back(a.n);
-      r.push_back(a.roof);
-      t.push_back(a.meas);
-      w.push_back(1.0 / (a.meas * a.meas));
+  auto fit = [](const Aggs& aggs, std::array<double, sim::kKernelSlots>& scale, std::array<double, sim::kKernelSlots>& overhead) {
+    for (std::size_t i = 0; i < sim::kKernelSlots; ++i) {
+      scale[i] = 0.0;
+      overhead[i] = 0.0;
+      if (aggs[i].empty()) continue;
+      std::vector<double> n, r, t, w;
+      for (const Agg& a : aggs[i]) {
+        n.push_back(a.n);
+        r.push_back(a.roof);
+        t.push_back(a.meas);
+        w.push_back(1.0 / (a.meas * a.meas));
+      }
+      const double sum_t = std::accumulate(t.begin(), t.end(), 0.0), sum_r = std::accumulate(r.begin(), r.end(), 0.0);
+      // per-op roofline of each program: sizes spread enough to tell a per-call constant from the rate?
+      double lo = std::numeric_limits<double>::max(), hi = 0.0;
+      for (std::size_t j = 0; j < r.size(); ++j) lo = std::min(lo, r[j] / n[j]), hi = std::max(hi, r[j] / n[j]);
+      Fit2 f{0.0, sum_t / sum_r};
+      if (hi > 1.5 * lo) {
+        const Fit2 g = nonneg_least_squares(n, r, t, w);
+        if (g.b > 0.0) f = g;
+      }
+      overhead[i] = f.a;
+      scale[i] = f.b;
     }
-    const double sum_t = std::accumulate(t.begin(), t.end(), 0.0), sum_r = std::accumulate(r.begin(), r.end(), 0.0);
-    // per-op roofline of each program: sizes spread enough to tell a per-call constant from the rate?
-    double lo = std::numeric_limits<double>::max(), hi = 0.0;
-    for (std::size_t j = 0; j < r.size(); ++j) lo = std::min(lo, r[j] / n[j]), hi = std::max(hi, r[j] / n[j]);
-    Fit2 f{0.0, sum_t / sum_r};
-    if (hi > 1.5 * lo) {
-      const Fit2 g = nonneg_least_squares(n, r, t, w);
-      if (g.b > 0.0) f = g;
-    }
-    c.host_calibration.kernel_overhead_s[i] = f.a;
-    c.host_calibration.kernel_scale[i] = f.b;
-  }
+  };
+  fit(agg, c.host_calibration.kernel_scale, c.host_calibration.kernel_overhead_s);
+  fit(agg_bf16, c.host_calibration.bf16_kernel_scale, c.host_calibration.bf16_kernel_overhead_s);
   if (host_s > 0.0) c.cpu_adam_params_per_s = host_params / host_s;
   double cm = 0.0, cp = 0.0;
   for (const CopySample& s : copies) {
@@ -1125,29 +1141,35 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
     o += fmt::format("# {:<24} {:>13} {:>7}", "kernel", "overhead(us)", "scale");
     for (std::size_t p = 0; p < progs.size(); ++p) o += fmt::format(" {:>16}", fmt::format("p{} meas(ms) err", p + 1));
     o += "\n";
+    // One row per kernel, place and program dtype (a bf16 program's device kernels have factors
+    // of their own: HostCalibration::bf16_kernel_scale).
     for (const sim::Kernel kernel : kinds)
-      for (const bool host : {false, true}) {
-        std::string row;
-        bool any = false;
-        for (const std::string& prog : progs) {
-          double meas = 0.0, sim_s = 0.0;
-          for (const KernelSample& k : cal.kernels) {
-            if (k.program != prog || k.kernel != kernel || k.host != host) continue;
-            any = true;
-            meas += k.seconds;
-            sim_s += host ? sim::host_compute_cost(k.work, k.kernel, profile).time_s
-                          : sim::device_compute_cost(k.work, k.kernel, profile, DType::fp32).time_s;
+      for (const bool host : {false, true})
+        for (const DType dtype : {DType::fp32, DType::bf16}) {
+          std::string row;
+          bool any = false;
+          for (const std::string& prog : progs) {
+            double meas = 0.0, sim_s = 0.0;
+            for (const KernelSample& k : cal.kernels) {
+              if (k.program != prog || k.kernel != kernel || k.host != host || k.dtype != dtype) continue;
+              any = true;
+              meas += k.seconds;
+              sim_s += host ? sim::host_compute_cost(k.work, k.kernel, profile).time_s
+                            : sim::device_compute_cost(k.work, k.kernel, profile, dtype, false, dtype).time_s;
+            }
+            row += meas > 0.0 ? fmt::format(" {:>9.3f} {:>+5.0f}%", meas * 1e3, 100.0 * (sim_s / meas - 1.0)) : fmt::format(" {:>16}", "-");
           }
-          row += meas > 0.0 ? fmt::format(" {:>9.3f} {:>+5.0f}%", meas * 1e3, 100.0 * (sim_s / meas - 1.0)) : fmt::format(" {:>16}", "-");
+          if (!any) continue;
+          const auto i = static_cast<std::size_t>(kernel);
+          const auto& h = profile.host_calibration;
+          const bool own = dtype == DType::bf16 && h.bf16_kernel_scale[i] > 0.0;  // else the fp32 factors
+          const double scale = own ? h.bf16_kernel_scale[i] : h.kernel_scale[i] > 0.0 ? h.kernel_scale[i] : 1.0;
+          const double overhead = own ? h.bf16_kernel_overhead_s[i] : h.kernel_overhead_s[i];
+          const std::string name = std::string(sim::name_of(kernel)) + (dtype == DType::bf16 ? " bf16" : "");
+          o += host ? fmt::format("  {:<24} {:>13} {:>7}", name + " (host)", "-", "-")
+                    : fmt::format("  {:<24} {:>13.1f} {:>7.3f}", name, overhead / kMicro, scale);
+          o += row + "\n";
         }
-        if (!any) continue;
-        const auto i = static_cast<std::size_t>(kernel);
-        const double scale = profile.host_calibration.kernel_scale[i] > 0.0 ? profile.host_calibration.kernel_scale[i] : 1.0;
-        o += host ? fmt::format("  {:<24} {:>13} {:>7}", std::string(sim::name_of(kernel)) + " (host)", "-", "-")
-                  : fmt::format("  {:<24} {:>13.1f} {:>7.3f}", sim::name_of(kernel), profile.host_calibration.kernel_overhead_s[i] / kMicro,
-                                scale);
-        o += row + "\n";
-      }
   }
   if (!cal.programs.empty()) {
     o += fmt::format("\n# calibration steps, {} rank(s) at once: measured wall time per step (rank 0) and sim on the profile\n",
@@ -1219,7 +1241,8 @@ nlohmann::json calibration_to_json(const Calibration& cal) {
                     {"busbw_GBps", p.busbw_bytes_per_s / kGiga}});
   nlohmann::json kernels = nlohmann::json::array();
   for (const auto& k : cal.kernels)
-    kernels.push_back({{"program", k.program}, {"kernel", sim::name_of(k.kernel)}, {"host", k.host}, {"flops", k.work.flops},
+    kernels.push_back({{"program", k.program}, {"kernel", sim::name_of(k.kernel)}, {"host", k.host}, {"dtype", name_of(k.dtype)},
+                       {"flops", k.work.flops},
                        {"bytes_moved", k.work.bytes_moved}, {"params", k.work.params}, {"gemm_mnk", {k.work.gemm_m, k.work.gemm_n, k.work.gemm_k}},
                        {"gemm_count", k.work.gemm_count}, {"time_us", k.seconds / kMicro}});
   nlohmann::json programs = nlohmann::json::array();
@@ -1384,7 +1407,8 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   // every way a collective meets compute: DDP with an fp32 base (device AdamW; one all_reduce
   // after backward), ZeRO-2 with optimizer offload, a bf16 base and flash attention (host AdamW,
   // copies, casts; reduce_scatter and all_gather around the optimizer) and ZeRO-3 (all_gathers issued while the
-  // layers compute, reduce_scatters during backward). tiny-llama-4l, LoRA r 8 on every linear,
+  // layers compute, reduce_scatters during backward); a fourth, DDP in bf16 mixed precision with
+  // flash attention, times the kernels as a bf16 program runs them (bf16_kernel_scale). tiny-llama-4l, LoRA r 8 on every linear,
   // each at two sizes, B 2 × S 128 and B 8 × S 256 (8x the tokens), so that fit_kernel_scales can
   // tell a kernel's per-call overhead from its rate: steps of milliseconds to a few hundred
   // milliseconds.
@@ -1393,10 +1417,10 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
   // ran in launch overhead on an H200, and the fitted rates predicted a 1B model's step 3.5x
   // too slow.
   const std::pair<std::int64_t, std::int64_t> kSizes[] = {{2, 128}, {8, device ? 1024 : 256}};
-  constexpr int kPrograms = 3, kRuns = 2 * kPrograms;
-  // Rounds of the six programs, interleaved (a slow spell of the machine lands on every program
-  // alike, not on one); each program keeps its median round's op times and step, and every
-  // round's collectives.
+  constexpr int kPrograms = 4, kRuns = 2 * kPrograms;
+  // Rounds of the eight runs (four programs at two sizes), interleaved (a slow spell of the
+  // machine lands on every program alike, not on one); each program keeps its median round's op
+  // times and step, and every round's collectives.
   struct Kept {
     ProgramSample program;
     std::vector<KernelSample> kernels;
@@ -1421,7 +1445,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
     for (std::int64_t k = 0; k < pf.run.steps; ++k) session.step();
     Measurement m = session.measurement();
     gather_ranks(m, world);  // every rank's collective times, for the transfer and the wait
-    static constexpr const char* kNames[] = {"ddp fp32", "zero2+offload bf16 flash", "zero3 fp32"};
+    static constexpr const char* kNames[] = {"ddp fp32", "zero2+offload bf16 flash", "zero3 fp32", "ddp bf16-mixed flash"};
     const std::string label = fmt::format("{} B{} S{}", kNames[prog], micro_batch, seq_len);
     const sim::Program& p = session.program();
     const double step = planner::steady_step_s(m.step_times_s);  // as validate measures a run's step
@@ -1430,7 +1454,7 @@ Calibration run_calibration(Communicator& world, const CalibrateOptions& options
       const sim::Op& op = p.ops[i];
       if (op.phase == sim::Phase::setup || m.op_s[i] <= 0.0) continue;
       if (op.kind == sim::OpKind::compute)
-        k.kernels.push_back({op.kernel, op.stream == sim::Stream::host, op.work, m.op_s[i], label});
+        k.kernels.push_back({op.kernel, op.stream == sim::Stream::host, op.work, m.op_s[i], label, p.compute_dtype});
       else if (op.kind == sim::OpKind::copy)
         k.copies.push_back({op.bytes, m.op_s[i]});
     }

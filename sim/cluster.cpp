@@ -592,7 +592,7 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     const auto& h = j["host_calibration"];
     if (!h.is_object()) throw input_error(where, "host_calibration", "must be an object", h.dump());
     check_keys(h, where, "host_calibration.",
-               {"kernel_scale", "kernel_overhead_us", "copy_scale", "collectives", "collective_load_us", "collective_skew_us",
+               {"kernel_scale", "kernel_overhead_us", "bf16_kernel_scale", "bf16_kernel_overhead_us", "copy_scale", "collectives", "collective_load_us", "collective_skew_us",
                 "collective_load_per_compute", "collective_skew_per_compute", "reference_step_GFLOPs", "speed_probe_GFLOPs",
                 "others_cpu_share"});
     // {"<kernel>": x, ...} into a per-kernel array; positive (scale) or non-negative (overhead).
@@ -611,6 +611,8 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     };
     per_kernel("kernel_scale", c.host_calibration.kernel_scale, 1.0, false);
     per_kernel("kernel_overhead_us", c.host_calibration.kernel_overhead_s, kMicro, true);
+    per_kernel("bf16_kernel_scale", c.host_calibration.bf16_kernel_scale, 1.0, false);
+    per_kernel("bf16_kernel_overhead_us", c.host_calibration.bf16_kernel_overhead_s, kMicro, true);
     if (h.contains("copy_scale")) c.host_calibration.copy_scale = number(h, "copy_scale", where, "host_calibration.");
     // The machine-speed probe (executor/calibrate.h speed_probe): the reference step program's rate.
     // Profiles before 2026-12-03 kept a GEMM mix's rate as speed_probe_GFLOPs, which no run's probe
@@ -751,15 +753,21 @@ nlohmann::json cluster_to_json(const Cluster& c) {
   }
   if (!c.host_calibration.empty()) {
     const HostCalibration& h = c.host_calibration;
-    nlohmann::json ks = nlohmann::json::object(), ko = nlohmann::json::object(), colls = nlohmann::json::array();
+    nlohmann::json ks = nlohmann::json::object(), ko = nlohmann::json::object(), bks = nlohmann::json::object(),
+                   bko = nlohmann::json::object(), colls = nlohmann::json::array();
     for (std::size_t k = 0; k < kKernelSlots; ++k) {
-      if (h.kernel_scale[k] > 0.0) ks[std::string(name_of(static_cast<Kernel>(k)))] = h.kernel_scale[k];
-      if (h.kernel_overhead_s[k] > 0.0) ko[std::string(name_of(static_cast<Kernel>(k)))] = h.kernel_overhead_s[k] / kMicro;
+      const std::string name(name_of(static_cast<Kernel>(k)));
+      if (h.kernel_scale[k] > 0.0) ks[name] = h.kernel_scale[k];
+      if (h.kernel_overhead_s[k] > 0.0) ko[name] = h.kernel_overhead_s[k] / kMicro;
+      if (h.bf16_kernel_scale[k] > 0.0) bks[name] = h.bf16_kernel_scale[k];
+      if (h.bf16_kernel_overhead_s[k] > 0.0) bko[name] = h.bf16_kernel_overhead_s[k] / kMicro;
     }
     for (const CollectiveTable& t : h.collectives)
       colls.push_back({{"kind", name_of(static_cast<Collective>(t.kind))}, {"ranks", t.ranks}, {"bytes", t.bytes}, {"seconds", t.seconds}});
     nlohmann::json hj = {{"kernel_scale", ks}, {"collectives", colls}};
     if (!ko.empty()) hj["kernel_overhead_us"] = ko;
+    if (!bks.empty()) hj["bf16_kernel_scale"] = bks;
+    if (!bko.empty()) hj["bf16_kernel_overhead_us"] = bko;
     if (h.copy_scale > 0.0) hj["copy_scale"] = h.copy_scale;
     if (h.speed_probe_flops_per_s > 0.0) hj["reference_step_GFLOPs"] = h.speed_probe_flops_per_s / kGiga;
     if (h.others_cpu_share) hj["others_cpu_share"] = *h.others_cpu_share;

@@ -13,16 +13,24 @@ namespace {
 
 double saturate(double x, double half) { return x / (x + half); }
 
-// The calibrated factor of a kernel (1 when not calibrated).
-double kernel_scale(const Cluster& cluster, Kernel k) {
+// A bf16 program's kernel with a bf16 calibration of its own (HostCalibration::bf16_kernel_scale).
+bool bf16_calibrated(const Cluster& cluster, Kernel k, DType program) {
   const auto i = static_cast<std::size_t>(k);
+  return program == DType::bf16 && i < kKernelSlots && cluster.host_calibration.bf16_kernel_scale[i] > 0.0;
+}
+
+// The calibrated factor of a kernel (1 when not calibrated).
+double kernel_scale(const Cluster& cluster, Kernel k, DType program) {
+  const auto i = static_cast<std::size_t>(k);
+  if (bf16_calibrated(cluster, k, program)) return cluster.host_calibration.bf16_kernel_scale[i];
   const double x = i < kKernelSlots ? cluster.host_calibration.kernel_scale[i] : 0.0;
   return x > 0.0 ? x : 1.0;
 }
 
 // The calibrated per-call overhead of a kernel (0 when not calibrated).
-double kernel_overhead_s(const Cluster& cluster, Kernel k) {
+double kernel_overhead_s(const Cluster& cluster, Kernel k, DType program) {
   const auto i = static_cast<std::size_t>(k);
+  if (bf16_calibrated(cluster, k, program)) return cluster.host_calibration.bf16_kernel_overhead_s[i];
   return i < kKernelSlots ? cluster.host_calibration.kernel_overhead_s[i] : 0.0;
 }
 
@@ -53,7 +61,7 @@ double gemm_efficiency(std::int64_t m, std::int64_t n, std::int64_t k, std::int3
 }
 
 ComputeCost device_compute_cost(const ComputeWork& work, Kernel kernel, const Cluster& cluster,
-                                DType compute, bool allow_tf32) {
+                                DType compute, bool allow_tf32, DType program) {
   const Efficiency& e = cluster.efficiency;
   ComputeCost c;
   double peak;
@@ -68,7 +76,8 @@ ComputeCost device_compute_cost(const ComputeWork& work, Kernel kernel, const Cl
   c.memory_s = static_cast<double>(work.bytes_moved) / (cluster.gpu.hbm_bytes_per_s * e.hbm);
   c.launch_s = e.kernel_launch_s;
   c.memory_bound = c.memory_s > c.math_s;
-  c.time_s = std::max(c.math_s, c.memory_s) * kernel_scale(cluster, kernel) + kernel_overhead_s(cluster, kernel) + c.launch_s;
+  c.time_s = std::max(c.math_s, c.memory_s) * kernel_scale(cluster, kernel, program) + kernel_overhead_s(cluster, kernel, program) +
+             c.launch_s;
   return c;
 }
 
@@ -84,7 +93,7 @@ ComputeCost host_compute_cost(const ComputeWork& work, Kernel kernel, const Clus
   }
   c.memory_s = static_cast<double>(work.bytes_moved) / cluster.host_memory_bytes_per_s;
   c.memory_bound = true;
-  c.time_s = c.memory_s * kernel_scale(cluster, kernel) + kernel_overhead_s(cluster, kernel);
+  c.time_s = c.memory_s * kernel_scale(cluster, kernel, DType::fp32) + kernel_overhead_s(cluster, kernel, DType::fp32);
   return c;
 }
 
@@ -94,6 +103,10 @@ double copy_time_s(std::uint64_t bytes, const Cluster& cluster) {
   return static_cast<double>(bytes) /
              (cluster.host_device_bytes_per_s * cluster.efficiency.host_device) * s +
          cluster.efficiency.kernel_launch_s;
+}
+
+bool lacks_bf16_calibration(const Program& program, const Cluster& cluster) {
+  return program.compute_dtype == DType::bf16 && !cluster.host_calibration.empty() && !cluster.host_calibration.has_bf16_kernels();
 }
 
 std::vector<Kernel> uncalibrated_kernels(const Program& program, const Cluster& cluster) {

@@ -67,9 +67,10 @@ InStep collective_in_step(const Op& op, const Cluster& cluster, const SimOptions
   return r;
 }
 
-double compute_op_s(const Op& op, const Cluster& cluster, const SimOptions& options) {
+// `program`: the op's program's compute dtype (which calibrated kernel factors apply).
+double compute_op_s(const Op& op, const Cluster& cluster, const SimOptions& options, DType program) {
   if (op.stream == Stream::host) return host_compute_cost(op.work, op.kernel, cluster).time_s;
-  const ComputeCost c = device_compute_cost(op.work, op.kernel, cluster, options.compute_dtype, options.allow_tf32);
+  const ComputeCost c = device_compute_cost(op.work, op.kernel, cluster, options.compute_dtype, options.allow_tf32, program);
   return (c.time_s - c.launch_s) / options.sustained + c.launch_s;
 }
 
@@ -105,12 +106,12 @@ CollectiveCompute collective_compute_s(const Program& program, std::span<const d
   return out;
 }
 
-double op_duration_s(const Op& op, const Cluster& cluster, const SimOptions& options) {
+double op_duration_s(const Op& op, const Cluster& cluster, const SimOptions& options, DType program) {
   if (op.phase == Phase::setup) return 0.0;
   switch (op.kind) {
     case OpKind::alloc:
     case OpKind::free: return 0.0;
-    case OpKind::compute: return compute_op_s(op, cluster, options);
+    case OpKind::compute: return compute_op_s(op, cluster, options, program);
     case OpKind::collective: {
       const InStep c = collective_in_step(op, cluster, options, 0.0, 0.0);
       return c.wait_s + c.transfer_s;
@@ -140,7 +141,7 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
     for (std::size_t i = 0; i < n_ops; ++i) {
       const Op& op = program.ops[i];
       if (op.kind == OpKind::compute && op.stream == Stream::compute && op.phase != Phase::setup)
-        cost[i] = compute_op_s(op, cluster, options);
+        cost[i] = compute_op_s(op, cluster, options, program.compute_dtype);
     }
     around = collective_compute_s(program, cost);
   }
@@ -163,7 +164,7 @@ Timeline simulate(const Program& program, const Cluster& cluster, const SimOptio
       case OpKind::alloc:
       case OpKind::free: break;
       case OpKind::compute:
-        dur = compute_op_s(op, cluster, options);
+        dur = compute_op_s(op, cluster, options, program.compute_dtype);
         if (op.phase == Phase::optimizer) t.optimizer_s += dur;
         if (op.stream == Stream::compute) {
           t.compute_s += dur;

@@ -562,6 +562,110 @@ TEST(Calibrate, KernelScalesAndCollectiveTablesFromSamples) {
   EXPECT_NEAR(sim::collective_cost(Collective::all_gather, 1024, 2, p, sim::CollectiveAlgorithm::ring).time_s, 3e-6, 1e-15);
 }
 
+// A bf16 program's kernels have factors of their own (the CPU backend widens bf16 operands into
+// fp32 copies and rounds outputs back: work the fp32 programs' factors do not carry). Samples of
+// both dtypes at two sizes each: each dtype's fit recovers its own overhead and scale, the fp32
+// fit is what it was without the bf16 samples, a kernel with only fp32 samples times a bf16
+// program with its fp32 factors, the factors round-trip through JSON and apply_step_factors
+// scales both.
+TEST(Calibrate, Bf16ProgramsFitKernelFactorsOfTheirOwn) {
+  sim::Cluster c = sim::default_cluster(2);
+  c.efficiency.kernel_launch_s = 0.0;
+  auto work = [](double f) {
+    sim::ComputeWork w;
+    w.flops = f;
+    w.gemm_m = 4096, w.gemm_n = 4096, w.gemm_k = 4096;
+    return w;
+  };
+  const sim::Cluster bare = c;  // the roofline
+  auto roof = [&](double f, sim::Kernel k, DType d) { return sim::device_compute_cost(work(f), k, bare, d).time_s; };
+  const auto L = sim::Kernel::linear_fwd, N = sim::Kernel::norm_fwd;
+  const auto i = static_cast<std::size_t>(L), n = static_cast<std::size_t>(N);
+  std::vector<KernelSample> fp32, both;
+  for (double f : {1e9, 8e9}) {
+    fp32.push_back({L, false, work(f), 10e-6 + 1.5 * roof(f, L, DType::fp32), f < 4e9 ? "small" : "large"});
+    fp32.push_back({N, false, work(f), 2.0 * roof(f, N, DType::fp32), f < 4e9 ? "small" : "large"});
+  }
+  both = fp32;
+  for (double f : {1e9, 8e9})
+    both.push_back({L, false, work(f), 30e-6 + 2.5 * roof(f, L, DType::bf16), f < 4e9 ? "small bf16" : "large bf16", DType::bf16});
+  sim::Cluster only = c;
+  fit_kernel_scales(fp32, {}, only);
+  fit_kernel_scales(both, {}, c);
+  const auto& h = c.host_calibration;
+  EXPECT_NEAR(h.kernel_overhead_s[i], 10e-6, 1e-9);
+  EXPECT_NEAR(h.kernel_scale[i], 1.5, 1e-6);
+  EXPECT_EQ(h.kernel_scale, only.host_calibration.kernel_scale);
+  EXPECT_EQ(h.kernel_overhead_s, only.host_calibration.kernel_overhead_s);
+  EXPECT_NEAR(h.bf16_kernel_overhead_s[i], 30e-6, 1e-9);
+  EXPECT_NEAR(h.bf16_kernel_scale[i], 2.5, 1e-6);
+  EXPECT_EQ(h.bf16_kernel_scale[n], 0.0);
+  EXPECT_FALSE(only.host_calibration.has_bf16_kernels());
+  // Costs: a bf16 program's linear on its own factors; its norm on the fp32 ones; an fp32
+  // program's linear (bf16 GEMM peak or not) on the fp32 ones.
+  const double f = 32e9;
+  EXPECT_NEAR(sim::device_compute_cost(work(f), L, c, DType::bf16, false, DType::bf16).time_s, 30e-6 + 2.5 * roof(f, L, DType::bf16), 1e-12);
+  EXPECT_NEAR(sim::device_compute_cost(work(f), L, c, DType::bf16, false, DType::fp32).time_s, 10e-6 + 1.5 * roof(f, L, DType::bf16), 1e-12);
+  EXPECT_NEAR(sim::device_compute_cost(work(f), N, c, DType::bf16, false, DType::bf16).time_s, 2.0 * roof(f, N, DType::bf16), 1e-12);
+  // JSON: written and read back (microseconds); a negative overhead is refused, naming the field.
+  const sim::Cluster back = sim::cluster_from_json(sim::cluster_to_json(c), "cal.json");
+  EXPECT_NEAR(back.host_calibration.bf16_kernel_overhead_s[i], 30e-6, 1e-12);
+  EXPECT_EQ(back.host_calibration.bf16_kernel_scale, h.bf16_kernel_scale);
+  nlohmann::json bad = sim::cluster_to_json(c);
+  bad["host_calibration"]["bf16_kernel_overhead_us"]["linear_fwd"] = -1.0;
+  try {
+    sim::cluster_from_json(bad, "cal.json");
+    ADD_FAILURE() << "a negative bf16 overhead was accepted";
+  } catch (const InputError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("bf16_kernel_overhead_us"));
+  }
+  // The whole-step factors scale the bf16 factors too; a kernel without them stays without.
+  sim::Cluster stepped = c;
+  apply_step_factors({0.5, 2.0}, stepped);
+  EXPECT_NEAR(stepped.host_calibration.bf16_kernel_scale[i], 5.0, 1e-6);
+  EXPECT_NEAR(stepped.host_calibration.bf16_kernel_overhead_s[i], 15e-6, 1e-9);
+  EXPECT_EQ(stepped.host_calibration.bf16_kernel_scale[n], 0.0);
+}
+
+// simulate() times a bf16 program's ops on the bf16 factors and an fp32 program's on the fp32
+// ones: bf16 factors twice the fp32 ones (no per-call overheads) double the bf16 program's
+// compute and leave the fp32 program's as it was. A calibrated profile without bf16 factors
+// lacks a bf16 calibration (run recalibrates such a cache); an uncalibrated one (a GPU catalog
+// entry) does not claim one.
+TEST(Calibrate, SimulateTimesBf16ProgramsOnTheirOwnFactors) {
+  const sim::Program fp32 = one_rank_program(2, 32);
+  planner::PlanInput in;
+  in.model = models::load_model("tiny-llama-2l");
+  models::AdapterSpec a;
+  a.lora.r = 4;
+  in.peft.adapters = {a};
+  in.training.micro_batch = 2;
+  in.training.seq_len = 32;
+  in.training.precision = planner::Precision::bf16_mixed;
+  in.training.attention = planner::Attention::flash;
+  in.profile = planner::RuntimeProfile::executor;
+  in.strategy.ranks = 1;
+  const sim::Program bf16 = planner::build_program(in).program;
+  ASSERT_EQ(bf16.compute_dtype, DType::bf16);
+  ASSERT_EQ(fp32.compute_dtype, DType::fp32);
+  sim::Cluster plain = sim::default_cluster(1);
+  plain.efficiency.kernel_launch_s = 0.0;
+  EXPECT_FALSE(sim::lacks_bf16_calibration(bf16, plain));
+  plain.host_calibration.kernel_scale.fill(1.0);
+  sim::Cluster twice = plain;
+  twice.host_calibration.bf16_kernel_scale.fill(2.0);
+  EXPECT_TRUE(sim::lacks_bf16_calibration(bf16, plain));
+  EXPECT_FALSE(sim::lacks_bf16_calibration(fp32, plain));
+  EXPECT_FALSE(sim::lacks_bf16_calibration(bf16, twice));
+  sim::SimOptions so;
+  so.compute_dtype = DType::bf16;
+  const double base = sim::simulate(bf16, plain, so).compute_s;
+  ASSERT_GT(base, 0.0);
+  EXPECT_NEAR(sim::simulate(bf16, twice, so).compute_s, 2.0 * base, 1e-9 * base);
+  so.compute_dtype = DType::fp32;
+  EXPECT_DOUBLE_EQ(sim::simulate(fp32, twice, so).compute_s, sim::simulate(fp32, plain, so).compute_s);
+}
+
 using peftplan::testing::CliResult;
 using peftplan::testing::run_cli;
 
@@ -666,6 +770,15 @@ TEST(CalibrateCli, QuickRunRecalibratesACacheWithoutAKernelTheRunExecutes) {
     if (k != static_cast<int>(sim::Kernel::flash_attention_fwd) && k != static_cast<int>(sim::Kernel::flash_attention_bwd))
       old.host_calibration.kernel_scale[static_cast<std::size_t>(k)] = 1.0;
   sim::write_cluster_file(old, dir / "cache" / "peftplan" / "calibration.1.json");
+  // Given with --calibration, the profile is used as it is, with a warning for each gap: a bf16
+  // run's kernels have no bf16 factors in it either (made before calibrate ran a bf16 program).
+  CliResult given = run_cli("run --gpus 1 --strategy ddp --model tiny-llama-2l --seq-len 16 --micro-batch 1 --lora-targets q_proj,v_proj "
+                            "--steps 3 --rounds 1 --attention flash --precision bf16 --tolerance-time 1e9 --calibration " +
+                            (dir / "cache" / "peftplan" / "calibration.1.json").string() + " --out " + (dir / "given").string());
+  ASSERT_EQ(given.code, 0) << given.out;
+  EXPECT_THAT(given.out, ::testing::HasSubstr("has no calibration of flash_attention_fwd, flash_attention_bwd (made before"));
+  EXPECT_THAT(given.out, ::testing::HasSubstr("has no calibration of a bf16 program's kernels (made before calibrate ran one)"));
+  EXPECT_THAT(given.out, ::testing::Not(::testing::HasSubstr("running peftplan calibrate")));
   CliResult r = run_cli("run --gpus 1 --strategy ddp --model tiny-llama-2l --seq-len 16 --micro-batch 1 --lora-targets q_proj,v_proj --steps 3 "
                         "--rounds 1 --attention flash --tolerance-time 1e9 --out " + (dir / "run").string(),
                         "XDG_CACHE_HOME=" + (dir / "cache").string());
@@ -675,15 +788,18 @@ TEST(CalibrateCli, QuickRunRecalibratesACacheWithoutAKernelTheRunExecutes) {
   const sim::Cluster fresh = sim::read_cluster_file(dir / "cache" / "peftplan" / "calibration.1.json");
   EXPECT_GT(fresh.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::flash_attention_fwd)], 0.0);
   EXPECT_GT(fresh.host_calibration.kernel_scale[static_cast<std::size_t>(sim::Kernel::flash_attention_bwd)], 0.0);
+  EXPECT_GT(fresh.host_calibration.bf16_kernel_scale[static_cast<std::size_t>(sim::Kernel::linear_fwd)], 0.0);
   // ...from flash ops calibration timed (every kernel the binary knows gets a scale, measured or
-  // not: apply_step_factors), in both sizes of the program that runs flash.
+  // not: apply_step_factors), in both sizes of the two programs that run flash.
   const auto m = models::read_json_file((dir / "cache" / "peftplan" / "calibration.1.measurements.json").string());
   std::set<std::string> timed;
   for (const auto& k : m.at("kernels"))
     if (k.at("kernel") == "flash_attention_fwd" || k.at("kernel") == "flash_attention_bwd")
       if (k.at("time_us").get<double>() > 0.0) timed.insert(k.at("kernel").get<std::string>() + " " + k.at("program").get<std::string>());
   EXPECT_EQ(timed, (std::set<std::string>{"flash_attention_bwd zero2+offload bf16 flash B2 S128", "flash_attention_bwd zero2+offload bf16 flash B8 S256",
-                                          "flash_attention_fwd zero2+offload bf16 flash B2 S128", "flash_attention_fwd zero2+offload bf16 flash B8 S256"}));
+                                          "flash_attention_fwd zero2+offload bf16 flash B2 S128", "flash_attention_fwd zero2+offload bf16 flash B8 S256",
+                                          "flash_attention_bwd ddp bf16-mixed flash B2 S128", "flash_attention_bwd ddp bf16-mixed flash B8 S256",
+                                          "flash_attention_fwd ddp bf16-mixed flash B2 S128", "flash_attention_fwd ddp bf16-mixed flash B8 S256"}));
   std::filesystem::remove_all(dir);
 }
 

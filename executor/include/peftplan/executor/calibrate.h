@@ -122,6 +122,8 @@ struct KernelSample {
   sim::ComputeWork work;
   double seconds = 0.0;
   std::string program;           // which calibration program, e.g. "ddp fp32 B2 S128"
+  DType dtype = DType::fp32;     // its program's compute dtype (sim::Program::compute_dtype): a bf16
+                                 //   program's samples fit HostCalibration::bf16_kernel_scale
 };
 struct CopySample {
   std::uint64_t bytes = 0;

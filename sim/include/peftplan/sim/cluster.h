@@ -105,6 +105,12 @@ struct SharedComputeRate {
 //   kernel_scale (time = overhead + scale × roofline, weighted least squares on relative error)
 //   over calibration programs of two sizes; a kernel's shape dependence beyond the roofline and
 //   this constant is not modelled.
+// bf16_kernel_scale, bf16_kernel_overhead_s: the same, fitted on calibration programs whose
+//   compute dtype (Program::compute_dtype) is bf16 and used for the ops of such programs: the
+//   same kernel costs a bf16 program differently (the CPU backend widens every bf16 operand
+//   into an fp32 copy and rounds its outputs back, work the roofline of the bf16 bytes does not
+//   see; a GPU runs bf16 GEMMs on tensor cores). A kernel without a bf16 calibration (0) uses
+//   its fp32 one.
 inline constexpr std::size_t kKernelSlots = 32;  // >= the number of sim::Kernel values
 static_assert(kKernelSlots >= static_cast<std::size_t>(kNumKernels));
 //
@@ -154,6 +160,13 @@ constexpr std::size_t collective_slot(std::size_t kind, CollectivePlace place) {
 struct HostCalibration {
   std::array<double, kKernelSlots> kernel_scale{};  // see above; 0 = 1
   std::array<double, kKernelSlots> kernel_overhead_s{};  // see above; 0 = none
+  std::array<double, kKernelSlots> bf16_kernel_scale{};       // see above; 0 = kernel_scale's
+  std::array<double, kKernelSlots> bf16_kernel_overhead_s{};  //   (with kernel_overhead_s)
+  bool has_bf16_kernels() const {
+    for (double x : bf16_kernel_scale)
+      if (x > 0.0) return true;
+    return false;
+  }
   double copy_scale = 0.0;           // measured / modelled seconds of copies (0 = 1)
   std::vector<CollectiveTable> collectives;
   using CollectiveArray = std::array<double, kCollectiveSlots * kCollectivePlaces>;  // by collective_slot
@@ -183,6 +196,7 @@ struct HostCalibration {
       if (x > 0.0) return false;
     for (double x : kernel_overhead_s)
       if (x > 0.0) return false;
+    if (has_bf16_kernels()) return false;
     if (has_collective_step_costs()) return false;
     return copy_scale <= 0.0 && collectives.empty() && speed_probe_flops_per_s <= 0.0 && !others_cpu_share;
   }

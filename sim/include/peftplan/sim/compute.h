@@ -41,9 +41,11 @@ double gemm_efficiency(std::int64_t m, std::int64_t n, std::int64_t k, std::int3
                        const Efficiency& e);
 
 // A compute op on the device. GEMM kernels use the tensor-core peak of `compute` (tf32 for fp32
-// when allow_tf32); other kernels' flops run at the non-tensor fp32 rate.
+// when allow_tf32); other kernels' flops run at the non-tensor fp32 rate. `program` is the
+// compute dtype of the op's program (Program::compute_dtype): a calibrated profile's bf16 kernel
+// factors apply to the ops of bf16 programs (HostCalibration::bf16_kernel_scale).
 ComputeCost device_compute_cost(const ComputeWork& work, Kernel kernel, const Cluster& cluster,
-                                DType compute, bool allow_tf32 = false);
+                                DType compute, bool allow_tf32 = false, DType program = DType::fp32);
 
 // A compute op on the host CPU: optimizer_step with work.params > 0 at the CPU-Adam rate;
 // anything else streams work.bytes_moved through host memory.
@@ -57,5 +59,9 @@ double copy_time_s(std::uint64_t bytes, const Cluster& cluster);
 // kernel (calibrate gives every kernel it knows a scale), and would time it on the uncalibrated
 // roofline. Empty for an uncalibrated cluster (a GPU catalog entry).
 std::vector<Kernel> uncalibrated_kernels(const Program& program, const Cluster& cluster);
+// A bf16 program (Program::compute_dtype) on a calibrated profile that has no bf16 kernel
+// calibration (written before calibrate ran a bf16 program): its kernels would be timed with the
+// fp32 programs' factors, which miss the CPU backend's conversions (bf16 steps 11-24% over).
+bool lacks_bf16_calibration(const Program& program, const Cluster& cluster);
 
 }  // namespace peftplan::sim

@@ -99,7 +99,7 @@ CollectiveCompute collective_compute_s(const Program& program, std::span<const d
 
 // Duration of one op on the cluster as simulate() costs it (0 for alloc/free and setup ops; a
 // collective's arrival wait included, without the parts that grow with the compute since the
-// previous collective, which only simulate() knows).
-double op_duration_s(const Op& op, const Cluster& cluster, const SimOptions& options = {});
+// previous collective, which only simulate() knows). `program`: the op's program's compute dtype.
+double op_duration_s(const Op& op, const Cluster& cluster, const SimOptions& options = {}, DType program = DType::fp32);
 
 }  // namespace peftplan::sim
