@@ -830,12 +830,25 @@ std::string render_markdown(const ReportInput& r) {
 
 void write_report(const std::filesystem::path& out, const ReportInput& r) {
   namespace fs = std::filesystem;
+  if (out.empty()) throw InputError("report folder: the name is empty (--out needs a folder, e.g. --out report/)");
   fs::path target = fs::absolute(out).lexically_normal();
   if (!target.has_filename()) target = target.parent_path();  // "report/" names the folder report
   const fs::path parent = target.parent_path();
   std::error_code ec;
   if (!fs::is_directory(parent, ec))
     throw InputError(fmt::format("report folder {}: its parent {} does not exist", out.string(), parent.string()));
+  // The folder is replaced as a whole: only a report's own folder may be (`--out .` once took
+  // the working directory with it). A report writes these files and nothing else.
+  if (fs::is_directory(target, ec))
+    for (const auto& e : fs::directory_iterator(target, ec)) {
+      const std::string name = e.path().filename().string();
+      const bool ours = e.is_regular_file(ec) && (name == "report.html" || name == "report.md" || name == "memory.svg" || name == "time.svg" ||
+                                                  (name.starts_with("timeline-") && name.ends_with(".svg")));
+      if (!ours)
+        throw InputError(fmt::format("report folder {}: holds {}, which is not a report's file; the folder is replaced as a whole, so give "
+                                     "a new folder or one a report wrote",
+                                     out.string(), name));
+    }
   const fs::path tmp = parent / fmt::format(".{}.tmp.{}", target.filename().string(), ::getpid());
   fs::remove_all(tmp, ec);
   if (!fs::create_directory(tmp, ec) || ec) throw InputError(fmt::format("report folder {}: cannot be written ({})", out.string(), ec ? ec.message() : "exists"));

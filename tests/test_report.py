@@ -314,6 +314,9 @@ class BadInput(unittest.TestCase):
                 (["report", "--recommendation", wrong, "--out", os.path.join(tmp, "r8")], "ds_config.json: schema must be \"peftplan.recommendation/3\""),
                 (["report", "--recommendation", truncated, "--out", os.path.join(tmp, "r9")], "plan.json: is not valid JSON"),
                 (["report", "--sweep", cut_csv, "--plan", truncated, "--out", os.path.join(tmp, "r10")], "give one source"),
+                # the folder is replaced as a whole: never one that holds more than a report
+                (["report"] + INPUTS + ["--out", tmp], "holds "),
+                (["report"] + INPUTS + ["--out", ""], "the name is empty"),
             ]
             for args, needle in cases:
                 r = run(args)
@@ -321,6 +324,11 @@ class BadInput(unittest.TestCase):
                 self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
                 self.assertIn(needle, r.stderr)
             self.assertEqual(sorted(os.listdir(tmp)), ["blob.bin", "ds_config.json", "grid.csv", "grid.jsonl", "plan.json"])
+            # a report's own folder is replaced
+            out = os.path.join(tmp, "report")
+            for _ in range(2):
+                self.assertEqual(run(["report"] + INPUTS + ["--no-recommend", "--out", out]).returncode, 0)
+            self.assertIn("report.html", os.listdir(out))
 
     def test_from_a_run_folder(self):
         """report --run remakes the report a run wrote: the same measured figures, cell by cell."""
