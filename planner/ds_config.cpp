@@ -633,6 +633,10 @@ nlohmann::json write_ds_config(const Strategy& s, const TrainingSpec& t, const D
     case Optimizer::sgd_momentum:
       j["optimizer"] = {{"type", "SGD"},
                         {"params", {{"lr", t.lr}, {"momentum", x.sgd_momentum}, {"weight_decay", t.weight_decay}}}};
+      // ZeRO refuses an optimizer outside its tested list (Adam, AdamW, Adagrad, Lion and their
+      // DeepSpeed kernels) unless told otherwise: deepspeed/runtime/engine.py,
+      // _configure_zero_optimizer, zero_allow_untested_optimizer.
+      if (s.stage != Stage::ddp) j["zero_allow_untested_optimizer"] = true;
       break;
     case Optimizer::adamw_8bit:
       // bitsandbytes AdamW8bit is not constructible from ds_config: the client passes it in.

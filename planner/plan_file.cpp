@@ -10,6 +10,7 @@
 #include "peftplan/common/json_fields.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/accelerate_config.h"
+#include "peftplan/planner/launcher_config.h"
 #include "peftplan/sim/program_hash.h"
 
 namespace peftplan::planner {
@@ -84,9 +85,10 @@ json plan_file_to_json(const PlanFile& pf) {
                    {"checkpoint_reentrant", t.checkpoint_reentrant},
                    {"full_finetune", t.full_finetune},
                    {"base_storage", t.base_storage ? json(name_of(*t.base_storage)) : json(nullptr)}};
-  // The strategy as its launcher's own file: DeepSpeed's ds_config, or accelerate's FSDP YAML.
-  const bool fsdp = is_fsdp(in.strategy.stage);
-  json ds = fsdp ? json(nullptr) : write_ds_config(in.strategy, t, pf.extras);
+  // The strategy as its launcher's own file: DeepSpeed's ds_config, or accelerate's YAML where
+  // DeepSpeed cannot run it (FSDP; DDP in pure bf16).
+  const bool accelerate = !deepspeed_runs(in.strategy, t);
+  json ds = accelerate ? json(nullptr) : write_ds_config(in.strategy, t, pf.extras);
   const RunOptions& r = pf.run;
   json run = {{"steps", r.steps},
               {"data", r.data},
@@ -102,7 +104,7 @@ json plan_file_to_json(const PlanFile& pf) {
               {"checkpoint_dir", r.checkpoint_dir},
               {"resume", r.resume},
               {"on_nonfinite", r.on_nonfinite},
-              {"scheduler", !fsdp && ds.contains("scheduler") ? ds["scheduler"] : json(nullptr)}};
+              {"scheduler", !accelerate && ds.contains("scheduler") ? ds["scheduler"] : json(nullptr)}};
   json j = {{"schema", kPlanSchema},
             {"model", pf.model_source.is_null() ? json(in.model.name) : pf.model_source},
             {"model_name", in.model.name},
@@ -111,7 +113,7 @@ json plan_file_to_json(const PlanFile& pf) {
             {"ranks", in.strategy.ranks},
             {"profile", name_of(in.profile)},
             {"run", run}};
-  if (fsdp) {
+  if (accelerate) {
     j["accelerate_config"] = write_accelerate_config(in.strategy, t, 1);
     if (in.strategy.shard_group > 0) j["shard_group"] = in.strategy.shard_group;
   } else {

@@ -34,7 +34,7 @@ std::string model_id_for(const std::string& model_arg) {
 
 // The train.py template: @NAME@ fields are filled in by train_py().
 constexpr std::string_view kTrainPy = R"PY(#!/usr/bin/env python3
-"""Fine-tunes @MODEL_ID@ as peftplan planned it: @FAMILY@, micro-batch @MB@ x
+"""Fine-tunes @MODEL_DOC@ as peftplan planned it: @FAMILY@, micro-batch @MB@ x
 accumulation @ACCUM@ per GPU on @GPUS@ GPU(s), checkpointing @CKPT@, @SEQ@-token sequences,
 precision @PRECISION@ (profile @PROFILE@).
 
@@ -55,18 +55,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # What the plan fixed. Change it here and re-plan: plan.json and the launcher's config say the same.
 PLAN = {
-    "model": "@MODEL_ID@",
+    "model": @MODEL_ID@,
     "seq_len": @SEQ@,
     "micro_batch": @MB@,
     "grad_accum": @ACCUM@,
     "precision": "@PRECISION@",
     "checkpointing": "@CKPT@",
+    "checkpoint_reentrant": @REENTRANT@,
     "attention": "@ATTN@",
+    "cross_entropy": "@CE@",
+    "optimizer": "@OPTIM@",
     "deepspeed": @DS@,
     "quantization": @QUANT@,
     "full_finetune": @FULL@,
+    "shards_params": @SHARDS@,
     "learning_rate": @LR@,
     "weight_decay": @WD@,
+    "adam_betas": (@BETA1@, @BETA2@),
+    "adam_eps": @EPS@,
+    "grad_clip": @CLIP@,
 }
 
 
@@ -92,9 +99,21 @@ def dtype_of(precision):
     return {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
 
 
-def checkpoint_every(model, k):
+def attn_implementation():
+    """The plan's attention as transformers names it. flash-attn 2 runs fp16 and bf16 only
+    (Dao-AILab/flash-attention README), so an fp32 plan's fused attention is PyTorch's SDPA, whose
+    memory-efficient kernel keeps no S x S scores either."""
+    if PLAN["attention"] != "flash":
+        return "eager"
+    return "sdpa" if PLAN["precision"] == "fp32" else "flash_attention_2"
+
+
+def checkpoint_every(model, k, reentrant):
     """Checkpoints decoder layers 0, k, 2k, ... (what the plan's every-k means); the Trainer's
-    gradient_checkpointing can only do all of them."""
+    gradient_checkpointing can only do all of them. The keyword arguments are bound first, as
+    transformers' GradientCheckpointingLayer does: reentrant checkpointing takes positional
+    tensors only."""
+    import functools
     from torch.utils.checkpoint import checkpoint
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
     for i, layer in enumerate(layers):
@@ -105,8 +124,43 @@ def checkpoint_every(model, k):
         def wrapped(*a, _forward=forward, **kw):
             if not torch.is_grad_enabled():
                 return _forward(*a, **kw)
-            return checkpoint(_forward, *a, use_reentrant=False, **kw)
+            return checkpoint(functools.partial(_forward, **kw), *a, use_reentrant=reentrant)
         layer.forward = wrapped
+
+
+def training_arguments(args):
+    """The Trainer's arguments, equal to what ds_config.json says where both say it: transformers
+    checks each ds_config value against its argument (integrations/deepspeed.py,
+    trainer_config_process: gradient_clipping against max_grad_norm, bf16.enabled against bf16,
+    the optimizer's lr, betas, eps and weight_decay) and refuses a mismatch."""
+    bf16 = PLAN["precision"] == "bf16" or (PLAN["precision"] == "bf16-pure" and bool(PLAN["deepspeed"]))
+    full = PLAN["checkpointing"] == "full"
+    extra = {}
+    if full:
+        extra["gradient_checkpointing_kwargs"] = {"use_reentrant": PLAN["checkpoint_reentrant"]}
+    if PLAN["cross_entropy"] == "chunked":
+        extra["use_liger_kernel"] = True  # Liger's fused linear cross-entropy: the logits in chunks
+    return TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=PLAN["micro_batch"],
+        gradient_accumulation_steps=PLAN["grad_accum"],
+        max_steps=args.max_steps,
+        learning_rate=PLAN["learning_rate"],
+        weight_decay=PLAN["weight_decay"],
+        adam_beta1=PLAN["adam_betas"][0],
+        adam_beta2=PLAN["adam_betas"][1],
+        adam_epsilon=PLAN["adam_eps"],
+        max_grad_norm=PLAN["grad_clip"],  # 0: no clipping, as the plan's
+        optim={"adamw-8bit": "adamw_bnb_8bit", "sgd-momentum": "sgd"}.get(PLAN["optimizer"], "adamw_torch"),
+        bf16=bf16,
+        fp16=PLAN["precision"] == "fp16",
+        gradient_checkpointing=full,
+        deepspeed=os.path.join(HERE, PLAN["deepspeed"]) if PLAN["deepspeed"] else None,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        **extra,
+    )
 
 
 def main():
@@ -120,11 +174,20 @@ def main():
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = ap.parse_args()
 
+    # The arguments before the model: they set up the distributed state, and with ZeRO-3 in
+    # ds_config.json from_pretrained then builds the model partitioned across the ranks
+    # (deepspeed.zero.Init: transformers' is_deepspeed_zero3_enabled reads the config the
+    # arguments registered), as FSDP's cpu_ram_efficient_loading needs them first too.
+    targs = training_arguments(args)
     tokenizer = AutoTokenizer.from_pretrained(PLAN["model"])
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    load = {"torch_dtype": dtype_of(PLAN["precision"]),
-            "attn_implementation": "flash_attention_2" if PLAN["attention"] == "flash" else "eager"}
+    load = {"torch_dtype": dtype_of(PLAN["precision"]), "attn_implementation": attn_implementation()}
+    if PLAN["quantization"] and not PLAN["shards_params"]:
+        # each rank's quantised copy on its own GPU (bitsandbytes quantises as it loads onto the
+        # device; without a map every rank would load onto cuda:0). A sharded run loads on the
+        # host and FSDP or ZeRO-3 places the shards (PEFT's FSDP and DeepSpeed QLoRA guides).
+        load["device_map"] = {"": int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0)))}
     if PLAN["quantization"]:
         from transformers import BitsAndBytesConfig
         q = PLAN["quantization"]
@@ -135,18 +198,25 @@ def main():
                 load_in_4bit=True, bnb_4bit_quant_type=q["quant_type"], bnb_4bit_use_double_quant=q["double_quant"],
                 bnb_4bit_compute_dtype=dtype_of(PLAN["precision"]), bnb_4bit_quant_storage=dtype_of(PLAN["precision"]))
     model = AutoModelForCausalLM.from_pretrained(PLAN["model"], **load)
+    model.config.use_cache = False  # training keeps no key/value cache (the Trainer's checkpointing sets it too)
     full = PLAN["checkpointing"] == "full"
-    if PLAN["quantization"]:
+    checkpointed = PLAN["checkpointing"] != "none"
+    kbit_prepared = False
+    if PLAN["quantization"] and not PLAN["shards_params"]:
+        # Its fp32 upcast of the non-quantised weights would make shards of mixed dtypes, which
+        # FSDP cannot flatten; sharded QLoRA skips it (TRL's SFTTrainer does the same).
         from peft import prepare_model_for_kbit_training
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=full)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=full,
+                                                gradient_checkpointing_kwargs={"use_reentrant": PLAN["checkpoint_reentrant"]})
+        kbit_prepared = True
     if not PLAN["full_finetune"]:
         from peft import PeftConfig, get_peft_model
-        if full and not PLAN["quantization"]:
+        if checkpointed and PLAN["checkpoint_reentrant"] and not (kbit_prepared and full):
             model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
         model = get_peft_model(model, PeftConfig.from_pretrained(HERE))  # adapter_config.json here
         model.print_trainable_parameters()
     if PLAN["checkpointing"].startswith("every-"):
-        checkpoint_every(model, int(PLAN["checkpointing"][len("every-"):]))
+        checkpoint_every(model, int(PLAN["checkpointing"][len("every-"):]), PLAN["checkpoint_reentrant"])
 
     callbacks = []
     sys.path.insert(0, HERE)
@@ -156,21 +226,6 @@ def main():
     except ImportError:
         print("train.py: peftplan_callback.py is not beside train.py; no measurement is written", file=sys.stderr)
 
-    targs = TrainingArguments(
-        output_dir=args.output_dir,
-        per_device_train_batch_size=PLAN["micro_batch"],
-        gradient_accumulation_steps=PLAN["grad_accum"],
-        max_steps=args.max_steps,
-        learning_rate=PLAN["learning_rate"],
-        weight_decay=PLAN["weight_decay"],
-        bf16=PLAN["precision"] == "bf16",
-        fp16=PLAN["precision"] == "fp16",
-        gradient_checkpointing=full,
-        deepspeed=os.path.join(HERE, PLAN["deepspeed"]) if PLAN["deepspeed"] else None,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-    )
     trainer = Trainer(model=model, args=targs, train_dataset=packed_dataset(tokenizer, args),
                       data_collator=default_data_collator, callbacks=callbacks)
     trainer.train()
@@ -221,7 +276,6 @@ std::string train_py(const planner::Candidate& row, const std::string& model_id,
   std::string quant = "None";
   if (in.peft.quantization)
     quant = fmt::format("{{\"quant_type\": \"{}\", \"double_quant\": {}}}", name_of(in.peft.quantization->dtype), py_bool(in.peft.quantization->double_quant));
-  replace_all(s, "@MODEL_ID@", model_id);
   replace_all(s, "@FAMILY@", row.family);
   replace_all(s, "@MB@", std::to_string(t.micro_batch));
   replace_all(s, "@ACCUM@", std::to_string(t.grad_accum));
@@ -236,6 +290,20 @@ std::string train_py(const planner::Candidate& row, const std::string& model_id,
   replace_all(s, "@FULL@", py_bool(in.peft.adapters.empty()));
   replace_all(s, "@LR@", fmt::format("{:g}", t.lr));
   replace_all(s, "@WD@", fmt::format("{:g}", t.weight_decay));
+  replace_all(s, "@BETA1@", fmt::format("{:g}", t.adam_beta1));
+  replace_all(s, "@BETA2@", fmt::format("{:g}", t.adam_beta2));
+  replace_all(s, "@EPS@", fmt::format("{:g}", t.adam_eps));
+  replace_all(s, "@CLIP@", fmt::format("{:g}", t.grad_clip));
+  replace_all(s, "@REENTRANT@", py_bool(t.checkpoint_reentrant));
+  replace_all(s, "@CE@", name_of(t.cross_entropy));
+  replace_all(s, "@OPTIM@", name_of(t.optimizer));
+  replace_all(s, "@SHARDS@", py_bool(planner::shards_params(in.strategy.stage)));
+  // The id last (no field of ours is looked for inside it), as a Python string literal (a JSON
+  // string is one), so a path with quotes or backslashes stays a string; the docstring takes it
+  // without the quotes.
+  const std::string literal = nlohmann::json(model_id).dump();
+  replace_all(s, "@MODEL_ID@", literal);
+  replace_all(s, "@MODEL_DOC@", literal.substr(1, literal.size() - 2));
   return s;
 }
 
@@ -267,6 +335,7 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
                                   "distributed_type: DEEPSPEED\n"
                                   "deepspeed_config:\n"
                                   "  deepspeed_config_file: ds_config.json\n"
+                                  "{}"
                                   "  zero3_init_flag: {}\n"
                                   "machine_rank: 0\n"
                                   "main_training_function: main\n"
@@ -275,7 +344,11 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
                                   "rdzv_backend: static\n"
                                   "same_network: true\n"
                                   "use_cpu: false\n",
-                                  tool, in.strategy.stage == planner::Stage::zero3 ? "true" : "false", machines, in.strategy.ranks));
+                                  tool,
+                                  // Several machines: accelerate starts each one's processes itself
+                                  // (its default, pdsh, would ssh from machine 0 through a hostfile).
+                                  machines > 1 ? "  deepspeed_multinode_launcher: standard\n" : "",
+                                  in.strategy.stage == planner::Stage::zero3 ? "true" : "false", machines, in.strategy.ranks));
   } else {
     write_text_atomic(dir / "accelerate_config.yaml", planner::write_accelerate_config(in.strategy, in.training, machines));
   }
@@ -303,15 +376,23 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
       "      --machine_rank \"$MACHINE_RANK\" --main_process_ip \"$MAIN_ADDR\" --main_process_port 29500 train.py \"$@\" ;;\n",
       fmt::arg("family", row.family), fmt::arg("gpus", in.strategy.ranks), fmt::arg("machines", machines), fmt::arg("ppm", procs_per_machine),
       fmt::arg("last", machines - 1), fmt::arg("tool", tool));
-  if (deepspeed)
+  // DeepSpeed's own launcher on one machine only: on several it reads the machines from a
+  // hostfile and starts them over ssh (DeepSpeed's "Resource Configuration (multi-node)"), where
+  // these lines run once per machine.
+  const bool deepspeed_line = deepspeed && machines == 1;
+  // torchrun starts train.py bare: right for DeepSpeed (train.py hands the Trainer ds_config.json)
+  // and DDP, but FSDP's settings live in accelerate's YAML, so an FSDP row launches with accelerate.
+  const bool torchrun_line = !planner::is_fsdp(in.strategy.stage);
+  if (deepspeed_line)
     sh += fmt::format("  deepspeed) shift\n"
                       "    exec deepspeed --num_nodes {} --num_gpus {} --node_rank \"$MACHINE_RANK\" --master_addr \"$MAIN_ADDR\" --master_port 29500 \\\n"
                       "      train.py \"$@\" ;;\n",
                       machines, procs_per_machine);
-  sh += fmt::format("  torchrun) shift\n"
-                    "    exec torchrun --nnodes {} --nproc_per_node {} --node_rank \"$MACHINE_RANK\" --master_addr \"$MAIN_ADDR\" --master_port 29500 \\\n"
-                    "      train.py \"$@\" ;;\n",
-                    machines, procs_per_machine);
+  if (torchrun_line)
+    sh += fmt::format("  torchrun) shift\n"
+                      "    exec torchrun --nnodes {} --nproc_per_node {} --node_rank \"$MACHINE_RANK\" --master_addr \"$MAIN_ADDR\" --master_port 29500 \\\n"
+                      "      train.py \"$@\" ;;\n",
+                      machines, procs_per_machine);
   sh += fmt::format(
       "  twin) shift\n"
       "    # A scaled-down twin on this machine, run by peftplan's own executor: the same strategy family and offload, the\n"
@@ -319,10 +400,10 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
       "    # the plan's memory walk and step program hold for this placement; it does not check the real model's size,\n"
       "    # GPU kernels, NCCL, bf16, or what transformers, PEFT, DeepSpeed and FSDP add outside the program{}.\n"
       "    exec {} \"$@\" ;;\n"
-      "  *) echo \"usage: $0 [accelerate|{}torchrun|twin] [train.py arguments]\" >&2; exit 2 ;;\n"
+      "  *) echo \"usage: $0 [accelerate|{}{}twin] [train.py arguments]\" >&2; exit 2 ;;\n"
       "esac\n",
       std::min(in.strategy.ranks, 4), planner::is_fsdp(in.strategy.stage) ? " (an FSDP row runs as the ZeRO stage that shards the same states)" : "",
-      twin_line(row), deepspeed ? "deepspeed|" : "");
+      twin_line(row), deepspeed_line ? "deepspeed|" : "", torchrun_line ? "torchrun|" : "");
   write_text_atomic(dir / "launch.sh", sh);
   std::filesystem::permissions(dir / "launch.sh", std::filesystem::perms::owner_exec | std::filesystem::perms::group_exec | std::filesystem::perms::others_exec,
                                std::filesystem::perm_options::add, ec);
