@@ -133,7 +133,7 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--checkpointing", o->checkpointing, "checkpointing choices, a comma list of none, every-K and full (default: none,every-4,every-2,full)");
   cmd->add_flag("--no-offload", o->no_offload, "do not search optimizer or parameter offload");
   cmd->add_option("--objective", o->objective, "tokens-per-s, gpus, cost (per million tokens) or memory")->capture_default_str();
-  cmd->add_option("--top", o->top, "rows to show")->capture_default_str();
+  cmd->add_option("--top", o->top, "rows to show")->capture_default_str()->check(CLI::Range(1, 1000000));
   cmd->add_option("--max-gpus", o->max_gpus, "at most this many GPUs");
   cmd->add_option("--host-ram", o->host_ram_gib, "host RAM per node in GiB (overrides the cluster's)");
   cmd->add_option("--global-batch", o->global_batch, "sequences per optimizer step over all GPUs (accumulation reaches it)");
@@ -146,7 +146,6 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
     planner::SearchSpace space;
     const bool all = flags.profile == "all";
     if (all) flags.profile = "deepspeed";
-    if (o->top == 0) throw input_error("--top", "", "must be a positive integer", "0");
     if (o->max_micro_batch < o->min_micro_batch)
       throw InputError(fmt::format("--max-micro-batch {} is below --min-micro-batch {}", o->max_micro_batch, o->min_micro_batch));
     ResolvedPlan rp = resolve_plan_flags(flags);

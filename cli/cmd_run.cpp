@@ -311,11 +311,11 @@ void add_run_command(CLI::App& app, int& exit_code) {
                   fmt::format("calibrated profile to plan with (default: the cached one beside {}, made when missing or when the machine's speed moved from it)", default_profile_path().string()));
   cmd->add_option("--tolerance-memory", o->tolerance_memory,
                   "relative tolerance of memory and collective bytes (default: the profile's, 0.02 for executor)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(finite_non_negative());
   cmd->add_option("--tolerance-time", o->tolerance_time,
                   "relative tolerance of the step time (the step's parts: their error as a share of the step; default: the "
                   "profile's, 0.15)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(finite_non_negative());
   cmd->add_option("--rounds", o->rounds,
                   "rounds of every strategy's run, interleaved; times are the median of the rounds, the spread their "
                   "interquartile range")
@@ -379,7 +379,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       if (pf.run.checkpoint_every > 0 && pf.run.checkpoint_dir.empty()) pf.run.checkpoint_dir = (job.dir / "checkpoints").string();
       pf.run.checkpoint_dir = absolute(pf.run.checkpoint_dir);
       pf.run.resume = absolute(pf.run.resume);
-      for (const auto& w : planner::validate(pf.input)) fmt::print(stderr, "warning: {}\n", w);
+      for (const auto& w : planner::validate(pf.input)) fmt::print(stderr, "warning: {}\n", with_flags(w));
       const int N = pf.input.strategy.ranks;
       if (flags.cluster.empty()) {
         if (!calibrated)

@@ -1,4 +1,5 @@
 // The process's command line, kept for reports (commands.h).
+#include <cmath>
 #include <string>
 
 #include "commands.h"
@@ -33,6 +34,22 @@ std::string as_folder(const std::string& path) {
   std::string s = path;
   while (s.size() > 1 && s.back() == '/') s.pop_back();
   return s == "/" ? s : s + "/";
+}
+
+CLI::Validator finite_non_negative() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        std::size_t used = 0;
+        double v = 0.0;
+        try {
+          v = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used != text.size() || used == 0) return "must be a number, got " + text;
+        return std::isfinite(v) && v >= 0.0 ? std::string() : "must be a finite number >= 0, got " + text;
+      },
+      "NUMBER >= 0");
 }
 
 }  // namespace peftplan::cli

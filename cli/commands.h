@@ -15,6 +15,10 @@ const std::string& command_line();
 // A folder as the messages name it, with one trailing slash: "out", "out/" and "out//" -> "out/".
 std::string as_folder(const std::string& path);
 
+// A flag's number that must be finite and >= 0 (a tolerance): NaN passes a comparison-based
+// range check, so this one asks for what it wants.
+CLI::Validator finite_non_negative();
+
 void add_models_command(CLI::App& app, int& exit_code);
 void add_params_command(CLI::App& app, int& exit_code);
 void add_plan_command(CLI::App& app, int& exit_code);

@@ -37,7 +37,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::Success& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    app.exit(e);
+    // CLI11's own words for a flag it cannot take, in our error's form (one line, exit 2), and
+    // where the flags are listed.
+    fmt::print(stderr, "peftplan: error: {} (see peftplan{} --help)\n", e.what(),
+               app.get_subcommands().empty() ? "" : " " + app.get_subcommands().front()->get_name());
     return 2;
   } catch (const peftplan::planner::KnobError& e) {  // names fields: say which flags set them
     std::vector<std::string> flags;

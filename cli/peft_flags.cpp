@@ -1,6 +1,7 @@
 // --peft / --lora-* / --quant flags -> PeftSpec. Bad values are InputErrors naming the flag.
 #include "peft_flags.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include "peftplan/common/error.h"
@@ -53,8 +54,12 @@ models::PeftSpec peft_from_flags(const PeftFlags& f) {
         throw input_error("--lora-r", "", json_fields::valid_integer(1, models::kMaxLoraRank), std::to_string(*f.lora_r));
       a.lora.r = *f.lora_r;
     }
-    if (f.lora_alpha) a.lora.alpha = *f.lora_alpha;
-    if (f.lora_dropout < 0.0 || f.lora_dropout >= 1.0)
+    if (f.lora_alpha) {
+      if (!(std::isfinite(*f.lora_alpha) && *f.lora_alpha > 0.0))
+        throw input_error("--lora-alpha", "", "must be a positive finite number (the adapter's scale is alpha / r)", fmt::format("{}", *f.lora_alpha));
+      a.lora.alpha = *f.lora_alpha;
+    }
+    if (!(f.lora_dropout >= 0.0 && f.lora_dropout < 1.0))
       throw input_error("--lora-dropout", "", "must be in [0, 1)", fmt::format("{}", f.lora_dropout));
     a.lora.dropout = f.lora_dropout;
     a.lora.use_rslora = f.use_rslora;
@@ -90,6 +95,9 @@ models::PeftSpec peft_from_flags(const PeftFlags& f) {
     if (!t || (*t != DType::nf4 && *t != DType::fp4 && *t != DType::int8))
       throw input_error("--quant", "", "must be nf4, fp4 or int8", "\"" + f.quant + "\"");
     q.dtype = *t;
+    // bitsandbytes' double quantisation is of the 4-bit blocks' absmax (bnb_4bit_use_double_quant);
+    // LLM.int8() has no such option.
+    if (f.double_quant && q.dtype == DType::int8) throw InputError("--double-quant needs --quant nf4 or --quant fp4, got --quant int8");
     q.double_quant = f.double_quant;
     spec.quantization = q;
   } else if (f.double_quant) {

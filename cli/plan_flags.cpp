@@ -89,6 +89,11 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   if (!f.base_dtype.empty()) {
     auto d = parse_dtype(f.base_dtype);
     if (!d) throw input_error("--base-dtype", "", "must be fp32, bf16, fp16, int8 or nf4", "\"" + f.base_dtype + "\"");
+    // A quantised base is stored as its quantisation: another storage contradicts it.
+    if (in.peft.quantization && *d != in.peft.quantization->dtype)
+      throw input_error("--base-dtype", "", fmt::format("contradicts --quant {} (the quantised base is stored as {}): give one of them",
+                                                        name_of(in.peft.quantization->dtype), name_of(in.peft.quantization->dtype)),
+                        "\"" + f.base_dtype + "\"");
     t.base_storage = *d;
   }
   if (!(f.headroom_pct >= 0.0 && f.headroom_pct < 100.0))
@@ -175,6 +180,16 @@ std::string flag_of(planner::Knob k) {
     case Knob::objective: return "--objective";
   }
   return std::string(planner::field_of(k));
+}
+
+std::string with_flags(std::string warning) {
+  for (int i = 0; i < planner::kNumKnobs; ++i) {
+    const auto k = static_cast<planner::Knob>(i);
+    const std::string field = fmt::format("({})", planner::field_of(k)), flag = fmt::format("({})", flag_of(k));
+    for (std::size_t at = warning.find(field); at != std::string::npos; at = warning.find(field, at + flag.size()))
+      warning.replace(at, field.size(), flag);
+  }
+  return warning;
 }
 
 }  // namespace peftplan::cli

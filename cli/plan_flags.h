@@ -58,5 +58,8 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& flags);
 // bucket sizes the ds_config key that sets them. The planner's suggestions and refusals are
 // spelled with it on the terminal and in reports.
 std::string flag_of(planner::Knob k);
+// A planner's warning with each field it names in parentheses ("(training.eval_batch)") spelled
+// as the flag that sets it ("(--eval-batch)"), as refusals name their flags.
+std::string with_flags(std::string warning);
 
 }  // namespace peftplan::cli

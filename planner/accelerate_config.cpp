@@ -14,6 +14,7 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/common/json_fields.h"
+#include "peftplan/common/json_file.h"
 
 namespace peftplan::planner {
 namespace {
@@ -214,13 +215,7 @@ AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view 
   return out;
 }
 
-AccelerateConfig read_accelerate_config_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw InputError(fmt::format("{}: cannot read the accelerate config", path));
-  std::ostringstream text;
-  text << f.rdbuf();
-  return read_accelerate_config(text.str(), path);
-}
+AccelerateConfig read_accelerate_config_file(const std::string& path) { return read_accelerate_config(read_text_file(path), path); }
 
 std::string write_accelerate_config(const Strategy& s, const TrainingSpec& t, std::int32_t num_machines) {
   const std::string where = "accelerate config";

@@ -224,6 +224,17 @@ Plan finish_plan(const PlanInput& input, std::vector<std::string> warnings, Buil
   p.input = input_on(input, cluster);
   p.cluster = cluster;
   p.warnings = std::move(warnings);
+  // A GPU without bf16 tensor cores (before Ampere, compute capability 8.0: V100) runs bf16 GEMMs
+  // on its CUDA cores, which the timeline plans; fp16 has tensor cores there.
+  const bool bf16 = input.training.precision == Precision::bf16_mixed || input.training.precision == Precision::bf16_pure;
+  if (bf16 && input.profile != RuntimeProfile::executor && !cluster.gpu.bf16_flops_per_s && cluster.gpu.fp16_flops_per_s > 0.0)
+    p.warnings.push_back(fmt::format("{} has no bf16 tensor cores{}: bf16 GEMMs run at its fp32 rate ({:.1f} TFLOP/s, as planned); "
+                                     "--precision fp16 uses its fp16 tensor cores ({:.0f} TFLOP/s)",
+                                     cluster.gpu.name,
+                                     cluster.gpu.compute_capability > 0 ? fmt::format(" (compute capability {}.{})", cluster.gpu.compute_capability / 10,
+                                                                                      cluster.gpu.compute_capability % 10)
+                                                                         : std::string(),
+                                     cluster.gpu.fp32_flops_per_s / 1e12, cluster.gpu.fp16_flops_per_s / 1e12));
   p.facts = built.facts;
   p.program = std::move(built.program);
   sim::verify_or_throw(p.program);  // what the walk, the allocator model and the timeline assume
@@ -280,8 +291,9 @@ Plan finish_plan(const PlanInput& input, std::vector<std::string> warnings, Buil
     const auto& l = *p.lifecycle;
     if (l.eval_device_bytes > p.memory.device_peak_bytes)
       p.warnings.push_back(fmt::format("evaluation peaks at {:.2f} GiB allocated, above the step's {:.2f} GiB ({}): lower "
-                                       "per_device_eval_batch_size (training.eval_batch) if it does not fit",
-                                       to_gib(l.eval_device_bytes), to_gib(p.memory.device_peak_bytes), l.eval_how));
+                                       "per_device_eval_batch_size ({}) if it does not fit",
+                                       to_gib(l.eval_device_bytes), to_gib(p.memory.device_peak_bytes), l.eval_how,
+                                       field_of(Knob::eval_batch)));
     const std::uint64_t node_ram = cluster.host_ram_bytes_per_node;
     if (node_ram > 0 && l.load_host_per_node_bytes > node_ram)
       p.warnings.push_back(fmt::format("loading needs {:.1f} GiB of host RAM per node, the node has {:.1f} GiB ({}): the load, not the step, "

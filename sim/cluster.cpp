@@ -303,6 +303,9 @@ Cluster parse_cluster_spelling(std::string_view spelling) {
   const std::string valid =
       fmt::format("spell it [nodes x] gpus x GPU [-link]; GPUs: {}; links: {}", gpu_names(),
                   link_names());
+  // normalise drops dashes, so "-1xA100-80GB" would read as one GPU: a sign is refused first.
+  if (const auto first = spelling.find_first_not_of(" \t"); first != std::string_view::npos && (spelling[first] == '-' || spelling[first] == '+'))
+    throw input_error(where, "", fmt::format("starts with a sign: counts are positive integers ({})", valid));
   std::string s = normalise(spelling);
   // Leading counts: "8x", "2x8x".
   std::vector<std::int64_t> counts;

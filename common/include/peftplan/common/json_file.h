@@ -50,14 +50,23 @@ inline nlohmann::json parse_json_text(const std::string& text, const std::string
   }
 }
 
-// A user's file's bytes (a JSON file, a sweep's CSV); a file that cannot be opened is an
-// InputError naming it.
+// The most of a user's file read: far beyond any config, plan or measurement file, and a bound
+// on a path that never ends (/dev/zero, a FIFO left open).
+inline constexpr std::size_t kMaxInputFileBytes = std::size_t{256} << 20;
+
+// A user's file's bytes (a JSON file, a sweep's CSV, a launcher's YAML); a file that cannot be
+// opened, or that runs past kMaxInputFileBytes, is an InputError naming it.
 inline std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw input_error(path, "", "cannot be opened (does the file exist?)");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::string text;
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
+    text.append(chunk, static_cast<std::size_t>(in.gcount()));
+    if (text.size() > kMaxInputFileBytes)
+      throw input_error(path, "", fmt::format("is larger than {} MiB, the most read of an input file", kMaxInputFileBytes >> 20));
+  }
+  return text;
 }
 
 inline nlohmann::json read_json_file(const std::string& path) { return parse_json_text(read_text_file(path), path); }
