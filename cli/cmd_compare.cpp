@@ -60,11 +60,16 @@ void add_compare_command(CLI::App& app, int& exit_code) {
       ->required();
   cmd->add_option("--cluster", o->cluster, "cluster to predict on (default: the one plan.json records)");
   cmd->add_option("--tolerance-memory", o->tolerance_memory, "relative tolerance of memory (default: the plan's runtime profile's)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(finite_non_negative());
   cmd->add_option("--tolerance-time", o->tolerance_time, "relative tolerance of time (default: the plan's runtime profile's)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(finite_non_negative());
   cmd->add_option("--out", o->out, "folder to write validation.json and report.md into");
   cmd->callback([o, &exit_code] {
+    if (!o->out.empty()) {  // a folder, refused before anything is read or printed
+      std::error_code ec;
+      if (fs::exists(o->out, ec) && !fs::is_directory(o->out, ec))
+        throw input_error("--out", "", "is a file, not a folder (validation.json and report.md go into a folder)", o->out);
+    }
     const planner::PlanFile pf = planner::read_plan_file(o->plan);
     planner::check_program_hash(pf, o->plan);
     sim::Cluster cluster;
@@ -128,7 +133,9 @@ void add_compare_command(CLI::App& app, int& exit_code) {
     fmt::print("{}", validation_notes(v));
     if (!o->out.empty()) {
       const fs::path dir = fs::absolute(o->out);
-      fs::create_directories(dir);
+      std::error_code ec;
+      fs::create_directories(dir, ec);
+      if (ec) throw input_error("--out", "", fmt::format("the folder cannot be made ({})", ec.message()), o->out);
       write_text_atomic(dir / "validation.json", planner::validation_to_json(v).dump(1) + "\n");
       write_text_atomic(dir / "report.md", validation_report(plan, v, cluster_from));
       fmt::print("wrote {} and {}\n", shown_path(dir / "validation.json"), shown_path(dir / "report.md"));

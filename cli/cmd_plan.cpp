@@ -23,9 +23,6 @@
 namespace peftplan::cli {
 namespace {
 
-// JSON through the CLI's one atomic writer.
-void write_json_atomically(const std::string& path, const nlohmann::json& j) { write_text_atomic(path, j.dump(1) + "\n"); }
-
 std::string adapter_summary(const planner::Plan& p) {
   if (p.input.peft.adapters.empty()) return "full fine-tuning";
   std::string s;
@@ -115,7 +112,7 @@ void print_text(const planner::Plan& p) {
     fmt::print("\nwhy\n");
     for (const auto& e : p.explanation) fmt::print("  - {}\n", e);
   }
-  for (const auto& w : p.warnings) fmt::print("warning: {}\n", w);
+  for (const auto& w : p.warnings) fmt::print("warning: {}\n", with_flags(w));
   if (p.fits) {
     fmt::print("\nverdict: fits ({} in use of {} per GPU, {:.0f}% headroom kept)\n", human_bytes(p.used_peak_bytes), human_bytes(p.device_capacity_bytes),
                100.0 * p.headroom_fraction);
@@ -182,26 +179,42 @@ void add_plan_command(CLI::App& app, int& exit_code) {
     po.headroom_fraction = r.headroom_fraction;
     planner::Plan p = planner::make_plan(r.input, r.cluster, po);
     p.warnings.insert(p.warnings.begin(), r.warnings.begin(), r.warnings.end());
-    if (!o->memory_trace.empty()) write_json_atomically(o->memory_trace, planner::memory_trace(p));
+    // Every file asked for is made before any is written, and every folder checked: a refusal
+    // (an FSDP strategy has no ds_config) or a missing folder leaves nothing half-written.
+    struct Output {
+      const char* flag;
+      std::string path, text;
+    };
+    std::vector<Output> outputs;
+    if (!o->memory_trace.empty()) outputs.push_back({"--memory-trace", o->memory_trace, planner::memory_trace(p).dump(1) + "\n"});
     if (!o->write_accelerate_config.empty()) {
       const std::int32_t per_node = std::max(1, r.cluster.gpus_per_node);
-      write_text_atomic(o->write_accelerate_config,
-                        planner::write_accelerate_config(r.input.strategy, r.input.training, (r.input.strategy.ranks + per_node - 1) / per_node));
+      outputs.push_back({"--write-accelerate-config", o->write_accelerate_config,
+                         planner::write_accelerate_config(r.input.strategy, r.input.training, (r.input.strategy.ranks + per_node - 1) / per_node)});
     }
     if (!o->write_ds_config.empty())
-      write_json_atomically(o->write_ds_config, planner::write_ds_config(r.input.strategy, r.input.training));
+      outputs.push_back({"--write-ds-config", o->write_ds_config, planner::write_ds_config(r.input.strategy, r.input.training).dump(1) + "\n"});
     if (!o->write_plan.empty()) {
       planner::PlanFile pf;
       pf.input = r.input;
       pf.model_source = planner::model_source_for(o->plan.model);
       pf.cluster = r.cluster;
-      planner::write_plan_file(o->write_plan, pf);
+      outputs.push_back({"--write-plan", o->write_plan, planner::plan_file_to_json(pf).dump(2) + "\n"});
     }
     if (!o->trace.empty() && p.time) {
       sim::TraceOptions to;
       to.process_name = "peftplan predicted";
-      write_json_atomically(o->trace, sim::chrome_trace(p.program, *p.time, to));
+      outputs.push_back({"--trace", o->trace, sim::chrome_trace(p.program, *p.time, to).dump(1) + "\n"});
     }
+    for (const Output& out : outputs) {
+      const std::filesystem::path parent = std::filesystem::absolute(out.path).parent_path();
+      std::error_code ec;
+      if (!std::filesystem::is_directory(parent, ec))
+        throw input_error(out.flag, "", fmt::format("its folder {} does not exist (nothing was written)", parent.string()), out.path);
+      if (std::filesystem::is_directory(out.path, ec))
+        throw input_error(out.flag, "", "is a folder, not a file (nothing was written)", out.path);
+    }
+    for (const Output& out : outputs) write_text_atomic(out.path, out.text);
     std::optional<planner::SavedTable> saved;
     if (o->saved_layer) saved = planner::saved_for_backward(p.input, *o->saved_layer);
     if (o->json) {

@@ -210,6 +210,11 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
       }
     }
 
+    // Every configuration refused: no table to write (an --out file keeps what it held).
+    if (std::all_of(rows.begin(), rows.end(), [](const nlohmann::json& r) { return !r["error"].is_null(); }))
+      throw InputError(fmt::format("sweep: the planner refused every configuration ({}); the first: {}", total,
+                                   rows.front()["error"].get<std::string>()));
+
     std::string text;
     std::size_t errors = 0;
     if (o->format == "csv") {

@@ -312,6 +312,10 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw input_error(dir.string(), "", fmt::format("the folder cannot be made ({})", ec.message()));
+  // A name taken by a folder would stop the writes half-way: refused before any file is written.
+  for (const char* name : {"plan.json", "ds_config.json", "accelerate_config.yaml", "adapter_config.json", "train.py", "launch.sh"})
+    if (std::filesystem::is_directory(dir / name, ec))
+      throw input_error((dir / name).string(), "", "is a folder, where a launch file goes (nothing was written)");
   planner::PlanInput in = row.input;
   in.training.eval_batch = eval_batch;  // a search plans without the evaluation peak
   const sim::Cluster cluster = planner::cluster_for_gpus(planned_on, in.strategy.ranks);

@@ -198,6 +198,25 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       {"plan --gpus 2 --strategy zero3 --fsdp-version 2", "--fsdp-version 2 with --strategy zero3: the FSDP version applies to the fsdp-* strategies"},
       {"plan --gpus 2 --profile hf --strategy fsdp-no-shard --fsdp-version 2", "strategy.fsdp.version 2 with strategy.stage fsdp-no-shard: FSDP2's fully_shard plans"},
       {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --fsdp-version 3", "--fsdp-version: must be 1 or 2, got 3"},
+      // Numbers a comparison-based range check lets through (NaN), signs a spelling would drop,
+      // sizes past 64-bit byte counts, and flags that contradict each other.
+      {"plan --lora-alpha nan", "--lora-alpha: must be a positive finite number (the adapter's scale is alpha / r), got nan"},
+      {"plan --lora-alpha inf", "--lora-alpha: must be a positive finite number"},
+      {"plan --lora-dropout nan", "--lora-dropout: must be in [0, 1), got nan"},
+      {"plan --cluster -1xA100-80GB", "cluster \"-1xA100-80GB\": starts with a sign: counts are positive integers"},
+      {"plan --seq-len 99999999999999", "training.seq_len must be at most 1048576 (2^20 tokens), got 99999999999999 (training.seq_len is --seq-len)"},
+      {"plan --seq-len 1048576 --micro-batch 4096", "training.micro_batch × training.seq_len must be at most 2^31 tokens per micro-batch"},
+      {"plan --micro-batch 1e10", "peftplan: error: Could not convert: --micro-batch = 1e10 (see peftplan plan --help)"},
+      {"plan --no-such-flag", "peftplan: error: The following argument was not expected: --no-such-flag (see peftplan plan --help)"},
+      {"plan --quant nf4 --base-dtype fp32", "--base-dtype: contradicts --quant nf4 (the quantised base is stored as nf4): give one of them, got \"fp32\""},
+      {"plan --quant int8 --double-quant", "--double-quant needs --quant nf4 or --quant fp4, got --quant int8"},
+      {"recommend --top -1", "--top: Value -1 not in range 1 to 1000000"},
+      {"compare a.json b.json --tolerance-time nan", "--tolerance-time: must be a finite number >= 0, got nan"},
+      {"run --tolerance-memory -0.5", "--tolerance-memory: must be a finite number >= 0, got -0.5"},
+      {"compare a.json b.json --out " + kData + "/ds/bad_batch.json", "--out: is a file, not a folder (validation.json and report.md go into a folder)"},
+      // A path that never ends is read up to a bound, not forever.
+      {"plan --gpus 2 --ds-config /dev/zero", "/dev/zero: is larger than 256 MiB, the most read of an input file"},
+      {"plan --gpus 2 --profile hf --accelerate-config /dev/zero", "/dev/zero: is larger than 256 MiB"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.args);
@@ -207,11 +226,45 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
   }
 }
 
+// V100 (compute capability 7.0) has fp16 tensor cores and no bf16 ones (NVIDIA's V100 datasheet:
+// 125 TFLOP/s of fp16 tensor math): bf16 is planned at the fp32 rate, and the plan says so.
+TEST(CliPlan, Bf16OnAGpuWithoutBf16TensorCoresWarns) {
+  Result bf16 = run("plan --cluster 8xV100 --precision bf16");
+  ASSERT_EQ(bf16.code, 0) << bf16.out;
+  EXPECT_NE(bf16.out.find("warning: V100 has no bf16 tensor cores (compute capability 7.0): bf16 GEMMs run at its fp32 rate"), std::string::npos)
+      << bf16.out;
+  for (const char* other : {"plan --cluster 8xV100 --precision fp16", "plan --cluster 8xA100-80GB --precision bf16"}) {
+    Result r = run(other);
+    EXPECT_EQ(r.out.find("no bf16 tensor cores"), std::string::npos) << other << r.out;
+  }
+}
+
 TEST(CliPlan, DsConfigAutoValuesAndUnknownKeyWarning) {
   Result r = run("plan --gpus 8 --micro-batch 2 --ds-config " + kData + "/ds/zero3_unknown_key.json");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("strategy zero3"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("not_a_deepspeed_knob"), std::string::npos) << r.out;
+}
+
+// plan's files are all made and their folders checked before any is written: a missing folder
+// or a refused file (FSDP has no ds_config) leaves none of them behind.
+TEST(CliPlan, OutputsAreAllOrNothing) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "peftplan-plan-outputs";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string plan = (dir / "p.json").string();
+  Result r = run("plan --write-plan " + plan + " --trace " + (dir / "no" / "t.json").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--trace: its folder " + (dir / "no").string() + " does not exist (nothing was written)"), std::string::npos) << r.out;
+  r = run("plan --gpus 2 --profile hf --strategy fsdp-full-shard --write-plan " + plan + " --write-ds-config " + (dir / "ds.json").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  r = run("plan --write-plan " + dir.string());
+  EXPECT_NE(r.out.find("is a folder, not a file"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+  r = run("plan --write-plan " + plan + " --trace " + (dir / "t.json").string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(plan) && std::filesystem::exists(dir / "t.json"));
+  std::filesystem::remove_all(dir);
 }
 
 // The trace parses back with the Trace Event Format's required fields (traceEvents, ph "X" with

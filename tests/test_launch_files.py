@@ -329,6 +329,15 @@ class EmittedTrainPy(unittest.TestCase):
         self.assertIn("deepspeed --num_nodes 1 --num_gpus 8", read(one, "launch.sh"))
         self.assertNotIn("multinode", read(one, "accelerate_config.yaml"))
 
+    def test_a_folder_where_a_file_goes_stops_the_emit_before_it_writes(self):
+        f = self.folder("blocked")
+        os.makedirs(os.path.join(f, "train.py"))
+        p = subprocess.run([PEFTPLAN, "recommend", "--model", "tiny-llama-4l", "--cluster", "1xA100-80GB", "--top", "1", "--emit", f],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        self.assertEqual(p.returncode, 2, p.stdout)
+        self.assertIn("train.py: is a folder, where a launch file goes (nothing was written)", p.stdout)
+        self.assertEqual(os.listdir(f), ["train.py"])
+
     def test_sgd_under_zero_is_allowed_by_its_config(self):
         f = emit(self.folder("sgd"), "--model", "llama-2-7b", "--optimizer", "sgd", "--cluster", "2xA100-80GB", "--strategy", "zero2")
         ds = json.loads(read(f, "ds_config.json"))

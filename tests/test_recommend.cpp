@@ -584,6 +584,8 @@ TEST(SweepCli, BadGridsAreInputErrors) {
       // A value the planner refuses for itself wherever it appears, not a combination.
       {"sweep --strategy ddp,zero9 --micro-batch 1,2", "--strategy: must be one of ddp, zero1"},
       {"sweep --micro-batch 1,2 --precision bf16,fp9", "--precision: "},
+      // Every configuration refused (combinations, not a value of one flag): no table at all.
+      {"sweep --strategy ddp,zero1 --offload-param cpu", "sweep: the planner refused every configuration (2); the first: strategy.offload_param cpu"},
   };
   for (const auto& c : cases) {
     const auto r = run_cli(c.args);
