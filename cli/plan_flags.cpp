@@ -136,7 +136,24 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   if (!f.accelerate_config.empty() && f.strategy != "ddp")
     throw InputError(fmt::format("--accelerate-config {} with --strategy {}: the accelerate config sets the strategy; drop --strategy",
                                  f.accelerate_config, f.strategy));
-  if (!f.ds_config.empty()) planner::apply_ds_config(in, models::read_json_file(f.ds_config), f.ds_config, r.warnings);
+  if (!f.ds_config.empty()) {
+    const planner::Strategy flags = in.strategy;
+    planner::apply_ds_config(in, models::read_json_file(f.ds_config), f.ds_config, r.warnings);
+    // The ds_config sets the ZeRO stage and the offloads: a flag that says otherwise is a
+    // contradiction to refuse, not one to resolve in silence (the flags' defaults say nothing).
+    if (f.strategy != "ddp" && flags.stage != in.strategy.stage)
+      throw InputError(fmt::format("--ds-config {} with --strategy {}: the ds_config sets the strategy (zero_optimization.stage {}); drop "
+                                   "--strategy",
+                                   f.ds_config, f.strategy, name_of(in.strategy.stage)));
+    if (flags.offload_optimizer != planner::OffloadDevice::none && flags.offload_optimizer != in.strategy.offload_optimizer)
+      throw InputError(fmt::format("--ds-config {} with --offload-optimizer {}: the ds_config sets it "
+                                   "(zero_optimization.offload_optimizer.device); drop --offload-optimizer",
+                                   f.ds_config, f.offload_optimizer));
+    if (flags.offload_param != planner::OffloadDevice::none && flags.offload_param != in.strategy.offload_param)
+      throw InputError(fmt::format("--ds-config {} with --offload-param {}: the ds_config sets it (zero_optimization.offload_param.device); "
+                                   "drop --offload-param",
+                                   f.ds_config, f.offload_param));
+  }
   if (!f.accelerate_config.empty()) {
     if (!f.ds_config.empty())
       throw InputError("--accelerate-config and --ds-config: give one launcher's config, not both");
