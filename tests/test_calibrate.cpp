@@ -475,19 +475,27 @@ TEST(Calibrate, SharedComputeJsonIsValidated) {
                    .contains("shared_gemm_GFLOPs_per_rank"));
 }
 
+// A 2-rank default profile without launch cost (as calibrated profiles have it: CPU kernels are
+// calls), and f FLOPs of a large square GEMM.
+sim::Cluster launchless_cluster() {
+  sim::Cluster c = sim::default_cluster(2);
+  c.efficiency.kernel_launch_s = 0.0;
+  return c;
+}
+sim::ComputeWork gemm_work(double f) {
+  sim::ComputeWork w;
+  w.flops = f;
+  w.gemm_m = 4096, w.gemm_n = 4096, w.gemm_k = 4096;
+  return w;
+}
+
 // Several sizes: t = overhead + scale × roofline is recovered exactly from programs whose totals
 // lie on that line (here 40 us per call plus 1.5x the roofline, at 1x, 2x and 8x the work, the
 // 1x program's two ops split unevenly around it), and the model then predicts a size it never
 // saw; a kernel whose programs fit no positive scale keeps the ratio of sums.
 TEST(Calibrate, KernelOverheadAndScaleFromTwoSizes) {
-  sim::Cluster c = sim::default_cluster(2);
-  c.efficiency.kernel_launch_s = 0.0;
-  auto work = [](double f) {
-    sim::ComputeWork w;
-    w.flops = f;
-    w.gemm_m = 4096, w.gemm_n = 4096, w.gemm_k = 4096;
-    return w;
-  };
+  sim::Cluster c = launchless_cluster();
+  const auto work = gemm_work;
   auto roof = [&](double f) { return sim::device_compute_cost(work(f), sim::Kernel::linear_fwd, c, DType::fp32).time_s; };
   std::vector<KernelSample> k;
   // three programs (sizes); two ops each in the first, whose times split unevenly (a noisy op)
@@ -569,14 +577,8 @@ TEST(Calibrate, KernelScalesAndCollectiveTablesFromSamples) {
 // program with its fp32 factors, the factors round-trip through JSON and apply_step_factors
 // scales both.
 TEST(Calibrate, Bf16ProgramsFitKernelFactorsOfTheirOwn) {
-  sim::Cluster c = sim::default_cluster(2);
-  c.efficiency.kernel_launch_s = 0.0;
-  auto work = [](double f) {
-    sim::ComputeWork w;
-    w.flops = f;
-    w.gemm_m = 4096, w.gemm_n = 4096, w.gemm_k = 4096;
-    return w;
-  };
+  sim::Cluster c = launchless_cluster();
+  const auto work = gemm_work;
   const sim::Cluster bare = c;  // the roofline
   auto roof = [&](double f, sim::Kernel k, DType d) { return sim::device_compute_cost(work(f), k, bare, d).time_s; };
   const auto L = sim::Kernel::linear_fwd, N = sim::Kernel::norm_fwd;
