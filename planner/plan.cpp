@@ -227,7 +227,7 @@ Plan finish_plan(const PlanInput& input, std::vector<std::string> warnings, Buil
   // A GPU without bf16 tensor cores (before Ampere, compute capability 8.0: V100) runs bf16 GEMMs
   // on its CUDA cores, which the timeline plans; fp16 has tensor cores there.
   const bool bf16 = input.training.precision == Precision::bf16_mixed || input.training.precision == Precision::bf16_pure;
-  if (bf16 && input.profile != RuntimeProfile::executor && !cluster.gpu.bf16_flops_per_s && cluster.gpu.fp16_flops_per_s > 0.0)
+  if (bf16 && input.profile != RuntimeProfile::executor && !cluster.gpu.bf16_flops_per_s && cluster.gpu.fp16_flops_per_s > cluster.gpu.fp32_flops_per_s)
     p.warnings.push_back(fmt::format("{} has no bf16 tensor cores{}: bf16 GEMMs run at its fp32 rate ({:.1f} TFLOP/s, as planned); "
                                      "--precision fp16 uses its fp16 tensor cores ({:.0f} TFLOP/s)",
                                      cluster.gpu.name,

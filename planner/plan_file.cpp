@@ -213,7 +213,7 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   RunOptions& r = pf.run;
   r.steps = positive(run, "steps", source, "run.", r.steps);
   if (auto it = j.find("accelerate_config"); it != j.end() && !it->is_null()) {
-    // An FSDP plan: the strategy from accelerate's YAML; the training object has the rest.
+    // A plan DeepSpeed cannot run (FSDP; DDP in pure bf16): the strategy from accelerate's YAML; the training object has the rest.
     if (!it->is_string()) throw input_error(source, "accelerate_config", "must be accelerate's launch config YAML, as a string", it->dump());
     if (j.contains("ds_config")) throw input_error(source, "ds_config", "and accelerate_config cannot both be given (one launcher per plan)");
     const AccelerateConfig ac = read_accelerate_config(it->get<std::string>(), fmt::format("{}: accelerate_config", source));

@@ -151,6 +151,9 @@ def training_arguments(args):
         adam_beta2=PLAN["adam_betas"][1],
         adam_epsilon=PLAN["adam_eps"],
         max_grad_norm=PLAN["grad_clip"],  # 0: no clipping, as the plan's
+        # a PeftModel is no PreTrainedModel, so the Trainer would ask DDP to find unused
+        # parameters, which reentrant checkpointing breaks ("mark a variable ready only once")
+        ddp_find_unused_parameters=False,
         optim={"adamw-8bit": "adamw_bnb_8bit", "sgd-momentum": "sgd"}.get(PLAN["optimizer"], "adamw_torch"),
         bf16=bf16,
         fp16=PLAN["precision"] == "fp16",
@@ -288,12 +291,12 @@ std::string train_py(const planner::Candidate& row, const std::string& model_id,
   replace_all(s, "@DS@", deepspeed ? "\"ds_config.json\"" : "None");
   replace_all(s, "@QUANT@", quant);
   replace_all(s, "@FULL@", py_bool(in.peft.adapters.empty()));
-  replace_all(s, "@LR@", fmt::format("{:g}", t.lr));
-  replace_all(s, "@WD@", fmt::format("{:g}", t.weight_decay));
-  replace_all(s, "@BETA1@", fmt::format("{:g}", t.adam_beta1));
-  replace_all(s, "@BETA2@", fmt::format("{:g}", t.adam_beta2));
-  replace_all(s, "@EPS@", fmt::format("{:g}", t.adam_eps));
-  replace_all(s, "@CLIP@", fmt::format("{:g}", t.grad_clip));
+  replace_all(s, "@LR@", fmt::format("{}", t.lr));
+  replace_all(s, "@WD@", fmt::format("{}", t.weight_decay));
+  replace_all(s, "@BETA1@", fmt::format("{}", t.adam_beta1));
+  replace_all(s, "@BETA2@", fmt::format("{}", t.adam_beta2));
+  replace_all(s, "@EPS@", fmt::format("{}", t.adam_eps));
+  replace_all(s, "@CLIP@", fmt::format("{}", t.grad_clip));
   replace_all(s, "@REENTRANT@", py_bool(t.checkpoint_reentrant));
   replace_all(s, "@CE@", name_of(t.cross_entropy));
   replace_all(s, "@OPTIM@", name_of(t.optimizer));
