@@ -229,12 +229,12 @@ Plan finish_plan(const PlanInput& input, std::vector<std::string> warnings, Buil
   const bool bf16 = input.training.precision == Precision::bf16_mixed || input.training.precision == Precision::bf16_pure;
   if (bf16 && input.profile != RuntimeProfile::executor && !cluster.gpu.bf16_flops_per_s && cluster.gpu.fp16_flops_per_s > cluster.gpu.fp32_flops_per_s)
     p.warnings.push_back(fmt::format("{} has no bf16 tensor cores{}: bf16 GEMMs run at its fp32 rate ({:.1f} TFLOP/s, as planned); "
-                                     "--precision fp16 uses its fp16 tensor cores ({:.0f} TFLOP/s)",
+                                     "fp16 mixed precision ({}) uses its fp16 tensor cores ({:.0f} TFLOP/s)",
                                      cluster.gpu.name,
                                      cluster.gpu.compute_capability > 0 ? fmt::format(" (compute capability {}.{})", cluster.gpu.compute_capability / 10,
                                                                                       cluster.gpu.compute_capability % 10)
                                                                          : std::string(),
-                                     cluster.gpu.fp32_flops_per_s / 1e12, cluster.gpu.fp16_flops_per_s / 1e12));
+                                     cluster.gpu.fp32_flops_per_s / 1e12, field_of(Knob::precision), cluster.gpu.fp16_flops_per_s / 1e12));
   p.facts = built.facts;
   p.program = std::move(built.program);
   sim::verify_or_throw(p.program);  // what the walk, the allocator model and the timeline assume
