@@ -186,6 +186,7 @@ std::string flag_of(planner::Knob k) {
     case Knob::checkpoint_every: return "--checkpointing every-K";
     case Knob::attention: return "--attention";
     case Knob::cross_entropy: return "--cross-entropy";
+    case Knob::optimizer: return "--optimizer";
     case Knob::eval_batch: return "--eval-batch";
     case Knob::gpu: return "--cluster";
     case Knob::search_gpus: return "--gpus";

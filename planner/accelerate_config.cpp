@@ -235,7 +235,7 @@ std::string write_accelerate_config(const Strategy& s, const TrainingSpec& t, st
       if (s.stage != Stage::fsdp_full_shard && s.stage != Stage::fsdp_shard_grad_op)
         throw input_error(where, "fsdp_config.fsdp_reshard_after_forward",
                           fmt::format("FSDP2 has fsdp-full-shard and fsdp-shard-grad-op, not strategy.stage {}", name_of(s.stage)));
-      y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << k.activation_checkpointing;
+      y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << fsdp_checkpoints_layers(s, t);
       y << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << k.auto_wrap_policy;
       y << YAML::Key << "fsdp_cpu_ram_efficient_loading" << YAML::Value << k.cpu_ram_efficient_loading;
       y << YAML::Key << "fsdp_offload_params" << YAML::Value << (s.offload_param == OffloadDevice::cpu);
@@ -244,7 +244,7 @@ std::string write_accelerate_config(const Strategy& s, const TrainingSpec& t, st
       y << YAML::Key << "fsdp_version" << YAML::Value << 2;
       y << YAML::EndMap;
     } else {
-      y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << k.activation_checkpointing;
+      y << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << fsdp_checkpoints_layers(s, t);
       y << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << k.auto_wrap_policy;
       y << YAML::Key << "fsdp_backward_prefetch" << YAML::Value
         << (k.backward_prefetch == FsdpPrefetch::backward_pre ? "BACKWARD_PRE" : k.backward_prefetch == FsdpPrefetch::backward_post ? "BACKWARD_POST" : "NO_PREFETCH");

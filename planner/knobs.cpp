@@ -30,6 +30,7 @@ constexpr std::string_view kFields[] = {
     "training.checkpoint_every",
     "training.attention",
     "training.cross_entropy",
+    "training.optimizer",
     "training.eval_batch",
     "cluster.gpu",
     "space.gpus",

@@ -74,6 +74,14 @@ std::vector<Suggestion> fit_suggestions(MemCategory c, const PlanInput& in) {
     case MemCategory::comm_buffers: out.push_back({Knob::reduce_bucket_size, Change::smaller, "", ""}); break;
     default: out.push_back({Knob::gpu, Change::larger, "", ""}); break;
   }
+  // No offload the optimizer cannot follow to the host (8-bit AdamW).
+  std::erase_if(out, [&](const Suggestion& x) {
+    Strategy st = in.strategy;
+    if (x.knob == Knob::offload_optimizer) st.offload_optimizer = OffloadDevice::cpu;
+    else if (x.knob == Knob::offload_param) st.offload_param = OffloadDevice::cpu;
+    else return false;
+    return host_step_refused(in.training.optimizer, st);
+  });
   return out;
 }
 

@@ -153,6 +153,16 @@ std::vector<std::string> validate(const PlanInput& in) {
   if (s.offload_optimizer == OffloadDevice::cpu && s.stage == Stage::ddp)  // FSDP's case is refused above
     throw KnobError({Knob::offload_optimizer, Knob::stage},
                     "strategy.offload_optimizer cpu: optimizer offload needs a ZeRO stage (zero1, zero2 or zero3), got strategy.stage ddp");
+  // bitsandbytes' 8-bit AdamW is a GPU kernel (bitsandbytes 0.43.3 functional.py
+  // optimizer_update_8bit_blockwise checks is_on_gpu first); DeepSpeed also refuses any client
+  // optimizer under ZeRO-Offload (runtime/engine.py _configure_optimizer,
+  // zero_force_ds_cpu_optimizer).
+  if (host_step_refused(t.optimizer, s))
+    throw KnobError({Knob::optimizer, is_fsdp(s.stage) ? Knob::offload_param : Knob::offload_optimizer},
+                    fmt::format("training.optimizer adamw-8bit with strategy.{} cpu: bitsandbytes' 8-bit AdamW runs only on the GPU, and "
+                                "this offload steps the optimizer on the host; use training.optimizer adamw (DeepSpeed's CPU Adam, "
+                                "torch's AdamW under FSDP) or no offload",
+                                is_fsdp(s.stage) ? "offload_param" : "offload_optimizer"));
   if (in.model.sliding_window && *in.model.sliding_window < t.seq_len)
     warnings.push_back(fmt::format("sliding_window {} < training.seq_len {}: attention is planned over the full sequence",
                                    *in.model.sliding_window, t.seq_len));
@@ -171,6 +181,17 @@ std::vector<std::string> validate(const PlanInput& in) {
     throw KnobError({Knob::stage, Knob::profile},
                     fmt::format("strategy.stage {} is DeepSpeed's ZeRO: plan it with profile deepspeed (the same transformers + PEFT "
                                 "model side under DeepSpeed's engine); profile hf plans ddp and the FSDP strategies", stage));
+  // The Trainer's fp16 without FSDP is torch.amp's GradScaler, whose unscale_ refuses fp16
+  // gradients (torch/amp/grad_scaler.py _unscale_grads_, allow_fp16=False: "Attempting to unscale
+  // FP16 gradients."), so a full fine-tune there keeps fp32 weights under autocast, which this
+  // profile does not plan (its trainable weights are in the compute dtype). FSDP's
+  // ShardedGradScaler allows fp16 gradients (torch/distributed/fsdp/sharded_grad_scaler.py), and
+  // DeepSpeed's fp16 keeps fp32 masters of its fp16 weights.
+  if (in.profile == RuntimeProfile::hf && t.precision == Precision::fp16_mixed && in.peft.adapters.empty() && !is_fsdp(s.stage))
+    throw KnobError({Knob::precision, Knob::profile},
+                    "training.precision fp16 with full fine-tuning under profile hf and strategy.stage ddp: the Trainer's GradScaler "
+                    "refuses fp16 weights' gradients, and fp32 weights under autocast are not planned; plan it with profile deepspeed "
+                    "(fp32 master weights), an FSDP strategy, or training.precision bf16");
   if (in.profile == RuntimeProfile::executor && t.cross_entropy == CrossEntropy::chunked)
     throw KnobError({Knob::cross_entropy, Knob::profile},
                     "training.cross_entropy chunked: our executor computes the standard loss; plan it with profile hf or deepspeed");

@@ -95,7 +95,10 @@ std::string family_label(const Family& f, bool several_profiles) {
 }
 
 // Families of the space. With one rank a sharding strategy without offload plans what DDP plans.
-std::vector<Family> families_of(const SearchSpace& space, std::int32_t max_ranks, bool multi_node) {
+// A family whose optimizer cannot run where the family steps it (8-bit AdamW on the host) is not
+// planned: it goes to `excluded` with the reason.
+std::vector<Family> families_of(const SearchSpace& space, Optimizer optimizer, std::int32_t max_ranks, bool multi_node,
+                                std::vector<Rejection>& excluded) {
   std::vector<Family> out;
   const bool several = space.profiles.size() > 1;
   for (RuntimeProfile p : space.profiles) {
@@ -113,6 +116,16 @@ std::vector<Family> families_of(const SearchSpace& space, std::int32_t max_ranks
         if (max_ranks <= 1 && s != Stage::ddp && o == OffloadDevice::none && q == OffloadDevice::none) continue;
         Family f{p, s, o, q, ""};
         f.label = family_label(f, several);
+        Strategy st;
+        st.stage = s;
+        st.offload_optimizer = o;
+        st.offload_param = q;
+        if (host_step_refused(optimizer, st)) {
+          excluded.push_back({f.label, false,
+                              fmt::format("not planned: {} runs only on the GPU, and this offload steps the optimizer on the host", name_of(optimizer)),
+                              {}, std::nullopt});
+          continue;
+        }
         out.push_back(std::move(f));
       }
     }
@@ -677,7 +690,8 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
     max_ranks = std::max(max_ranks, g);
     multi_node |= cluster_for_gpus(cluster, g).nodes > 1 && g > cluster.gpus_per_node;
   }
-  const std::vector<Family> families = families_of(space, max_ranks, multi_node);
+  std::vector<Rejection> excluded;
+  const std::vector<Family> families = families_of(space, base.training.optimizer, max_ranks, multi_node, excluded);
   if (families.empty())
     throw KnobError({Knob::search_stages, Knob::profile}, "recommend: the search space is empty (no strategy of space.stages is planned by profile)");
 
@@ -743,6 +757,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
       }
       r.rejected.push_back(std::move(rj));
     }
+    r.rejected.insert(r.rejected.end(), excluded.begin(), excluded.end());
     if (closest) {
       if (closest->input.strategy.ranks == max_ranks) r.suggestions.push_back({Knob::search_gpus, Change::larger, "", ""});
       if (peft && !base.peft.quantization) r.suggestions.push_back({Knob::quantization, Change::set, "nf4", "a quantised base, QLoRA"});
@@ -937,6 +952,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
     }
     r.rejected.push_back(std::move(rj));
   }
+  r.rejected.insert(r.rejected.end(), excluded.begin(), excluded.end());
 
   // --- alternatives outside the space when communication dominates the top row ---
   const Terms terms = per_token(top);

@@ -57,4 +57,8 @@ std::string_view name_of(Stage s) {
 
 std::string_view name_of(OffloadDevice d) { return d == OffloadDevice::cpu ? "cpu" : "none"; }
 
+bool fsdp_checkpoints_layers(const Strategy& s, const TrainingSpec& t) {
+  return is_fsdp(s.stage) && s.fsdp.activation_checkpointing && t.checkpointing == Checkpointing::full && !t.checkpoint_reentrant;
+}
+
 }  // namespace peftplan::planner

@@ -62,6 +62,7 @@ PLAN = {
     "precision": "@PRECISION@",
     "checkpointing": "@CKPT@",
     "checkpoint_reentrant": @REENTRANT@,
+    "fsdp_checkpointing": @FSDP_CKPT@,  # accelerate_config.yaml's fsdp_activation_checkpointing does it
     "attention": "@ATTN@",
     "cross_entropy": "@CE@",
     "optimizer": "@OPTIM@",
@@ -73,6 +74,7 @@ PLAN = {
     "weight_decay": @WD@,
     "adam_betas": (@BETA1@, @BETA2@),
     "adam_eps": @EPS@,
+    "sgd_momentum": @MOMENTUM@,
     "grad_clip": @CLIP@,
 }
 
@@ -134,7 +136,9 @@ def training_arguments(args):
     trainer_config_process: gradient_clipping against max_grad_norm, bf16.enabled against bf16,
     the optimizer's lr, betas, eps and weight_decay) and refuses a mismatch."""
     bf16 = PLAN["precision"] == "bf16" or (PLAN["precision"] == "bf16-pure" and bool(PLAN["deepspeed"]))
-    full = PLAN["checkpointing"] == "full"
+    # FSDP's checkpoint_wrapper, when accelerate's config asks for it, in place of the Trainer's
+    # (which refuses the two together: trainer.py create_accelerator_and_postprocess)
+    full = PLAN["checkpointing"] == "full" and not PLAN["fsdp_checkpointing"]
     extra = {}
     if full:
         extra["gradient_checkpointing_kwargs"] = {"use_reentrant": PLAN["checkpoint_reentrant"]}
@@ -154,7 +158,7 @@ def training_arguments(args):
         # a PeftModel is no PreTrainedModel, so the Trainer would ask DDP to find unused
         # parameters, which reentrant checkpointing breaks ("mark a variable ready only once")
         ddp_find_unused_parameters=False,
-        optim={"adamw-8bit": "adamw_bnb_8bit", "sgd-momentum": "sgd"}.get(PLAN["optimizer"], "adamw_torch"),
+        optim={"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "sgd": "sgd"}[PLAN["optimizer"]],
         bf16=bf16,
         fp16=PLAN["precision"] == "fp16",
         gradient_checkpointing=full,
@@ -229,8 +233,14 @@ def main():
     except ImportError:
         print("train.py: peftplan_callback.py is not beside train.py; no measurement is written", file=sys.stderr)
 
+    extra = {}
+    if PLAN["optimizer"] == "sgd" and not PLAN["deepspeed"]:
+        # The Trainer's optim="sgd" is torch.optim.SGD with the learning rate alone, no momentum
+        # (trainer.py get_optimizer_cls_and_kwargs); the plan's SGD keeps a momentum buffer.
+        # (Under DeepSpeed, ds_config.json's optimizer section builds it with its momentum.)
+        extra["optimizer_cls_and_kwargs"] = (torch.optim.SGD, {"lr": PLAN["learning_rate"], "momentum": PLAN["sgd_momentum"]})
     trainer = Trainer(model=model, args=targs, train_dataset=packed_dataset(tokenizer, args),
-                      data_collator=default_data_collator, callbacks=callbacks)
+                      data_collator=default_data_collator, callbacks=callbacks, **extra)
     trainer.train()
 
 
@@ -297,7 +307,9 @@ std::string train_py(const planner::Candidate& row, const std::string& model_id,
   replace_all(s, "@BETA2@", fmt::format("{}", t.adam_beta2));
   replace_all(s, "@EPS@", fmt::format("{}", t.adam_eps));
   replace_all(s, "@CLIP@", fmt::format("{}", t.grad_clip));
+  replace_all(s, "@MOMENTUM@", fmt::format("{}", planner::DsExtras{}.sgd_momentum));  // what ds_config.json writes
   replace_all(s, "@REENTRANT@", py_bool(t.checkpoint_reentrant));
+  replace_all(s, "@FSDP_CKPT@", py_bool(planner::fsdp_checkpoints_layers(in.strategy, t)));
   replace_all(s, "@CE@", name_of(t.cross_entropy));
   replace_all(s, "@OPTIM@", name_of(t.optimizer));
   replace_all(s, "@SHARDS@", py_bool(planner::shards_params(in.strategy.stage)));

@@ -75,6 +75,8 @@ TEST(AccelerateConfig, WriteThenReadIsTheSameStrategy) {
       if (stage == Stage::fsdp_hybrid_shard) s.shard_group = 8;
       TrainingSpec t;
       t.precision = Precision::bf16_mixed;
+      t.checkpointing = Checkpointing::full;  // as reading the knob sets it (apply_accelerate_config)
+      t.checkpoint_reentrant = false;
       const std::string yaml = write_accelerate_config(s, t, 2);
       SCOPED_TRACE(yaml);
       const AccelerateConfig c = read_accelerate_config(yaml, "written.yaml");
@@ -90,6 +92,29 @@ TEST(AccelerateConfig, WriteThenReadIsTheSameStrategy) {
       }
     }
   }
+}
+
+// fsdp_activation_checkpointing is what the configuration checkpoints: FSDP's non-reentrant
+// wrapper on every layer. A row that checkpoints otherwise (none, every-k, reentrant) writes it
+// off, so the launch runs what was planned.
+TEST(AccelerateConfig, ActivationCheckpointingIsWrittenOnlyForTheRowsItRuns) {
+  Strategy s;
+  s.stage = Stage::fsdp_full_shard;
+  s.ranks = 2;
+  s.fsdp.activation_checkpointing = true;
+  auto written = [&](Checkpointing c, bool reentrant) {
+    TrainingSpec t;
+    t.checkpointing = c;
+    t.checkpoint_every = 2;
+    t.checkpoint_reentrant = reentrant;
+    return read_accelerate_config(write_accelerate_config(s, t, 1), "written.yaml").strategy.fsdp.activation_checkpointing;
+  };
+  EXPECT_TRUE(written(Checkpointing::full, false));
+  EXPECT_FALSE(written(Checkpointing::full, true));
+  EXPECT_FALSE(written(Checkpointing::none, false));
+  EXPECT_FALSE(written(Checkpointing::every_k, false));
+  s.fsdp.activation_checkpointing = false;
+  EXPECT_FALSE(written(Checkpointing::full, false));
 }
 
 // accelerate >= 1.6 (utils/dataclasses.py FullyShardedDataParallelPlugin): fsdp_version 2 is

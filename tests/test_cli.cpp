@@ -210,6 +210,14 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       {"plan --no-such-flag", "peftplan: error: The following argument was not expected: --no-such-flag (see peftplan plan --help)"},
       {"plan --quant nf4 --base-dtype fp32", "--base-dtype: contradicts --quant nf4 (the quantised base is stored as nf4): give one of them, got \"fp32\""},
       {"plan --quant int8 --double-quant", "--double-quant needs --quant nf4 or --quant fp4, got --quant int8"},
+      // Combinations the runtime refuses when it starts: bitsandbytes' 8-bit AdamW on the host
+      // (ZeRO-Offload, FSDP's CPUOffload), and fp16 gradients under torch.amp's GradScaler.
+      {"plan --gpus 2 --strategy zero2 --optimizer adamw-8bit --offload-optimizer cpu",
+       "training.optimizer adamw-8bit with strategy.offload_optimizer cpu: bitsandbytes' 8-bit AdamW runs only on the GPU"},
+      {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --optimizer adamw-8bit --offload-param cpu",
+       "training.optimizer adamw-8bit with strategy.offload_param cpu: bitsandbytes' 8-bit AdamW runs only on the GPU"},
+      {"plan --gpus 2 --profile hf --full-finetune --precision fp16",
+       "training.precision fp16 with full fine-tuning under profile hf and strategy.stage ddp: the Trainer's GradScaler"},
       {"recommend --top -1", "--top: Value -1 not in range 1 to 1000000"},
       {"compare a.json b.json --tolerance-time nan", "--tolerance-time: must be a finite number >= 0, got nan"},
       {"run --tolerance-memory -0.5", "--tolerance-memory: must be a finite number >= 0, got -0.5"},

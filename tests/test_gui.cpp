@@ -226,6 +226,10 @@ class TestGui : public QObject {
     std::ofstream f(path.toStdString());
     f << text;
   }
+  static QString read_all(const QString& path) {
+    QFile f(path);
+    return f.open(QIODevice::ReadOnly) ? QString::fromUtf8(f.readAll()) : QString();
+  }
 
   // The timeline shows the selected strategy's simulated step: one bar per op of the plan's
   // timeline (reports::predicted_timeline of the same plan), ZeRO-3 with its all-gathers on a
@@ -316,6 +320,16 @@ class TestGui : public QObject {
     QVERIFY(w.export_launcher_config((dir + "/exported.yaml").toStdString()));
     QCOMPARE(planner::read_accelerate_config_file((dir + "/exported.yaml").toStdString()).strategy.stage, planner::Stage::fsdp_full_shard);
     shot(w, "accelerate-fsdp");
+    // FSDP's own activation checkpointing: the exported YAML keeps it and train.py leaves the
+    // Trainer's gradient_checkpointing off (transformers refuses the two together).
+    write(dir + "/ckpt.yaml", "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n"
+                              "  fsdp_activation_checkpointing: true\n");
+    QVERIFY(w.set_launcher_config((dir + "/ckpt.yaml").toStdString()));
+    settle(w);
+    QCOMPARE(w.result().base->input.training.checkpointing, planner::Checkpointing::full);
+    QVERIFY(w.export_launch_files((dir + "/fsdp-ckpt").toStdString()));
+    QVERIFY(planner::read_accelerate_config_file((dir + "/fsdp-ckpt/accelerate_config.yaml").toStdString()).strategy.fsdp.activation_checkpointing);
+    QVERIFY(read_all(dir + "/fsdp-ckpt/train.py").contains("\"fsdp_checkpointing\": True,"));
     // A ds_config.json after the FSDP YAML: ZeRO under DeepSpeed again, not a refusal.
     QVERIFY(w.set_launcher_config((dir + "/ds_config.json").toStdString()));
     settle(w);

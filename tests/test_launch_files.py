@@ -345,7 +345,44 @@ class EmittedTrainPy(unittest.TestCase):
         self.assertEqual(ds["optimizer"]["type"], "SGD")
         self.assertTrue(ds["zero_allow_untested_optimizer"])
         s = run_train(f)
-        self.assert_matches_ds_config(f, s)
+        ta, _ = self.assert_matches_ds_config(f, s)
+        self.assertEqual(ta["optim"], "sgd")
+        # ds_config.json's optimizer section builds SGD with its momentum under DeepSpeed
+        self.assertNotIn("optimizer_cls_and_kwargs", s.named("Trainer")[0])
+
+    def test_sgd_outside_deepspeed_keeps_its_momentum(self):
+        # The Trainer's optim="sgd" alone is torch.optim.SGD without momentum; the plan keeps a
+        # momentum buffer (the optimizer_states it counts).
+        f = emit(self.folder("sgd-ddp"), "--profile", "hf", "--model", "llama-2-7b", "--optimizer", "sgd", "--cluster", "2xA100-80GB",
+                 "--strategy", "ddp")
+        self.assertFalse(os.path.exists(os.path.join(f, "ds_config.json")))
+        s = run_train(f)
+        (trainer,) = s.named("Trainer")
+        cls, kwargs = trainer["optimizer_cls_and_kwargs"]
+        self.assertIs(cls, torch.optim.SGD)
+        self.assertEqual(kwargs, {"lr": s.plan["learning_rate"], "momentum": 0.9})
+        self.assertEqual(s.named("TrainingArguments")[0]["optim"], "sgd")
+
+    def test_fsdp_activation_checkpointing_turns_the_trainers_off(self):
+        # transformers refuses FSDP's activation_checkpointing together with the Trainer's
+        # gradient_checkpointing (trainer.py create_accelerator_and_postprocess). A row the search
+        # checkpoints itself leaves FSDP's off in the YAML; a row whose config has it on (the
+        # explorer's export of an accelerate YAML, test_gui) says so in PLAN.
+        f = emit(self.folder("fsdp-ckpt"), "--profile", "hf", "--model", "llama-2-7b", "--cluster", "2xA100-80GB",
+                 "--strategy", "fsdp-full-shard", "--checkpointing", "full", "--no-offload")
+        self.assertIn("fsdp_activation_checkpointing: false", read(f, "accelerate_config.yaml"))
+        s = run_train(f)
+        self.assertFalse(s.plan["fsdp_checkpointing"])
+        self.assertTrue(s.named("TrainingArguments")[0]["gradient_checkpointing"])
+        with open(os.path.join(f, "train.py"), encoding="utf-8") as fh:
+            text = fh.read()
+        self.assertEqual(text.count('"fsdp_checkpointing": False,'), 1)
+        with open(os.path.join(f, "train.py"), "w", encoding="utf-8") as fh:
+            fh.write(text.replace('"fsdp_checkpointing": False,', '"fsdp_checkpointing": True,'))
+        s = run_train(f)
+        (ta,) = s.named("TrainingArguments")
+        self.assertFalse(ta["gradient_checkpointing"])
+        self.assertNotIn("gradient_checkpointing_kwargs", ta)
 
 
 if __name__ == "__main__":

@@ -746,6 +746,29 @@ TEST(ExplainCli, PrintsAndJson) {
 // A reason names a small model's sizes in a unit that shows them: tiny-llama-4l's fp32 base is
 // 3,215,872 B (its base_weights in `plan --profile executor`), which one decimal of GiB would
 // print as "0.0 GiB".
+// bitsandbytes' 8-bit AdamW is a GPU kernel (functional.py optimizer_update_8bit_blockwise
+// checks is_on_gpu): no family that steps the optimizer on the host is planned, each says why,
+// and a plan that does not fit is not told to offload its optimizer.
+TEST(Recommend, EightBitAdamWIsNeverSteppedOnTheHost) {
+  PlanInput in = lora("llama-2-7b", 16, 1024);
+  in.training.optimizer = Optimizer::adamw_8bit;
+  SearchSpace space;
+  space.checkpointing = {CheckpointChoice{Checkpointing::full, 1}};
+  for (RuntimeProfile p : {RuntimeProfile::deepspeed, RuntimeProfile::hf}) {
+    space.profiles = {p};
+    const Recommendation r = search(in, "2xA100-80GB", space);
+    ASSERT_FALSE(r.ranked.empty());
+    for (const Candidate& c : r.ranked) EXPECT_FALSE(steps_on_host(c.input.strategy)) << c.family;
+    const std::string family = p == RuntimeProfile::hf ? "fsdp-full-shard + offload params" : "zero3 + offload optimizer + offload param";
+    EXPECT_EQ(rejected(r, family).reason, "not planned: adamw-8bit runs only on the GPU, and this offload steps the optimizer on the host");
+  }
+  in.strategy.stage = Stage::zero2;
+  for (const Suggestion& s : fit_suggestions(sim::MemCategory::optimizer_states, in)) EXPECT_NE(s.knob, Knob::offload_optimizer);
+  in.training.optimizer = Optimizer::adamw;
+  const auto with_adamw = fit_suggestions(sim::MemCategory::optimizer_states, in);
+  EXPECT_TRUE(std::any_of(with_adamw.begin(), with_adamw.end(), [](const Suggestion& s) { return s.knob == Knob::offload_optimizer; }));
+}
+
 TEST(Recommend, SmallSizesReadInTheirOwnUnit) {
   PlanInput in = lora("tiny-llama-4l", 8, 256);
   in.profile = RuntimeProfile::executor;

@@ -44,6 +44,7 @@ enum class Knob : std::uint8_t {
   checkpoint_every,  // training.checkpoint_every
   attention,         // training.attention
   cross_entropy,     // training.cross_entropy
+  optimizer,         // training.optimizer
   eval_batch,        // training.eval_batch
   gpu,               // cluster.gpu
   // The recommender's search (recommend.h): its space, constraints and objective.

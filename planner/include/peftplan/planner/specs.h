@@ -156,6 +156,24 @@ struct Strategy {
   FsdpKnobs fsdp;
 };
 
+// Whether FSDP's own activation checkpointing (accelerate's fsdp_activation_checkpointing: a
+// non-reentrant checkpoint_wrapper on every decoder layer) carries a configuration's
+// checkpointing: an FSDP strategy whose knob asks for it, on a row that checkpoints every layer
+// without reentrancy. The launch files then leave the Trainer's gradient_checkpointing off
+// (transformers trainer.py, create_accelerator_and_postprocess, refuses the two together), and
+// a row that checkpoints otherwise writes the knob off.
+bool fsdp_checkpoints_layers(const Strategy& s, const TrainingSpec& t);
+
+// Whether the optimizer steps on the host: ZeRO-Offload's optimizer offload, or FSDP's
+// CPUOffload (fsdp_offload_params: parameters, gradients and the step on the host).
+constexpr bool steps_on_host(const Strategy& s) {
+  return s.offload_optimizer == OffloadDevice::cpu || (is_fsdp(s.stage) && s.offload_param == OffloadDevice::cpu);
+}
+
+// An optimizer that cannot step where the strategy steps it: bitsandbytes' 8-bit AdamW, a GPU
+// kernel, with the step on the host (planner::validate says why).
+constexpr bool host_step_refused(Optimizer o, const Strategy& s) { return o == Optimizer::adamw_8bit && steps_on_host(s); }
+
 // Spellings, as flags, plan.json, reports and the GUI write them: each value's in name_of alone
 // (specs.cpp), and every reader parses through it (from_name below), so a new spelling is one
 // line. Checkpointing::every_k is "every-k" (flags spell it every-K with the K).
