@@ -23,6 +23,7 @@ E pick(const std::string& flag, const std::string& value, const std::array<E, N>
 }  // namespace
 
 void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
+  f.set = set;
   const bool one = set == PlanFlagSet::one_plan;
   cmd->add_option("--model", f.model, "zoo name, config.json, or a folder holding one")->capture_default_str();
   add_peft_flags(cmd, f.peft);
@@ -159,6 +160,14 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
       throw InputError("--accelerate-config and --ds-config: give one launcher's config, not both");
     planner::apply_accelerate_config(in, planner::read_accelerate_config_file(f.accelerate_config), f.accelerate_config, r.cluster, f.gpus,
                                      !f.profile.empty(), r.warnings);
+  }
+  // Pure-bf16 DDP is no DeepSpeed job (DeepSpeed runs pure bf16 under ZeRO only) but the
+  // Trainer's own DDP: the default profile is what runs it.
+  if (f.set == PlanFlagSet::one_plan && f.profile.empty() && in.profile == planner::RuntimeProfile::deepspeed &&
+      !planner::is_fsdp(in.strategy.stage) && !planner::deepspeed_runs(in.strategy, in.training)) {
+    in.profile = planner::RuntimeProfile::hf;
+    r.warnings.push_back("--precision bf16-pure with --strategy ddp is planned with --profile hf: DeepSpeed runs pure bf16 only under ZeRO, "
+                         "so the Trainer's own DDP runs this job");
   }
   return r;
 }

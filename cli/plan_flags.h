@@ -38,12 +38,14 @@ struct PlanFlags {
   std::string profile;  // "": deepspeed, or hf with --accelerate-config
   double headroom_pct = 100.0 * planner::kDefaultHeadroomFraction;
   std::string alloc_conf;
+  // The flags' set, as add_plan_flags registered them (a search's strategy is not --strategy).
+  enum class Set { one_plan, search } set = Set::one_plan;
 };
 
 // Which flags a command takes: `plan` all of them; a search (`recommend`) registers its own list
 // spellings of --gpus, --strategy and --checkpointing, and searches micro-batch, accumulation and
 // offload, so those (and the launcher configs that would fix them) are not registered.
-enum class PlanFlagSet { one_plan, search };
+using PlanFlagSet = PlanFlags::Set;
 void add_plan_flags(CLI::App* cmd, PlanFlags& flags, PlanFlagSet set = PlanFlagSet::one_plan);
 
 struct ResolvedPlan {

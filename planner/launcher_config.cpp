@@ -10,12 +10,6 @@
 
 namespace peftplan::planner {
 
-bool deepspeed_runs(const Strategy& s, const TrainingSpec& t) {
-  // Pure bf16 under DeepSpeed is ZeRO's (bf16_master_weights_and_grads: write_ds_config refuses
-  // it for stage 0), while the Trainer's own DDP trains a bf16 model as it is.
-  return !is_fsdp(s.stage) && !(s.stage == Stage::ddp && t.precision == Precision::bf16_pure);
-}
-
 bool launches_with_deepspeed(const PlanInput& in) {
   return in.profile != RuntimeProfile::hf && deepspeed_runs(in.strategy, in.training);
 }

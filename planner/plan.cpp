@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "builder.h"
 #include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
 #include "peftplan/planner/runtime.h"
@@ -154,7 +155,9 @@ void explain(Plan& p) {
   ddp_in.strategy.fsdp.version = 1;  // FSDP2 has no NO_SHARD: the flat-parameter one is the reference
   ddp_in.strategy.offload_optimizer = OffloadDevice::none;
   ddp_in.strategy.offload_param = OffloadDevice::none;
-  const sim::MemoryProfile ddp = sim::walk_memory(build_program(ddp_in, BuildOptions{false}).program);
+  // A reference only, built past validate(): under the deepspeed profile in pure bf16 it is a DDP
+  // that DeepSpeed would not run, but its categories are still what the sharding saves.
+  const sim::MemoryProfile ddp = sim::walk_memory(builder::Builder(ddp_in, BuildOptions{false}).build().program);
   std::string deltas;
   for (int c = 0; c < sim::kNumCategories; ++c) {
     const auto a = static_cast<std::int64_t>(p.memory.category_peak_bytes[static_cast<std::size_t>(c)]);

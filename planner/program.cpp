@@ -177,6 +177,10 @@ std::vector<std::string> validate(const PlanInput& in) {
                       "training.cross_entropy chunked with a trainable LM head (full fine-tuning, or an adapter on lm_head) is not "
                       "planned; use training.cross_entropy standard");
   }
+  if (in.profile == RuntimeProfile::deepspeed && !is_fsdp(s.stage) && !deepspeed_runs(s, t))
+    throw KnobError({Knob::profile, Knob::precision, Knob::stage},
+                    "training.precision bf16-pure with strategy.stage ddp under profile deepspeed: DeepSpeed runs pure bf16 only under "
+                    "ZeRO (bf16_master_weights_and_grads), so the Trainer's own DDP runs this job; plan it with profile hf");
   if (is_zero_stage(s.stage) && in.profile == RuntimeProfile::hf)
     throw KnobError({Knob::stage, Knob::profile},
                     fmt::format("strategy.stage {} is DeepSpeed's ZeRO: plan it with profile deepspeed (the same transformers + PEFT "

@@ -96,14 +96,23 @@ std::string family_label(const Family& f, bool several_profiles) {
 
 // Families of the space. With one rank a sharding strategy without offload plans what DDP plans.
 // A family whose optimizer cannot run where the family steps it (8-bit AdamW on the host) is not
-// planned: it goes to `excluded` with the reason.
-std::vector<Family> families_of(const SearchSpace& space, Optimizer optimizer, std::int32_t max_ranks, bool multi_node,
+// planned: it goes to `excluded` with the reason. A DDP family DeepSpeed cannot run (pure bf16)
+// is planned with the hf profile, the Trainer's own DDP that runs it.
+std::vector<Family> families_of(const SearchSpace& space, const TrainingSpec& training, std::int32_t max_ranks, bool multi_node,
                                 std::vector<Rejection>& excluded) {
   std::vector<Family> out;
   const bool several = space.profiles.size() > 1;
-  for (RuntimeProfile p : space.profiles) {
-    for (Stage s : space.stages.empty() ? stages_of(p) : space.stages) {
-      if (!profile_plans(p, s)) continue;
+  const bool searches_hf = std::find(space.profiles.begin(), space.profiles.end(), RuntimeProfile::hf) != space.profiles.end();
+  for (RuntimeProfile listed : space.profiles) {
+    for (Stage s : space.stages.empty() ? stages_of(listed) : space.stages) {
+      if (!profile_plans(listed, s)) continue;
+      RuntimeProfile p = listed;
+      Strategy probe;
+      probe.stage = s;
+      if (p == RuntimeProfile::deepspeed && !deepspeed_runs(probe, training)) {
+        if (searches_hf) continue;  // the hf profile's own DDP family plans it
+        p = RuntimeProfile::hf;
+      }
       if (s == Stage::fsdp_hybrid_shard && !multi_node) continue;  // one node: FULL_SHARD
       std::vector<std::pair<OffloadDevice, OffloadDevice>> offloads = {{OffloadDevice::none, OffloadDevice::none}};
       if (space.offload) {
@@ -115,14 +124,14 @@ std::vector<Family> families_of(const SearchSpace& space, Optimizer optimizer, s
       for (auto [o, q] : offloads) {
         if (max_ranks <= 1 && s != Stage::ddp && o == OffloadDevice::none && q == OffloadDevice::none) continue;
         Family f{p, s, o, q, ""};
-        f.label = family_label(f, several);
+        f.label = family_label(f, several || p != listed);
         Strategy st;
         st.stage = s;
         st.offload_optimizer = o;
         st.offload_param = q;
-        if (host_step_refused(optimizer, st)) {
+        if (host_step_refused(training.optimizer, st)) {
           excluded.push_back({f.label, false,
-                              fmt::format("not planned: {} runs only on the GPU, and this offload steps the optimizer on the host", name_of(optimizer)),
+                              fmt::format("not planned: {} runs only on the GPU, and this offload steps the optimizer on the host", name_of(training.optimizer)),
                               {}, std::nullopt});
           continue;
         }
@@ -691,7 +700,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
     multi_node |= cluster_for_gpus(cluster, g).nodes > 1 && g > cluster.gpus_per_node;
   }
   std::vector<Rejection> excluded;
-  const std::vector<Family> families = families_of(space, base.training.optimizer, max_ranks, multi_node, excluded);
+  const std::vector<Family> families = families_of(space, base.training, max_ranks, multi_node, excluded);
   if (families.empty())
     throw KnobError({Knob::search_stages, Knob::profile}, "recommend: the search space is empty (no strategy of space.stages is planned by profile)");
 

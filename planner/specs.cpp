@@ -57,6 +57,12 @@ std::string_view name_of(Stage s) {
 
 std::string_view name_of(OffloadDevice d) { return d == OffloadDevice::cpu ? "cpu" : "none"; }
 
+bool deepspeed_runs(const Strategy& s, const TrainingSpec& t) {
+  // Pure bf16 under DeepSpeed is ZeRO's (bf16_master_weights_and_grads: write_ds_config refuses
+  // it for stage 0), while the Trainer's own DDP trains a bf16 model as it is.
+  return !is_fsdp(s.stage) && !(s.stage == Stage::ddp && t.precision == Precision::bf16_pure);
+}
+
 bool fsdp_checkpoints_layers(const Strategy& s, const TrainingSpec& t) {
   return is_fsdp(s.stage) && s.fsdp.activation_checkpointing && t.checkpointing == Checkpointing::full && !t.checkpoint_reentrant;
 }

@@ -216,6 +216,8 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "training.optimizer adamw-8bit with strategy.offload_optimizer cpu: bitsandbytes' 8-bit AdamW runs only on the GPU"},
       {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --optimizer adamw-8bit --offload-param cpu",
        "training.optimizer adamw-8bit with strategy.offload_param cpu: bitsandbytes' 8-bit AdamW runs only on the GPU"},
+      {"plan --gpus 2 --profile deepspeed --precision bf16-pure",
+       "training.precision bf16-pure with strategy.stage ddp under profile deepspeed: DeepSpeed runs pure bf16 only under ZeRO"},
       {"plan --gpus 2 --profile hf --full-finetune --precision fp16",
        "training.precision fp16 with full fine-tuning under profile hf and strategy.stage ddp: the Trainer's GradScaler"},
       {"recommend --top -1", "--top: Value -1 not in range 1 to 1000000"},
@@ -247,6 +249,19 @@ TEST(CliPlan, Bf16OnAGpuWithoutBf16TensorCoresWarns) {
     Result r = run(other);
     EXPECT_EQ(r.out.find("no bf16 tensor cores"), std::string::npos) << other << r.out;
   }
+}
+
+// DeepSpeed runs pure bf16 under ZeRO only (bf16_master_weights_and_grads): pure-bf16 DDP is the
+// Trainer's own DDP, so without --profile it is planned with hf, and says so; ZeRO stays deepspeed.
+TEST(CliPlan, PureBf16DdpIsPlannedAsTheTrainersDdp) {
+  Result ddp = run("plan --gpus 2 --precision bf16-pure --json");
+  ASSERT_EQ(ddp.code, 0) << ddp.out;
+  EXPECT_EQ(nlohmann::json::parse(ddp.out.substr(ddp.out.find('{')))["profile"], "hf") << ddp.out;
+  Result text = run("plan --gpus 2 --precision bf16-pure");
+  EXPECT_NE(text.out.find("warning: --precision bf16-pure with --strategy ddp is planned with --profile hf"), std::string::npos) << text.out;
+  Result zero = run("plan --gpus 2 --precision bf16-pure --strategy zero2 --json");
+  ASSERT_EQ(zero.code, 0) << zero.out;
+  EXPECT_EQ(nlohmann::json::parse(zero.out.substr(zero.out.find('{')))["profile"], "deepspeed") << zero.out;
 }
 
 TEST(CliPlan, DsConfigAutoValuesAndUnknownKeyWarning) {

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <set>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -767,6 +768,34 @@ TEST(Recommend, EightBitAdamWIsNeverSteppedOnTheHost) {
   in.training.optimizer = Optimizer::adamw;
   const auto with_adamw = fit_suggestions(sim::MemCategory::optimizer_states, in);
   EXPECT_TRUE(std::any_of(with_adamw.begin(), with_adamw.end(), [](const Suggestion& s) { return s.knob == Knob::offload_optimizer; }));
+}
+
+// Pure bf16: DeepSpeed runs it under ZeRO only, so a deepspeed search plans its DDP family as the
+// Trainer's own DDP (the hf profile) and labels it so; searching both profiles plans DDP once.
+TEST(Recommend, PureBf16DdpIsPlannedAsTheTrainersDdp) {
+  PlanInput in = lora("llama-2-7b", 16, 1024);
+  in.training.precision = Precision::bf16_pure;
+  SearchSpace space;
+  space.checkpointing = {CheckpointChoice{Checkpointing::none, 1}};
+  space.offload = false;
+  const Recommendation r = search(in, "2xA100-80GB", space);
+  std::size_t ddp_rows = 0;
+  for (const Candidate& c : r.ranked) {
+    if (c.input.strategy.stage != Stage::ddp) {
+      EXPECT_EQ(c.input.profile, RuntimeProfile::deepspeed) << c.family;
+      continue;
+    }
+    ++ddp_rows;
+    EXPECT_EQ(c.family, "ddp (hf)");
+    EXPECT_EQ(c.input.profile, RuntimeProfile::hf);
+  }
+  EXPECT_GT(ddp_rows, 0u);
+  space.profiles = {RuntimeProfile::deepspeed, RuntimeProfile::hf};
+  const Recommendation both = search(in, "2xA100-80GB", space);
+  std::set<std::string> ddp_families;
+  for (const Candidate& c : both.ranked)
+    if (c.input.strategy.stage == Stage::ddp) ddp_families.insert(c.family);
+  EXPECT_EQ(ddp_families, std::set<std::string>{"ddp (hf)"});
 }
 
 TEST(Recommend, SmallSizesReadInTheirOwnUnit) {

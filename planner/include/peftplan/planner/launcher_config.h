@@ -18,11 +18,6 @@
 
 namespace peftplan::planner {
 
-// Whether DeepSpeed can run the strategy at all (not FSDP; DDP not in pure bf16, which DeepSpeed
-// runs under ZeRO only): what a ds_config.json can say. Plan files say the rest in accelerate's
-// YAML.
-bool deepspeed_runs(const Strategy& strategy, const TrainingSpec& training);
-
 // Whether a plan is launched under DeepSpeed (a ds_config.json, ZeRO under the deepspeed or
 // executor profile) or accelerate alone (its YAML: FSDP, DDP under the hf profile, and DDP in
 // pure bf16). One rule for every writer of launch files.

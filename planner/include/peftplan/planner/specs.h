@@ -164,6 +164,11 @@ struct Strategy {
 // a row that checkpoints otherwise writes the knob off.
 bool fsdp_checkpoints_layers(const Strategy& s, const TrainingSpec& t);
 
+// Whether DeepSpeed can run the strategy at all (not FSDP; DDP not in pure bf16, which DeepSpeed
+// runs under ZeRO only): what a ds_config.json can say. Plan files say the rest in accelerate's
+// YAML, and the planner plans the rest with the hf profile (what runs them).
+bool deepspeed_runs(const Strategy& strategy, const TrainingSpec& training);
+
 // Whether the optimizer steps on the host: ZeRO-Offload's optimizer offload, or FSDP's
 // CPUOffload (fsdp_offload_params: parameters, gradients and the step on the host).
 constexpr bool steps_on_host(const Strategy& s) {
