@@ -85,9 +85,10 @@ json plan_file_to_json(const PlanFile& pf) {
                    {"checkpoint_reentrant", t.checkpoint_reentrant},
                    {"full_finetune", t.full_finetune},
                    {"base_storage", t.base_storage ? json(name_of(*t.base_storage)) : json(nullptr)}};
-  // The strategy as its launcher's own file: DeepSpeed's ds_config, or accelerate's YAML where
-  // DeepSpeed cannot run it (FSDP; DDP in pure bf16).
-  const bool accelerate = !deepspeed_runs(in.strategy, t);
+  // The strategy as its launcher's own file: DeepSpeed's ds_config, or accelerate's YAML where the
+  // job runs without DeepSpeed (FSDP, DDP under the hf profile, DDP in pure bf16), as the launch
+  // files have it.
+  const bool accelerate = !launches_with_deepspeed(in);
   json ds = accelerate ? json(nullptr) : write_ds_config(in.strategy, t, pf.extras);
   const RunOptions& r = pf.run;
   json run = {{"steps", r.steps},

@@ -19,6 +19,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/planner/ds_config.h"
 #include "peftplan/planner/explain.h"
+#include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/recommend.h"
 #include "peftplan/sim/cluster.h"
 
@@ -498,6 +499,31 @@ TEST(RecommendCli, EmitFsdpWritesTheAccelerateYaml) {
   EXPECT_EQ(pj["strategy"], "fsdp-full-shard");
   EXPECT_EQ(pj["memory"]["device"]["used_peak_bytes"], top["used_peak_bytes"]);
   EXPECT_EQ(std::system(("python3 -m py_compile " + (dir / "train.py").string()).c_str()), 0);
+  std::filesystem::remove_all(dir);
+}
+
+// A DDP row under the hf profile is launched by accelerate (its MULTI_GPU YAML, as --emit writes):
+// plan.json says so with accelerate's YAML, not a ds_config.json nobody runs, and reads back into
+// the same plan.
+TEST(PlanFile, HfDdpIsWrittenAsTheAccelerateYamlAndReadsBack) {
+  const auto dir = std::filesystem::temp_directory_path() / ("peftplan-planfile-hf-ddp-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "plan.json").string();
+  auto r = run_cli("plan --profile hf --gpus 2 --cluster 2xA100-80GB --micro-batch 2 --write-plan " + path + " --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto planned = nlohmann::json::parse(r.out);
+  const nlohmann::json file = models::read_json_file(path);
+  EXPECT_FALSE(file.contains("ds_config")) << file.dump();
+  ASSERT_TRUE(file.contains("accelerate_config")) << file.dump();
+  EXPECT_NE(file["accelerate_config"].get<std::string>().find("distributed_type: MULTI_GPU"), std::string::npos);
+  const PlanFile back = read_plan_file(path);
+  EXPECT_EQ(back.input.profile, RuntimeProfile::hf);
+  EXPECT_EQ(back.input.strategy.stage, Stage::ddp);
+  EXPECT_EQ(back.input.strategy.ranks, 2);
+  EXPECT_EQ(back.input.training.micro_batch, 2);
+  const Plan p = make_plan(back.input, *back.cluster);
+  EXPECT_EQ(p.used_peak_bytes, planned["memory"]["device"]["used_peak_bytes"].get<std::uint64_t>());
   std::filesystem::remove_all(dir);
 }
 
