@@ -322,7 +322,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   cmd->callback([o, &exit_code] {
-    const std::vector<std::string> strategies = strategy_list(o->plan.strategy);
+    // A launcher config without --strategy sets the one strategy run runs (its own default is a list).
+    const bool file_sets_strategy = !o->plan.strategy_given && (!o->plan.ds_config.empty() || !o->plan.accelerate_config.empty());
+    const std::vector<std::string> strategies = file_sets_strategy ? std::vector<std::string>{"ddp"} : strategy_list(o->plan.strategy);
     const bool several = strategies.size() > 1;
     if (several) {
       // What belongs to one training run cannot be shared by several.
@@ -353,7 +355,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
     // Plans first, every strategy's: the prediction never sees a measurement.
     for (std::size_t si = 0; si < strategies.size(); ++si) {
       Job job;
-      job.strategy = strategies[si];
+      job.strategy = std::string(planner::name_of(resolved[si].input.strategy.stage));
       job.dir = several ? out / strategies[si] : out;
       ResolvedPlan& r = resolved[si];
       for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", w);

@@ -30,7 +30,10 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   cmd->add_flag("--full-finetune", f.peft.full_finetune, "train every weight (no adapter)");
   if (one) cmd->add_option("--gpus", f.gpus, "data-parallel ranks (alone: N GPUs of the default kind on one node)");
   cmd->add_option("--cluster", f.cluster, "preset, spelling like 2x8xH100-SXM-NDR, or a cluster JSON file");
-  if (one) cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard or fsdp-hybrid-shard")->capture_default_str();
+  if (one)
+    cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard or fsdp-hybrid-shard")
+        ->capture_default_str()
+        ->each([&f](const std::string&) { f.strategy_given = true; });
   if (one) cmd->add_option("--fsdp-version", f.fsdp_version, "1 (FSDP1, flat parameters) or 2 (FSDP2 fully_shard, per-parameter shards: fsdp-full-shard or fsdp-shard-grad-op)");
   if (one) cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
   if (one) cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
@@ -134,15 +137,12 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   if (!f.accelerate_config.empty() && f.fsdp_version)
     throw InputError(fmt::format("--accelerate-config {} with --fsdp-version: the accelerate config's fsdp_version sets it; drop --fsdp-version",
                                  f.accelerate_config));
-  if (!f.accelerate_config.empty() && f.strategy != "ddp")
-    throw InputError(fmt::format("--accelerate-config {} with --strategy {}: the accelerate config sets the strategy; drop --strategy",
-                                 f.accelerate_config, f.strategy));
   if (!f.ds_config.empty()) {
     const planner::Strategy flags = in.strategy;
     planner::apply_ds_config(in, models::read_json_file(f.ds_config), f.ds_config, r.warnings);
     // The ds_config sets the ZeRO stage and the offloads: a flag that says otherwise is a
     // contradiction to refuse, not one to resolve in silence (the flags' defaults say nothing).
-    if (f.strategy != "ddp" && flags.stage != in.strategy.stage)
+    if (f.strategy_given && flags.stage != in.strategy.stage)
       throw InputError(fmt::format("--ds-config {} with --strategy {}: the ds_config sets the strategy (zero_optimization.stage {}); drop "
                                    "--strategy",
                                    f.ds_config, f.strategy, name_of(in.strategy.stage)));
@@ -158,8 +158,12 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   if (!f.accelerate_config.empty()) {
     if (!f.ds_config.empty())
       throw InputError("--accelerate-config and --ds-config: give one launcher's config, not both");
+    const planner::Stage flag_stage = in.strategy.stage;
     planner::apply_accelerate_config(in, planner::read_accelerate_config_file(f.accelerate_config), f.accelerate_config, r.cluster, f.gpus,
                                      !f.profile.empty(), r.warnings);
+    if (f.strategy_given && flag_stage != in.strategy.stage)
+      throw InputError(fmt::format("--accelerate-config {} with --strategy {}: the accelerate config sets the strategy ({}); drop --strategy",
+                                   f.accelerate_config, f.strategy, name_of(in.strategy.stage)));
   }
   // Pure-bf16 DDP is no DeepSpeed job (DeepSpeed runs pure bf16 under ZeRO only) but the
   // Trainer's own DDP: the default profile is what runs it.

@@ -20,6 +20,7 @@ struct PlanFlags {
   std::optional<std::int32_t> gpus;
   std::string cluster;
   std::string strategy = "ddp";
+  bool strategy_given = false;  // --strategy was on the command line (a launcher config sets it otherwise)
   std::optional<std::int32_t> fsdp_version;
   std::string offload_optimizer = "none";
   std::string offload_param = "none";

@@ -225,6 +225,9 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       {"run --tolerance-memory -0.5", "--tolerance-memory: must be a finite number >= 0, got -0.5"},
       {"plan --gpus 8 --ds-config " + kData + "/ds/zero3_unknown_key.json --strategy zero1",
        "the ds_config sets the strategy (zero_optimization.stage zero3); drop --strategy"},
+      // --strategy given as ddp (the default's spelling) is still a flag that contradicts the file
+      {"plan --gpus 8 --ds-config " + kData + "/ds/zero3_unknown_key.json --strategy ddp",
+       "with --strategy ddp: the ds_config sets the strategy (zero_optimization.stage zero3); drop --strategy"},
       {"compare a.json b.json --out " + kData + "/ds/bad_batch.json", "--out: is a file, not a folder (validation.json and report.md go into a folder)"},
       // A path that never ends is read up to a bound, not forever.
       {"plan --gpus 2 --ds-config /dev/zero", "/dev/zero: is larger than 256 MiB, the most read of an input file"},

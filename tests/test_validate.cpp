@@ -835,6 +835,30 @@ TEST(RunCli, SeveralStrategiesRefuseSingleRunOptions) {
   fs::remove_all(dir);
 }
 
+// A ds_config.json without --strategy: run runs the one strategy the file sets (its default list
+// of three does not apply); with a --strategy that contradicts the file it refuses, naming both.
+TEST(RunCli, ADsConfigWithoutStrategyRunsTheFilesStrategy) {
+  const fs::path dir = temp_dir("dsconfig");
+  sim::write_cluster_file(sim::default_cluster(2), dir / "profile.json");
+  {
+    std::ofstream f(dir / "ds.json");
+    f << R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}})";
+  }
+  const std::string args = "--model tiny-llama-2l --lora-r 4 --gpus 2 --steps 2 --rounds 1 --seq-len 16 --micro-batch 2 --data " +
+                           std::string(PEFTPLAN_TEST_DATA) + "/executor/corpus.txt --calibration " + (dir / "profile.json").string() +
+                           " --tolerance-time 1000 --ds-config " + (dir / "ds.json").string();
+  CliRun r = run_cli(args + " --out " + (dir / "out").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json plan = models::read_json_file((dir / "out" / "plan.json").string());
+  EXPECT_EQ(plan.at("ds_config").at("zero_optimization").at("stage"), 3) << plan.dump(1);
+  EXPECT_FALSE(fs::exists(dir / "out" / "ddp"));
+  r = run_cli(args + " --strategy zero2 --out " + (dir / "out2").string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("with --strategy zero2: the ds_config sets the strategy (zero_optimization.stage zero3); drop --strategy"),
+            std::string::npos) << r.out;
+  fs::remove_all(dir);
+}
+
 // An A100 profile predicts the CPU's step several times too fast: outside any honest tolerance,
 // and with one round of two steps there is no spread to make it inconclusive.
 TEST(RunCli, TimeOutsideToleranceExitsOneNamingIt) {
