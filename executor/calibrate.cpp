@@ -63,6 +63,14 @@
 namespace peftplan::executor {
 namespace {
 
+// A calibration program's simulated step, its GEMMs at its own dtype's peak (as make_plan times a
+// plan: SimOptions::compute_dtype is the program's, not the default bf16).
+sim::Timeline simulate_step(const sim::Program& step, const sim::Cluster& c) {
+  sim::SimOptions so;
+  so.compute_dtype = step.compute_dtype;
+  return sim::simulate(step, c, so);
+}
+
 using Clock = std::chrono::steady_clock;
 constexpr double kGiga = 1e9;
 constexpr double kMicro = 1e-6;
@@ -877,7 +885,7 @@ double step_ratio(std::span<const ProgramSample> programs, const sim::Cluster& p
   double log_sum = 0.0;
   int n = 0;
   for (const ProgramSample& p : programs) {
-    const double predicted = sim::simulate(p.step, profile).step_s;
+    const double predicted = simulate_step(p.step, profile).step_s;
     if (!(predicted > 0.0) || !(p.step_s > 0.0)) continue;
     log_sum += std::log(p.step_s / predicted);
     ++n;
@@ -919,7 +927,7 @@ StepFactors fit_step_factors(std::span<const ProgramSample> programs, const sim:
     apply_step_factors({std::exp(log_call), std::exp(log_work)}, c);
     r.clear();
     for (const ProgramSample* p : used) {
-      const double predicted = sim::simulate(p->step, c).step_s;
+      const double predicted = simulate_step(p->step, c).step_s;
       if (!(predicted > 0.0)) return false;
       r.push_back(std::log(p->step_s / predicted));
     }
@@ -1177,7 +1185,7 @@ std::string format_report(const Calibration& cal, const sim::Cluster& profile) {
     o += fmt::format("# meas = the median of {} interleaved rounds (each its fastest step after the first), spread = their interquartile range\n", cal.rounds);
     o += fmt::format("# {:<32} {:>10} {:>11} {:>10} {:>7}\n", "program", "meas(ms)", "spread(ms)", "sim(ms)", "err");
     for (const ProgramSample& p : cal.programs) {
-      const double s = sim::simulate(p.step, profile).step_s;
+      const double s = simulate_step(p.step, profile).step_s;
       o += fmt::format("  {:<32} {:>10.3f} {:>6.3f} {:>3.0f}% {:>10.3f} {:>+6.0f}%\n", p.program, p.step_s * 1e3, p.spread_s * 1e3,
                        100.0 * p.spread_s / p.step_s, s * 1e3, 100.0 * (s / p.step_s - 1.0));
     }
