@@ -22,6 +22,12 @@ E pick(const std::string& flag, const std::string& value, const std::array<E, N>
 
 }  // namespace
 
+// An empty value where "not given" means a default (a file, the cluster, the profile, the base's
+// storage): refused, so `--ds-config "$UNSET"` is not a plan without the file.
+const CLI::Validator kNonEmpty(
+    [](std::string& v) { return v.empty() ? std::string("must not be empty (leave the flag out for its default)") : std::string(); },
+    "NONEMPTY");
+
 void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   f.set = set;
   const bool one = set == PlanFlagSet::one_plan;
@@ -29,7 +35,7 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   add_peft_flags(cmd, f.peft);
   cmd->add_flag("--full-finetune", f.peft.full_finetune, "train every weight (no adapter)");
   if (one) cmd->add_option("--gpus", f.gpus, "data-parallel ranks (alone: N GPUs of the default kind on one node)");
-  cmd->add_option("--cluster", f.cluster, "preset, spelling like 2x8xH100-SXM-NDR, or a cluster JSON file");
+  cmd->add_option("--cluster", f.cluster, "preset, spelling like 2x8xH100-SXM-NDR, or a cluster JSON file")->check(kNonEmpty);
   if (one)
     cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard or fsdp-hybrid-shard")
         ->capture_default_str()
@@ -37,9 +43,11 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   if (one) cmd->add_option("--fsdp-version", f.fsdp_version, "1 (FSDP1, flat parameters) or 2 (FSDP2 fully_shard, per-parameter shards: fsdp-full-shard or fsdp-shard-grad-op)");
   if (one) cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
   if (one) cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
-  if (one) cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)");
-  if (one) cmd->add_option("--accelerate-config", f.accelerate_config,
-                  "accelerate launch config YAML with FSDP or MULTI_GPU (overrides strategy flags; implies --profile hf)");
+  if (one) cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)")->check(kNonEmpty);
+  if (one)
+    cmd->add_option("--accelerate-config", f.accelerate_config,
+                    "accelerate launch config YAML with FSDP or MULTI_GPU (overrides strategy flags; implies --profile hf)")
+        ->check(kNonEmpty);
   if (one) cmd->add_option("--micro-batch", f.micro_batch, "sequences per GPU per micro-step")->capture_default_str();
   cmd->add_option("--seq-len", f.seq_len, "tokens per sequence")->capture_default_str();
   if (one) cmd->add_option("--grad-accum", f.grad_accum, "micro-steps per optimizer step")->capture_default_str();
@@ -51,13 +59,14 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   cmd->add_option("--cross-entropy", f.cross_entropy,
                   "standard (the logits materialised) or chunked (a fused linear cross-entropy, Liger's)")->capture_default_str();
   cmd->add_option("--optimizer", f.optimizer, "adamw, adamw-8bit or sgd")->capture_default_str();
-  cmd->add_option("--base-dtype", f.base_dtype, "frozen weight storage: fp32, bf16, fp16, int8, nf4");
+  cmd->add_option("--base-dtype", f.base_dtype, "frozen weight storage: fp32, bf16, fp16, int8, nf4")->check(kNonEmpty);
   cmd->add_option("--headroom", f.headroom_pct, "percent of the GPU's memory the verdict keeps free beyond the predicted peak in use")
       ->capture_default_str();
   cmd->add_option("--alloc-conf", f.alloc_conf,
                   "PYTORCH_CUDA_ALLOC_CONF for the caching allocator model (expandable_segments:True, max_split_size_mb:N)");
   cmd->add_option("--profile", f.profile,
-                  "executor, deepspeed (the default) or hf (transformers + PEFT; the default with --accelerate-config; pytorch is its old name)");
+                  "executor, deepspeed (the default) or hf (transformers + PEFT; the default with --accelerate-config; pytorch is its old name)")
+      ->check(kNonEmpty);
 }
 
 ResolvedPlan resolve_plan_flags(const PlanFlags& f) {

@@ -221,6 +221,11 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       {"plan --gpus 2 --profile hf --full-finetune --precision fp16",
        "training.precision fp16 with full fine-tuning under profile hf and strategy.stage ddp: the Trainer's GradScaler"},
       {"recommend --top -1", "--top: Value -1 not in range 1 to 1000000"},
+      // An empty value (an unset shell variable) is no default: "not given" is leaving the flag out.
+      {"plan --ds-config ''", "peftplan: error: --ds-config: must not be empty (leave the flag out for its default)"},
+      {"plan --profile ''", "peftplan: error: --profile: must not be empty"},
+      {"recommend --cluster ''", "peftplan: error: --cluster: must not be empty"},
+      {"plan --base-dtype ''", "peftplan: error: --base-dtype: must not be empty"},
       {"compare a.json b.json --tolerance-time nan", "--tolerance-time: must be a finite number >= 0, got nan"},
       {"run --tolerance-memory -0.5", "--tolerance-memory: must be a finite number >= 0, got -0.5"},
       {"plan --gpus 8 --ds-config " + kData + "/ds/zero3_unknown_key.json --strategy zero1",
