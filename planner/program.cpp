@@ -181,6 +181,17 @@ std::vector<std::string> validate(const PlanInput& in) {
     throw KnobError({Knob::profile, Knob::precision, Knob::stage},
                     "training.precision bf16-pure with strategy.stage ddp under profile deepspeed: DeepSpeed runs pure bf16 only under "
                     "ZeRO (bf16_master_weights_and_grads), so the Trainer's own DDP runs this job; plan it with profile hf");
+  // Liger's fused linear cross-entropy (transformers' use_liger_kernel patches the model's
+  // forward) reads lm_head.weight by attribute, outside the head module's forward, so ZeRO-3's
+  // fetch hook never gathers it and the matmul meets an empty shard (Liger-Kernel#1048; the
+  // mechanism as trl#6372 explains it for its own fused losses). A head tied to the embedding
+  // is gathered with it.
+  if (s.stage == Stage::zero3 && t.cross_entropy == CrossEntropy::chunked && in.profile == RuntimeProfile::deepspeed &&
+      !in.model.tie_embeddings)
+    throw KnobError({Knob::cross_entropy, Knob::stage},
+                    "training.cross_entropy chunked with strategy.stage zero3: Liger's fused loss reads the untied LM head's weight "
+                    "outside its module, where ZeRO-3 never gathers it (a size mismatch at the first step); use "
+                    "training.cross_entropy standard, ZeRO-1/2, or FSDP (profile hf)");
   if (is_zero_stage(s.stage) && in.profile == RuntimeProfile::hf)
     throw KnobError({Knob::stage, Knob::profile},
                     fmt::format("strategy.stage {} is DeepSpeed's ZeRO: plan it with profile deepspeed (the same transformers + PEFT "

@@ -95,11 +95,15 @@ std::string family_label(const Family& f, bool several_profiles) {
 }
 
 // Families of the space. With one rank a sharding strategy without offload plans what DDP plans.
-// A family whose optimizer cannot run where the family steps it (8-bit AdamW on the host) is not
-// planned: it goes to `excluded` with the reason. A DDP family DeepSpeed cannot run (pure bf16)
-// is planned with the hf profile, the Trainer's own DDP that runs it.
-std::vector<Family> families_of(const SearchSpace& space, const TrainingSpec& training, std::int32_t max_ranks, bool multi_node,
+// A family that validate() refuses for the base's settings (8-bit AdamW stepped on the host,
+// Liger's fused loss under ZeRO-3) is not planned: it goes to `excluded` with validate's reason,
+// and when every family is refused the first refusal is thrown (it is the input's, not a
+// family's). A DDP family DeepSpeed cannot run (pure bf16) is planned with the hf profile, the
+// Trainer's own DDP that runs it.
+std::vector<Family> families_of(const SearchSpace& space, const PlanInput& base, std::int32_t max_ranks, bool multi_node,
                                 std::vector<Rejection>& excluded) {
+  const TrainingSpec& training = base.training;
+  std::exception_ptr first_refusal;
   std::vector<Family> out;
   const bool several = space.profiles.size() > 1;
   const bool searches_hf = std::find(space.profiles.begin(), space.profiles.end(), RuntimeProfile::hf) != space.profiles.end();
@@ -125,20 +129,23 @@ std::vector<Family> families_of(const SearchSpace& space, const TrainingSpec& tr
         if (max_ranks <= 1 && s != Stage::ddp && o == OffloadDevice::none && q == OffloadDevice::none) continue;
         Family f{p, s, o, q, ""};
         f.label = family_label(f, several || p != listed);
-        Strategy st;
-        st.stage = s;
-        st.offload_optimizer = o;
-        st.offload_param = q;
-        if (host_step_refused(training.optimizer, st)) {
-          excluded.push_back({f.label, false,
-                              fmt::format("not planned: {} runs only on the GPU, and this offload steps the optimizer on the host", name_of(training.optimizer)),
-                              {}, std::nullopt});
+        PlanInput probe_in = base;
+        probe_in.profile = p;
+        probe_in.strategy.stage = s;
+        probe_in.strategy.offload_optimizer = o;
+        probe_in.strategy.offload_param = q;
+        try {
+          (void)validate(probe_in);
+        } catch (const KnobError& e) {
+          if (!first_refusal) first_refusal = std::current_exception();
+          excluded.push_back({f.label, false, fmt::format("not planned: {}", e.what()), {}, std::nullopt});
           continue;
         }
         out.push_back(std::move(f));
       }
     }
   }
+  if (out.empty() && first_refusal) std::rethrow_exception(first_refusal);
   return out;
 }
 
@@ -700,7 +707,7 @@ Recommendation recommend(const PlanInput& base_in, const sim::Cluster& cluster, 
     multi_node |= cluster_for_gpus(cluster, g).nodes > 1 && g > cluster.gpus_per_node;
   }
   std::vector<Rejection> excluded;
-  const std::vector<Family> families = families_of(space, base.training, max_ranks, multi_node, excluded);
+  const std::vector<Family> families = families_of(space, base, max_ranks, multi_node, excluded);
   if (families.empty())
     throw KnobError({Knob::search_stages, Knob::profile}, "recommend: the search space is empty (no strategy of space.stages is planned by profile)");
 

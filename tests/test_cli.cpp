@@ -216,6 +216,8 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "training.optimizer adamw-8bit with strategy.offload_optimizer cpu: bitsandbytes' 8-bit AdamW runs only on the GPU"},
       {"plan --gpus 2 --profile hf --strategy fsdp-full-shard --optimizer adamw-8bit --offload-param cpu",
        "training.optimizer adamw-8bit with strategy.offload_param cpu: bitsandbytes' 8-bit AdamW runs only on the GPU"},
+      {"plan --gpus 2 --strategy zero3 --cross-entropy chunked",
+       "training.cross_entropy chunked with strategy.stage zero3: Liger's fused loss reads the untied LM head's weight"},
       {"plan --gpus 2 --profile deepspeed --precision bf16-pure",
        "training.precision bf16-pure with strategy.stage ddp under profile deepspeed: DeepSpeed runs pure bf16 only under ZeRO"},
       {"plan --gpus 2 --profile hf --full-finetune --precision fp16",
