@@ -118,7 +118,9 @@ void add_report_command(CLI::App& app, int& exit_code) {
         {"runtime profile", fmt::format("{}{}", name_of(r.input.profile), base.runtime_versions.empty() ? "" : ": " + std::string(base.runtime_versions))},
         {"headroom", fmt::format("{:.0f}% of the GPU kept free beyond the predicted peak in use", 100 * r.headroom_fraction)},
     };
-    ri.strategies = reports::seed_strategies(r.input, r.cluster, r.headroom_fraction);
+    std::vector<std::string> refused;
+    ri.strategies = reports::seed_strategies(r.input, r.cluster, r.headroom_fraction, &refused);
+    for (const auto& x : refused) ri.provenance.inputs.push_back({"strategy left out", with_flags(x)});
     ri.base_label = fmt::format("{}{}{} at micro-batch {} (the configuration given)", name_of(r.input.strategy.stage),
                                 r.input.strategy.offload_optimizer == planner::OffloadDevice::cpu ? " + offload optimizer" : "",
                                 r.input.strategy.offload_param == planner::OffloadDevice::cpu ? " + offload param" : "", t.micro_batch);

@@ -26,7 +26,7 @@ E pick(const std::string& flag, const std::string& value, const std::array<E, N>
 // storage): refused, so `--ds-config "$UNSET"` is not a plan without the file.
 const CLI::Validator kNonEmpty(
     [](std::string& v) { return v.empty() ? std::string("must not be empty (leave the flag out for its default)") : std::string(); },
-    "NONEMPTY");
+    "", "NONEMPTY");
 
 void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   f.set = set;

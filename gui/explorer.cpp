@@ -170,7 +170,9 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
     planner::PlanOptions po;
     const planner::Plan base = planner::make_plan(in, cluster, po);
     const std::string yours(planner::name_of(in.strategy.stage));
-    r.strategies = reports::seed_strategies(in, cluster, po.headroom_fraction);
+    std::vector<std::string> refused;
+    r.strategies = reports::seed_strategies(in, cluster, po.headroom_fraction, &refused);
+    for (const auto& x : refused) r.warnings.push_back("not shown: " + x);
     r.knobs = reports::knob_deltas(base);
     r.recommendation = planner::recommend(in, cluster, {}, planner::Constraints{}, planner::Objective::tokens_per_s);
     const std::int64_t spare = planner::spare_bytes(base);

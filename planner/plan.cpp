@@ -75,7 +75,9 @@ std::vector<Suggestion> fit_suggestions(MemCategory c, const PlanInput& in) {
     case MemCategory::comm_buffers: out.push_back({Knob::reduce_bucket_size, Change::smaller, "", ""}); break;
     default: out.push_back({Knob::gpu, Change::larger, "", ""}); break;
   }
-  // No offload the optimizer cannot follow to the host (8-bit AdamW).
+  // No offload the optimizer cannot follow to the host (8-bit AdamW): more GPUs shrink what the
+  // offload would have moved, where the stage shards it.
+  const std::size_t before = out.size();
   std::erase_if(out, [&](const Suggestion& x) {
     Strategy st = in.strategy;
     if (x.knob == Knob::offload_optimizer) st.offload_optimizer = OffloadDevice::cpu;
@@ -83,6 +85,9 @@ std::vector<Suggestion> fit_suggestions(MemCategory c, const PlanInput& in) {
     else return false;
     return host_step_refused(in.training.optimizer, st);
   });
+  if (out.size() < before && shards_grads(s) &&
+      std::none_of(out.begin(), out.end(), [](const Suggestion& x) { return x.knob == Knob::ranks; }))
+    out.push_back({Knob::ranks, Change::larger, "", "a smaller shard each"});
   return out;
 }
 

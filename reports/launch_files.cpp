@@ -206,7 +206,7 @@ def main():
                 bnb_4bit_compute_dtype=dtype_of(PLAN["precision"]), bnb_4bit_quant_storage=dtype_of(PLAN["precision"]))
     model = AutoModelForCausalLM.from_pretrained(PLAN["model"], **load)
     model.config.use_cache = False  # training keeps no key/value cache (the Trainer's checkpointing sets it too)
-    full = PLAN["checkpointing"] == "full"
+    full = PLAN["checkpointing"] == "full" and not PLAN["fsdp_checkpointing"]  # FSDP's wrapper does it otherwise
     checkpointed = PLAN["checkpointing"] != "none"
     kbit_prepared = False
     if PLAN["quantization"] and not PLAN["shards_params"]:

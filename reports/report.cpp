@@ -198,7 +198,8 @@ std::vector<TimelineLane> measured_timeline(const nlohmann::json& trace, const s
   return {std::move(lane)};
 }
 
-std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, const sim::Cluster& cluster, double headroom) {
+std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, const sim::Cluster& cluster, double headroom,
+                                            std::vector<std::string>* refused) {
   using planner::OffloadDevice, planner::Stage;
   struct Want {
     std::string label, args;
@@ -273,10 +274,20 @@ std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, con
   for (std::size_t i; (i = next++) < wants.size();) plan_one(i);
   for (auto& t : pool) t.join();
   std::vector<StrategyColumn> out;
+  std::exception_ptr first_refusal;
   for (std::size_t i = 0; i < wants.size(); ++i) {
-    if (errors[i]) std::rethrow_exception(errors[i]);  // the first column's error, as planning them in turn would throw
+    if (errors[i]) {
+      try {
+        std::rethrow_exception(errors[i]);
+      } catch (const planner::KnobError& e) {  // this strategy with these settings: left out, with why
+        if (!first_refusal) first_refusal = errors[i];
+        if (refused) refused->push_back(fmt::format("{}: {}", wants[i].label, e.what()));
+        continue;
+      }  // anything else is the first column's error, as planning them in turn would throw
+    }
     out.push_back(plan_column(wants[i].label, wants[i].args, std::move(*plans[i])));
   }
+  if (out.empty() && first_refusal) std::rethrow_exception(first_refusal);
   return out;
 }
 

@@ -274,6 +274,29 @@ TEST(CliPlan, PureBf16DdpIsPlannedAsTheTrainersDdp) {
   EXPECT_EQ(nlohmann::json::parse(zero.out.substr(zero.out.find('{')))["profile"], "deepspeed") << zero.out;
 }
 
+// Settings under which the planner refuses some strategies (8-bit AdamW with an offload, pure
+// bf16 with DDP under DeepSpeed, fp16 full fine-tuning under the Trainer's DDP) still give a
+// report and a search: those columns and families are left out, each with its reason.
+TEST(CliPlan, RefusedStrategiesAreLeftOutOfReportsAndSearches) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "peftplan-left-out";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  for (const std::string& flags : {std::string("--optimizer adamw-8bit"), std::string("--precision bf16-pure --strategy zero2"),
+                                   std::string("--profile hf --precision fp16")}) {
+    SCOPED_TRACE(flags);
+    const std::string out = (dir / std::to_string(std::hash<std::string>{}(flags))).string();
+    Result r = run("report --gpus 2 --no-recommend " + flags + " --out " + out);
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::ifstream md(out + "/report.md");
+    const std::string text((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("| strategy left out | "), std::string::npos) << text.substr(0, 2000);
+  }
+  Result r = run("recommend --cluster 2xA100-80GB --profile hf --full-finetune --precision fp16 --top 1");
+  EXPECT_EQ(r.code == 0 || r.code == 1, true) << r.out;
+  EXPECT_NE(r.out.find("ddp: not planned: training.precision fp16 with full fine-tuning under profile hf"), std::string::npos) << r.out;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CliPlan, DsConfigAutoValuesAndUnknownKeyWarning) {
   Result r = run("plan --gpus 8 --micro-batch 2 --ds-config " + kData + "/ds/zero3_unknown_key.json");
   EXPECT_EQ(r.code, 0) << r.out;
