@@ -343,6 +343,22 @@ class TestGui : public QObject {
 
   // An adapter_config.json stands in for rank and targets: the plan's trainable parameters are
   // the file's (r 16 on q_proj and v_proj, as the rank-16 controls would give).
+  // A strategy the planner refuses for the scenario's settings (DeepSpeed runs no pure-bf16 DDP)
+  // is left out of the columns with a warning; the rest are shown, not an error for all of them.
+  void refused_columns_are_left_out_with_a_warning() {
+    gui::Scenario s;
+    s.precision = "bf16-pure";
+    s.strategy = "zero2";
+    const gui::Result r = gui::plan_scenario(s, 1);
+    QVERIFY2(r.error.empty(), r.error.c_str());
+    QVERIFY(r.base);
+    QVERIFY(!r.strategies.empty());
+    for (const auto& c : r.strategies) QVERIFY2(c.label != "ddp" && c.label != "full FT ddp", c.label.c_str());
+    bool warned = false;
+    for (const auto& x : r.warnings) warned |= x.rfind("not shown: ddp: ", 0) == 0;
+    QVERIFY(warned);
+  }
+
   void adapter_config_sets_the_adapter() {
     gui::Explorer w;
     w.show();
