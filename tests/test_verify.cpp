@@ -7,6 +7,7 @@
 
 #include "peftplan/common/error.h"
 #include "peftplan/models/config.h"
+#include "peftplan/planner/launcher_config.h"
 #include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/program.h"
 #include "peftplan/sim/cluster.h"
@@ -199,7 +200,9 @@ TEST(PlanFile, EveryKindOfInputReadsBackToTheProgramItsWriterBuilt) {
     EXPECT_NO_THROW(check_program_hash(back, "plan.json"));
     EXPECT_EQ(back.input.peft.quantization.has_value(), in.peft.quantization.has_value());
     EXPECT_EQ(back.input.strategy.stage, in.strategy.stage);
-    EXPECT_EQ(j.contains("accelerate_config"), is_fsdp(in.strategy.stage));
+    // the launcher's own file: accelerate's YAML for what accelerate launches alone (FSDP, hf DDP)
+    EXPECT_EQ(j.contains("accelerate_config"), !launches_with_deepspeed(in));
+    EXPECT_EQ(j.contains("accelerate_config"), is_fsdp(in.strategy.stage) || in.profile == RuntimeProfile::hf);
   }
 }
 
