@@ -176,9 +176,9 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   }
   // Pure-bf16 DDP is no DeepSpeed job (DeepSpeed runs pure bf16 under ZeRO only) but the
   // Trainer's own DDP: the default profile is what runs it.
-  if (f.set == PlanFlagSet::one_plan && f.profile.empty() && in.profile == planner::RuntimeProfile::deepspeed &&
-      !planner::is_fsdp(in.strategy.stage) && !planner::deepspeed_runs(in.strategy, in.training)) {
-    in.profile = planner::RuntimeProfile::hf;
+  if (f.set == PlanFlagSet::one_plan && f.profile.empty() &&
+      planner::profile_that_runs(in.profile, in.strategy, in.training) != in.profile) {
+    in.profile = planner::profile_that_runs(in.profile, in.strategy, in.training);
     r.warnings.push_back("--precision bf16-pure with --strategy ddp is planned with --profile hf: DeepSpeed runs pure bf16 only under ZeRO, "
                          "so the Trainer's own DDP runs this job");
   }

@@ -14,6 +14,10 @@ bool launches_with_deepspeed(const PlanInput& in) {
   return in.profile != RuntimeProfile::hf && deepspeed_runs(in.strategy, in.training);
 }
 
+RuntimeProfile profile_that_runs(RuntimeProfile requested, const Strategy& s, const TrainingSpec& t) {
+  return requested == RuntimeProfile::deepspeed && !is_fsdp(s.stage) && !deepspeed_runs(s, t) ? RuntimeProfile::hf : requested;
+}
+
 void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings) {
   if (is_fsdp(in.strategy.stage))
     throw InputError(fmt::format("{}: a DeepSpeed config runs ZeRO, not {} (give FSDP's settings in an accelerate config)", source,

@@ -18,6 +18,7 @@
 #include "peftplan/common/json_fields.h"
 #include "peftplan/common/schemas.h"
 #include "peftplan/common/units.h"
+#include "peftplan/planner/launcher_config.h"
 #include "peftplan/planner/series.h"
 
 namespace peftplan::planner {
@@ -110,13 +111,10 @@ std::vector<Family> families_of(const SearchSpace& space, const PlanInput& base,
   for (RuntimeProfile listed : space.profiles) {
     for (Stage s : space.stages.empty() ? stages_of(listed) : space.stages) {
       if (!profile_plans(listed, s)) continue;
-      RuntimeProfile p = listed;
-      Strategy probe;
-      probe.stage = s;
-      if (p == RuntimeProfile::deepspeed && !deepspeed_runs(probe, training)) {
-        if (searches_hf) continue;  // the hf profile's own DDP family plans it
-        p = RuntimeProfile::hf;
-      }
+      Strategy stage_only;
+      stage_only.stage = s;
+      const RuntimeProfile p = profile_that_runs(listed, stage_only, training);
+      if (p != listed && searches_hf) continue;  // the hf profile's own family plans it
       if (s == Stage::fsdp_hybrid_shard && !multi_node) continue;  // one node: FULL_SHARD
       std::vector<std::pair<OffloadDevice, OffloadDevice>> offloads = {{OffloadDevice::none, OffloadDevice::none}};
       if (space.offload) {

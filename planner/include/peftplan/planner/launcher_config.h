@@ -23,6 +23,11 @@ namespace peftplan::planner {
 // pure bf16). One rule for every writer of launch files.
 bool launches_with_deepspeed(const PlanInput& in);
 
+// The profile that plans a DDP or ZeRO job asked for under `requested`: hf for a DDP job DeepSpeed
+// cannot run (pure bf16: the Trainer's own DDP runs it), else `requested`. One rule for the
+// front ends that choose a profile (plan's default, recommend's families).
+RuntimeProfile profile_that_runs(RuntimeProfile requested, const Strategy& strategy, const TrainingSpec& training);
+
 // ds_config.json (read_ds_config): the strategy (stage, offload, bucket sizes) and the training
 // settings it covers replace `in`'s, its "auto" entries resolved from `in` (micro-batch,
 // accumulation, precision, the model's hidden size); the ranks stay `in`'s. Warnings (unmodelled
