@@ -323,7 +323,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       ->check(CLI::Range(1, 1000));
   cmd->callback([o, &exit_code] {
     // A launcher config without --strategy sets the one strategy run runs (its own default is a list).
-    const bool file_sets_strategy = !o->plan.strategy_given && (!o->plan.ds_config.empty() || !o->plan.accelerate_config.empty());
+    const bool file_sets_strategy = !o->plan.was_given("--strategy") && (!o->plan.ds_config.empty() || !o->plan.accelerate_config.empty());
     const std::vector<std::string> strategies = file_sets_strategy ? std::vector<std::string>{"ddp"} : strategy_list(o->plan.strategy);
     const bool several = strategies.size() > 1;
     if (several) {

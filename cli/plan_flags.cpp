@@ -20,6 +20,52 @@ E pick(const std::string& flag, const std::string& value, const std::array<E, N>
   throw input_error(flag, "", "must be one of " + planner::names_of(values), "\"" + value + "\"");
 }
 
+// A setting a launcher config and a flag both make, spelled for a refusal: the flag, what it sets,
+// where the file sets it (with the file's value), and whether the two disagree.
+struct FileSetting {
+  std::string_view flag, what;
+  std::string field;
+  bool differs;
+};
+
+// The flag's value as typed.
+std::string typed(const PlanFlags& f, std::string_view flag) {
+  if (flag == "--strategy") return f.strategy;
+  if (flag == "--offload-optimizer") return f.offload_optimizer;
+  if (flag == "--offload-param") return f.offload_param;
+  if (flag == "--micro-batch") return std::to_string(f.micro_batch);
+  if (flag == "--grad-accum") return std::to_string(f.grad_accum);
+  if (flag == "--precision") return f.precision;
+  if (flag == "--checkpointing") return f.checkpointing;
+  return f.optimizer;
+}
+
+// Where a ds_config's precision comes from (read_precision in planner/ds_config.cpp), and what it is.
+std::string ds_precision(planner::Precision p) {
+  using planner::Precision;
+  switch (p) {
+    case Precision::fp16_mixed: return "fp16.enabled true: fp16";
+    case Precision::bf16_mixed: return "bf16.enabled true with fp32 master weights: bf16";
+    case Precision::bf16_pure: return "bf16.enabled with bf16_master_weights_and_grads and bf16_optimizer_states: bf16-pure";
+    case Precision::fp32: break;
+  }
+  return "neither fp16 nor bf16 enabled: fp32";
+}
+
+// A launcher config sets the strategy and some training settings. A flag left at its default gives
+// way to the file; a flag typed on the command line that the file contradicts is refused, naming
+// both, not resolved in silence. transformers refuses the same for a ds_config value that
+// mismatches TrainingArguments (integrations/deepspeed.py, HfTrainerDeepSpeedConfig
+// trainer_config_finalize: "Please correct the following DeepSpeed config values that mismatch
+// TrainingArguments values").
+void refuse_contradictions(const PlanFlags& f, std::string_view file_flag, std::string_view file, std::string_view launcher,
+                           const std::vector<FileSetting>& settings) {
+  for (const FileSetting& s : settings)
+    if (s.differs && f.was_given(s.flag))
+      throw InputError(fmt::format("{} {} with {} {}: the {} sets {} ({}); drop {}", file_flag, file, s.flag, typed(f, s.flag), launcher, s.what,
+                                   s.field, s.flag));
+}
+
 }  // namespace
 
 // An empty value where "not given" means a default (a file, the cluster, the profile, the base's
@@ -38,8 +84,7 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   cmd->add_option("--cluster", f.cluster, "preset, spelling like 2x8xH100-SXM-NDR, or a cluster JSON file")->check(kNonEmpty);
   if (one)
     cmd->add_option("--strategy", f.strategy, "ddp, zero1, zero2, zero3, fsdp-full-shard, fsdp-shard-grad-op, fsdp-no-shard or fsdp-hybrid-shard")
-        ->capture_default_str()
-        ->each([&f](const std::string&) { f.strategy_given = true; });
+        ->capture_default_str();
   if (one) cmd->add_option("--fsdp-version", f.fsdp_version, "1 (FSDP1, flat parameters) or 2 (FSDP2 fully_shard, per-parameter shards: fsdp-full-shard or fsdp-shard-grad-op)");
   if (one) cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
   if (one) cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
@@ -67,6 +112,10 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   cmd->add_option("--profile", f.profile,
                   "executor, deepspeed (the default) or hf (transformers + PEFT; the default with --accelerate-config; pytorch is its old name)")
       ->check(kNonEmpty);
+  // The flags a launcher config also sets: whether each was typed, for resolve_plan_flags.
+  for (const char* name : {"--strategy", "--offload-optimizer", "--offload-param", "--micro-batch", "--grad-accum", "--precision",
+                           "--checkpointing", "--optimizer"})
+    if (CLI::Option* o = cmd->get_option_no_throw(name)) o->each([&f, name](const std::string&) { f.given.insert(name); });
 }
 
 ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
@@ -147,32 +196,42 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     throw InputError(fmt::format("--accelerate-config {} with --fsdp-version: the accelerate config's fsdp_version sets it; drop --fsdp-version",
                                  f.accelerate_config));
   if (!f.ds_config.empty()) {
-    const planner::Strategy flags = in.strategy;
+    const planner::PlanInput by_flags = in;
     planner::apply_ds_config(in, models::read_json_file(f.ds_config), f.ds_config, r.warnings);
-    // The ds_config sets the ZeRO stage and the offloads: a flag that says otherwise is a
-    // contradiction to refuse, not one to resolve in silence (the flags' defaults say nothing).
-    if (f.strategy_given && flags.stage != in.strategy.stage)
-      throw InputError(fmt::format("--ds-config {} with --strategy {}: the ds_config sets the strategy (zero_optimization.stage {}); drop "
-                                   "--strategy",
-                                   f.ds_config, f.strategy, name_of(in.strategy.stage)));
-    if (flags.offload_optimizer != planner::OffloadDevice::none && flags.offload_optimizer != in.strategy.offload_optimizer)
-      throw InputError(fmt::format("--ds-config {} with --offload-optimizer {}: the ds_config sets it "
-                                   "(zero_optimization.offload_optimizer.device); drop --offload-optimizer",
-                                   f.ds_config, f.offload_optimizer));
-    if (flags.offload_param != planner::OffloadDevice::none && flags.offload_param != in.strategy.offload_param)
-      throw InputError(fmt::format("--ds-config {} with --offload-param {}: the ds_config sets it (zero_optimization.offload_param.device); "
-                                   "drop --offload-param",
-                                   f.ds_config, f.offload_param));
+    const planner::TrainingSpec &a = by_flags.training, &b = in.training;
+    const planner::Strategy &x = by_flags.strategy, &y = in.strategy;
+    refuse_contradictions(
+        f, "--ds-config", f.ds_config, "ds_config",
+        {{"--strategy", "the strategy", fmt::format("zero_optimization.stage {}", name_of(y.stage)), x.stage != y.stage},
+         {"--offload-optimizer", "the optimizer offload",
+          fmt::format("zero_optimization.offload_optimizer.device {}", name_of(y.offload_optimizer)), x.offload_optimizer != y.offload_optimizer},
+         {"--offload-param", "the parameter offload", fmt::format("zero_optimization.offload_param.device {}", name_of(y.offload_param)),
+          x.offload_param != y.offload_param},
+         {"--micro-batch", "the micro-batch", fmt::format("train_micro_batch_size_per_gpu {}", b.micro_batch), a.micro_batch != b.micro_batch},
+         {"--grad-accum", "the accumulation", fmt::format("gradient_accumulation_steps {}", b.grad_accum), a.grad_accum != b.grad_accum},
+         {"--precision", "the precision", ds_precision(b.precision), a.precision != b.precision},
+         {"--optimizer", "the optimizer", fmt::format("optimizer.type: {}, which DeepSpeed builds in place of the Trainer's", name_of(b.optimizer)),
+          a.optimizer != b.optimizer}});
   }
   if (!f.accelerate_config.empty()) {
     if (!f.ds_config.empty())
       throw InputError("--accelerate-config and --ds-config: give one launcher's config, not both");
-    const planner::Stage flag_stage = in.strategy.stage;
-    planner::apply_accelerate_config(in, planner::read_accelerate_config_file(f.accelerate_config), f.accelerate_config, r.cluster, f.gpus,
-                                     !f.profile.empty(), r.warnings);
-    if (f.strategy_given && flag_stage != in.strategy.stage)
-      throw InputError(fmt::format("--accelerate-config {} with --strategy {}: the accelerate config sets the strategy ({}); drop --strategy",
-                                   f.accelerate_config, f.strategy, name_of(in.strategy.stage)));
+    const planner::PlanInput by_flags = in;
+    planner::apply_accelerate_config(in, planner::read_accelerate_config_file(f.accelerate_config), f.accelerate_config, r.cluster,
+                                     {.gpus = f.gpus, .profile_given = !f.profile.empty(), .precision_given = f.was_given("--precision")},
+                                     r.warnings);
+    const planner::TrainingSpec &a = by_flags.training, &b = in.training;
+    const planner::Strategy &x = by_flags.strategy, &y = in.strategy;
+    refuse_contradictions(
+        f, "--accelerate-config", f.accelerate_config, "accelerate config",
+        {{"--strategy", "the strategy", fmt::format("distributed_type and fsdp_config: {}", name_of(y.stage)), x.stage != y.stage},
+         {"--offload-optimizer", "the optimizer offload", "none: accelerate has no optimizer-only offload",
+          x.offload_optimizer != y.offload_optimizer},
+         {"--offload-param", "the parameter offload", fmt::format("fsdp_config.fsdp_offload_params {}", y.offload_param == planner::OffloadDevice::cpu),
+          x.offload_param != y.offload_param},
+         {"--precision", "the precision", fmt::format("mixed_precision: {}", name_of(b.precision)), a.precision != b.precision},
+         {"--checkpointing", "the checkpointing", "fsdp_config.fsdp_activation_checkpointing true: every layer",
+          a.checkpointing != b.checkpointing || a.checkpoint_every != b.checkpoint_every}});
   }
   // Pure-bf16 DDP is no DeepSpeed job (DeepSpeed runs pure bf16 under ZeRO only) but the
   // Trainer's own DDP: the default profile is what runs it.

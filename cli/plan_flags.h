@@ -3,7 +3,9 @@
 #pragma once
 
 #include <optional>
+#include <set>
 #include <string>
+#include <string_view>
 
 #include <CLI/CLI.hpp>
 
@@ -20,7 +22,6 @@ struct PlanFlags {
   std::optional<std::int32_t> gpus;
   std::string cluster;
   std::string strategy = "ddp";
-  bool strategy_given = false;  // --strategy was on the command line (a launcher config sets it otherwise)
   std::optional<std::int32_t> fsdp_version;
   std::string offload_optimizer = "none";
   std::string offload_param = "none";
@@ -41,6 +42,10 @@ struct PlanFlags {
   std::string alloc_conf;
   // The flags' set, as add_plan_flags registered them (a search's strategy is not --strategy).
   enum class Set { one_plan, search } set = Set::one_plan;
+  // Which of the flags a launcher config also sets (kLauncherFlags) were on the command line: a
+  // flag left at its default gives way to the file, a typed one that says otherwise is refused.
+  std::set<std::string, std::less<>> given;
+  bool was_given(std::string_view flag) const { return given.count(flag) != 0; }
 };
 
 // Which flags a command takes: `plan` all of them; a search (`recommend`) registers its own list

@@ -120,7 +120,7 @@ planner::PlanInput scenario_input(const Scenario& s, sim::Cluster& cluster, std:
   if (!s.launcher_config.empty()) {
     if (is_yaml(s.launcher_config))
       planner::apply_accelerate_config(in, planner::read_accelerate_config_file(s.launcher_config), s.launcher_config, cluster,
-                                       in.strategy.ranks, true, warnings);
+                                       {.gpus = in.strategy.ranks, .profile_given = true}, warnings);
     else
       planner::apply_ds_config(in, models::read_json_file(s.launcher_config), s.launcher_config, warnings);
   }

@@ -33,8 +33,9 @@ void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_vi
 }
 
 void apply_accelerate_config(PlanInput& in, const AccelerateConfig& ac, std::string_view source, const sim::Cluster& cluster,
-                             std::optional<std::int32_t> gpus, bool profile_given, std::vector<std::string>& warnings) {
+                             const AccelerateOverrides& given, std::vector<std::string>& warnings) {
   const std::int32_t total = sim::total_gpus(cluster);
+  const std::optional<std::int32_t> gpus = given.gpus;
   const std::int32_t ranks = gpus ? *gpus : ac.strategy.ranks > 0 ? ac.strategy.ranks : in.strategy.ranks;
   if (ranks > total)
     throw input_error(source, "num_processes", fmt::format("must not exceed the cluster's {} GPUs ({})", total, cluster.name), std::to_string(ranks));
@@ -46,20 +47,32 @@ void apply_accelerate_config(PlanInput& in, const AccelerateConfig& ac, std::str
   // HYBRID_SHARD shards within a machine: num_processes / num_machines ranks, or a node's GPUs.
   if (in.strategy.stage == Stage::fsdp_hybrid_shard)
     in.strategy.shard_group = ac.num_machines > 1 ? ranks / ac.num_machines : std::min(cluster.gpus_per_node, ranks);
-  if (ac.precision) in.training.precision = *ac.precision;
-  if (ac.no_mixed_precision && (in.training.precision == Precision::bf16_mixed || in.training.precision == Precision::fp16_mixed)) {
-    // 'no': no autocast, the model in its torch_dtype; bf16 is what fine-tuning recipes load.
-    in.training.precision = Precision::bf16_pure;
-    warnings.push_back(fmt::format("{}: mixed_precision 'no' is planned as --precision bf16-pure (the model loaded in bf16, "
-                                   "no autocast); give --precision fp32 for an fp32 model",
-                                   source));
+  const Precision asked = in.training.precision;
+  const bool mixed = asked == Precision::bf16_mixed || asked == Precision::fp16_mixed;
+  if (given.precision_given && mixed) {
+    // TrainingArguments' bf16 / fp16 override the YAML's mixed_precision.
+    const bool other = ac.precision ? *ac.precision != asked : ac.no_mixed_precision;
+    if (other)
+      warnings.push_back(fmt::format("{}: --precision {} overrides mixed_precision '{}' (the Trainer's {} overrides accelerate's)", source,
+                                     name_of(asked), ac.precision ? (*ac.precision == Precision::fp16_mixed ? "fp16" : "bf16") : "no",
+                                     asked == Precision::fp16_mixed ? "fp16=True" : "bf16=True"));
+  } else {
+    if (ac.precision && !(given.precision_given && asked == Precision::bf16_pure && *ac.precision == Precision::bf16_mixed))
+      in.training.precision = *ac.precision;
+    if (ac.no_mixed_precision && mixed) {
+      // 'no': no autocast, the model in its torch_dtype; bf16 is what fine-tuning recipes load.
+      in.training.precision = Precision::bf16_pure;
+      warnings.push_back(fmt::format("{}: mixed_precision 'no' is planned as --precision bf16-pure (the model loaded in bf16, "
+                                     "no autocast); give --precision fp32 for an fp32 model",
+                                     source));
+    }
   }
   if (in.strategy.fsdp.activation_checkpointing) {  // FSDP's checkpoint_wrapper on every decoder layer
     in.training.checkpointing = Checkpointing::full;
     in.training.checkpoint_reentrant = false;
   }
   // An accelerate job runs transformers + PEFT: the hf profile, unless another was asked for.
-  if (!profile_given) in.profile = RuntimeProfile::hf;
+  if (!given.profile_given) in.profile = RuntimeProfile::hf;
   warnings.insert(warnings.end(), ac.warnings.begin(), ac.warnings.end());
 }
 

@@ -4,10 +4,13 @@
 #include <fstream>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "peftplan/common/error.h"
+#include "peftplan/models/config.h"
 #include "peftplan/planner/accelerate_config.h"
+#include "peftplan/planner/launcher_config.h"
 
 using namespace peftplan;
 using namespace peftplan::planner;
@@ -183,6 +186,45 @@ TEST(AccelerateConfig, UnknownKeysAreWarningsNamingTheKey) {
   ASSERT_EQ(c.warnings.size(), 2u);
   EXPECT_NE(c.warnings[0].find("fsdp_config.fsdp_fancy"), std::string::npos);
   EXPECT_NE(c.warnings[1].find("zeta"), std::string::npos);
+}
+
+// mixed_precision beside a --precision: transformers' TrainingArguments.__post_init__ lets the
+// Trainer's bf16 / fp16 override accelerate's ("if training args is specified, it will override
+// the one specified in the accelerate config"); with neither, the YAML's value is what runs.
+TEST(AccelerateConfig, TheTrainersMixedPrecisionOverridesTheYamls) {
+  const sim::Cluster cluster = sim::resolve_cluster("8xA100-80GB");
+  struct Case {
+    const char* yaml_precision;
+    Precision asked;
+    bool given;
+    Precision planned;
+    const char* warning;  // a fragment of the one warning about precision, or "" for none
+  };
+  const Case cases[] = {
+      {"bf16", Precision::fp16_mixed, true, Precision::fp16_mixed, "--precision fp16 overrides mixed_precision 'bf16' (the Trainer's fp16=True"},
+      {"'no'", Precision::bf16_mixed, true, Precision::bf16_mixed, "--precision bf16 overrides mixed_precision 'no'"},
+      {"'no'", Precision::bf16_mixed, false, Precision::bf16_pure, "mixed_precision 'no' is planned as --precision bf16-pure"},
+      {"fp16", Precision::bf16_mixed, false, Precision::fp16_mixed, ""},
+      {"bf16", Precision::bf16_mixed, true, Precision::bf16_mixed, ""},
+      {"bf16", Precision::bf16_pure, true, Precision::bf16_pure, ""},  // autocast to bf16 of bf16 weights
+      {"bf16", Precision::fp32, true, Precision::bf16_mixed, ""},      // no Trainer flag: accelerate autocasts (the CLI refuses this pair)
+      {"'no'", Precision::fp32, true, Precision::fp32, ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("{} {} {}", c.yaml_precision, name_of(c.asked), c.given));
+    PlanInput in;
+    in.model = models::load_model("llama-2-7b");
+    in.training.precision = c.asked;
+    std::vector<std::string> warnings;
+    const AccelerateConfig ac = read_accelerate_config(fmt::format("distributed_type: MULTI_GPU\nmixed_precision: {}\n", c.yaml_precision), "m.yaml");
+    apply_accelerate_config(in, ac, "m.yaml", cluster, {.gpus = 2, .precision_given = c.given}, warnings);
+    EXPECT_EQ(in.training.precision, c.planned);
+    std::string about;
+    for (const std::string& w : warnings)
+      if (w.find("mixed_precision") != std::string::npos) about += w;
+    if (*c.warning) EXPECT_NE(about.find(c.warning), std::string::npos) << about;
+    else EXPECT_EQ(about, "");
+  }
 }
 
 TEST(AccelerateConfig, RefusesToWriteZero) {

@@ -35,14 +35,24 @@ RuntimeProfile profile_that_runs(RuntimeProfile requested, const Strategy& strat
 // an FSDP one (a DeepSpeed config runs ZeRO).
 void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings);
 
+// What the command line says beside an accelerate YAML.
+struct AccelerateOverrides {
+  std::optional<std::int32_t> gpus;  // --gpus: overrides num_processes, as `accelerate launch --num_processes` does
+  bool profile_given = false;        // --profile: kept; else the profile becomes hf
+  bool precision_given = false;      // --precision: bf16 or fp16 (mixed) is the Trainer's, which overrides mixed_precision
+};
+
 // accelerate's YAML (read_accelerate_config): the strategy (DDP or an FSDP one, with its knobs)
-// replaces `in`'s, on num_processes ranks unless `gpus` is given (as `accelerate launch
-// --num_processes` overrides it; a warning says so when they differ); its mixed_precision sets
-// the precision ('no' is planned as pure bf16, with a warning); FSDP's activation_checkpointing
-// means non-reentrant full checkpointing; and unless `profile_given`, the profile becomes hf (an
-// accelerate job runs transformers + PEFT). Throws InputError naming `source`: more processes
-// than the cluster's GPUs.
+// replaces `in`'s, on num_processes ranks unless `given.gpus` (a warning says so when they
+// differ); FSDP's activation_checkpointing means non-reentrant full checkpointing; and unless
+// `given.profile_given`, the profile becomes hf (an accelerate job runs transformers + PEFT).
+// Its mixed_precision sets the precision ('no' is planned as pure bf16, with a warning) unless
+// `given.precision_given` with a mixed precision: the Trainer's bf16 / fp16 override accelerate's
+// (transformers TrainingArguments.__post_init__, "if training args is specified, it will override
+// the one specified in the accelerate config"); a warning says so when they differ. Pure bf16
+// given beside mixed_precision bf16 stays pure (autocast to bf16 of bf16 weights computes as
+// they are). Throws InputError naming `source`: more processes than the cluster's GPUs.
 void apply_accelerate_config(PlanInput& in, const AccelerateConfig& config, std::string_view source, const sim::Cluster& cluster,
-                             std::optional<std::int32_t> gpus, bool profile_given, std::vector<std::string>& warnings);
+                             const AccelerateOverrides& given, std::vector<std::string>& warnings);
 
 }  // namespace peftplan::planner
