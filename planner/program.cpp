@@ -5,6 +5,7 @@
 #include "peftplan/planner/program.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "builder.h"
 #include "peftplan/common/error.h"
@@ -102,6 +103,23 @@ std::string_view name_of(RuntimeProfile p) {
   }
   return "?";
 }
+
+namespace {
+
+// What an adapter config trains in the base model's own dtype ("" for nothing): modules_to_save
+// copies, and base biases under bias "all" / "lora_only" when the model has any.
+std::string trained_in_base_dtype(const PlanInput& in) {
+  const models::ModelSpec& m = in.model;
+  const bool has_bias = m.qkv_bias || m.out_bias || m.mlp_bias || m.norm_bias;
+  for (const models::AdapterSpec& a : in.peft.adapters) {
+    const auto& saved = a.type == models::PeftType::ia3 ? a.ia3.modules_to_save : a.lora.modules_to_save;
+    if (!saved.empty()) return fmt::format("modules_to_save ({})", fmt::join(saved, ", "));
+    if (a.type == models::PeftType::lora && a.lora.bias != "none" && has_bias) return fmt::format("bias \"{}\"", a.lora.bias);
+  }
+  return "";
+}
+
+}  // namespace
 
 std::vector<std::string> validate(const PlanInput& in) {
   std::vector<std::string> warnings;
@@ -207,6 +225,18 @@ std::vector<std::string> validate(const PlanInput& in) {
                     "training.precision fp16 with full fine-tuning under profile hf and strategy.stage ddp: the Trainer's GradScaler "
                     "refuses fp16 weights' gradients, and fp32 weights under autocast are not planned; plan it with profile deepspeed "
                     "(fp32 master weights), an FSDP strategy, or training.precision bf16");
+  // The same holds for what PEFT trains in the base's dtype beside its adapters: a
+  // modules_to_save copy (ModulesToSaveWrapper deep-copies the module) and the base's biases
+  // (bias "all" or "lora_only"). autocast_adapter_dtype upcasts only the tuner layers' own
+  // parameters (peft tuners/tuners_utils.py BaseTuner._cast_adapter_dtype skips every module that
+  // is not a BaseTunerLayer), so under fp16 those stay fp16 and the first step's unscale_ fails.
+  if (in.profile == RuntimeProfile::hf && t.precision == Precision::fp16_mixed && !is_fsdp(s.stage))
+    if (const std::string what = trained_in_base_dtype(in); !what.empty())
+      throw KnobError({Knob::precision, Knob::profile},
+                      fmt::format("training.precision fp16 with {} under profile hf and strategy.stage ddp: PEFT trains it in the base's "
+                                  "fp16 (only adapter layers are upcast to fp32), and the Trainer's GradScaler refuses fp16 gradients; "
+                                  "plan it with profile deepspeed (fp32 master weights), an FSDP strategy, or training.precision bf16",
+                                  what));
   if (in.profile == RuntimeProfile::executor && t.cross_entropy == CrossEntropy::chunked)
     throw KnobError({Knob::cross_entropy, Knob::profile},
                     "training.cross_entropy chunked: our executor computes the standard loss; plan it with profile hf or deepspeed");

@@ -222,6 +222,12 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "training.precision bf16-pure with strategy.stage ddp under profile deepspeed: DeepSpeed runs pure bf16 only under ZeRO"},
       {"plan --gpus 2 --profile hf --full-finetune --precision fp16",
        "training.precision fp16 with full fine-tuning under profile hf and strategy.stage ddp: the Trainer's GradScaler"},
+      // ... and so are the fp16 tensors PEFT trains beside its fp32 adapters (peft's
+      // _cast_adapter_dtype upcasts tuner layers only).
+      {"plan --gpus 2 --profile hf --precision fp16 --peft " + kData + "/adapters/qv16_lm_head",
+       "training.precision fp16 with modules_to_save (lm_head) under profile hf and strategy.stage ddp: PEFT trains it in the base's fp16"},
+      {"plan --gpus 2 --profile hf --precision fp16 --model qwen2.5-7b --peft " + kData + "/adapters/qv16_bias_all",
+       "training.precision fp16 with bias \"all\" under profile hf and strategy.stage ddp"},
       {"recommend --top -1", "--top: Value -1 not in range 1 to 1000000"},
       // An empty value (an unset shell variable) is no default: "not given" is leaving the flag out.
       {"plan --ds-config ''", "peftplan: error: --ds-config: must not be empty (leave the flag out for its default)"},
