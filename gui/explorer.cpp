@@ -168,7 +168,17 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
     sim::Cluster cluster;
     const planner::PlanInput in = scenario_input(s, cluster, r.warnings);
     planner::PlanOptions po;
-    const planner::Plan base = planner::make_plan(in, cluster, po);
+    // Your configuration under the profile that runs it (planner::profile_that_runs), as plan
+    // without --profile does: pure-bf16 DDP is the Trainer's own DDP, since DeepSpeed runs pure
+    // bf16 only under ZeRO. The columns and the search keep the profile chosen.
+    planner::PlanInput yours_in = in;
+    yours_in.profile = planner::profile_that_runs(in.profile, in.strategy, in.training);
+    if (yours_in.profile != in.profile)
+      r.warnings.push_back(fmt::format("{} with strategy {} is planned with profile {}: DeepSpeed runs pure bf16 only under ZeRO, so the "
+                                       "Trainer's own DDP runs it",
+                                       planner::name_of(in.training.precision), planner::name_of(in.strategy.stage),
+                                       planner::name_of(yours_in.profile)));
+    const planner::Plan base = planner::make_plan(yours_in, cluster, po);
     const std::string yours(planner::name_of(in.strategy.stage));
     std::vector<std::string> refused;
     r.strategies = reports::seed_strategies(in, cluster, po.headroom_fraction, &refused);

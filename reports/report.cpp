@@ -16,6 +16,7 @@
 #include "peftplan/common/atomic_file.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
+#include "peftplan/planner/launcher_config.h"
 #include "peftplan/planner/program.h"
 #include "peftplan/reports/colours.h"
 #include "peftplan/reports/svg.h"
@@ -206,6 +207,7 @@ std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, con
     Stage stage;
     OffloadDevice opt, param;
     bool full_ft;
+    planner::RuntimeProfile profile;
   };
   std::vector<Want> wants;
   const bool peft = !input.peft.adapters.empty();
@@ -225,7 +227,18 @@ std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, con
       label = "full FT " + label;
       args += " --full-finetune";
     }
-    wants.push_back({label, args, s, o, q, full});
+    // A column DeepSpeed cannot run (pure-bf16 DDP) is planned as what runs it, as plan and
+    // recommend do (planner::profile_that_runs), and says so.
+    planner::Strategy strategy = input.strategy;
+    strategy.stage = s;
+    strategy.offload_optimizer = o;
+    strategy.offload_param = q;
+    const planner::RuntimeProfile runs = planner::profile_that_runs(input.profile, strategy, input.training);
+    if (runs != input.profile) {
+      label += fmt::format(" ({})", planner::name_of(runs));
+      args += fmt::format(" --profile {}", planner::name_of(runs));
+    }
+    wants.push_back({label, args, s, o, q, full, runs});
   };
   if (peft) add(Stage::ddp, OffloadDevice::none, OffloadDevice::none, true);
   if (hf) {
@@ -254,6 +267,7 @@ std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, con
       in.strategy.offload_optimizer = w.opt;
       in.strategy.offload_param = w.param;
       in.strategy.shard_group = 0;
+      in.profile = w.profile;
       if (w.full_ft) {
         in.peft = {};
         in.training.full_finetune = true;

@@ -306,8 +306,8 @@ TEST(CliPlan, RefusedStrategiesAreLeftOutOfReportsAndSearches) {
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "peftplan-left-out";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  for (const std::string& flags : {std::string("--optimizer adamw-8bit"), std::string("--precision bf16-pure --strategy zero2"),
-                                   std::string("--profile hf --precision fp16")}) {
+  for (const std::string& flags : {std::string("--optimizer adamw-8bit"), std::string("--cross-entropy chunked"),
+                                   std::string("--profile hf --full-finetune --precision fp16 --strategy fsdp-full-shard")}) {
     SCOPED_TRACE(flags);
     const std::string out = (dir / std::to_string(std::hash<std::string>{}(flags))).string();
     Result r = run("report --gpus 2 --no-recommend " + flags + " --out " + out);

@@ -346,17 +346,44 @@ class TestGui : public QObject {
   // A strategy the planner refuses for the scenario's settings (DeepSpeed runs no pure-bf16 DDP)
   // is left out of the columns with a warning; the rest are shown, not an error for all of them.
   void refused_columns_are_left_out_with_a_warning() {
-    gui::Scenario s;
-    s.precision = "bf16-pure";
-    s.strategy = "zero2";
+    gui::Scenario s;  // fp16 full fine-tuning under the Trainer: its GradScaler refuses DDP, FSDP's takes it
+    s.lora_r = 0;
+    s.precision = "fp16";
+    s.profile = "hf";
+    s.strategy = "fsdp-full-shard";
     const gui::Result r = gui::plan_scenario(s, 1);
     QVERIFY2(r.error.empty(), r.error.c_str());
     QVERIFY(r.base);
     QVERIFY(!r.strategies.empty());
-    for (const auto& c : r.strategies) QVERIFY2(c.label != "ddp" && c.label != "full FT ddp", c.label.c_str());
+    for (const auto& c : r.strategies) QVERIFY2(c.label != "ddp", c.label.c_str());
     bool warned = false;
     for (const auto& x : r.warnings) warned |= x.rfind("not shown: ddp: ", 0) == 0;
     QVERIFY(warned);
+  }
+
+  // Pure-bf16 DDP under DeepSpeed is what the Trainer's own DDP runs, as plan plans it: your
+  // configuration and the DDP columns under hf, said in a warning and in the label.
+  void pure_bf16_ddp_is_planned_as_the_trainers_ddp() {
+    gui::Scenario s;
+    s.precision = "bf16-pure";
+    s.strategy = "ddp";
+    const gui::Result r = gui::plan_scenario(s, 1);
+    QVERIFY2(r.error.empty(), r.error.c_str());
+    QVERIFY(r.base);
+    QCOMPARE(r.base->input.profile, planner::RuntimeProfile::hf);
+    bool warned = false;
+    for (const auto& x : r.warnings) {
+      warned |= x.find("bf16-pure with strategy ddp is planned with profile hf") != std::string::npos;
+      QVERIFY2(x.rfind("not shown: ", 0) != 0, x.c_str());
+    }
+    QVERIFY(warned);
+    bool ddp = false, zero2 = false;
+    for (const auto& c : r.strategies) {
+      ddp |= c.label == "ddp (hf)" && c.plan && c.plan->input.profile == planner::RuntimeProfile::hf;
+      zero2 |= c.label == "zero2" && c.plan && c.plan->input.profile == planner::RuntimeProfile::deepspeed;
+    }
+    QVERIFY(ddp);
+    QVERIFY(zero2);
   }
 
   void adapter_config_sets_the_adapter() {

@@ -117,9 +117,10 @@ struct ReportInput {
 // The seed's strategy set for a plan input: full fine-tuning with DDP beside PEFT with DDP,
 // ZeRO-1, ZeRO-2, ZeRO-3 and the offload variants (deepspeed and executor profiles), or DDP and
 // FSDP's NO_SHARD, SHARD_GRAD_OP, FULL_SHARD and FULL_SHARD with CPUOffload (hf); the user's
-// training settings throughout. Each planned with make_plan. A column the planner refuses for
-// these settings (8-bit AdamW with an offload, Liger's loss under ZeRO-3, pure-bf16 DDP under
-// DeepSpeed) is left out, "label: reason" appended to `refused` when given; when every column is
+// training settings throughout. Each planned with make_plan, under the profile that runs it
+// (planner::profile_that_runs: pure-bf16 DDP under DeepSpeed is the Trainer's DDP, labelled
+// "ddp (hf)"). A column the planner refuses for these settings (8-bit AdamW with an offload,
+// Liger's loss under ZeRO-3 with an untied head) is left out, "label: reason" appended to `refused` when given; when every column is
 // refused, the first refusal is thrown (it is the settings', not a strategy's).
 std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, const sim::Cluster& cluster, double headroom,
                                             std::vector<std::string>* refused = nullptr);
