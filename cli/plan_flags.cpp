@@ -233,13 +233,15 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
          {"--checkpointing", "the checkpointing", "fsdp_config.fsdp_activation_checkpointing true: every layer",
           a.checkpointing != b.checkpointing || a.checkpoint_every != b.checkpoint_every}});
   }
-  // Pure-bf16 DDP is no DeepSpeed job (DeepSpeed runs pure bf16 under ZeRO only) but the
-  // Trainer's own DDP: the default profile is what runs it.
-  if (f.set == PlanFlagSet::one_plan && f.profile.empty() &&
-      planner::profile_that_runs(in.profile, in.strategy, in.training) != in.profile) {
-    in.profile = planner::profile_that_runs(in.profile, in.strategy, in.training);
-    r.warnings.push_back("--precision bf16-pure with --strategy ddp is planned with --profile hf: DeepSpeed runs pure bf16 only under ZeRO, "
-                         "so the Trainer's own DDP runs this job");
+  // A job DeepSpeed does not run (FSDP, pure-bf16 DDP) is planned, without --profile, under the
+  // profile that runs it (one rule: planner::profile_that_runs), and says so.
+  if (f.set == PlanFlagSet::one_plan && f.profile.empty()) {
+    const planner::RuntimeProfile runs = planner::profile_that_runs(in.profile, in.strategy, in.training);
+    if (runs != in.profile)
+      r.warnings.push_back(fmt::format("{}--strategy {} is planned with --profile {}: {}",
+                                       planner::is_fsdp(in.strategy.stage) ? "" : fmt::format("--precision {} with ", name_of(in.training.precision)),
+                                       name_of(in.strategy.stage), name_of(runs), planner::why_profile_runs(in.strategy)));
+    in.profile = runs;
   }
   return r;
 }

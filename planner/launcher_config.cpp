@@ -15,7 +15,12 @@ bool launches_with_deepspeed(const PlanInput& in) {
 }
 
 RuntimeProfile profile_that_runs(RuntimeProfile requested, const Strategy& s, const TrainingSpec& t) {
-  return requested == RuntimeProfile::deepspeed && !is_fsdp(s.stage) && !deepspeed_runs(s, t) ? RuntimeProfile::hf : requested;
+  return requested == RuntimeProfile::deepspeed && (is_fsdp(s.stage) || !deepspeed_runs(s, t)) ? RuntimeProfile::hf : requested;
+}
+
+std::string why_profile_runs(const Strategy& s) {
+  return is_fsdp(s.stage) ? "torch FSDP runs under accelerate, not DeepSpeed"
+                          : "DeepSpeed runs pure bf16 only under ZeRO, so the Trainer's own DDP runs it";
 }
 
 void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings) {

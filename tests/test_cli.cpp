@@ -181,7 +181,7 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       {"plan --gpus 8 --ds-config " + kData + "/ds/bad_batch.json", "train_batch_size"},
       {"plan --gpus 8 --ds-config " + kData + "/ds/offload_param_stage2.json", "offload_param"},
       {"plan --cluster 8xB300", "8xB300"},
-      {"plan --gpus 2 --strategy fsdp-full-shard", "strategy.stage fsdp-full-shard: FSDP is planned with profile hf"},
+      {"plan --gpus 2 --strategy fsdp-full-shard --profile deepspeed", "strategy.stage fsdp-full-shard: FSDP is planned with profile hf"},
       {"plan --gpus 2 --strategy fsdp-full-shard --profile hf --offload-optimizer cpu",
        "strategy.offload_optimizer cpu: FSDP has no optimizer-only offload"},
       {"plan --gpus 2 --strategy fsdp-full-shard --profile hf --write-ds-config /tmp/peftplan-test-fsdp-ds.json",
@@ -294,6 +294,12 @@ TEST(CliPlan, PureBf16DdpIsPlannedAsTheTrainersDdp) {
   EXPECT_EQ(nlohmann::json::parse(ddp.out.substr(ddp.out.find('{')))["profile"], "hf") << ddp.out;
   Result text = run("plan --gpus 2 --precision bf16-pure");
   EXPECT_NE(text.out.find("warning: --precision bf16-pure with --strategy ddp is planned with --profile hf"), std::string::npos) << text.out;
+  // FSDP is accelerate's: without --profile it is planned with hf, and says so.
+  Result fsdp = run("plan --gpus 2 --strategy fsdp-full-shard");
+  ASSERT_EQ(fsdp.code, 0) << fsdp.out;
+  EXPECT_NE(fsdp.out.find("warning: --strategy fsdp-full-shard is planned with --profile hf: torch FSDP runs under accelerate, not DeepSpeed"),
+            std::string::npos)
+      << fsdp.out;
   Result zero = run("plan --gpus 2 --precision bf16-pure --strategy zero2 --json");
   ASSERT_EQ(zero.code, 0) << zero.out;
   EXPECT_EQ(nlohmann::json::parse(zero.out.substr(zero.out.find('{')))["profile"], "deepspeed") << zero.out;

@@ -23,10 +23,13 @@ namespace peftplan::planner {
 // pure bf16). One rule for every writer of launch files.
 bool launches_with_deepspeed(const PlanInput& in);
 
-// The profile that plans a DDP or ZeRO job asked for under `requested`: hf for a DDP job DeepSpeed
-// cannot run (pure bf16: the Trainer's own DDP runs it), else `requested`. One rule for the
-// front ends that choose a profile (plan's default, recommend's families).
+// The profile that plans a job asked for under `requested`: hf for a job DeepSpeed does not run
+// (an FSDP strategy: accelerate runs it; DDP in pure bf16: the Trainer's own DDP runs it), else
+// `requested`. One rule for the front ends that choose a profile (plan's default, recommend's
+// families, the report's and the explorer's columns); why_profile_runs says why, for their
+// warnings, when the two differ.
 RuntimeProfile profile_that_runs(RuntimeProfile requested, const Strategy& strategy, const TrainingSpec& training);
+std::string why_profile_runs(const Strategy& strategy);
 
 // ds_config.json (read_ds_config): the strategy (stage, offload, bucket sizes) and the training
 // settings it covers replace `in`'s, its "auto" entries resolved from `in` (micro-batch,
