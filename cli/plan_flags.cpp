@@ -52,6 +52,14 @@ std::string ds_precision(planner::Precision p) {
   return "neither fp16 nor bf16 enabled: fp32";
 }
 
+// A ds_config's batch key with the value DeepSpeed takes, or, when the file leaves it out, the value
+// DeepSpeed derives from train_batch_size (runtime/config.py _set_batch_related_parameters).
+std::string ds_batch_field(const nlohmann::json& ds, const char* key, std::int64_t value) {
+  if (ds.is_object() && !ds.contains(key) && ds.contains("train_batch_size"))
+    return fmt::format("{} {}, derived from train_batch_size {}", key, value, ds["train_batch_size"].dump());
+  return fmt::format("{} {}", key, value);
+}
+
 // A launcher config sets the strategy and some training settings. A flag left at its default gives
 // way to the file; a flag typed on the command line that the file contradicts is refused, naming
 // both, not resolved in silence. transformers refuses the same for a ds_config value that
@@ -197,7 +205,8 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
                                  f.accelerate_config));
   if (!f.ds_config.empty()) {
     const planner::PlanInput by_flags = in;
-    planner::apply_ds_config(in, models::read_json_file(f.ds_config), f.ds_config, r.warnings);
+    const nlohmann::json ds = models::read_json_file(f.ds_config);
+    planner::apply_ds_config(in, ds, f.ds_config, r.warnings);
     const planner::TrainingSpec &a = by_flags.training, &b = in.training;
     const planner::Strategy &x = by_flags.strategy, &y = in.strategy;
     refuse_contradictions(
@@ -207,8 +216,8 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
           fmt::format("zero_optimization.offload_optimizer.device {}", name_of(y.offload_optimizer)), x.offload_optimizer != y.offload_optimizer},
          {"--offload-param", "the parameter offload", fmt::format("zero_optimization.offload_param.device {}", name_of(y.offload_param)),
           x.offload_param != y.offload_param},
-         {"--micro-batch", "the micro-batch", fmt::format("train_micro_batch_size_per_gpu {}", b.micro_batch), a.micro_batch != b.micro_batch},
-         {"--grad-accum", "the accumulation", fmt::format("gradient_accumulation_steps {}", b.grad_accum), a.grad_accum != b.grad_accum},
+         {"--micro-batch", "the micro-batch", ds_batch_field(ds, "train_micro_batch_size_per_gpu", b.micro_batch), a.micro_batch != b.micro_batch},
+         {"--grad-accum", "the accumulation", ds_batch_field(ds, "gradient_accumulation_steps", b.grad_accum), a.grad_accum != b.grad_accum},
          {"--precision", "the precision", ds_precision(b.precision), a.precision != b.precision},
          {"--optimizer", "the optimizer", fmt::format("optimizer.type: {}, which DeepSpeed builds in place of the Trainer's", name_of(b.optimizer)),
           a.optimizer != b.optimizer}});
