@@ -14,6 +14,7 @@
 #include "ranges.h"
 #include "peftplan/common/error.h"
 #include "peftplan/common/units.h"
+#include "peftplan/planner/launcher_config.h"
 #include "peftplan/planner/recommend.h"
 
 namespace peftplan::cli {
@@ -155,6 +156,16 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
         const auto s = planner::from_name(w, planner::kStages);
         if (!s) throw input_error("--strategy", "", "must be a comma list of " + planner::names_of(planner::kStages), fmt::format("\"{}\"", w));
         space.stages.push_back(*s);
+      }
+    // A listed FSDP strategy without --profile is searched under the profile that runs it (hf), as
+    // plan plans it (planner::profile_that_runs).
+    if (o->plan.profile.empty())
+      for (planner::Stage st : space.stages) {
+        planner::Strategy listed;
+        listed.stage = st;
+        const planner::RuntimeProfile runs = planner::profile_that_runs(rp.input.profile, listed, rp.input.training);
+        if (planner::is_fsdp(st) && std::find(space.profiles.begin(), space.profiles.end(), runs) == space.profiles.end())
+          space.profiles.push_back(runs);
       }
     if (!o->checkpointing.empty())
       for (auto w : split_commas("--checkpointing", o->checkpointing)) space.checkpointing.push_back(parse_checkpoint(w));

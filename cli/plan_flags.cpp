@@ -52,12 +52,14 @@ std::string ds_precision(planner::Precision p) {
   return "neither fp16 nor bf16 enabled: fp32";
 }
 
-// A ds_config's batch key with the value DeepSpeed takes, or, when the file leaves it out, the value
-// DeepSpeed derives from train_batch_size (runtime/config.py _set_batch_related_parameters).
+// A ds_config's batch key with the value DeepSpeed takes; when the file leaves it out, the value
+// DeepSpeed derives from train_batch_size, or its default (runtime/config.py
+// _set_batch_related_parameters).
 std::string ds_batch_field(const nlohmann::json& ds, const char* key, std::int64_t value) {
-  if (ds.is_object() && !ds.contains(key) && ds.contains("train_batch_size"))
-    return fmt::format("{} {}, derived from train_batch_size {}", key, value, ds["train_batch_size"].dump());
-  return fmt::format("{} {}", key, value);
+  if (!ds.is_object() || ds.contains(key)) return fmt::format("{} {}", key, value);
+  if (const auto t = ds.find("train_batch_size"); t != ds.end() && t->is_number_integer())
+    return fmt::format("{} {}, derived from train_batch_size {}", key, value, t->dump());
+  return fmt::format("{} absent: DeepSpeed takes {}", key, value);
 }
 
 // A launcher config sets the strategy and some training settings. A flag left at its default gives
@@ -96,10 +98,10 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   if (one) cmd->add_option("--fsdp-version", f.fsdp_version, "1 (FSDP1, flat parameters) or 2 (FSDP2 fully_shard, per-parameter shards: fsdp-full-shard or fsdp-shard-grad-op)");
   if (one) cmd->add_option("--offload-optimizer", f.offload_optimizer, "none or cpu")->capture_default_str();
   if (one) cmd->add_option("--offload-param", f.offload_param, "none or cpu (ZeRO-3; FSDP's CPUOffload)")->capture_default_str();
-  if (one) cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (overrides strategy flags)")->check(kNonEmpty);
+  if (one) cmd->add_option("--ds-config", f.ds_config, "DeepSpeed ds_config.json (sets the strategy and the batch, precision and optimizer it names; a typed flag it contradicts is refused)")->check(kNonEmpty);
   if (one)
     cmd->add_option("--accelerate-config", f.accelerate_config,
-                    "accelerate launch config YAML with FSDP or MULTI_GPU (overrides strategy flags; implies --profile hf)")
+                    "accelerate launch config YAML with FSDP or MULTI_GPU (sets the strategy; a typed flag it contradicts is refused; implies --profile hf)")
         ->check(kNonEmpty);
   if (one) cmd->add_option("--micro-batch", f.micro_batch, "sequences per GPU per micro-step")->capture_default_str();
   cmd->add_option("--seq-len", f.seq_len, "tokens per sequence")->capture_default_str();
@@ -118,7 +120,7 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   cmd->add_option("--alloc-conf", f.alloc_conf,
                   "PYTORCH_CUDA_ALLOC_CONF for the caching allocator model (expandable_segments:True, max_split_size_mb:N)");
   cmd->add_option("--profile", f.profile,
-                  "executor, deepspeed (the default) or hf (transformers + PEFT; the default with --accelerate-config; pytorch is its old name)")
+                  "executor, deepspeed (the default) or hf (transformers + PEFT; the default with --accelerate-config, an FSDP strategy or pure-bf16 DDP; pytorch is its old name)")
       ->check(kNonEmpty);
   // The flags a launcher config also sets: whether each was typed, for resolve_plan_flags.
   for (const char* name : {"--strategy", "--offload-optimizer", "--offload-param", "--micro-batch", "--grad-accum", "--precision",
@@ -206,7 +208,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   if (!f.ds_config.empty()) {
     const planner::PlanInput by_flags = in;
     const nlohmann::json ds = models::read_json_file(f.ds_config);
-    planner::apply_ds_config(in, ds, f.ds_config, r.warnings);
+    planner::apply_ds_config(in, ds, f.ds_config, r.warnings, f.was_given("--precision"));
     const planner::TrainingSpec &a = by_flags.training, &b = in.training;
     const planner::Strategy &x = by_flags.strategy, &y = in.strategy;
     refuse_contradictions(
@@ -236,7 +238,9 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
         {{"--strategy", "the strategy", fmt::format("distributed_type and fsdp_config: {}", name_of(y.stage)), x.stage != y.stage},
          {"--offload-optimizer", "the optimizer offload", "none: accelerate has no optimizer-only offload",
           x.offload_optimizer != y.offload_optimizer},
-         {"--offload-param", "the parameter offload", fmt::format("fsdp_config.fsdp_offload_params {}", y.offload_param == planner::OffloadDevice::cpu),
+         {"--offload-param", "the parameter offload",
+          planner::is_fsdp(y.stage) ? fmt::format("fsdp_config.fsdp_offload_params {}", y.offload_param == planner::OffloadDevice::cpu)
+                                    : std::string("none: distributed_type MULTI_GPU keeps every parameter on the GPU"),
           x.offload_param != y.offload_param},
          {"--precision", "the precision", fmt::format("mixed_precision: {}", name_of(b.precision)), a.precision != b.precision},
          {"--checkpointing", "the checkpointing", "fsdp_config.fsdp_activation_checkpointing true: every layer",

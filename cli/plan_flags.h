@@ -37,12 +37,12 @@ struct PlanFlags {
   std::string cross_entropy = "standard";
   std::string optimizer = "adamw";
   std::string base_dtype;
-  std::string profile;  // "": deepspeed, or hf with --accelerate-config
+  std::string profile;  // "": deepspeed, or the profile that runs the job (hf: --accelerate-config, FSDP, pure-bf16 DDP)
   double headroom_pct = 100.0 * planner::kDefaultHeadroomFraction;
   std::string alloc_conf;
   // The flags' set, as add_plan_flags registered them (a search's strategy is not --strategy).
   enum class Set { one_plan, search } set = Set::one_plan;
-  // Which of the flags a launcher config also sets (kLauncherFlags) were on the command line: a
+  // Which of the flags a launcher config also sets were on the command line (add_plan_flags lists them): a
   // flag left at its default gives way to the file, a typed one that says otherwise is refused.
   std::set<std::string, std::less<>> given;
   bool was_given(std::string_view flag) const { return given.count(flag) != 0; }

@@ -252,10 +252,19 @@ void read_batch(Reader& r, const json& j, const DsConfigInputs& in, DsConfig& ou
   out.training.grad_accum = *grad_acc;
 }
 
-// --- fp16 / bf16: deepspeed/runtime/constants.py, runtime/precision_config.py.
+// --- fp16 / bf16: deepspeed/runtime/constants.py, runtime/precision_config.py. With the Trainer's
+// own precision given (in.precision_given), a section the file leaves out counts as "auto":
+// accelerate adds it, enabled, for the Trainer's fp16 or bf16 (utils/dataclasses.py
+// DeepSpeedPlugin.set_mixed_precision: `if "bf16" not in ds_config: ds_config["bf16"] =
+// {"enabled": True}`). Otherwise a missing section is off, DeepSpeed's default.
 void read_precision(Reader& r, const json& j, const DsConfigInputs& in, DsConfig& out) {
   const Precision given = in.training.precision;
-  bool fp16 = false, bf16 = false, bf16_master = false, bf16_states = false;
+  const bool trainer = in.precision_given;
+  const bool fp16_implied = trainer && given == Precision::fp16_mixed && !j.contains("fp16");
+  const bool bf16_implied =
+      trainer && (given == Precision::bf16_mixed || given == Precision::bf16_pure) && !j.contains("bf16") && !j.contains("bfloat16");
+  bool fp16 = fp16_implied, bf16 = bf16_implied;
+  bool bf16_master = false, bf16_states = false;
   LossScaling& ls = out.extras.loss_scaling;
   if (j.contains("fp16")) {
     const json& s = r.object(j.at("fp16"), "fp16");
@@ -290,6 +299,14 @@ void read_precision(Reader& r, const json& j, const DsConfigInputs& in, DsConfig
       else r.unknown(path);
     }
   }
+  if (fp16 && (bf16_implied || fp16_implied) && bf16) {
+    const char* set = fp16_implied ? "bf16" : "fp16";
+    const char* trainers = fp16_implied ? "fp16" : "bf16";
+    r.fail(std::string(set) + ".enabled",
+           fmt::format("is true, and the Trainer's own {} (training.precision) would enable {} beside it: accelerate says "
+                       "\"`--mixed_precision` arg cannot be set to `{}` when `{}` is set in the DeepSpeed config file.\"; give one",
+                       trainers, trainers, trainers, set));
+  }
   if (fp16 && bf16)
     r.fail("fp16.enabled",
            "and bf16.enabled are both true: DeepSpeed says \"bfloat16 and fp16 modes cannot be simultaneously "
@@ -307,8 +324,9 @@ void read_precision(Reader& r, const json& j, const DsConfigInputs& in, DsConfig
              "= true with fp32 optimizer states is not modelled; planned as bf16 mixed precision");
   } else {
     out.training.precision = Precision::fp32;
-    if (given != Precision::fp32 && !j.contains("fp16") && !j.contains("bf16") && !j.contains("bfloat16"))
-      r.warn("fp16", "and bf16 sections are absent: DeepSpeed trains in fp32, so the plan uses fp32");
+    if (given != Precision::fp32 && !trainer && !j.contains("fp16") && !j.contains("bf16") && !j.contains("bfloat16"))
+      r.warn("fp16", "and bf16 sections are absent: DeepSpeed trains in fp32, so the plan uses fp32 (give --precision for the "
+                     "Trainer's bf16 or fp16, which accelerate adds)");
   }
 }
 
@@ -616,6 +634,11 @@ nlohmann::json write_ds_config(const Strategy& s, const TrainingSpec& t, const D
                  {"hysteresis", ls.hysteresis},
                  {"consecutive_hysteresis", ls.consecutive_hysteresis},
                  {"min_loss_scale", ls.min_loss_scale}};
+  }
+  // fp32 says so: a missing section would be enabled for a Trainer run in bf16 or fp16.
+  if (t.precision == Precision::fp32) {
+    if (!j.contains("fp16")) j["fp16"] = {{"enabled", false}};
+    j["bf16"] = {{"enabled", false}};
   }
   if (t.precision == Precision::bf16_mixed) j["bf16"] = {{"enabled", true}};
   if (t.precision == Precision::bf16_pure)

@@ -23,7 +23,8 @@ std::string why_profile_runs(const Strategy& s) {
                           : "DeepSpeed runs pure bf16 only under ZeRO, so the Trainer's own DDP runs it";
 }
 
-void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings) {
+void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings,
+                     bool precision_given) {
   if (is_fsdp(in.strategy.stage))
     throw InputError(fmt::format("{}: a DeepSpeed config runs ZeRO, not {} (give FSDP's settings in an accelerate config)", source,
                                  name_of(in.strategy.stage)));
@@ -31,6 +32,7 @@ void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_vi
   di.world_size = in.strategy.ranks;
   di.training = in.training;
   di.hidden = in.model.hidden;
+  di.precision_given = precision_given;
   DsConfig ds = read_ds_config(config, source, di);
   in.strategy = ds.strategy;
   in.training = ds.training;

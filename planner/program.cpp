@@ -106,15 +106,21 @@ std::string_view name_of(RuntimeProfile p) {
 
 namespace {
 
-// What an adapter config trains in the base model's own dtype ("" for nothing): modules_to_save
-// copies, and base biases under bias "all" / "lora_only" when the model has any.
+// What an adapter config trains in the base model's own half dtype ("" for nothing):
+// modules_to_save copies, and base biases under bias "all" (every bias) or "lora_only" (the
+// adapted Linears' biases; any Linear bias counts here). Not with a quantised base:
+// prepare_model_for_kbit_training casts every unquantised parameter to fp32 before PEFT copies
+// them (peft utils/other.py), and not with an fp32 base.
 std::string trained_in_base_dtype(const PlanInput& in) {
   const models::ModelSpec& m = in.model;
-  const bool has_bias = m.qkv_bias || m.out_bias || m.mlp_bias || m.norm_bias;
+  if (in.peft.quantization || in.training.base_storage == DType::fp32) return "";
+  const bool linear_bias = m.qkv_bias || m.out_bias || m.mlp_bias;
   for (const models::AdapterSpec& a : in.peft.adapters) {
     const auto& saved = a.type == models::PeftType::ia3 ? a.ia3.modules_to_save : a.lora.modules_to_save;
     if (!saved.empty()) return fmt::format("modules_to_save ({})", fmt::join(saved, ", "));
-    if (a.type == models::PeftType::lora && a.lora.bias != "none" && has_bias) return fmt::format("bias \"{}\"", a.lora.bias);
+    if (a.type != models::PeftType::lora) continue;
+    if ((a.lora.bias == "all" && (linear_bias || m.norm_bias)) || (a.lora.bias == "lora_only" && linear_bias))
+      return fmt::format("bias \"{}\"", a.lora.bias);
   }
   return "";
 }

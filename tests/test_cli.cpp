@@ -228,6 +228,8 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "training.precision fp16 with modules_to_save (lm_head) under profile hf and strategy.stage ddp: PEFT trains it in the base's fp16"},
       {"plan --gpus 2 --profile hf --precision fp16 --model qwen2.5-7b --peft " + kData + "/adapters/qv16_bias_all",
        "training.precision fp16 with bias \"all\" under profile hf and strategy.stage ddp"},
+      // Typed flags that contradict a launcher config are refused; ones that agree with it plan
+      // (CliPlan.LauncherConfigFlagsThatAgreePlan).
       {"recommend --top -1", "--top: Value -1 not in range 1 to 1000000"},
       // An empty value (an unset shell variable) is no default: "not given" is leaving the flag out.
       {"plan --ds-config ''", "peftplan: error: --ds-config: must not be empty (leave the flag out for its default)"},
@@ -243,7 +245,10 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "with --strategy ddp: the ds_config sets the strategy (zero_optimization.stage zero3); drop --strategy"},
       // Any flag the launcher config also sets, typed and contradicted, is refused naming the file's field.
       {"plan --gpus 8 --ds-config " + kData + "/ds/zero3_unknown_key.json --precision fp16",
-       "with --precision fp16: the ds_config sets the precision (bf16.enabled true with fp32 master weights: bf16); drop --precision"},
+       "zero3_unknown_key.json: bf16.enabled is true, and the Trainer's own fp16 (training.precision) would enable fp16 beside it: "
+       "accelerate says \"`--mixed_precision` arg cannot be set to `fp16` when `bf16` is set in the DeepSpeed config file.\"; give one"},
+      {"plan --gpus 8 --ds-config " + kData + "/ds/zero3_unknown_key.json --precision fp32",
+       "with --precision fp32: the ds_config sets the precision (bf16.enabled true with fp32 master weights: bf16); drop --precision"},
       {"plan --gpus 8 --ds-config " + kData + "/ds/zero3_unknown_key.json --offload-param cpu",
        "with --offload-param cpu: the ds_config sets the parameter offload (zero_optimization.offload_param.device none); drop --offload-param"},
       {"plan --gpus 8 --ds-config " + kData + "/ds/fixed_batch.json --micro-batch 2",
@@ -271,6 +276,46 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
     EXPECT_EQ(r.code, 2) << r.out;
     EXPECT_NE(r.out.find(c.expect), std::string::npos) << r.out;
   }
+}
+
+// Flags typed beside a launcher config that say what it says, or what it leaves to them, plan.
+// The same fp16 adapters the GradScaler rule refuses plan where PEFT's copies are fp32 (a QLoRA
+// base, which prepare_model_for_kbit_training upcasts; an fp32 base), under FSDP's
+// ShardedGradScaler, and where the model has no bias to train (Llama under bias "all").
+TEST(CliPlan, LauncherConfigFlagsThatAgreePlan) {
+  struct Case {
+    std::string args, expect;  // expect: a fragment of the output ("" for none)
+  };
+  const Case cases[] = {
+      {"plan --gpus 8 --ds-config " + kData + "/ds/fixed_batch.json --micro-batch 4 --grad-accum 2 --precision bf16 --optimizer adamw", ""},
+      // "auto" takes the flags' values
+      {"plan --gpus 8 --ds-config " + kData + "/ds/zero3_unknown_key.json --micro-batch 2 --grad-accum 3", "micro-batch 2 × seq 2048 × accum 3"},
+      // no precision section: accelerate adds the Trainer's
+      {"plan --gpus 8 --ds-config " + kData + "/ds/no_precision.json --strategy zero2 --precision fp16", "· fp16 ·"},
+      {"plan --gpus 2 --accelerate-config " + kData + "/accelerate/fsdp_checkpointing.yaml --precision fp16 --checkpointing full",
+       "--precision fp16 overrides mixed_precision 'bf16' (the Trainer's fp16=True overrides accelerate's)"},
+      {"plan --gpus 2 --profile hf --precision fp16 --quant nf4 --peft " + kData + "/adapters/qv16_lm_head", ""},
+      {"plan --gpus 2 --profile hf --precision fp16 --base-dtype fp32 --peft " + kData + "/adapters/qv16_lm_head", ""},
+      {"plan --gpus 2 --profile hf --precision fp16 --strategy fsdp-full-shard --peft " + kData + "/adapters/qv16_lm_head", ""},
+      {"plan --gpus 2 --profile hf --precision fp16 --peft " + kData + "/adapters/qv16_bias_all", ""},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.args);
+    Result r = run(c.args);
+    EXPECT_TRUE(r.code == 0 || r.code == 1) << r.out;
+    EXPECT_EQ(r.out.find("error"), std::string::npos) << r.out;
+    if (!c.expect.empty()) EXPECT_NE(r.out.find(c.expect), std::string::npos) << r.out;
+  }
+  // A ds_config that leaves the micro-batch out derives it from train_batch_size, and says so.
+  const std::filesystem::path ds = std::filesystem::path(::testing::TempDir()) / "peftplan-train-batch-only.json";
+  std::ofstream(ds) << R"({"train_batch_size": 64, "zero_optimization": {"stage": 2}})";
+  Result r = run("plan --gpus 8 --ds-config " + ds.string() + " --micro-batch 2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("the ds_config sets the micro-batch (train_micro_batch_size_per_gpu 8, derived from train_batch_size 64); drop "
+                       "--micro-batch"),
+            std::string::npos)
+      << r.out;
+  std::filesystem::remove(ds);
 }
 
 // V100 (compute capability 7.0) has fp16 tensor cores and no bf16 ones (NVIDIA's V100 datasheet:
@@ -305,9 +350,10 @@ TEST(CliPlan, PureBf16DdpIsPlannedAsTheTrainersDdp) {
   EXPECT_EQ(nlohmann::json::parse(zero.out.substr(zero.out.find('{')))["profile"], "deepspeed") << zero.out;
 }
 
-// Settings under which the planner refuses some strategies (8-bit AdamW with an offload, pure
-// bf16 with DDP under DeepSpeed, fp16 full fine-tuning under the Trainer's DDP) still give a
-// report and a search: those columns and families are left out, each with its reason.
+// Settings under which the planner refuses some strategies (8-bit AdamW with an offload, Liger's
+// loss under ZeRO-3 with an untied head, fp16 full fine-tuning under the Trainer's DDP) still give
+// a report and a search: those columns and families are left out, each with its reason. (Pure-bf16
+// DDP is no longer one: it is planned as the Trainer's DDP, "ddp (hf)".)
 TEST(CliPlan, RefusedStrategiesAreLeftOutOfReportsAndSearches) {
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "peftplan-left-out";
   std::filesystem::remove_all(dir);
@@ -321,6 +367,15 @@ TEST(CliPlan, RefusedStrategiesAreLeftOutOfReportsAndSearches) {
     std::ifstream md(out + "/report.md");
     const std::string text((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
     EXPECT_NE(text.find("| strategy left out | "), std::string::npos) << text.substr(0, 2000);
+  }
+  {  // pure-bf16 DDP under deepspeed: its columns are the Trainer's DDP, labelled so
+    const std::string out = (dir / "pure").string();
+    Result p = run("report --gpus 2 --no-recommend --profile deepspeed --precision bf16-pure --strategy zero2 --out " + out);
+    ASSERT_EQ(p.code, 0) << p.out;
+    std::ifstream md(out + "/report.md");
+    const std::string text((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("ddp (hf)"), std::string::npos) << text.substr(0, 2000);
+    EXPECT_EQ(text.find("| strategy left out | "), std::string::npos) << text.substr(0, 2000);
   }
   Result r = run("recommend --cluster 2xA100-80GB --profile hf --full-finetune --precision fp16 --top 1");
   EXPECT_EQ(r.code == 0 || r.code == 1, true) << r.out;

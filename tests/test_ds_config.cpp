@@ -140,6 +140,22 @@ TEST(DsConfigPrecision, Fp16AndBf16IsAnError) {
   // No fp16/bf16 section: DeepSpeed trains in fp32.
   EXPECT_EQ(read_ds_config(json{{"train_micro_batch_size_per_gpu", 1}}, "ds.json", inputs(1)).training.precision,
             Precision::fp32);
+  // ... unless the Trainer's own precision is given: accelerate's DeepSpeedPlugin.set_mixed_precision
+  // adds the missing section enabled (fp32: neither).
+  for (Precision p : {Precision::fp32, Precision::fp16_mixed, Precision::bf16_mixed}) {
+    DsConfigInputs in = inputs(1);
+    in.training.precision = p;
+    in.precision_given = true;
+    EXPECT_EQ(read_ds_config(json{{"train_micro_batch_size_per_gpu", 1}}, "ds.json", in).training.precision, p);
+    // A section present decides: bf16 off stays off. fp16 on beside the Trainer's bf16 is both, which
+    // accelerate refuses too ("cannot be set to `bf16` when `fp16` is set in the DeepSpeed config file").
+    if (p != Precision::bf16_mixed) continue;
+    EXPECT_EQ(read_ds_config(json{{"train_micro_batch_size_per_gpu", 1}, {"bf16", {{"enabled", false}}}}, "ds.json", in).training.precision,
+              Precision::fp32);
+    EXPECT_NE(error_of(json{{"train_micro_batch_size_per_gpu", 1}, {"fp16", {{"enabled", true}}}}, in)
+                  .find("ds.json: fp16.enabled is true, and the Trainer's own bf16 (training.precision) would enable bf16 beside it"),
+              std::string::npos);
+  }
 }
 
 TEST(DsConfigZero, OffloadRules) {

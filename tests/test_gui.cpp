@@ -341,10 +341,9 @@ class TestGui : public QObject {
     QVERIFY(w.scenario().launcher_config.empty());
   }
 
-  // An adapter_config.json stands in for rank and targets: the plan's trainable parameters are
-  // the file's (r 16 on q_proj and v_proj, as the rank-16 controls would give).
-  // A strategy the planner refuses for the scenario's settings (DeepSpeed runs no pure-bf16 DDP)
-  // is left out of the columns with a warning; the rest are shown, not an error for all of them.
+  // A strategy the planner refuses for the scenario's settings (the Trainer's GradScaler with fp16
+  // full fine-tuning under DDP) is left out of the columns with a warning; the rest are shown, not
+  // an error for all of them.
   void refused_columns_are_left_out_with_a_warning() {
     gui::Scenario s;  // fp16 full fine-tuning under the Trainer: its GradScaler refuses DDP, FSDP's takes it
     s.lora_r = 0;
@@ -384,8 +383,20 @@ class TestGui : public QObject {
     }
     QVERIFY(ddp);
     QVERIFY(zero2);
+    // FSDP is accelerate's: under the deepspeed profile your configuration is planned with hf too.
+    s.precision = "bf16";
+    s.strategy = "fsdp-full-shard";
+    const gui::Result f = gui::plan_scenario(s, 2);
+    QVERIFY2(f.error.empty(), f.error.c_str());
+    QVERIFY(f.base);
+    QCOMPARE(f.base->input.profile, planner::RuntimeProfile::hf);
+    bool said = false;
+    for (const auto& x : f.warnings) said |= x.find("strategy fsdp-full-shard is planned with profile hf: torch FSDP runs under accelerate") != std::string::npos;
+    QVERIFY(said);
   }
 
+  // An adapter_config.json stands in for rank and targets: the plan's trainable parameters are
+  // the file's (r 16 on q_proj and v_proj, as the rank-16 controls would give).
   void adapter_config_sets_the_adapter() {
     gui::Explorer w;
     w.show();

@@ -379,7 +379,7 @@ TEST(RecommendCli, RangesAndBadInput) {
       {base + "--objective speed", "--objective: must be one of tokens-per-s, gpus, cost, memory"},
       {base + "--max-gpus 4", "constraints.max_gpus 4 leaves no GPU count of space.gpus to search"},
       {base + "--global-batch 4", "space.global_batch 4 with space.min_micro_batch 1: even 8 GPU(s) need at least 8 sequences per step (space.global_batch is --global-batch; space.min_micro_batch is --min-micro-batch)"},
-      {base + "--strategy fsdp-full-shard", "the search space is empty"},
+      {base + "--profile deepspeed --strategy fsdp-full-shard", "the search space is empty"},
   };
   for (const auto& c : cases) {
     const auto r = run_cli(c.args);
@@ -387,6 +387,17 @@ TEST(RecommendCli, RangesAndBadInput) {
     EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
     EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
   }
+}
+
+// A listed FSDP strategy without --profile is searched under hf, the profile that runs it, beside
+// the deepspeed families of the others (as plan plans --strategy fsdp-* without --profile).
+TEST(Recommend, ListedFsdpWithoutAProfileIsSearchedUnderHf) {
+  const auto r = run_cli("recommend --model llama-2-7b --lora-r 16 --cluster 8xA100-80GB --strategy zero2,fsdp-full-shard --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  std::set<std::string> profiles;
+  for (const auto& row : j["ranked"]) profiles.insert(row["profile"].get<std::string>());
+  EXPECT_EQ(profiles, (std::set<std::string>{"deepspeed", "hf"})) << r.out.substr(0, 2000);
 }
 
 // recommend --json read back: a file of another kind, or one with a field of the wrong type, is

@@ -75,6 +75,10 @@ struct DsConfigInputs {
   std::optional<std::int64_t> hidden;      // H (model hidden size) for the bucket-size "auto"s
   std::optional<std::int64_t> total_steps;   // scheduler.params.total_num_steps "auto"
   std::optional<std::int64_t> warmup_steps;  // scheduler.params.warmup_num_steps "auto"
+  // training.precision is the Trainer's own (typed by the user), not a default: a fp16 or bf16
+  // section the file leaves out is then added enabled, as accelerate does for the Trainer's fp16
+  // or bf16; otherwise a missing section is off (DeepSpeed's default) and the file decides.
+  bool precision_given = false;
 };
 
 struct DsConfig {

@@ -34,9 +34,12 @@ std::string why_profile_runs(const Strategy& strategy);
 // ds_config.json (read_ds_config): the strategy (stage, offload, bucket sizes) and the training
 // settings it covers replace `in`'s, its "auto" entries resolved from `in` (micro-batch,
 // accumulation, precision, the model's hidden size); the ranks stay `in`'s. Warnings (unmodelled
-// keys) are appended. Throws InputError naming `source` and the key; also when `in`'s strategy is
-// an FSDP one (a DeepSpeed config runs ZeRO).
-void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings);
+// keys) are appended. `precision_given`: `in`'s precision is the Trainer's own (typed), so a
+// missing fp16 or bf16 section follows it as accelerate adds it (DsConfigInputs::precision_given).
+// Throws InputError naming `source` and the key; also when `in`'s strategy is an FSDP one (a
+// DeepSpeed config runs ZeRO).
+void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings,
+                     bool precision_given = false);
 
 // What the command line says beside an accelerate YAML.
 struct AccelerateOverrides {
