@@ -158,7 +158,8 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
         space.stages.push_back(*s);
       }
     // A listed FSDP strategy without --profile is searched under the profile that runs it (hf), as
-    // plan plans it (planner::profile_that_runs).
+    // plan plans it (planner::profile_that_runs). FSDP only: the searched profile lists the
+    // stages it plans, and families_of already plans a DDP family DeepSpeed cannot run under hf.
     if (o->plan.profile.empty())
       for (planner::Stage st : space.stages) {
         planner::Strategy listed;

@@ -28,30 +28,6 @@ struct FileSetting {
   bool differs;
 };
 
-// The flag's value as typed.
-std::string typed(const PlanFlags& f, std::string_view flag) {
-  if (flag == "--strategy") return f.strategy;
-  if (flag == "--offload-optimizer") return f.offload_optimizer;
-  if (flag == "--offload-param") return f.offload_param;
-  if (flag == "--micro-batch") return std::to_string(f.micro_batch);
-  if (flag == "--grad-accum") return std::to_string(f.grad_accum);
-  if (flag == "--precision") return f.precision;
-  if (flag == "--checkpointing") return f.checkpointing;
-  return f.optimizer;
-}
-
-// Where a ds_config's precision comes from (read_precision in planner/ds_config.cpp), and what it is.
-std::string ds_precision(planner::Precision p) {
-  using planner::Precision;
-  switch (p) {
-    case Precision::fp16_mixed: return "fp16.enabled true: fp16";
-    case Precision::bf16_mixed: return "bf16.enabled true with fp32 master weights: bf16";
-    case Precision::bf16_pure: return "bf16.enabled with bf16_master_weights_and_grads and bf16_optimizer_states: bf16-pure";
-    case Precision::fp32: break;
-  }
-  return "neither fp16 nor bf16 enabled: fp32";
-}
-
 // A ds_config's batch key with the value DeepSpeed takes; when the file leaves it out, the value
 // DeepSpeed derives from train_batch_size, or its default (runtime/config.py
 // _set_batch_related_parameters).
@@ -72,8 +48,8 @@ void refuse_contradictions(const PlanFlags& f, std::string_view file_flag, std::
                            const std::vector<FileSetting>& settings) {
   for (const FileSetting& s : settings)
     if (s.differs && f.was_given(s.flag))
-      throw InputError(fmt::format("{} {} with {} {}: the {} sets {} ({}); drop {}", file_flag, file, s.flag, typed(f, s.flag), launcher, s.what,
-                                   s.field, s.flag));
+      throw InputError(fmt::format("{} {} with {} {}: the {} sets {} ({}); drop {}", file_flag, file, s.flag, f.given.find(s.flag)->second,
+                                   launcher, s.what, s.field, s.flag));
 }
 
 }  // namespace
@@ -125,7 +101,7 @@ void add_plan_flags(CLI::App* cmd, PlanFlags& f, PlanFlagSet set) {
   // The flags a launcher config also sets: whether each was typed, for resolve_plan_flags.
   for (const char* name : {"--strategy", "--offload-optimizer", "--offload-param", "--micro-batch", "--grad-accum", "--precision",
                            "--checkpointing", "--optimizer"})
-    if (CLI::Option* o = cmd->get_option_no_throw(name)) o->each([&f, name](const std::string&) { f.given.insert(name); });
+    if (CLI::Option* o = cmd->get_option_no_throw(name)) o->each([&f, name](const std::string& v) { f.given[name] = v; });
 }
 
 ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
@@ -220,7 +196,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
           x.offload_param != y.offload_param},
          {"--micro-batch", "the micro-batch", ds_batch_field(ds, "train_micro_batch_size_per_gpu", b.micro_batch), a.micro_batch != b.micro_batch},
          {"--grad-accum", "the accumulation", ds_batch_field(ds, "gradient_accumulation_steps", b.grad_accum), a.grad_accum != b.grad_accum},
-         {"--precision", "the precision", ds_precision(b.precision), a.precision != b.precision},
+         {"--precision", "the precision", planner::ds_precision_keys(b.precision), a.precision != b.precision},
          {"--optimizer", "the optimizer", fmt::format("optimizer.type: {}, which DeepSpeed builds in place of the Trainer's", name_of(b.optimizer)),
           a.optimizer != b.optimizer}});
   }

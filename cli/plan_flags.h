@@ -3,7 +3,7 @@
 #pragma once
 
 #include <optional>
-#include <set>
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -44,7 +44,7 @@ struct PlanFlags {
   enum class Set { one_plan, search } set = Set::one_plan;
   // Which of the flags a launcher config also sets were on the command line (add_plan_flags lists them): a
   // flag left at its default gives way to the file, a typed one that says otherwise is refused.
-  std::set<std::string, std::less<>> given;
+  std::map<std::string, std::string, std::less<>> given;  // flag -> the value as typed
   bool was_given(std::string_view flag) const { return given.count(flag) != 0; }
 };
 

@@ -252,6 +252,20 @@ void read_batch(Reader& r, const json& j, const DsConfigInputs& in, DsConfig& ou
   out.training.grad_accum = *grad_acc;
 }
 
+}  // namespace
+
+std::string ds_precision_keys(Precision p) {
+  switch (p) {
+    case Precision::fp16_mixed: return "fp16.enabled true: fp16";
+    case Precision::bf16_mixed: return "bf16.enabled true with fp32 master weights: bf16";
+    case Precision::bf16_pure: return "bf16.enabled with bf16_master_weights_and_grads and bf16_optimizer_states: bf16-pure";
+    case Precision::fp32: break;
+  }
+  return "neither fp16 nor bf16 enabled: fp32";
+}
+
+namespace {
+
 // --- fp16 / bf16: deepspeed/runtime/constants.py, runtime/precision_config.py. With the Trainer's
 // own precision given (in.precision_given), a section the file leaves out counts as "auto":
 // accelerate adds it, enabled, for the Trainer's fp16 or bf16 (utils/dataclasses.py

@@ -89,6 +89,10 @@ struct DsConfig {
   std::vector<std::string> warnings;       // "<source>: <key path> ..." one per line, no newline
 };
 
+// Which of a ds_config's keys make `p` (read_precision's rule), and `p`'s name: for a message that
+// names where a file set the precision ("bf16.enabled true with fp32 master weights: bf16").
+std::string ds_precision_keys(Precision p);
+
 // Reads a parsed ds_config.json. Throws InputError ("<source>: <key path> <problem>, got <value>")
 // for: wrong types, negative sizes, stage outside 0..3, fp16 and bf16 both enabled,
 // offload_param without stage 3, offload_optimizer without ZeRO, offload to "nvme", batch sizes
