@@ -108,7 +108,8 @@ namespace {
 
 // What an adapter config trains in the base model's own half dtype ("" for nothing):
 // modules_to_save copies, and base biases under bias "all" (every bias) or "lora_only" (the
-// adapted Linears' biases; any Linear bias counts here). Not with a quantised base:
+// biases of the Linears this adapter adapts, peft tuners/lora/model.py
+// _mark_only_adapters_as_trainable). Not with a quantised base:
 // prepare_model_for_kbit_training casts every unquantised parameter to fp32 before PEFT copies
 // them (peft utils/other.py), and not with an fp32 base.
 std::string trained_in_base_dtype(const PlanInput& in) {
@@ -119,8 +120,10 @@ std::string trained_in_base_dtype(const PlanInput& in) {
     const auto& saved = a.type == models::PeftType::ia3 ? a.ia3.modules_to_save : a.lora.modules_to_save;
     if (!saved.empty()) return fmt::format("modules_to_save ({})", fmt::join(saved, ", "));
     if (a.type != models::PeftType::lora) continue;
-    if ((a.lora.bias == "all" && (linear_bias || m.norm_bias)) || (a.lora.bias == "lora_only" && linear_bias))
-      return fmt::format("bias \"{}\"", a.lora.bias);
+    if (a.lora.bias == "all" && (linear_bias || m.norm_bias)) return "bias \"all\"";
+    if (a.lora.bias == "lora_only" && linear_bias)
+      for (const models::LoraModule& l : models::lora_modules(m, in.peft))
+        if (l.adapter == a.name && l.linear.has_bias) return fmt::format("bias \"lora_only\" ({} has a bias)", l.linear.path);
   }
   return "";
 }

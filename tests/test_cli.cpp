@@ -228,6 +228,10 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "training.precision fp16 with modules_to_save (lm_head) under profile hf and strategy.stage ddp: PEFT trains it in the base's fp16"},
       {"plan --gpus 2 --profile hf --precision fp16 --model qwen2.5-7b --peft " + kData + "/adapters/qv16_bias_all",
        "training.precision fp16 with bias \"all\" under profile hf and strategy.stage ddp"},
+      // bias "lora_only" trains the adapted Linears' biases only (PEFT's _mark_only_adapters_as_trainable):
+      // Qwen2.5's q_proj has one; its o_proj has none, so that adapter trains no fp16 tensor.
+      {"plan --gpus 2 --profile hf --precision fp16 --model qwen2.5-7b --peft " + kData + "/adapters/qv16_bias_lora_only",
+       "training.precision fp16 with bias \"lora_only\" (model.layers.0.self_attn.q_proj has a bias) under profile hf"},
       // Typed flags that contradict a launcher config are refused; ones that agree with it plan
       // (CliPlan.LauncherConfigFlagsThatAgreePlan).
       {"recommend --top -1", "--top: Value -1 not in range 1 to 1000000"},
@@ -298,6 +302,7 @@ TEST(CliPlan, LauncherConfigFlagsThatAgreePlan) {
       {"plan --gpus 2 --profile hf --precision fp16 --base-dtype fp32 --peft " + kData + "/adapters/qv16_lm_head", ""},
       {"plan --gpus 2 --profile hf --precision fp16 --strategy fsdp-full-shard --peft " + kData + "/adapters/qv16_lm_head", ""},
       {"plan --gpus 2 --profile hf --precision fp16 --peft " + kData + "/adapters/qv16_bias_all", ""},
+      {"plan --gpus 2 --profile hf --precision fp16 --model qwen2.5-7b --peft " + kData + "/adapters/o16_bias_lora_only", ""},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.args);
