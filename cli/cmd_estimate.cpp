@@ -55,7 +55,7 @@ void resolve(EstimateOptions& o, bool params_given, bool gpus_per_node_given) {
     if (o.trainable) throw input_error("--trainable-params", "", "comes from --model and its adapter flags: give one", num(*o.trainable));
     if (o.largest_layer)
       throw input_error("--largest-layer-params", "", "comes from --model (DeepSpeed's model_to_params): give one", num(*o.largest_layer));
-    if (!o.peft.quant.empty())
+    if (o.peft.quantised())
       throw input_error("--quant", "", "is not in estimate's closed forms, which count a bf16 base (2 B per parameter); `peftplan plan --quant` models a quantised base",
                         o.peft.quant);
     const models::ModelSpec m = models::load_model(o.model);

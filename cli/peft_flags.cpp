@@ -19,7 +19,7 @@ void add_peft_flags(CLI::App* cmd, PeftFlags& f) {
   cmd->add_option("--lora-dropout", f.lora_dropout, "dropout on the LoRA input");
   cmd->add_flag("--use-rslora", f.use_rslora, "scale by alpha/sqrt(r)");
   cmd->add_flag("--use-dora", f.use_dora, "DoRA magnitude vectors");
-  cmd->add_option("--quant", f.quant, "quantise the base (QLoRA): nf4, fp4 or int8");
+  cmd->add_option("--quant", f.quant, "quantise the base (QLoRA): nf4, fp4 or int8, or none (the default)");
   cmd->add_flag("--double-quant", f.double_quant, "bitsandbytes double quantisation of the absmax constants");
 }
 
@@ -28,7 +28,7 @@ bool any_lora_flag(const PeftFlags& f) {
 }
 
 bool any_peft_flag(const PeftFlags& f) {
-  return any_lora_flag(f) || !f.peft_files.empty() || !f.quant.empty() || f.double_quant || f.full_finetune;
+  return any_lora_flag(f) || !f.peft_files.empty() || f.quantised() || f.double_quant || f.full_finetune;
 }
 
 models::PeftSpec peft_from_flags(const PeftFlags& f) {
@@ -89,11 +89,11 @@ models::PeftSpec peft_from_flags(const PeftFlags& f) {
     }
     spec.adapters.push_back(std::move(a));
   }
-  if (!f.quant.empty()) {
+  if (f.quantised()) {
     models::Quantization q;
     auto t = parse_dtype(f.quant);
     if (!t || (*t != DType::nf4 && *t != DType::fp4 && *t != DType::int8))
-      throw input_error("--quant", "", "must be nf4, fp4 or int8", "\"" + f.quant + "\"");
+      throw input_error("--quant", "", "must be nf4, fp4, int8 or none", "\"" + f.quant + "\"");
     q.dtype = *t;
     // bitsandbytes' double quantisation is of the 4-bit blocks' absmax (bnb_4bit_use_double_quant);
     // LLM.int8() has no such option.

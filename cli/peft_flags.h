@@ -20,7 +20,8 @@ struct PeftFlags {
   double lora_dropout = 0.0;             // --lora-dropout
   bool use_rslora = false;               // --use-rslora
   bool use_dora = false;                 // --use-dora
-  std::string quant;                     // --quant nf4|fp4|int8
+  std::string quant;                     // --quant nf4|fp4|int8, or none (the default: no quantisation)
+  bool quantised() const { return !quant.empty() && quant != "none"; }
   bool double_quant = false;             // --double-quant
   bool full_finetune = false;            // --full-finetune (set by commands that offer it)
 };

@@ -607,6 +607,25 @@ TEST(SweepCli, RefusedCombinationsAreRowsWithTheirError) {
   EXPECT_TRUE(z3["fits"].is_boolean());
 }
 
+// --quant none is the default spelled out, so a grid compares a base with and without QLoRA.
+TEST(SweepCli, QuantNoneIsTheUnquantisedBase) {
+  const auto r = run_cli("sweep --model llama-2-7b --lora-r 16 --quant none,nf4 --format jsonl");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto lines = lines_of(r.out);
+  ASSERT_EQ(lines.size(), 2u) << r.out;
+  const auto none = nlohmann::json::parse(lines[0]), nf4 = nlohmann::json::parse(lines[1]);
+  const auto p = nlohmann::json::parse(run_cli("plan --model llama-2-7b --lora-r 16 --json").out);
+  EXPECT_EQ(none["base_weights_bytes"], p["memory"]["device"]["base_weights_bytes"]);
+  EXPECT_EQ(none["used_peak_bytes"], p["memory"]["device"]["used_peak_bytes"]);
+  EXPECT_LT(nf4["base_weights_bytes"].get<std::uint64_t>(), none["base_weights_bytes"].get<std::uint64_t>() / 3);
+  const auto dq = run_cli("plan --quant none --double-quant");
+  EXPECT_EQ(dq.code, 2) << dq.out;
+  EXPECT_NE(dq.out.find("--double-quant needs --quant nf4 or --quant fp4"), std::string::npos) << dq.out;
+  const auto bad = run_cli("plan --quant nf5");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("--quant: must be nf4, fp4, int8 or none, got \"nf5\""), std::string::npos) << bad.out;
+}
+
 TEST(SweepCli, BadGridsAreInputErrors) {
   struct Case {
     std::string args, expect;
