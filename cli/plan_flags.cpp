@@ -227,9 +227,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   if (f.set == PlanFlagSet::one_plan && f.profile.empty()) {
     const planner::RuntimeProfile runs = planner::profile_that_runs(in.profile, in.strategy, in.training);
     if (runs != in.profile)
-      r.warnings.push_back(fmt::format("{}--strategy {} is planned with --profile {}: {}",
-                                       planner::is_fsdp(in.strategy.stage) ? "" : fmt::format("--precision {} with ", name_of(in.training.precision)),
-                                       name_of(in.strategy.stage), name_of(runs), planner::why_profile_runs(in.strategy)));
+      r.warnings.push_back(planner::profile_switch_warning(in.strategy, in.training, runs, "--"));
     in.profile = runs;
   }
   return r;

@@ -174,10 +174,7 @@ Result plan_scenario(const Scenario& s, std::uint64_t generation) {
     planner::PlanInput yours_in = in;
     yours_in.profile = planner::profile_that_runs(in.profile, in.strategy, in.training);
     if (yours_in.profile != in.profile)
-      r.warnings.push_back(fmt::format("{}strategy {} is planned with profile {}: {}",
-                                       planner::is_fsdp(in.strategy.stage) ? "" : fmt::format("{} with ", planner::name_of(in.training.precision)),
-                                       planner::name_of(in.strategy.stage), planner::name_of(yours_in.profile),
-                                       planner::why_profile_runs(in.strategy)));
+      r.warnings.push_back(planner::profile_switch_warning(in.strategy, in.training, yours_in.profile, ""));
     const planner::Plan base = planner::make_plan(yours_in, cluster, po);
     const std::string yours(planner::name_of(in.strategy.stage));
     std::vector<std::string> refused;

@@ -18,9 +18,11 @@ RuntimeProfile profile_that_runs(RuntimeProfile requested, const Strategy& s, co
   return requested == RuntimeProfile::deepspeed && (is_fsdp(s.stage) || !deepspeed_runs(s, t)) ? RuntimeProfile::hf : requested;
 }
 
-std::string why_profile_runs(const Strategy& s) {
-  return is_fsdp(s.stage) ? "torch FSDP runs under accelerate, not DeepSpeed"
-                          : "DeepSpeed runs pure bf16 only under ZeRO, so the Trainer's own DDP runs it";
+std::string profile_switch_warning(const Strategy& s, const TrainingSpec& t, RuntimeProfile runs, std::string_view knob_prefix) {
+  const std::string stage = fmt::format("{}strategy {} is planned with {}profile {}", knob_prefix, name_of(s.stage), knob_prefix, name_of(runs));
+  if (is_fsdp(s.stage)) return stage + ": torch FSDP runs under accelerate, not DeepSpeed";
+  return fmt::format("{}precision {} with {}: DeepSpeed runs pure bf16 only under ZeRO, so the Trainer's own DDP runs it", knob_prefix,
+                     name_of(t.precision), stage);
 }
 
 void apply_ds_config(PlanInput& in, const nlohmann::json& config, std::string_view source, std::vector<std::string>& warnings,

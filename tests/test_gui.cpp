@@ -375,7 +375,7 @@ class TestGui : public QObject {
       return std::any_of(res.warnings.begin(), res.warnings.end(), [&](const std::string& x) { return x.find(fragment) != std::string::npos; });
     };
     for (const auto& x : r.warnings) QVERIFY2(x.rfind("not shown: ", 0) != 0, x.c_str());
-    QVERIFY(warns(r, "bf16-pure with strategy ddp is planned with profile hf"));
+    QVERIFY(warns(r, "precision bf16-pure with strategy ddp is planned with profile hf: DeepSpeed runs pure bf16 only under ZeRO"));
     bool ddp = false, zero2 = false;
     for (const auto& c : r.strategies) {
       ddp |= c.label == "ddp (hf)" && c.plan && c.plan->input.profile == planner::RuntimeProfile::hf;

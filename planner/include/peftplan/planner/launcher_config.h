@@ -26,10 +26,12 @@ bool launches_with_deepspeed(const PlanInput& in);
 // The profile that plans a job asked for under `requested`: hf for a job DeepSpeed does not run
 // (an FSDP strategy: accelerate runs it; DDP in pure bf16: the Trainer's own DDP runs it), else
 // `requested`. One rule for the front ends that choose a profile (plan's default, recommend's
-// families, the report's and the explorer's columns); why_profile_runs says why, for their
-// warnings, when the two differ.
+// families, the report's and the explorer's columns); profile_switch_warning says so, and why,
+// when the two differ: "--precision bf16-pure with --strategy ddp is planned with --profile hf:
+// ..." with knob_prefix "--" (the command line), "precision bf16-pure with strategy ddp ..." with
+// "" (the explorer's fields).
 RuntimeProfile profile_that_runs(RuntimeProfile requested, const Strategy& strategy, const TrainingSpec& training);
-std::string why_profile_runs(const Strategy& strategy);
+std::string profile_switch_warning(const Strategy& strategy, const TrainingSpec& training, RuntimeProfile runs, std::string_view knob_prefix);
 
 // ds_config.json (read_ds_config): the strategy (stage, offload, bucket sizes) and the training
 // settings it covers replace `in`'s, its "auto" entries resolved from `in` (micro-batch,
