@@ -596,24 +596,43 @@ void Explorer::build_comparison() {
     if (jb.contains(k) && jb[k] != v) differs += fmt::format("{}{} {} → {}", differs.empty() ? "" : ", ", k, jb[k].dump(), v.dump());
   compare_note_->setText(QString::fromStdString(fmt::format("A: the scenario shown now; B: the pinned one. {}",
                                                             differs.empty() ? "They do not differ." : "A differs from B in: " + differs + ".")));
-  std::vector<std::string> labels;
+  // A row per strategy, matched on what it runs (stage, offloads, full fine-tuning) rather than
+  // on its label: the same DDP is "ddp" under deepspeed and "ddp (hf)" in pure bf16, where the
+  // Trainer's own DDP runs it (planner::profile_that_runs).
+  auto key = [](const reports::StrategyColumn& c) {
+    if (!c.plan) return c.label;
+    const planner::Strategy& st = c.plan->input.strategy;
+    return fmt::format("{}|{}|{}|{}", planner::name_of(st.stage), planner::name_of(st.offload_optimizer), planner::name_of(st.offload_param),
+                       c.plan->input.peft.adapters.empty());
+  };
+  struct Row {
+    std::string key, label_a, label_b;
+  };
+  std::vector<Row> rows;
   for (const Result* r : {static_cast<const Result*>(&result_), &b})
-    for (const auto& c : r->strategies)
-      if (std::find(labels.begin(), labels.end(), c.label) == labels.end()) labels.push_back(c.label);
-  auto find = [](const Result& r, const std::string& label) -> const planner::Plan* {
+    for (const auto& c : r->strategies) {
+      const std::string k = key(c);
+      auto it = std::find_if(rows.begin(), rows.end(), [&](const Row& x) { return x.key == k; });
+      if (it == rows.end()) it = rows.insert(rows.end(), Row{k, {}, {}});
+      (r == &result_ ? it->label_a : it->label_b) = c.label;
+    }
+  auto find = [&](const Result& r, const std::string& k) -> const planner::Plan* {
     for (const auto& c : r.strategies)
-      if (c.label == label && c.plan) return &*c.plan;
+      if (c.plan && key(c) == k) return &*c.plan;
     return nullptr;
   };
   compare_->clear();
   compare_->setColumnCount(9);
   compare_->setHorizontalHeaderLabels({"strategy", "A in use (GiB)", "B in use (GiB)", "A step (s)", "B step (s)", "A tokens/s", "B tokens/s",
                                        "A", "B"});
-  compare_->setRowCount(static_cast<int>(labels.size()));
-  for (int i = 0; i < static_cast<int>(labels.size()); ++i) {
-    const auto& l = labels[static_cast<std::size_t>(i)];
-    const planner::Plan* pa = find(result_, l);
-    const planner::Plan* pb = find(b, l);
+  compare_->setRowCount(static_cast<int>(rows.size()));
+  for (int i = 0; i < static_cast<int>(rows.size()); ++i) {
+    const Row& row = rows[static_cast<std::size_t>(i)];
+    const planner::Plan* pa = find(result_, row.key);
+    const planner::Plan* pb = find(b, row.key);
+    const std::string l = row.label_a.empty() || row.label_b.empty() || row.label_a == row.label_b
+                              ? (row.label_a.empty() ? row.label_b : row.label_a)
+                              : fmt::format("{} / {}", row.label_a, row.label_b);
     auto gib = [](const planner::Plan* p) { return p ? QString::asprintf("%.2f", to_gib(p->used_peak_bytes)) : QString("-"); };
     auto step = [](const planner::Plan* p) { return p && p->time ? QString::asprintf("%.4f", p->time->step_s) : QString("-"); };
     auto tok = [](const planner::Plan* p) { return p && p->time ? QString::asprintf("%.0f", p->time->tokens_per_s) : QString("-"); };

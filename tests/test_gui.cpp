@@ -441,6 +441,27 @@ class TestGui : public QObject {
     shot(w, "compare");
   }
 
+  // A row per strategy, matched on what runs: pure bf16 makes the DDP column "ddp (hf)" (the
+  // Trainer's own DDP), and it is compared with B's "ddp" in one row, not two half-empty ones.
+  void compare_matches_a_strategy_across_its_profile_label() {
+    gui::Explorer w;
+    w.show();
+    settle(w);
+    gui::Scenario s = w.scenario();
+    w.pin_scenario();
+    s.precision = "bf16-pure";
+    w.set_scenario(s);
+    settle(w);
+    QTableWidget* t = w.comparison();
+    QCOMPARE(t->rowCount(), static_cast<int>(w.result().strategies.size()));
+    int row = -1;
+    for (int i = 0; i < t->rowCount(); ++i)
+      if (t->item(i, 0)->text() == "ddp (hf) / ddp") row = i;
+    QVERIFY2(row >= 0, qPrintable(t->item(0, 0)->text()));
+    QVERIFY(t->item(row, 1)->text() != "-");
+    QVERIFY(t->item(row, 2)->text() != "-");
+  }
+
   // A run folder (summary.json naming each strategy's folder) shows every figure predicted
   // against measured with its verdict; a bad validation.json names the file and field and
   // changes nothing.
