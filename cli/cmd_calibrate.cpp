@@ -19,6 +19,7 @@
 
 #include "child_process.h"
 #include "commands.h"
+#include "plan_flags.h"
 #include "peftplan/common/error.h"
 #include "peftplan/sim/cluster.h"
 #include "peftplan/sim/collectives.h"
@@ -48,7 +49,8 @@ void add_calibrate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--ranks", o->ranks, "ranks to calibrate (collectives over 2..N); default: CPUs")
       ->capture_default_str();
   cmd->add_option("--out", o->out, fmt::format("profile to write (default {})",
-                                               default_profile_path().string()));
+                                               default_profile_path().string()))
+      ->check(kNonEmpty);
   cmd->add_flag("--quick", o->quick, "fewer shapes, sizes and repetitions (seconds)");
   cmd->add_option("--rounds", o->rounds, "interleaved rounds of the calibration step programs (each program keeps its median round, as a run does)")
       ->capture_default_str()

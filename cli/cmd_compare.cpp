@@ -25,6 +25,7 @@
 #include "peftplan/planner/plan_file.h"
 #include "peftplan/planner/validate.h"
 #include "peftplan/common/atomic_file.h"
+#include "plan_flags.h"
 #include "validation_text.h"
 
 namespace peftplan::cli {
@@ -63,7 +64,7 @@ void add_compare_command(CLI::App& app, int& exit_code) {
       ->check(finite_non_negative());
   cmd->add_option("--tolerance-time", o->tolerance_time, "relative tolerance of time (default: the plan's runtime profile's)")
       ->check(finite_non_negative());
-  cmd->add_option("--out", o->out, "folder to write validation.json and report.md into");
+  cmd->add_option("--out", o->out, "folder to write validation.json and report.md into")->check(kNonEmpty);
   cmd->callback([o, &exit_code] {
     if (!o->out.empty()) {  // a folder, refused before anything is read or printed
       std::error_code ec;

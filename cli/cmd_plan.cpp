@@ -162,15 +162,17 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   auto o = std::make_shared<Options>();
   add_plan_flags(cmd, o->plan);
   cmd->add_flag("--json", o->json, "machine-readable output");
-  cmd->add_option("--memory-trace", o->memory_trace, "write the memory timeline as Chrome trace counters");
-  cmd->add_option("--trace", o->trace, "write the simulated step as a Chrome trace (Perfetto)");
-  cmd->add_option("--write-ds-config", o->write_ds_config, "write the strategy as a DeepSpeed ds_config.json");
+  cmd->add_option("--memory-trace", o->memory_trace, "write the memory timeline as Chrome trace counters")->check(kNonEmpty);
+  cmd->add_option("--trace", o->trace, "write the simulated step as a Chrome trace (Perfetto)")->check(kNonEmpty);
+  cmd->add_option("--write-ds-config", o->write_ds_config, "write the strategy as a DeepSpeed ds_config.json")->check(kNonEmpty);
   cmd->add_option("--write-accelerate-config", o->write_accelerate_config,
-                  "write a DDP or FSDP strategy as accelerate's launch config YAML (accelerate launch --config_file)");
+                  "write a DDP or FSDP strategy as accelerate's launch config YAML (accelerate launch --config_file)")
+      ->check(kNonEmpty);
   cmd->add_option("--saved-tensors", o->saved_layer,
                   "also print what decoder layer L's forward allocates and saves for backward (shape, dtype, the rule that keeps it)");
   cmd->add_option("--write-plan", o->write_plan,
-                  "write plan.json (the configuration and the cluster) for `peftplan compare` against your own job's measurement");
+                  "write plan.json (the configuration and the cluster) for `peftplan compare` against your own job's measurement")
+      ->check(kNonEmpty);
   cmd->callback([&exit_code, o] {
     ResolvedPlan r = resolve_plan_flags(o->plan);
     if (o->saved_layer && (*o->saved_layer < 0 || *o->saved_layer >= r.input.model.layers))
@@ -206,15 +208,31 @@ void add_plan_command(CLI::App& app, int& exit_code) {
       to.process_name = "peftplan predicted";
       outputs.push_back({"--trace", o->trace, sim::chrome_trace(p.program, *p.time, to).dump(1) + "\n"});
     }
-    for (const Output& out : outputs) {
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      const Output& out = outputs[i];
       const std::filesystem::path parent = std::filesystem::absolute(out.path).parent_path();
       std::error_code ec;
       if (!std::filesystem::is_directory(parent, ec))
         throw input_error(out.flag, "", fmt::format("its folder {} does not exist (nothing was written)", parent.string()), out.path);
       if (std::filesystem::is_directory(out.path, ec))
         throw input_error(out.flag, "", "is a folder, not a file (nothing was written)", out.path);
+      for (std::size_t j = 0; j < i; ++j)
+        if (std::filesystem::weakly_canonical(outputs[j].path, ec) == std::filesystem::weakly_canonical(out.path, ec))
+          throw input_error(out.flag, "", fmt::format("is also {}'s file: give each its own (nothing was written)", outputs[j].flag), out.path);
     }
-    for (const Output& out : outputs) write_text_atomic(out.path, out.text);
+    // Every file staged under its temporary name first, then all renamed into place: one that
+    // cannot be written leaves none of the others behind.
+    std::vector<StagedFile> staged;
+    for (const Output& out : outputs) {
+      try {
+        const std::string_view text = out.text;
+        staged.push_back(stage_file(out.path, {&text, 1}));
+      } catch (const InputError& e) {
+        for (const StagedFile& f : staged) discard_file(f);
+        throw InputError(fmt::format("{} {} (nothing was written)", out.flag, e.what()));
+      }
+    }
+    for (const StagedFile& f : staged) commit_file(f);
     std::optional<planner::SavedTable> saved;
     if (o->saved_layer) saved = planner::saved_for_backward(p.input, *o->saved_layer);
     if (o->json) {

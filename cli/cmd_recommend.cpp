@@ -141,7 +141,8 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--min-micro-batch", o->min_micro_batch, "smallest micro-batch to consider")->capture_default_str();
   cmd->add_option("--max-micro-batch", o->max_micro_batch, "largest micro-batch to consider")->capture_default_str();
   cmd->add_flag("--json", o->json, "machine-readable output");
-  cmd->add_option("--emit", o->emit, "write the top row's launch files to this folder (ds_config.json, accelerate config, train.py, launch.sh, plan.json)");
+  cmd->add_option("--emit", o->emit, "write the top row's launch files to this folder (ds_config.json, accelerate config, train.py, launch.sh, plan.json)")
+      ->check(kNonEmpty);
   cmd->callback([&exit_code, o] {
     PlanFlags flags = o->plan;
     planner::SearchSpace space;

@@ -289,13 +289,14 @@ void add_run_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay (default 0)");
   cmd->add_option("--clip", o->clip, "gradient clipping by global norm (0 = off)");
   cmd->add_option("--seed", o->run.seed, "seed of the weight and adapter init and dropout")->capture_default_str();
-  cmd->add_option("--weights", o->run.weights, "safetensors checkpoint with Hugging Face names (default: random init)");
+  cmd->add_option("--weights", o->run.weights, "safetensors checkpoint with Hugging Face names (default: random init)")->check(kNonEmpty);
   cmd->add_option("--adapter-init", o->run.adapter_init, "peft (A uniform, B zero) or a safetensors adapter with PEFT names")
       ->capture_default_str();
-  cmd->add_option("--save-adapter", o->run.save_adapter, "folder for adapter_model.safetensors + adapter_config.json");
+  cmd->add_option("--save-adapter", o->run.save_adapter, "folder for adapter_model.safetensors + adapter_config.json")->check(kNonEmpty);
   cmd->add_option("--out", o->out, "folder for plan.json, measurement.json, validation.json, traces and report.md (several "
                                    "strategies: one subfolder each)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(kNonEmpty);
   cmd->add_option("--on-nonfinite", o->run.on_nonfinite,
                   "a step whose gradient norm is not finite: stop (naming the first non-finite gradient, exit code 1) or skip its update")
       ->check(CLI::IsMember({"stop", "skip"}))

@@ -108,7 +108,7 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
   };
   auto o = std::make_shared<Options>();
   cmd->add_option("--format", o->format, "csv (a header comment names the schema) or jsonl")->capture_default_str();
-  cmd->add_option("--out", o->out, "write here (atomically) instead of stdout");
+  cmd->add_option("--out", o->out, "write here (atomically) instead of stdout")->check(kNonEmpty);
   cmd->allow_extras();
   cmd->callback([&exit_code, o, cmd] {
     if (o->format != "csv" && o->format != "jsonl") throw input_error("--format", "", "must be csv or jsonl", fmt::format("\"{}\"", o->format));

@@ -52,6 +52,10 @@ struct PlanFlags {
 // spellings of --gpus, --strategy and --checkpointing, and searches micro-batch, accumulation and
 // offload, so those (and the launcher configs that would fix them) are not registered.
 using PlanFlagSet = PlanFlags::Set;
+// A file or folder flag's value must not be empty: "not given" is leaving the flag out (an unset
+// shell variable is not a default).
+extern const CLI::Validator kNonEmpty;
+
 void add_plan_flags(CLI::App* cmd, PlanFlags& flags, PlanFlagSet set = PlanFlagSet::one_plan);
 
 struct ResolvedPlan {

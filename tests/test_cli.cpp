@@ -309,7 +309,9 @@ TEST(CliPlan, LauncherConfigFlagsThatAgreePlan) {
     Result r = run(c.args);
     EXPECT_TRUE(r.code == 0 || r.code == 1) << r.out;
     EXPECT_EQ(r.out.find("error"), std::string::npos) << r.out;
-    if (!c.expect.empty()) EXPECT_NE(r.out.find(c.expect), std::string::npos) << r.out;
+    if (!c.expect.empty()) {
+      EXPECT_NE(r.out.find(c.expect), std::string::npos) << r.out;
+    }
   }
   // A ds_config that leaves the micro-batch out derives it from train_batch_size, and says so.
   const std::filesystem::path ds = std::filesystem::path(::testing::TempDir()) / "peftplan-train-batch-only.json";
@@ -410,9 +412,40 @@ TEST(CliPlan, OutputsAreAllOrNothing) {
   r = run("plan --write-plan " + dir.string());
   EXPECT_NE(r.out.find("is a folder, not a file"), std::string::npos) << r.out;
   EXPECT_TRUE(std::filesystem::is_empty(dir));
+  // A file that cannot be written (where no file can be made) after one that can: neither stays.
+  r = run("plan --write-plan " + plan + " --trace /proc/peftplan-t.json");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--trace /proc/peftplan-t.json: cannot be written"), std::string::npos) << r.out;
+  // One file for two flags would keep only the last.
+  r = run("plan --write-plan " + plan + " --trace " + plan);
+  EXPECT_NE(r.out.find("--trace: is also --write-plan's file: give each its own (nothing was written)"), std::string::npos) << r.out;
+  r = run("plan --write-plan ''");
+  EXPECT_NE(r.out.find("--write-plan: must not be empty"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
   r = run("plan --write-plan " + plan + " --trace " + (dir / "t.json").string());
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(std::filesystem::exists(plan) && std::filesystem::exists(dir / "t.json"));
+  std::filesystem::remove_all(dir);
+}
+
+// What is not a regular file is written to, not replaced by one: a link to /dev/null stays a link
+// to the device (renaming over it made a 3.6 kB file of it; as root, --trace /dev/null replaced
+// the device itself). A link to a file is followed: the file is rewritten, the link stays.
+TEST(CliPlan, OutputsAreWrittenThroughDevicesAndLinks) {
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "peftplan-plan-devices";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::filesystem::create_symlink("/dev/null", dir / "null");
+  Result r = run("plan --model tiny-llama-2l --seq-len 64 --trace " + (dir / "null").string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "null"));
+  EXPECT_TRUE(std::filesystem::is_character_file("/dev/null"));
+  std::ofstream(dir / "real.json") << "old\n";
+  std::filesystem::create_symlink("real.json", dir / "link.json");
+  r = run("plan --model tiny-llama-2l --seq-len 64 --write-plan " + (dir / "link.json").string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "link.json"));
+  EXPECT_GT(std::filesystem::file_size(dir / "real.json"), 100u);
   std::filesystem::remove_all(dir);
 }
 

@@ -27,13 +27,33 @@
 
 namespace peftplan {
 
-// Writes the pieces, in order, as one file. Throws InputError "<path>: <what went wrong>" (a
-// missing folder, no space, no permission); the temporary is removed.
-inline void write_file_atomic(const std::filesystem::path& path, std::span<const std::string_view> pieces) {
-  const std::string tmp = fmt::format("{}.tmp.{}", path.string(), ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+// A file written under its temporary name, not yet in place (stage_file / commit_file).
+struct StagedFile {
+  std::filesystem::path path;  // where it goes (a symbolic link to a file resolved)
+  std::string tmp;             // where it is now; empty when written in place (a device, a pipe)
+};
+
+// Writes the pieces, in order, under the temporary name beside `path_given` (flushed to the disk).
+// Throws InputError "<path>: <what went wrong>" (a missing folder, a folder in the file's place,
+// no space, no permission); the temporary is removed. What is not a regular file is written to
+// as it is, not replaced: a device or a pipe (`--trace /dev/null`, `/dev/stdout`, a FIFO) has no
+// contents to keep whole, and renaming over it would put a file in its place (as root, over
+// /dev/null itself). A symbolic link to a file is followed: the file it names is replaced, and
+// the link stays.
+inline StagedFile stage_file(const std::filesystem::path& path_given, std::span<const std::string_view> pieces) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path_given, ec);
+  if (st.type() == fs::file_type::directory)
+    throw InputError(fmt::format("{}: is a folder (give a file name)", path_given.string()));
+  const bool in_place = fs::exists(st) && st.type() != fs::file_type::regular;
+  StagedFile f;
+  f.path = fs::is_symlink(path_given, ec) && st.type() == fs::file_type::regular ? fs::canonical(path_given, ec) : path_given;
+  if (!in_place) f.tmp = fmt::format("{}.tmp.{}", f.path.string(), ::getpid());
+  const std::string target = in_place ? f.path.string() : f.tmp;
+  const int fd = ::open(target.c_str(), in_place ? O_WRONLY | O_CLOEXEC : O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0)
-    throw InputError(fmt::format("{}: cannot be written ({}; does the folder exist?)", path.string(), std::strerror(errno)));
+    throw InputError(fmt::format("{}: cannot be written ({}; does the folder exist?)", f.path.string(), std::strerror(errno)));
   bool ok = true;
   for (std::string_view piece : pieces) {
     const char* c = piece.data();
@@ -48,19 +68,35 @@ inline void write_file_atomic(const std::filesystem::path& path, std::span<const
       }
     }
   }
-  ok = ok && ::fsync(fd) == 0;
+  ok = ok && (in_place || ::fsync(fd) == 0);  // a pipe or a terminal has nothing to sync
   const int err = errno;
   ok = ::close(fd) == 0 && ok;
   if (!ok) {
-    ::unlink(tmp.c_str());
-    throw InputError(fmt::format("{}: could not be written completely ({})", path.string(), std::strerror(err)));
+    if (!in_place) ::unlink(f.tmp.c_str());
+    throw InputError(fmt::format("{}: could not be written completely ({})", f.path.string(), std::strerror(err)));
   }
+  return f;
+}
+
+// Renames a staged file into place (nothing to do for one written in place).
+inline void commit_file(const StagedFile& f) {
+  if (f.tmp.empty()) return;
   std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
+  std::filesystem::rename(f.tmp, f.path, ec);
   if (ec) {
-    ::unlink(tmp.c_str());
-    throw InputError(fmt::format("{}: cannot be renamed into place ({})", path.string(), ec.message()));
+    ::unlink(f.tmp.c_str());
+    throw InputError(fmt::format("{}: cannot be renamed into place ({})", f.path.string(), ec.message()));
   }
+}
+
+// Removes a staged file that will not be committed.
+inline void discard_file(const StagedFile& f) {
+  if (!f.tmp.empty()) ::unlink(f.tmp.c_str());
+}
+
+// Writes the pieces, in order, as one file: staged, then renamed into place.
+inline void write_file_atomic(const std::filesystem::path& path, std::span<const std::string_view> pieces) {
+  commit_file(stage_file(path, pieces));
 }
 
 inline void write_file_atomic(const std::filesystem::path& path, std::initializer_list<std::string_view> pieces) {
