@@ -281,18 +281,34 @@ void add_run_command(CLI::App& app, int& exit_code) {
   // run's --strategy takes a list; its default differs from plan's
   if (auto* opt = cmd->get_option_no_throw("--strategy"))
     opt->description("ddp, zero1, zero2 or zero3, or a comma-separated list to run each and compare");
-  cmd->add_option("--data", o->run.data, "token file to train on (default: the bundled text, written to <out>/corpus.txt)");
+  cmd->add_option("--data", o->run.data, "token file to train on (default: the bundled text, written to <out>/corpus.txt)")
+      ->check(kNonEmpty)
+      ->check(CLI::ExistingFile);
   cmd->add_option("--data-format", o->run.data_format, "u32, u16 (little-endian) or bytes (every byte a token)")
       ->capture_default_str();
-  cmd->add_option("--steps", o->run.steps, "optimizer steps")->capture_default_str();
-  cmd->add_option("--lr", o->lr, "learning rate (default 1e-4, or the ds_config's)");
-  cmd->add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay (default 0)");
-  cmd->add_option("--clip", o->clip, "gradient clipping by global norm (0 = off)");
+  cmd->add_option("--steps", o->run.steps, "optimizer steps")->capture_default_str()->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+  cmd->add_option("--lr", o->lr, "learning rate (default 1e-4, or the ds_config's)")->check(finite_non_negative());
+  cmd->add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay (default 0)")->check(finite_non_negative());
+  cmd->add_option("--clip", o->clip, "gradient clipping by global norm (0 = off)")->check(finite_non_negative());
   cmd->add_option("--seed", o->run.seed, "seed of the weight and adapter init and dropout")->capture_default_str();
-  cmd->add_option("--weights", o->run.weights, "safetensors checkpoint with Hugging Face names (default: random init)")->check(kNonEmpty);
+  cmd->add_option("--weights", o->run.weights, "safetensors checkpoint with Hugging Face names (default: random init)")
+      ->check(kNonEmpty)
+      ->check(CLI::ExistingFile);
   cmd->add_option("--adapter-init", o->run.adapter_init, "peft (A uniform, B zero) or a safetensors adapter with PEFT names")
-      ->capture_default_str();
-  cmd->add_option("--save-adapter", o->run.save_adapter, "folder for adapter_model.safetensors + adapter_config.json")->check(kNonEmpty);
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            return v == "peft" || fs::is_regular_file(v) ? std::string() : "must be peft or an existing safetensors file, got " + v;
+          },
+          "", "PEFT_OR_FILE"));
+  cmd->add_option("--save-adapter", o->run.save_adapter, "folder for adapter_model.safetensors + adapter_config.json")
+      ->check(kNonEmpty)
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            std::error_code ec;
+            return fs::exists(v, ec) && !fs::is_directory(v, ec) ? "must be a folder (or a new name), is a file: " + v : std::string();
+          },
+          "", "FOLDER"));
   cmd->add_option("--out", o->out, "folder for plan.json, measurement.json, validation.json, traces and report.md (several "
                                    "strategies: one subfolder each)")
       ->capture_default_str()
@@ -342,7 +358,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       resolved.push_back(resolve_plan_flags(f));
     }
     const fs::path out = fs::absolute(o->out);
-    fs::create_directories(out);
+    make_folder(out, "--out");
     planner::RunOptions run = o->run;
     if (run.data.empty()) {  // the bundled text, as bytes
       write_text_atomic(out / "corpus.txt", std::string(bundled_corpus()));

@@ -1,6 +1,7 @@
 // Token files and the step order (see data.h).
 #include "peftplan/executor/data.h"
 
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -45,6 +46,11 @@ TokenData TokenData::from_tokens(std::vector<std::int32_t> tokens, std::int64_t 
 TokenData TokenData::load(const std::filesystem::path& path, DataFormat format, std::int64_t vocab,
                           std::int64_t seq_len) {
   const std::string src = path.string();
+  std::error_code ec;
+  // Read whole: a folder, a device (/dev/zero never ends) or a pipe is no token file.
+  if (std::filesystem::is_directory(path, ec)) throw InputError(fmt::format("{}: is a folder, not a data file", src));
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    throw InputError(fmt::format("{}: is not a regular file (a device or a pipe), not a data file", src));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw InputError(fmt::format("{}: cannot open the data file", src));
   std::vector<unsigned char> raw((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());

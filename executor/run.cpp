@@ -2,6 +2,7 @@
 // with each collective's transfer and wait, and run_plan, which runs a plan end to end.
 #include "session_impl.h"
 
+#include "peftplan/common/atomic_file.h"
 #include "peftplan/common/paths.h"
 #include "peftplan/executor/host_load.h"
 
@@ -174,6 +175,12 @@ void gather_ranks(Measurement& m, Communicator& comm) {
 Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std::filesystem::path& out_dir,
                      std::FILE* progress, Communicator* comm, const SessionOptions& options) {
   check_executable(plan);
+  // Every folder the run writes into, made before the first step (rank 0 writes them).
+  if (!comm || comm->rank() == 0) {
+    if (plan.run.checkpoint_every > 0) make_folder(plan.run.checkpoint_dir, "run.checkpoint_dir");
+    if (!plan.run.save_adapter.empty()) make_folder(plan.run.save_adapter, "run.save_adapter");
+    make_folder(out_dir, "--out");
+  }
   // The machine's speed as calibration measures it (calibrate.h), before the session: its
   // all_reduce is not the program's and must not reach the session's collective counters.
   const double probe = speed_probe(backend, comm, kProbeWindowS);
@@ -216,7 +223,6 @@ Measurement run_plan(const planner::PlanFile& plan, Backend& backend, const std:
   if (plan.input.strategy.stage == planner::Stage::zero3 && !plan.run.save_adapter.empty()) session.trainable_weights();
   if (comm) gather_ranks(m, *comm);
   if (!root) return m;
-  std::filesystem::create_directories(out_dir);
   auto write = [](const std::filesystem::path& p, const nlohmann::json& j) { write_text_atomic(p, j.dump(1) + "\n"); };
   write(out_dir / "measurement.json", measurement_to_json(m));
   write(out_dir / "trace.json", m.trace);

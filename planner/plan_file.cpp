@@ -1,6 +1,7 @@
 // plan.json in and out (see plan_file.h).
 #include "peftplan/planner/plan_file.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -249,9 +250,11 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
   t.lr = get<double>(run, "lr", source, "run.", t.lr);
   t.weight_decay = get<double>(run, "weight_decay", source, "run.", t.weight_decay);
   t.grad_clip = get<double>(run, "clip", source, "run.", t.grad_clip);
-  if (t.lr < 0) throw input_error(source, "run.lr", "must be >= 0", std::to_string(t.lr));
-  if (t.weight_decay < 0) throw input_error(source, "run.weight_decay", "must be >= 0", std::to_string(t.weight_decay));
-  if (t.grad_clip < 0) throw input_error(source, "run.clip", "must be >= 0 (0 = off)", std::to_string(t.grad_clip));
+  if (!(t.lr >= 0) || !std::isfinite(t.lr)) throw input_error(source, "run.lr", "must be a finite number >= 0", fmt::format("{}", t.lr));
+  if (!(t.weight_decay >= 0) || !std::isfinite(t.weight_decay))
+    throw input_error(source, "run.weight_decay", "must be a finite number >= 0", fmt::format("{}", t.weight_decay));
+  if (!(t.grad_clip >= 0) || !std::isfinite(t.grad_clip))
+    throw input_error(source, "run.clip", "must be a finite number >= 0 (0 = off)", fmt::format("{}", t.grad_clip));
   r.seed = get<std::uint64_t>(run, "seed", source, "run.", r.seed);
   r.weights = get<std::string>(run, "weights", source, "run.", r.weights);
   r.adapter_init = get<std::string>(run, "adapter_init", source, "run.", r.adapter_init);

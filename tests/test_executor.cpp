@@ -821,8 +821,75 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
   std::tie(code, out) = run("--model tiny-llama-2l --seq-len 16" + fixed + " --data " + (dir / "short.txt").string() + " --out " + dir.string());
   EXPECT_EQ(code, 2) << out;
   EXPECT_NE(out.find("short.txt"), std::string::npos) << out;
+  // Bad run flags are refused before anything is written: --out is not even made. (The steps,
+  // the learning rate, an adapter init that is no file and a save folder that is a file were
+  // refused by the executor after plan.json and corpus.txt were written.)
+  const fs::path fresh = dir / "fresh";
+  const std::pair<std::string, std::string> bad[] = {
+      {"--steps 0", "--steps: Value 0 not in range"},
+      {"--lr nan", "--lr: must be a finite number >= 0, got nan"},
+      {"--adapter-init random", "--adapter-init: must be peft or an existing safetensors file, got random"},
+      {"--save-adapter " + (dir / "short.txt").string(), "--save-adapter: must be a folder (or a new name), is a file"},
+      {"--data " + dir.string(), "--data: File is actually a directory"},
+  };
+  for (const auto& [args, expect] : bad) {
+    std::tie(code, out) = run("--model tiny-llama-2l --seq-len 16" + fixed + " " + args + " --out " + fresh.string());
+    EXPECT_EQ(code, 2) << args << "\n" << out;
+    EXPECT_NE(out.find(expect), std::string::npos) << args << "\n" << out;
+    EXPECT_FALSE(fs::exists(fresh)) << args;
+  }
+  // A file in --out's place is bad input (it was an internal error, exit code 3).
+  std::tie(code, out) = run(common + " --out " + (dir / "short.txt").string());
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("--out " + (dir / "short.txt").string() + ": is a file, not a folder"), std::string::npos) << out;
   fs::remove_all(dir);
 }
+
+#ifdef PEFTPLAN_EXEC
+// peftplan-exec: a folder, a device or a place no folder can be made, where the plan names a data
+// file or an output folder, is bad input before the first step (exit code 2, not 3 after the last).
+TEST(ExecutorCli, PlanPathsThatCannotServeAreBadInput) {
+  const fs::path dir = temp_dir("exec-paths");
+  const fs::path plan = dir / "plan.json";
+  ASSERT_EQ(std::system((std::string(PEFTPLAN_CLI) + " plan --model tiny-llama-2l --profile executor --precision fp32 --attention eager "
+                         "--gpus 1 --micro-batch 1 --seq-len 16 --write-plan " + plan.string() + " > /dev/null")
+                            .c_str()),
+            0);
+  const nlohmann::json base = models::read_json_file(plan.string());
+  auto exec = [&](const nlohmann::json& pj, const fs::path& out) {
+    std::ofstream(dir / "p.json") << pj.dump(2);
+    const std::string cmd = std::string(PEFTPLAN_EXEC) + " " + (dir / "p.json").string() + " --out " + out.string() + " 2>&1";
+    std::string text;
+    FILE* p = popen(cmd.c_str(), "r");
+    char buf[4096];
+    while (std::fgets(buf, sizeof buf, p)) text += buf;
+    const int status = pclose(p);
+    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, text);
+  };
+  nlohmann::json pj = base;
+  pj["run"]["data"] = dir.string();
+  auto [code, out] = exec(pj, dir / "o1");
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find(dir.string() + ": is a folder, not a data file"), std::string::npos) << out;
+  pj["run"]["data"] = "/dev/zero";  // it never ends: read whole, it took every byte of memory
+  std::tie(code, out) = exec(pj, dir / "o2");
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("/dev/zero: is not a regular file"), std::string::npos) << out;
+  std::ofstream(dir / "data.txt") << std::string(4096, 'a');
+  pj["run"]["data"] = (dir / "data.txt").string();
+  pj["run"]["checkpoint_every"] = 1;
+  pj["run"]["checkpoint_dir"] = "/proc/peftplan-checkpoints";
+  std::tie(code, out) = exec(pj, dir / "o3");
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("run.checkpoint_dir /proc/peftplan-checkpoints: the folder cannot be made"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(dir / "o3"));
+  pj["run"]["checkpoint_every"] = 0;
+  std::tie(code, out) = exec(pj, dir / "data.txt");
+  EXPECT_EQ(code, 2) << out;
+  EXPECT_NE(out.find("--out " + (dir / "data.txt").string() + ": is a file, not a folder"), std::string::npos) << out;
+  fs::remove_all(dir);
+}
+#endif
 
 // A collective's transfer (the shortest rank's call) and wait (the others' excess) are the mean
 // over every recorded step after the first, not one step's sample (runner.h,

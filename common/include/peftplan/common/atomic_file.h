@@ -105,6 +105,19 @@ inline void write_file_atomic(const std::filesystem::path& path, std::initialize
 
 inline void write_text_atomic(const std::filesystem::path& path, std::string_view text) { write_file_atomic(path, {text}); }
 
+// Makes the folder `dir` (and its parents) for outputs, or throws InputError "<what> <dir>: ..."
+// (`what` names the flag or field): a file in its place, or a place no folder can be made
+// (/proc, no permission). Made before work whose outputs go there, so that such a folder is bad
+// input at the start, not an internal error at the end.
+inline void make_folder(const std::filesystem::path& dir, std::string_view what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    throw InputError(fmt::format("{} {}: is a file, not a folder", what, dir.string()));
+  fs::create_directories(dir, ec);
+  if (ec) throw InputError(fmt::format("{} {}: the folder cannot be made ({})", what, dir.string(), ec.message()));
+}
+
 // Puts the finished folder `tmp` (beside `target`, on the same file system) in place of target:
 // an existing target is first renamed aside, then tmp is renamed to target and the old one
 // removed. Throws std::filesystem::filesystem_error; callers name their file or flag.
