@@ -87,6 +87,11 @@ void resolve(EstimateOptions& o, bool params_given, bool gpus_per_node_given) {
 void validate(const EstimateOptions& o) {
   auto num = [](auto v) { return fmt::format("{}", v); };
   if (o.params < 0) throw input_error("--params", "", "must be a non-negative integer", num(o.params));
+  // 10^15, 2,500 times the largest zoo model (405B): 16 B per parameter (the ZeRO paper's K = 12
+  // plus the fp16 weight and gradient) stays far inside 64 bits. Beyond it the byte counts wrapped
+  // (2^60 parameters printed 0 GiB of trainable states).
+  constexpr std::int64_t kMaxParams = 1'000'000'000'000'000;
+  if (o.params > kMaxParams) throw input_error("--params", "", "must be at most 1,000,000,000,000,000 (10^15)", num(o.params));
   if (o.trainable && (*o.trainable < 0 || *o.trainable > o.params))
     throw input_error("--trainable-params", "", fmt::format("must be between 0 and --params ({})", o.params),
                       num(*o.trainable));

@@ -348,10 +348,11 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
     a.ia3.modules_to_save = string_list(c, src, "modules_to_save");
   } else if (type == "PREFIX_TUNING" || type == "PROMPT_TUNING") {
     a.type = type == "PREFIX_TUNING" ? PeftType::prefix_tuning : PeftType::prompt_tuning;
-    a.prompt.num_virtual_tokens = json_fields::positive_integer(c, "num_virtual_tokens", src, 20);
-    a.prompt.num_transformer_submodules = json_fields::positive_integer(c, "num_transformer_submodules", src, 1);
+    a.prompt.num_virtual_tokens = json_fields::integer(c, "num_virtual_tokens", src, 20, "", 1, kMaxVirtualTokens);
+    // PeftModel sets 2 for encoder-decoder models and 1 otherwise (peft_model.py _setup_prompt_encoder).
+    a.prompt.num_transformer_submodules = json_fields::integer(c, "num_transformer_submodules", src, 1, "", 1, 2);
     a.prompt.prefix_projection = json_fields::boolean(c, "prefix_projection", src, false);
-    a.prompt.encoder_hidden_size = json_fields::positive_integer(c, "encoder_hidden_size", src, 0);
+    a.prompt.encoder_hidden_size = json_fields::integer(c, "encoder_hidden_size", src, 0, "", 1, kMaxVirtualTokens);
   } else {
     throw input_error(src, "peft_type", "must be one of LORA, IA3, PREFIX_TUNING, PROMPT_TUNING",
                       pt == c.end() ? std::string("nothing") : pt->dump());

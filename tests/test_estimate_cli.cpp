@@ -108,6 +108,8 @@ TEST(EstimateCli, BadInputIsOneLineAndExitCodeTwo) {
   const Case cases[] = {
       {"estimate --params 1000 --gpus-per-node 8 --stage 4", "--stage: must be 0, 1, 2 or 3, got 4"},
       {"estimate --params=-5 --gpus-per-node 8 --stage 2", "--params: must be a non-negative integer, got -5"},
+      // 2^60: 16 B each wrapped 64 bits (the trainable column printed 0.00 GiB)
+      {"estimate --params 1152921504606846976 --gpus 1", "--params: must be at most 1,000,000,000,000,000 (10^15), got 1152921504606846976"},
       {"estimate --params 1000 --gpus-per-node 8 --stage 2 --offload-param", "--offload-param: needs --stage 3"},
       {"estimate --params 1000 --trainable-params 2000 --gpus-per-node 8 --stage 2", "--trainable-params"},
       {"estimate --model llama-2-7b --params 1000 --gpus 8", "--params: and --model are two sources of the parameter count: give one, got 1000"},

@@ -33,6 +33,10 @@ struct ModuleSelector {
 // experiments go to 64, Hu et al. arXiv 2106.09685 §7.2) and the largest hidden size a config may
 // have (2^20), and small enough that r x (in + out) stays inside 64 bits.
 inline constexpr std::int64_t kMaxLoraRank = std::int64_t{1} << 20;
+// The same bound for prompt and prefix tuning's num_virtual_tokens and encoder_hidden_size
+// (published configs use 8-100 tokens, Lester et al. arXiv 2104.08691 §3; Li & Liang arXiv
+// 2101.00190 §5): their products with the hidden size and the layer count stay inside 64 bits.
+inline constexpr std::int64_t kMaxVirtualTokens = std::int64_t{1} << 20;
 
 struct LoraConfig {
   std::int64_t r = 8;                              // rank (PEFT default 8)
