@@ -14,6 +14,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <re2/re2.h>
 
 #include "peftplan/common/error.h"
@@ -164,7 +165,10 @@ ModuleSelector parse_selector(const json& v, std::string_view src, const char* f
       if (!e.is_string()) throw input_error(src, field, "must hold module names (strings)", e.dump());
       s.names.push_back(e.get<std::string>());
     }
-    if (s.names.empty()) s.kind = ModuleSelector::Kind::none;
+    // PEFT keeps an empty list (a set, not None), so no default applies and injection raises
+    // "Target modules set() not found in the base model" (tuners_utils.py inject_adapter).
+    if (s.names.empty())
+      throw input_error(src, field, "must name at least one module (PEFT finds none in an empty list); leave it out for PEFT's defaults", "[]");
     return s;
   }
   throw input_error(src, field, "must be a list of module names, a regex string or \"all-linear\"", v.dump());
@@ -321,6 +325,9 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
       else if (it->is_array() && it->size() == 1 && (*it)[0].is_string()) l.layers_pattern = (*it)[0].get<std::string>();
       else throw input_error(src, "layers_pattern", "must be a module-list name such as \"layers\"", it->dump());
     }
+    for (const char* pattern : {"rank_pattern", "alpha_pattern"})
+      if (auto it = c.find(pattern); it != c.end() && !it->is_null() && !it->is_object())
+        throw input_error(src, pattern, "must be an object from a module-name pattern to a value", it->dump());
     if (auto it = c.find("rank_pattern"); it != c.end() && it->is_object())
       for (const auto& [k, v] : it->items()) {
         check_regex(pattern_regex(k), src, "rank_pattern." + k);
@@ -345,6 +352,14 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
     a.type = PeftType::ia3;
     if (c.contains("target_modules")) a.ia3.targets = parse_selector(c["target_modules"], src, "target_modules");
     a.ia3.feedforward_modules = string_list(c, src, "feedforward_modules");
+    // IA3Config.__post_init__: "`feedforward_modules` should be a subset of `target_modules`"
+    // (both lists, compared as sets).
+    if (a.ia3.targets.kind == ModuleSelector::Kind::list)
+      for (const std::string& f : a.ia3.feedforward_modules)
+        if (std::find(a.ia3.targets.names.begin(), a.ia3.targets.names.end(), f) == a.ia3.targets.names.end())
+          throw input_error(src, "feedforward_modules", fmt::format("must be a subset of target_modules ({}): {} is not in it",
+                                                                    fmt::join(a.ia3.targets.names, ", "), f),
+                            fmt::format("\"{}\"", f));
     a.ia3.modules_to_save = string_list(c, src, "modules_to_save");
   } else if (type == "PREFIX_TUNING" || type == "PROMPT_TUNING") {
     a.type = type == "PREFIX_TUNING" ? PeftType::prefix_tuning : PeftType::prompt_tuning;
