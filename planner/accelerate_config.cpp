@@ -157,6 +157,39 @@ void read_fsdp(const YAML::Node& f, const Reader& r, AccelerateConfig& out) {
   }
 }
 
+// What yaml-cpp reads and accelerate's yaml.safe_load refuses or reads otherwise, refused here
+// naming the line: a key given twice (PyYAML keeps the last, yaml-cpp's lookup the first), a
+// line with no "key:" (a file cut short: PyYAML "could not find expected ':'"), and a Python
+// object tag (safe_load's ConstructorError).
+void check_structure(const YAML::Node& node, std::string_view yaml, std::string_view source, const std::string& prefix) {
+  if (node.Tag().find("python/") != std::string::npos)
+    throw input_error(source, prefix, fmt::format("line {}: the tag {} makes a Python object, which accelerate's yaml.safe_load refuses",
+                                                  node.Mark().line + 1, node.Tag()));
+  if (node.IsSequence())
+    for (const YAML::Node& e : node) check_structure(e, yaml, source, prefix);
+  if (!node.IsMap()) return;
+  std::set<std::string> seen;
+  for (const auto& kv : node) {
+    if (!kv.first.IsScalar()) continue;  // the readers refuse it, naming the map
+    const std::string key = kv.first.as<std::string>();
+    const std::string field = prefix.empty() ? key : prefix + "." + key;
+    const int line = kv.first.Mark().line;
+    if (!seen.insert(key).second)
+      throw input_error(source, field, fmt::format("line {}: given twice in one mapping (accelerate would keep the last, "
+                                                   "this reader the first: keep one)", line + 1));
+    if (line >= 0 && kv.first.Mark().column >= 0) {
+      std::size_t at = 0;
+      for (int l = 0; l < line && at != std::string_view::npos; ++l) at = yaml.find('\n', at) == std::string_view::npos ? std::string_view::npos : yaml.find('\n', at) + 1;
+      if (at != std::string_view::npos) {
+        const std::string_view text = yaml.substr(at, yaml.find('\n', at) - at);
+        if (text.find(':', std::min(text.size(), static_cast<std::size_t>(kv.first.Mark().column))) == std::string_view::npos)
+          throw input_error(source, field, fmt::format("line {}: is not a \"key: value\" pair (a file cut short?)", line + 1));
+      }
+    }
+    check_structure(kv.second, yaml, source, field);
+  }
+}
+
 }  // namespace
 
 AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view source) {
@@ -168,11 +201,16 @@ AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view 
                                               static_cast<unsigned char>(yaml[at])));
   YAML::Node root;
   try {
-    root = YAML::Load(std::string(yaml));
+    const std::vector<YAML::Node> documents = YAML::LoadAll(std::string(yaml));
+    if (documents.size() > 1)
+      throw input_error(source, "", fmt::format("holds {} YAML documents; accelerate reads one (yaml.safe_load: \"expected a single "
+                                                "document in the stream\")", documents.size()));
+    if (!documents.empty()) root = documents.front();
   } catch (const YAML::Exception& e) {
     throw InputError(fmt::format("{}: not a valid YAML file: {} (line {}, column {})", source, e.msg, e.mark.line + 1, e.mark.column + 1));
   }
   if (!root.IsMap()) throw input_error(source, "", "must be a YAML mapping (an accelerate config file)");
+  check_structure(root, yaml, source, "");
   AccelerateConfig out;
   Reader r{source, &out.warnings};
   const YAML::Node dt = root["distributed_type"];
