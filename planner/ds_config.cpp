@@ -197,7 +197,14 @@ void read_batch(Reader& r, const json& j, const DsConfigInputs& in, DsConfig& ou
     if (!j.contains(key)) return std::nullopt;
     const json& v = j.at(key);
     if (is_auto(v)) return auto_value;  // HfTrainerDeepSpeedConfig.trainer_config_process fill_match
-    return r.integer(v, key, "must be a positive integer or \"auto\"");
+    const std::int64_t x = r.integer(v, key, "must be a positive integer or \"auto\"");
+    // The planner's bounds (specs.h), named by the file's key: train_batch_size is at most their
+    // product over a million ranks, which keeps DeepSpeed's checks below inside 64 bits.
+    const std::int64_t most = key == std::string_view("train_micro_batch_size_per_gpu") ? kMaxMicroBatch
+                              : key == std::string_view("gradient_accumulation_steps") ? kMaxGradAccum
+                                                                                         : kMaxMicroBatch * kMaxGradAccum * 1'000'000;
+    if (x > most) r.fail(key, fmt::format("must be at most {} (the largest the planner plans)", most), v);
+    return x;
   };
   // transformers: train_batch_size = world_size * per_device_train_batch_size * gradient_accumulation_steps
   std::optional<std::int64_t> train_batch = get("train_batch_size", ws * in.training.micro_batch * in.training.grad_accum);
@@ -247,6 +254,14 @@ void read_batch(Reader& r, const json& j, const DsConfigInputs& in, DsConfig& ou
            fmt::format("does not match: DeepSpeed says \"Check batch related parameters. train_batch_size is not "
                        "equal to micro_batch_per_gpu * gradient_acc_step * world_size {} != {} * {} * {}\"",
                        *train_batch, *micro_batch, *grad_acc, ws));
+  if (*micro_batch > kMaxMicroBatch)
+    r.fail("train_batch_size", fmt::format("gives a micro-batch of {} per GPU (train_batch_size / (gradient_accumulation_steps × {} "
+                                           "ranks)), more than the {} sequences the planner plans",
+                                           *micro_batch, ws, kMaxMicroBatch),
+           json(*train_batch));
+  if (*grad_acc > kMaxGradAccum)
+    r.fail("train_batch_size", fmt::format("gives {} accumulation steps, more than the {} the planner plans", *grad_acc, kMaxGradAccum),
+           json(*train_batch));
   out.train_batch_size = *train_batch;
   out.training.micro_batch = *micro_batch;
   out.training.grad_accum = *grad_acc;

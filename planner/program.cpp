@@ -142,19 +142,18 @@ std::vector<std::string> validate(const PlanInput& in) {
   positive(t.grad_accum, Knob::grad_accum);
   positive(s.ranks, Knob::ranks);
   positive(t.checkpoint_every, Knob::checkpoint_every);
-  // Bounds that keep every byte count of the plan inside 64 bits (an eager attention's scores,
-  // B × heads × S² × 4 bytes, are the largest) and are far beyond any run: a million-token
-  // sequence, 65,536 sequences per micro-batch, 2^31 tokens per micro-batch.
+  // The bounds of specs.h (kMaxSeqLen and the others): every byte count stays inside 64 bits.
   auto at_most = [](std::int64_t v, std::int64_t most, Knob k, std::string_view what) {
     if (v > most) throw KnobError({k}, fmt::format("{} must be at most {} ({}), got {}", field_of(k), most, what, v));
   };
-  at_most(t.seq_len, std::int64_t{1} << 20, Knob::seq_len, "2^20 tokens");
-  at_most(t.micro_batch, std::int64_t{1} << 16, Knob::micro_batch, "2^16 sequences");
-  at_most(t.grad_accum, std::int64_t{1} << 20, Knob::grad_accum, "2^20 micro-steps");
-  if (t.micro_batch * t.seq_len > std::int64_t{1} << 31)
-    throw KnobError({Knob::micro_batch, Knob::seq_len},
-                    fmt::format("{} × {} must be at most 2^31 tokens per micro-batch, got {} × {}", field_of(Knob::micro_batch),
-                                field_of(Knob::seq_len), t.micro_batch, t.seq_len));
+  at_most(t.seq_len, kMaxSeqLen, Knob::seq_len, "2^20 tokens");
+  at_most(t.micro_batch, kMaxMicroBatch, Knob::micro_batch, "2^16 sequences");
+  at_most(t.grad_accum, kMaxGradAccum, Knob::grad_accum, "2^20 micro-steps");
+  at_most(t.eval_batch, kMaxMicroBatch, Knob::eval_batch, "2^16 sequences");
+  for (const auto& [batch, knob] : {std::pair{t.micro_batch, Knob::micro_batch}, std::pair{t.eval_batch, Knob::eval_batch}})
+    if (batch * t.seq_len > kMaxBatchTokens)
+      throw KnobError({knob, Knob::seq_len}, fmt::format("{} × {} must be at most 2^31 tokens per micro-batch, got {} × {}", field_of(knob),
+                                                         field_of(Knob::seq_len), batch, t.seq_len));
   const std::string_view stage = name_of(s.stage);
   if (is_fsdp(s.stage) && in.profile != RuntimeProfile::hf)
     throw KnobError({Knob::stage, Knob::profile},

@@ -234,6 +234,8 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "training.precision fp16 with bias \"lora_only\" (model.layers.0.self_attn.q_proj has a bias) under profile hf"},
       // Typed flags that contradict a launcher config are refused; ones that agree with it plan
       // (CliPlan.LauncherConfigFlagsThatAgreePlan).
+      // The evaluation batch is bounded as the training one is, and named (it was blamed on --micro-batch).
+      {"plan --profile hf --eval-batch 100000", "training.eval_batch must be at most 65536 (2^16 sequences), got 100000 (training.eval_batch is --eval-batch)"},
       {"recommend --top -1", "--top: Value -1 not in range 1 to 1000000"},
       // An empty value (an unset shell variable) is no default: "not given" is leaving the flag out.
       {"plan --ds-config ''", "peftplan: error: --ds-config: must not be empty (leave the flag out for its default)"},

@@ -43,6 +43,15 @@ enum class Optimizer {
   sgd_momentum, // one momentum buffer
 };
 
+// Bounds that keep every byte count of a plan inside 64 bits (an eager attention's scores,
+// B × heads × S² × 4 bytes, are the largest) and are far beyond any run: a million-token
+// sequence, 65,536 sequences per micro-batch, a million micro-steps, 2^31 tokens per micro-batch.
+// validate() holds a plan to them; readers of files that set them (ds_config.json) name their key.
+inline constexpr std::int64_t kMaxSeqLen = std::int64_t{1} << 20;
+inline constexpr std::int64_t kMaxMicroBatch = std::int64_t{1} << 16;
+inline constexpr std::int64_t kMaxGradAccum = std::int64_t{1} << 20;
+inline constexpr std::int64_t kMaxBatchTokens = std::int64_t{1} << 31;
+
 struct TrainingSpec {
   std::int64_t micro_batch = 1;        // B: sequences per rank per micro-step
   std::int64_t seq_len = 2048;         // S: tokens per sequence
