@@ -39,6 +39,7 @@ models::PeftSpec peft_from_flags(const PeftFlags& f) {
   if (f.full_finetune && (lora_flags || !f.peft_files.empty()))
     throw InputError("--full-finetune trains every weight: drop --peft / --lora-* or drop --full-finetune");
   for (const auto& file : f.peft_files) {
+    if (file.empty()) throw input_error("--peft", "", "must not be empty (leave the flag out for the --lora-* flags' adapter)", "\"\"");
     std::filesystem::path p(file);
     if (std::filesystem::is_directory(p)) p /= "adapter_config.json";
     models::AdapterSpec a = models::adapter_from_config(models::read_json_file(p.string()), p.string());

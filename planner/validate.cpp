@@ -201,6 +201,16 @@ void set_load_change(Validation& v) {
 // spread over its own steps. Verdicts are settled by finish().
 Validation validate_one(const Plan& plan, const json& m, const Tolerances& tol) {
   check_measurement_shape(m);
+  // A run of another world size measured another job (each rank holds its share of the states).
+  const std::int32_t world = plan.input.strategy.ranks;
+  if (m.contains("ranks")) {
+    const std::int64_t measured = json_fields::as_integer(m.at("ranks"), "measurement.json", "ranks", 1, 1ll << 20);
+    if (measured != world)
+      throw input_error("measurement.json", "ranks", fmt::format("must be the plan's {} rank(s): a measurement of another job", world),
+                        std::to_string(measured));
+  }
+  if (m.contains("rank") && m.at("rank").get<std::int64_t>() >= world)
+    throw input_error("measurement.json", "rank", fmt::format("must be one of the plan's ranks, 0 to {}", world - 1), m.at("rank").dump());
   if (!plan.time) throw InputError("validate: the plan has no simulated timeline (make_plan with simulate_time)");
   const sim::Timeline& tl = *plan.time;
   const sim::Program& prog = plan.program;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -57,6 +58,8 @@ inline constexpr std::size_t kMaxInputFileBytes = std::size_t{256} << 20;
 // A user's file's bytes (a JSON file, a sweep's CSV, a launcher's YAML); a file that cannot be
 // opened, or that runs past kMaxInputFileBytes, is an InputError naming it.
 inline std::string read_text_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw input_error(path, "", "is a folder, not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw input_error(path, "", "cannot be opened (does the file exist?)");
   std::string text;
