@@ -375,7 +375,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       job.strategy = std::string(planner::name_of(resolved[si].input.strategy.stage));
       job.dir = several ? out / strategies[si] : out;
       ResolvedPlan& r = resolved[si];
-      for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", w);
+      for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", with_flags(w));
       planner::PlanFile& pf = job.pf;
       pf.input = r.input;
       if (o->lr) pf.input.training.lr = *o->lr;

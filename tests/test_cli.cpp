@@ -451,6 +451,15 @@ TEST(CliPlan, OutputsAreWrittenThroughDevicesAndLinks) {
   std::filesystem::remove_all(dir);
 }
 
+// A file's key echoed in a warning cannot drive the terminal: its control bytes are escaped and its
+// newline shown as \n, one line per warning.
+TEST(CliPlan, WarningsAreOnePrintableLineEach) {
+  const Result r = run("plan --gpus 2 --ds-config " + kData + "/ds/escape_in_key.json");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("escape_in_key.json: bad\\nkey\\x1b[31mRED is not a DeepSpeed config key; ignored\n"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos);
+}
+
 // The trace parses back with the Trace Event Format's required fields (traceEvents, ph "X" with
 // microsecond ts/dur, thread_name metadata naming the streams).
 TEST(CliPlan, TraceFilesParseBack) {
