@@ -91,6 +91,7 @@ void add_report_command(CLI::App& app, int& exit_code) {
     std::string source = "the plan flags";
     if (!o->plan_file.empty()) {
       const planner::PlanFile pf = planner::read_plan_file(o->plan_file);
+      planner::check_program_hash(pf, o->plan_file);  // as compare and peftplan-exec: the plan this build would not make is refused
       r.input = pf.input;
       if (pf.cluster) r.cluster = *pf.cluster;
       source = o->plan_file;

@@ -299,6 +299,14 @@ class BadInput(unittest.TestCase):
             bad_jsonl = os.path.join(tmp, "grid.jsonl")
             with open(bad_jsonl, "w") as f:
                 f.write(rows[0] + "\n" + json.dumps(row) + "\n")
+            # a plan.json whose program another build made (compare and peftplan-exec refuse it too)
+            foreign = os.path.join(tmp, "foreign.json")
+            run(["plan", "--model", "tiny-llama-2l", "--seq-len", "64", "--write-plan", foreign])
+            with open(foreign) as f:
+                pj = json.load(f)
+            pj["program"]["hash"] = "0123456789abcdef"
+            with open(foreign, "w") as f:
+                json.dump(pj, f)
             binary = os.path.join(tmp, "blob.bin")
             with open(binary, "wb") as f:
                 f.write(b"#\xff\x00\x01")
@@ -314,6 +322,7 @@ class BadInput(unittest.TestCase):
                 (["report", "--recommendation", wrong, "--out", os.path.join(tmp, "r8")], "ds_config.json: schema must be \"peftplan.recommendation/3\""),
                 (["report", "--recommendation", truncated, "--out", os.path.join(tmp, "r9")], "plan.json: is not valid JSON"),
                 (["report", "--sweep", cut_csv, "--plan", truncated, "--out", os.path.join(tmp, "r10")], "give one source"),
+                (["report", "--plan", foreign, "--out", os.path.join(tmp, "r11")], "foreign.json: program.hash names the program the writer built"),
                 # the folder is replaced as a whole: never one that holds more than a report
                 (["report"] + INPUTS + ["--out", tmp], "holds "),
                 (["report"] + INPUTS + ["--out", ""], "the name is empty"),
@@ -323,7 +332,7 @@ class BadInput(unittest.TestCase):
                 self.assertEqual(r.returncode, 2, (args, r.stdout, r.stderr))
                 self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
                 self.assertIn(needle, r.stderr)
-            self.assertEqual(sorted(os.listdir(tmp)), ["blob.bin", "ds_config.json", "grid.csv", "grid.jsonl", "plan.json"])
+            self.assertEqual(sorted(os.listdir(tmp)), ["blob.bin", "ds_config.json", "foreign.json", "grid.csv", "grid.jsonl", "plan.json"])
             # a report's own folder is replaced
             out = os.path.join(tmp, "report")
             for _ in range(2):
