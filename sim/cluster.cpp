@@ -313,7 +313,11 @@ Cluster parse_cluster_spelling(std::string_view spelling) {
   while (pos < s.size() && std::isdigit(static_cast<unsigned char>(s[pos]))) {
     std::size_t end = pos;
     while (end < s.size() && std::isdigit(static_cast<unsigned char>(s[end]))) ++end;
-    if (end >= s.size() || s[end] != 'x' || end - pos > 6) break;  // digits of a GPU name
+    if (end >= s.size() || s[end] != 'x') break;  // digits of a GPU name
+    // A count of more digits than any bound below holds (nodes 100,000, GPUs per node 1024): out
+    // of range, not a GPU name (it read "names no known GPU").
+    if (end - pos > 6)
+      throw input_error(where, "", fmt::format("has a count of {} digits: at most 100,000 nodes of at most 1024 GPUs ({})", end - pos, valid));
     counts.push_back(std::stoll(s.substr(pos, end - pos)));
     pos = end + 1;
   }

@@ -163,6 +163,10 @@ TEST(ClusterSpelling, BadSpellingsNameTheSpellingAndTheValidNames) {
   m = input_error_of([] { parse_cluster_spelling("8x"); });
   EXPECT_THAT(m, HasSubstr("names no GPU"));
 
+  // A count too long for any bound is out of range, not part of a GPU's name.
+  m = input_error_of([] { parse_cluster_spelling("99999999999x8xH100-SXM"); });
+  EXPECT_THAT(m, HasSubstr("has a count of 11 digits: at most 100,000 nodes of at most 1024 GPUs"));
+
   m = input_error_of([] { parse_cluster_spelling("2x2x2xA100"); });
   EXPECT_THAT(m, HasSubstr("more than two counts"));
 
