@@ -275,7 +275,8 @@ void add_modules_to_save(const ModelSpec& model, const std::vector<std::string>&
           found = true;
         }
     }
-    if (!found) throw input_error(fmt::format("adapter \"{}\"", a.name), "modules_to_save",
+    if (!found) throw input_error(a.source.empty() ? fmt::format("adapter \"{}\"", a.name) : fmt::format("{} (adapter \"{}\")", a.source, a.name),
+                                  "modules_to_save",
                                   fmt::format("names \"{}\", which {} does not have", name, model.name));
   }
 }
