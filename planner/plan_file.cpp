@@ -293,7 +293,8 @@ void check_program_hash(const PlanFile& plan, std::string_view source) {
   if (built != plan.program_hash)
     throw input_error(source, "program.hash",
                       fmt::format("names the program the writer built, but this build of peftplan makes {} from the same plan: "
-                                  "the two binaries disagree (rebuild both: make build)", built),
+                                  "the two binaries disagree (rebuild both: make build), or the file was edited since (leave out its program "
+                                  "section to take the plan as it reads now)", built),
                       "\"" + plan.program_hash + "\"");
 }
 
