@@ -62,7 +62,7 @@ void add_params_command(CLI::App& app, int& exit_code) {
     const models::ModelSpec m = models::load_model(o->model);
     const models::PeftSpec spec = peft_from_flags(o->peft);
     const models::ParamCounts c = models::count_params(m, spec);
-    for (const auto& w : models::unmatched_target_warnings(m, spec)) fmt::print(stderr, "warning: {}\n", one_line(printable(w)));
+    for (const auto& w : models::unmatched_target_warnings(m, spec)) fmt::print(stderr, "warning: {}\n", printable_line(w));
     const auto rows = spec.adapters.empty() ? std::vector<models::TrainableTensor>{}
                                             : models::trainable_tensors(m, spec);
     if (o->json) {

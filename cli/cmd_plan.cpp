@@ -1,6 +1,7 @@
 // `peftplan plan`: one configuration -> memory by category (device and host), the simultaneous
 // peak and where it happens, the simulated step time and its split, communication per step,
 // the verdict with reasons, and what the strategy changed. Exit code 1 when it does not fit.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -216,9 +217,14 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         throw input_error(out.flag, "", fmt::format("its folder {} does not exist (nothing was written)", parent.string()), out.path);
       if (std::filesystem::is_directory(out.path, ec))
         throw input_error(out.flag, "", "is a folder, not a file (nothing was written)", out.path);
-      for (std::size_t j = 0; j < i; ++j)
-        if (std::filesystem::weakly_canonical(outputs[j].path, ec) == std::filesystem::weakly_canonical(out.path, ec))
+      // One file for two flags would keep only the last (a device or a pipe takes both).
+      const std::filesystem::path mine = std::filesystem::weakly_canonical(out.path, ec);
+      if (ec || (std::filesystem::exists(mine, ec) && !std::filesystem::is_regular_file(mine, ec))) continue;
+      for (std::size_t j = 0; j < i; ++j) {
+        const std::filesystem::path theirs = std::filesystem::weakly_canonical(outputs[j].path, ec);
+        if (!ec && theirs == mine)
           throw input_error(out.flag, "", fmt::format("is also {}'s file: give each its own (nothing was written)", outputs[j].flag), out.path);
+      }
     }
     // Every file staged under its temporary name first, then all renamed into place: one that
     // cannot be written leaves none of the others behind.
@@ -232,7 +238,18 @@ void add_plan_command(CLI::App& app, int& exit_code) {
         throw InputError(fmt::format("{} {} (nothing was written)", out.flag, e.what()));
       }
     }
-    for (const StagedFile& f : staged) commit_file(f);
+    // In place: files renamed first, then devices and pipes written (they cannot be taken back).
+    std::stable_partition(staged.begin(), staged.end(), [](const StagedFile& f) { return !f.tmp.empty(); });
+    for (std::size_t i = 0; i < staged.size(); ++i) {
+      try {
+        commit_file(staged[i]);
+      } catch (const InputError& e) {
+        std::string written;
+        for (std::size_t k = 0; k < i; ++k) written += fmt::format("{}{}", k ? ", " : "", staged[k].path.string());
+        for (std::size_t k = i + 1; k < staged.size(); ++k) discard_file(staged[k]);
+        throw InputError(fmt::format("{} ({})", e.what(), written.empty() ? "nothing was written" : "written before it: " + written));
+      }
+    }
     std::optional<planner::SavedTable> saved;
     if (o->saved_layer) saved = planner::saved_for_backward(p.input, *o->saved_layer);
     if (o->json) {

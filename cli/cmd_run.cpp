@@ -298,7 +298,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
       ->capture_default_str()
       ->check(CLI::Validator(
           [](std::string& v) {
-            return v == "peft" || fs::is_regular_file(v) ? std::string() : "must be peft or an existing safetensors file, got " + v;
+            std::error_code ec;
+            return v == "peft" || fs::is_regular_file(v, ec) ? std::string() : "must be peft or an existing safetensors file, got " + v;
           },
           "", "PEFT_OR_FILE"));
   cmd->add_option("--save-adapter", o->run.save_adapter, "folder for adapter_model.safetensors + adapter_config.json")

@@ -277,7 +277,7 @@ std::string with_flags(std::string warning) {
     for (std::size_t at = warning.find(field); at != std::string::npos; at = warning.find(field, at + flag.size()))
       warning.replace(at, field.size(), flag);
   }
-  return one_line(printable(warning));  // a file's key in it may hold bytes a terminal would obey
+  return printable_line(warning);  // a file's key in it may hold bytes a terminal would obey
 }
 
 }  // namespace peftplan::cli

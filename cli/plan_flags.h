@@ -72,8 +72,8 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& flags);
 std::string flag_of(planner::Knob k);
 // A planner's warning with each field it names in parentheses ("(training.eval_batch)") spelled
 // as the flag that sets it ("(--eval-batch)"), as refusals name their flags, and every byte that
-// would not print escaped and a newline shown as \n (error.h printable, one_line: a file's key in
-// it may hold an escape sequence).
+// would not print escaped and a newline shown as \n (error.h printable_line: a file's key in it
+// may hold an escape sequence).
 std::string with_flags(std::string warning);
 
 }  // namespace peftplan::cli

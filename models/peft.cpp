@@ -165,13 +165,19 @@ ModuleSelector parse_selector(const json& v, std::string_view src, const char* f
       if (!e.is_string()) throw input_error(src, field, "must hold module names (strings)", e.dump());
       s.names.push_back(e.get<std::string>());
     }
-    // PEFT keeps an empty list (a set, not None), so no default applies and injection raises
-    // "Target modules set() not found in the base model" (tuners_utils.py inject_adapter).
-    if (s.names.empty())
-      throw input_error(src, field, "must name at least one module (PEFT finds none in an empty list); leave it out for PEFT's defaults", "[]");
+    if (s.names.empty()) s.kind = ModuleSelector::Kind::none;
     return s;
   }
   throw input_error(src, field, "must be a list of module names, a regex string or \"all-linear\"", v.dump());
+}
+
+// target_modules: as parse_selector, but an empty list is refused. PEFT keeps it (a set, not
+// None), so no default applies and injection raises "Target modules set() not found in the base
+// model" (tuners_utils.py inject_adapter). (An empty exclude_modules excludes nothing.)
+ModuleSelector parse_targets(const json& v, std::string_view src) {
+  if (v.is_array() && v.empty())
+    throw input_error(src, "target_modules", "must name at least one module (PEFT finds none in an empty list); leave it out for PEFT's defaults", "[]");
+  return parse_selector(v, src, "target_modules");
 }
 
 std::vector<std::string> string_list(const json& c, std::string_view src, const char* field) {
@@ -308,7 +314,7 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
     l.dropout = json_fields::number(c, "lora_dropout", src, 0.0);
     if (l.dropout < 0.0 || l.dropout >= 1.0)
       throw input_error(src, "lora_dropout", "must be in [0, 1)", fmt::format("{}", l.dropout));
-    if (c.contains("target_modules")) l.targets = parse_selector(c["target_modules"], src, "target_modules");
+    if (c.contains("target_modules")) l.targets = parse_targets(c["target_modules"], src);
     if (c.contains("exclude_modules")) l.exclude = parse_selector(c["exclude_modules"], src, "exclude_modules");
     if (auto it = c.find("layers_to_transform"); it != c.end() && !it->is_null()) {
       std::vector<std::int64_t> layers;
@@ -351,11 +357,11 @@ AdapterSpec adapter_from_config(const json& c, std::string_view src) {
     l.modules_to_save = string_list(c, src, "modules_to_save");
   } else if (type == "IA3") {
     a.type = PeftType::ia3;
-    if (c.contains("target_modules")) a.ia3.targets = parse_selector(c["target_modules"], src, "target_modules");
+    if (c.contains("target_modules")) a.ia3.targets = parse_targets(c["target_modules"], src);
     a.ia3.feedforward_modules = string_list(c, src, "feedforward_modules");
     // IA3Config.__post_init__: "`feedforward_modules` should be a subset of `target_modules`"
-    // (both lists, compared as sets).
-    if (a.ia3.targets.kind == ModuleSelector::Kind::list)
+    // (checked only when both are lists, compared as sets; a regex string is not).
+    if (a.ia3.targets.kind == ModuleSelector::Kind::list && c.contains("feedforward_modules") && c["feedforward_modules"].is_array())
       for (const std::string& f : a.ia3.feedforward_modules)
         if (std::find(a.ia3.targets.names.begin(), a.ia3.targets.names.end(), f) == a.ia3.targets.names.end())
           throw input_error(src, "feedforward_modules", fmt::format("must be a subset of target_modules ({}): {} is not in it",

@@ -173,18 +173,19 @@ void check_structure(const YAML::Node& node, std::string_view yaml, std::string_
     if (!kv.first.IsScalar()) continue;  // the readers refuse it, naming the map
     const std::string key = kv.first.as<std::string>();
     const std::string field = prefix.empty() ? key : prefix + "." + key;
-    const int line = kv.first.Mark().line;
-    if (!seen.insert(key).second)
+    const YAML::Mark mark = kv.first.Mark();
+    // The same key as PyYAML resolves it: a plain 1 (an int) is not a quoted "1" (a str).
+    if (!seen.insert(kv.first.Tag() + '\0' + key).second)
       throw input_error(source, field, fmt::format("line {}: given twice in one mapping (accelerate would keep the last, "
-                                                   "this reader the first: keep one)", line + 1));
-    if (line >= 0 && kv.first.Mark().column >= 0) {
-      std::size_t at = 0;
-      for (int l = 0; l < line && at != std::string_view::npos; ++l) at = yaml.find('\n', at) == std::string_view::npos ? std::string_view::npos : yaml.find('\n', at) + 1;
-      if (at != std::string_view::npos) {
-        const std::string_view text = yaml.substr(at, yaml.find('\n', at) - at);
-        if (text.find(':', std::min(text.size(), static_cast<std::size_t>(kv.first.Mark().column))) == std::string_view::npos)
-          throw input_error(source, field, fmt::format("line {}: is not a \"key: value\" pair (a file cut short?)", line + 1));
-      }
+                                                   "this reader the first: keep one)", mark.line + 1));
+    // A block key alone on its line with no colon after it: yaml-cpp reads a null value, PyYAML
+    // refuses it. (An explicit "? key" and a flow mapping's "{key}" are valid nulls.)
+    if (kv.second.IsNull() && mark.pos >= 0 && static_cast<std::size_t>(mark.pos) < yaml.size()) {
+      const std::size_t pos = static_cast<std::size_t>(mark.pos);
+      const std::size_t bol = yaml.rfind('\n', pos) == std::string_view::npos ? 0 : yaml.rfind('\n', pos) + 1;
+      const std::string_view before = yaml.substr(bol, pos - bol), after = yaml.substr(pos, yaml.find('\n', pos) - pos);
+      if (before.find_first_not_of(" ") == std::string_view::npos && after.find(':') == std::string_view::npos)
+        throw input_error(source, field, fmt::format("line {}: is not a \"key: value\" pair (a file cut short?)", mark.line + 1));
     }
     check_structure(kv.second, yaml, source, field);
   }

@@ -565,7 +565,8 @@ Cluster cluster_from_json(const nlohmann::json& j, std::string_view where) {
     if (!j["name"].is_string()) throw input_error(where, "name", "must be a string", j["name"].dump());
     c.name = j["name"].get<std::string>();
     // Shown in every header: one line of text (an escape sequence or a newline would rewrite the terminal's).
-    if (first_unprintable(c.name) != std::string::npos) throw input_error(where, "name", "must be printable text on one line", j["name"].dump());
+    if (first_unprintable(c.name) != std::string::npos || c.name.find_first_of("\n\t") != std::string::npos)
+      throw input_error(where, "name", "must be printable text on one line", j["name"].dump());
   }
   if (j.contains("intra_node_link"))
     c.intra_node_link = link_from_json(j["intra_node_link"], where, "intra_node_link");

@@ -305,6 +305,11 @@ TEST(CliPlan, LauncherConfigFlagsThatAgreePlan) {
       {"plan --gpus 2 --profile hf --precision fp16 --strategy fsdp-full-shard --peft " + kData + "/adapters/qv16_lm_head", ""},
       {"plan --gpus 2 --profile hf --precision fp16 --peft " + kData + "/adapters/qv16_bias_all", ""},
       {"plan --gpus 2 --profile hf --precision fp16 --model qwen2.5-7b --peft " + kData + "/adapters/o16_bias_lora_only", ""},
+      // Valid files that the refusals of empty target lists, IA3 subsets and cut-short YAML lines
+      // must let through: an empty exclude_modules, a regex feedforward_modules, an explicit key.
+      {"plan --model tiny-llama-2l --peft " + kData + "/adapters/exclude_none", ""},
+      {"plan --model tiny-llama-2l --peft " + kData + "/adapters/ia3_ff_regex", ""},
+      {"plan --gpus 2 --accelerate-config " + kData + "/accelerate/explicit_key.yaml", "fsdp-full-shard"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.args);
@@ -448,6 +453,21 @@ TEST(CliPlan, OutputsAreWrittenThroughDevicesAndLinks) {
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(std::filesystem::is_symlink(dir / "link.json"));
   EXPECT_GT(std::filesystem::file_size(dir / "real.json"), 100u);
+  // A link to a file not made yet: the file is made, the link stays.
+  std::filesystem::create_symlink("later.json", dir / "dangling.json");
+  r = run("plan --model tiny-llama-2l --seq-len 64 --write-plan " + (dir / "dangling.json").string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::filesystem::is_symlink(dir / "dangling.json"));
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir / "later.json"));
+  // One device for two outputs is no clash; /dev/stdout into a file keeps both the trace and the text.
+  r = run("plan --model tiny-llama-2l --seq-len 64 --trace /dev/null --memory-trace /dev/null");
+  EXPECT_EQ(r.code, 0) << r.out;
+  const std::string out = (dir / "out.txt").string();
+  ASSERT_EQ(std::system((std::string(PEFTPLAN_CLI) + " plan --model tiny-llama-2l --seq-len 64 --trace /dev/stdout > " + out).c_str()), 0);
+  std::ifstream f(out);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("traceEvents"), std::string::npos);
+  EXPECT_NE(text.find("verdict: fits"), std::string::npos);
   std::filesystem::remove_all(dir);
 }
 

@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <initializer_list>
@@ -29,58 +31,119 @@ namespace peftplan {
 
 // A file written under its temporary name, not yet in place (stage_file / commit_file).
 struct StagedFile {
-  std::filesystem::path path;  // where it goes (a symbolic link to a file resolved)
-  std::string tmp;             // where it is now; empty when written in place (a device, a pipe)
+  std::filesystem::path path;  // where it goes (a symbolic link resolved)
+  std::string tmp;             // where it is now; empty for a target written in place at commit
+  std::string in_place_text;   // what commit writes to a device or a pipe
 };
+
+namespace detail {
+
+// Writes all of `text` to `fd` and closes it; false with errno set at the call that failed.
+inline bool write_all_and_close(int fd, std::string_view text, bool sync) {
+  bool ok = true;
+  int err = 0;
+  const char* c = text.data();
+  std::size_t left = text.size();
+  while (ok && left > 0) {
+    const ssize_t w = ::write(fd, c, left);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      ok = false;
+      err = w < 0 ? errno : EIO;  // write(2) returning 0 sets no errno
+    } else {
+      c += w;
+      left -= static_cast<std::size_t>(w);
+    }
+  }
+  if (ok && sync && ::fsync(fd) != 0) {
+    ok = false;
+    err = errno;
+  }
+  if (::close(fd) != 0 && ok) {
+    ok = false;
+    err = errno;
+  }
+  errno = err;
+  return ok;
+}
+
+}  // namespace detail
 
 // Writes the pieces, in order, under the temporary name beside `path_given` (flushed to the disk).
 // Throws InputError "<path>: <what went wrong>" (a missing folder, a folder in the file's place,
-// no space, no permission); the temporary is removed. What is not a regular file is written to
-// as it is, not replaced: a device or a pipe (`--trace /dev/null`, `/dev/stdout`, a FIFO) has no
-// contents to keep whole, and renaming over it would put a file in its place (as root, over
-// /dev/null itself). A symbolic link to a file is followed: the file it names is replaced, and
-// the link stays.
+// no space, no permission); the temporary is removed. What is not a regular file is written as
+// it is, not replaced, and only at commit_file: a device or a pipe (`--trace /dev/null`,
+// `/dev/stdout`, a FIFO; any path under /dev or /proc, whose links lead through /proc/self/fd to
+// whatever the stream is) has no contents to keep whole, and renaming over it would put a file in
+// its place (as root, over /dev/null itself). A symbolic link elsewhere is followed, to a file
+// that exists or not: the file it names is written, and the link stays.
 inline StagedFile stage_file(const std::filesystem::path& path_given, std::span<const std::string_view> pieces) {
   namespace fs = std::filesystem;
   std::error_code ec;
+  if (path_given.empty()) throw InputError("an output file's name is empty");
   const fs::file_status st = fs::status(path_given, ec);
   if (st.type() == fs::file_type::directory)
     throw InputError(fmt::format("{}: is a folder (give a file name)", path_given.string()));
-  const bool in_place = fs::exists(st) && st.type() != fs::file_type::regular;
+  const std::string abs = fs::absolute(path_given, ec).string();
+  const bool special = abs.starts_with("/dev/") || abs.starts_with("/proc/");
   StagedFile f;
-  f.path = fs::is_symlink(path_given, ec) && st.type() == fs::file_type::regular ? fs::canonical(path_given, ec) : path_given;
-  if (!in_place) f.tmp = fmt::format("{}.tmp.{}", f.path.string(), ::getpid());
-  const std::string target = in_place ? f.path.string() : f.tmp;
-  const int fd = ::open(target.c_str(), in_place ? O_WRONLY | O_CLOEXEC : O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  f.path = path_given;
+  if (special || (fs::exists(st) && st.type() != fs::file_type::regular)) {
+    // Opened now to know it can be (a pipe with no reader yet, ENXIO, is waited for at commit).
+    const int fd = ::open(path_given.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0 && errno != ENXIO) throw InputError(fmt::format("{}: cannot be written ({})", path_given.string(), std::strerror(errno)));
+    if (fd >= 0) ::close(fd);
+    for (std::string_view piece : pieces) f.in_place_text.append(piece);
+    return f;  // written at commit_file
+  }
+  if (fs::is_symlink(path_given, ec)) {
+    const fs::path target = fs::read_symlink(path_given, ec);
+    if (!ec) f.path = target.is_absolute() ? target : path_given.parent_path() / target;
+  }
+  f.tmp = fmt::format("{}.tmp.{}", f.path.string(), ::getpid());
+  const int fd = ::open(f.tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0)
     throw InputError(fmt::format("{}: cannot be written ({}; does the folder exist?)", f.path.string(), std::strerror(errno)));
-  bool ok = true;
-  for (std::string_view piece : pieces) {
-    const char* c = piece.data();
-    std::size_t left = piece.size();
-    while (ok && left > 0) {
-      const ssize_t w = ::write(fd, c, left);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) ok = false;
-      else {
-        c += w;
-        left -= static_cast<std::size_t>(w);
-      }
-    }
-  }
-  ok = ok && (in_place || ::fsync(fd) == 0);  // a pipe or a terminal has nothing to sync
-  const int err = errno;
-  ok = ::close(fd) == 0 && ok;
-  if (!ok) {
-    if (!in_place) ::unlink(f.tmp.c_str());
+  std::string text;
+  for (std::string_view piece : pieces) text.append(piece);
+  if (!detail::write_all_and_close(fd, text, true)) {
+    const int err = errno;
+    ::unlink(f.tmp.c_str());
     throw InputError(fmt::format("{}: could not be written completely ({})", f.path.string(), std::strerror(err)));
   }
   return f;
 }
 
-// Renames a staged file into place (nothing to do for one written in place).
+// The descriptor a path names of this process's own (/dev/stdout, /dev/stderr, /dev/fd/N,
+// /proc/self/fd/N), or -1. Opening such a path again would start a second offset at 0 in a file
+// the stream was redirected to, and overwrite what the stream writes.
+inline int own_descriptor(const std::filesystem::path& p) {
+  const std::string s = p.string();
+  if (s == "/dev/stdout") return 1;
+  if (s == "/dev/stderr") return 2;
+  for (const char* prefix : {"/dev/fd/", "/proc/self/fd/"})
+    if (s.starts_with(prefix) && s.size() > std::strlen(prefix) && s.find_first_not_of("0123456789", std::strlen(prefix)) == std::string::npos)
+      return std::atoi(s.c_str() + std::strlen(prefix));
+  return -1;
+}
+
+// Puts a staged file in place: renamed over its path, or, for a device or a pipe, written now.
 inline void commit_file(const StagedFile& f) {
-  if (f.tmp.empty()) return;
+  if (f.tmp.empty()) {
+    if (const int own = own_descriptor(f.path); own >= 0) {  // written through the stream itself, after what it holds
+      std::fflush(stdout);
+      std::fflush(stderr);
+      const int fd = ::dup(own);
+      if (fd < 0 || !detail::write_all_and_close(fd, f.in_place_text, false))
+        throw InputError(fmt::format("{}: could not be written completely ({})", f.path.string(), std::strerror(errno)));
+      return;
+    }
+    const int fd = ::open(f.path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) throw InputError(fmt::format("{}: cannot be written ({})", f.path.string(), std::strerror(errno)));
+    if (!detail::write_all_and_close(fd, f.in_place_text, false))
+      throw InputError(fmt::format("{}: could not be written completely ({})", f.path.string(), std::strerror(errno)));
+    return;
+  }
   std::error_code ec;
   std::filesystem::rename(f.tmp, f.path, ec);
   if (ec) {

@@ -71,12 +71,15 @@ inline std::string one_line(std::string_view text) {
   return out;
 }
 
+// A message for the terminal, one line of bytes that print: what errors and warnings are shown as.
+inline std::string printable_line(std::string_view text) { return one_line(printable(text)); }
+
 // Bad input from a user: main() prints what() on one line and exits with code 2. Its message is
 // printable and one line: bytes from a user's file that would not print are escaped
 // (printable()), newlines shown as \n (one_line()).
 class InputError : public std::runtime_error {
  public:
-  explicit InputError(const std::string& message) : std::runtime_error(one_line(printable(message))) {}
+  explicit InputError(const std::string& message) : std::runtime_error(printable_line(message)) {}
 };
 
 // "<where>: <field> <problem>, got <value>" — the shape of every input error we print.
