@@ -116,6 +116,17 @@ void expect_trains_alike(Session& want_s, Session& got_s, double loss_tol, doubl
   }
 }
 
+// A command's exit code and its stdout and stderr together, run with one OpenMP thread (under the
+// sanitizer build the children check for leaks too; scripts/lsan.supp names Open MPI's own).
+std::pair<int, std::string> shell(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(("OMP_NUM_THREADS=1 " + cmd + " 2>&1").c_str(), "r");
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, p)) out += buf;
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
 fs::path temp_dir(const std::string& name) {
   const fs::path p = fs::temp_directory_path() / ("peftplan_test_executor_" + name + "_" + std::to_string(::getpid()));
   fs::create_directories(p);
@@ -773,17 +784,7 @@ TEST(PlanFile, RoundTrip) {
 // measured memory (equal); bad input from the executor is one line naming the file, exit code 2.
 TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
   const fs::path dir = temp_dir("cli");
-  auto run = [](const std::string& args) {
-    // Under the sanitizer build the children check for leaks too (scripts/lsan.supp names
-    // Open MPI's own).
-    const std::string cmd = "OMP_NUM_THREADS=1 " + std::string(PEFTPLAN_CLI) + " run " + args + " 2>&1";
-    std::string out;
-    FILE* p = popen(cmd.c_str(), "r");
-    char buf[4096];
-    while (std::fgets(buf, sizeof buf, p)) out += buf;
-    const int status = pclose(p);
-    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
-  };
+  auto run = [](const std::string& args) { return shell(std::string(PEFTPLAN_CLI) + " run " + args); };
   // A fixed cluster (no calibration run), time not judged and one round: this test is about the executor.
   const std::string fixed = " --cluster 1xA100-80GB --strategy ddp --tolerance-time 1e9 --rounds 1";
   const std::string common = "--model tiny-llama-2l --seq-len 16 --micro-batch 2 --lora-targets q_proj,v_proj" + fixed + " --data " + kCorpus;
@@ -807,13 +808,8 @@ TEST(ExecutorCli, RunEndToEndAndBadInputExitCodeTwo) {
     nlohmann::json pj = models::read_json_file((dir / "plan.json").string());
     pj["program"]["hash"] = "0123456789abcdef";
     std::ofstream(dir / "foreign-plan.json") << pj.dump(2);
-    const std::string cmd = std::string(PEFTPLAN_EXEC) + " " + (dir / "foreign-plan.json").string() + " --out " + (dir / "foreign").string() + " 2>&1";
-    std::string eout;
-    FILE* p = popen(cmd.c_str(), "r");
-    char buf[4096];
-    while (std::fgets(buf, sizeof buf, p)) eout += buf;
-    const int status = pclose(p);
-    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 2) << eout;
+    const auto [ecode, eout] = shell(std::string(PEFTPLAN_EXEC) + " " + (dir / "foreign-plan.json").string() + " --out " + (dir / "foreign").string());
+    EXPECT_EQ(ecode, 2) << eout;
     EXPECT_NE(eout.find("foreign-plan.json: program.hash"), std::string::npos) << eout;
   }
 #endif
@@ -858,13 +854,7 @@ TEST(ExecutorCli, PlanPathsThatCannotServeAreBadInput) {
   const nlohmann::json base = models::read_json_file(plan.string());
   auto exec = [&](const nlohmann::json& pj, const fs::path& out) {
     std::ofstream(dir / "p.json") << pj.dump(2);
-    const std::string cmd = std::string(PEFTPLAN_EXEC) + " " + (dir / "p.json").string() + " --out " + out.string() + " 2>&1";
-    std::string text;
-    FILE* p = popen(cmd.c_str(), "r");
-    char buf[4096];
-    while (std::fgets(buf, sizeof buf, p)) text += buf;
-    const int status = pclose(p);
-    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, text);
+    return shell(std::string(PEFTPLAN_EXEC) + " " + (dir / "p.json").string() + " --out " + out.string());
   };
   nlohmann::json pj = base;
   pj["run"]["data"] = dir.string();
@@ -930,14 +920,7 @@ TEST(ExecutorMeasurement, CollectiveSplitIsTheMeanOverTheStepsAfterTheFirst) {
 // round; a bad plan anywhere in the list is refused before anything runs; --out takes one plan.
 TEST(ExecutorCli, RoundsOfSeveralPlansRunInOneJob) {
   const fs::path dir = temp_dir("rounds");
-  auto sh = [](const std::string& cmd) {
-    std::string out;
-    FILE* p = popen(("OMP_NUM_THREADS=1 " + cmd + " 2>&1").c_str(), "r");
-    char buf[4096];
-    while (std::fgets(buf, sizeof buf, p)) out += buf;
-    const int status = pclose(p);
-    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, out);
-  };
+  const auto sh = shell;
   // A plan.json from `peftplan run` (one round), saving the adapter.
   auto [code, out] = sh(std::string(PEFTPLAN_CLI) + " run --model tiny-llama-2l --seq-len 16 --micro-batch 2 --steps 2 --rounds 1 " +
                         "--cluster 1xA100-80GB --strategy ddp --tolerance-time 1e9 --data " + kCorpus + " --save-adapter " +
