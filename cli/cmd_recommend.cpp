@@ -151,6 +151,9 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
     if (o->max_micro_batch < o->min_micro_batch)
       throw InputError(fmt::format("--max-micro-batch {} is below --min-micro-batch {}", o->max_micro_batch, o->min_micro_batch));
     ResolvedPlan rp = resolve_plan_flags(flags);
+    // What reading the inputs warns of, on stderr (stdout may be --json): a target the model
+    // lacks, a launcher config's ignored keys, a checkpoint saved quantised.
+    for (const auto& w : rp.warnings) fmt::print(stderr, "warning: {}\n", with_flags(w));
     space.profiles = all ? std::vector{planner::RuntimeProfile::deepspeed, planner::RuntimeProfile::hf} : std::vector{rp.input.profile};
     if (!o->strategies.empty())
       for (auto w : split_commas("--strategy", o->strategies)) {

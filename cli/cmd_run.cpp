@@ -357,6 +357,10 @@ void add_run_command(CLI::App& app, int& exit_code) {
       PlanFlags f = flags;
       f.strategy = s;
       resolved.push_back(resolve_plan_flags(f));
+      // What peftplan-exec would refuse at its first step is refused here, before the folder, the
+      // data or a calibration exist.
+      if (const std::string why = planner::executor_limitation(resolved.back().input); !why.empty())
+        throw InputError(fmt::format("run: the executor cannot run this plan ({}): `peftplan plan` plans it for the GPU runtimes", why));
     }
     const fs::path out = fs::absolute(o->out);
     make_folder(out, "--out");

@@ -150,11 +150,20 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
     const std::vector<planner::SweepColumn>& columns = planner::sweep_columns();
     std::vector<nlohmann::json> rows(total);
     std::atomic<std::size_t> next{0}, done{0};
+    // What resolving the flags warns of (a target the model lacks, a checkpoint saved quantised
+    // that --quant asks otherwise of): once each on stderr, as plan prints them, in the order the
+    // grid first meets them.
+    std::mutex warned_mutex;
+    std::vector<std::pair<std::size_t, std::string>> warned;
     auto worker = [&] {
       for (std::size_t k; (k = next.fetch_add(1)) < total; ++done) {
         nlohmann::json row;
         try {
           const ResolvedPlan rp = resolve_plan_flags(flags[k]);
+          if (!rp.warnings.empty()) {
+            const std::lock_guard<std::mutex> lock(warned_mutex);
+            for (const auto& w : rp.warnings) warned.emplace_back(k, w);
+          }
           planner::PlanOptions po;
           po.headroom_fraction = rp.headroom_fraction;
           po.explain = false;
@@ -187,6 +196,10 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
       fmt::print(stderr, "\r{}\r", std::string(60, ' '));
     }
     for (auto& t : threads) t.join();
+    std::sort(warned.begin(), warned.end());
+    std::set<std::string> printed;
+    for (const auto& [k, w] : warned)
+      if (printed.insert(w).second) fmt::print(stderr, "warning: {}\n", with_flags(w));
 
     // A value refused in every configuration that holds it, for itself (the error names its own
     // flag: "--strategy: must be one of ..."), is bad input, not a refused combination: exit 2,

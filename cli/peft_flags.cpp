@@ -91,6 +91,10 @@ models::PeftSpec peft_from_flags(const PeftFlags& f) {
     spec.adapters.push_back(std::move(a));
   }
   if (f.quantised()) {
+    // transformers' Trainer refuses "to perform fine-tuning on purely quantized models" (trainer.py).
+    if (f.full_finetune)
+      throw InputError(fmt::format("--quant {} with --full-finetune: transformers' Trainer refuses to fine-tune a purely quantised model; "
+                                   "drop --quant or train an adapter", f.quant));
     models::Quantization q;
     auto t = parse_dtype(f.quant);
     if (!t || (*t != DType::nf4 && *t != DType::fp4 && *t != DType::int8))

@@ -109,6 +109,8 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   planner::PlanInput& in = r.input;
   in.model = models::load_model(f.model);
   in.peft = peft_from_flags(f.peft);
+  for (auto& w : models::apply_checkpoint_quantization(in.model, in.peft, !f.peft.quant.empty() || f.peft.double_quant))
+    r.warnings.push_back(std::move(w));
   for (auto& w : models::unmatched_target_warnings(in.model, in.peft)) r.warnings.push_back(std::move(w));  // once per input, not per plan
   auto& t = in.training;
   t.micro_batch = f.micro_batch;

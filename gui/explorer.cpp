@@ -100,6 +100,7 @@ planner::PlanInput scenario_input(const Scenario& s, sim::Cluster& cluster, std:
     q.double_quant = true;
     in.peft.quantization = q;
   }
+  for (auto& w : models::apply_checkpoint_quantization(in.model, in.peft, s.qlora)) warnings.push_back(std::move(w));
   in.training.micro_batch = s.micro_batch;
   in.training.seq_len = s.seq_len;
   in.training.grad_accum = s.grad_accum;

@@ -15,6 +15,7 @@
 #include "peftplan/common/error.h"
 #include "peftplan/common/json_file.h"
 #include "peftplan/common/json_fields.h"
+#include "peftplan/models/parameters.h"
 
 namespace peftplan::models {
 namespace {
@@ -94,6 +95,65 @@ double get_double(const json& c, std::string_view src, std::initializer_list<con
   const json* v = find_field(c, keys, &key);
   if (!v) return fallback;
   return json_fields::as_number(*v, src, key);
+}
+
+// config.json's quantization_config: a checkpoint saved quantised. transformers picks the quantizer
+// by quant_method (quantizers/auto.py AutoQuantizationConfig.from_dict: a config without one is
+// bitsandbytes when load_in_4bit or load_in_8bit is set, else refused). BitsAndBytesConfig
+// (utils/quantization_config.py): to_dict writes load_in_4bit and load_in_8bit beside their
+// _load_in_* attributes; bnb_4bit_quant_type defaults to "fp4", bnb_4bit_use_double_quant to
+// false; both load flags at once is a ValueError. llm_int8_skip_modules names modules kept
+// unquantised by substring of their dotted path (integrations/bitsandbytes.py
+// _replace_with_bnb_linear); the planner quantises every Linear but the LM head, so a list that
+// keeps any other Linear whole is refused rather than planned wrong.
+std::optional<Quantization> read_quantization_config(const json& c, std::string_view src, const ModelSpec& m) {
+  const json* qc = json_fields::find(c, "quantization_config");
+  if (!qc) return std::nullopt;
+  if (!qc->is_object()) throw input_error(src, "quantization_config", "must be an object (transformers' quantization config)", qc->dump());
+  constexpr std::string_view kPrefix = "quantization_config.";
+  auto flag = [&](const char* key) {
+    const std::string underscored = std::string("_") + key;
+    return json_fields::find(*qc, key) ? json_fields::boolean(*qc, key, src, false, kPrefix)
+                                       : json_fields::boolean(*qc, underscored, src, false, kPrefix);
+  };
+  const bool four = flag("load_in_4bit"), eight = flag("load_in_8bit");
+  const std::string method = json_fields::string(*qc, "quant_method", src, four || eight ? "bitsandbytes" : "", kPrefix);
+  if (method.empty())
+    throw input_error(src, "quantization_config.quant_method",
+                      "is required when neither load_in_4bit nor load_in_8bit is set (transformers refuses such a config)");
+  if (method != "bitsandbytes")
+    throw input_error(src, "quantization_config.quant_method",
+                      "is not modelled: peftplan plans bitsandbytes checkpoints (load_in_4bit or load_in_8bit); a GPTQ, AWQ or other "
+                      "quantised base stores and runs its weights differently",
+                      "\"" + method + "\"");
+  if (four && eight)
+    throw input_error(src, "quantization_config.load_in_8bit", "and load_in_4bit are both true (BitsAndBytesConfig allows one)", "true");
+  if (!four && !eight)
+    throw input_error(src, "quantization_config.load_in_4bit", "or load_in_8bit must be true for a bitsandbytes checkpoint", "false");
+  Quantization q;
+  if (eight) {
+    q.dtype = DType::int8;
+  } else {
+    const std::string type = json_fields::string(*qc, "bnb_4bit_quant_type", src, "fp4", kPrefix);
+    if (type != "nf4" && type != "fp4")
+      throw input_error(src, "quantization_config.bnb_4bit_quant_type", "must be \"nf4\" or \"fp4\"", "\"" + type + "\"");
+    q.dtype = type == "nf4" ? DType::nf4 : DType::fp4;
+    q.double_quant = json_fields::boolean(*qc, "bnb_4bit_use_double_quant", src, false, kPrefix);
+  }
+  if (const json* skip = json_fields::find(*qc, "llm_int8_skip_modules")) {
+    if (!skip->is_array()) throw input_error(src, "quantization_config.llm_int8_skip_modules", "must be a list of module names or null", skip->dump());
+    const auto tensors = parameter_tensors(m);
+    for (const json& name : *skip) {
+      const std::string key = json_fields::as_string(name, src, "quantization_config.llm_int8_skip_modules[]");
+      for (const auto& t : tensors)
+        if (t.role == ParamRole::linear_weight && t.module.find(key) != std::string::npos)
+          throw input_error(src, "quantization_config.llm_int8_skip_modules",
+                            fmt::format("keeps {} unquantised: a base quantised in part is not modelled (peftplan quantises every "
+                                        "Linear but the LM head)", t.module),
+                            "\"" + key + "\"");
+    }
+  }
+  return q;
 }
 
 }  // namespace
@@ -218,6 +278,7 @@ ModelSpec model_from_config(const json& c, std::string_view src, std::string nam
   if (m.heads % m.kv_heads != 0)
     throw input_error(src, "num_key_value_heads",
                       fmt::format("must divide num_attention_heads ({})", m.heads), std::to_string(m.kv_heads));
+  m.checkpoint_quantization = read_quantization_config(c, src, m);
   return m;
 }
 

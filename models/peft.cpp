@@ -419,6 +419,27 @@ std::vector<std::string> unmatched_target_warnings(const ModelSpec& model, const
   return out;
 }
 
+std::string describe(const Quantization& q) {
+  if (q.dtype == DType::int8) return "bitsandbytes int8 (LLM.int8())";
+  return fmt::format("bitsandbytes {}{}", name_of(q.dtype), q.double_quant ? " with double quantisation" : "");
+}
+
+std::vector<std::string> apply_checkpoint_quantization(const ModelSpec& model, PeftSpec& peft, bool quant_asked) {
+  const auto& q = model.checkpoint_quantization;
+  if (!q) return {};
+  if (peft.adapters.empty())
+    throw InputError(fmt::format("{} was saved quantised ({}, its config.json's quantization_config): transformers' Trainer refuses to "
+                                 "fine-tune a purely quantised model; train an adapter (--lora-* or --peft) or plan the unquantised checkpoint",
+                                 model.name, describe(*q)));
+  std::vector<std::string> out;
+  if (quant_asked && peft.quantization != q)
+    out.push_back(fmt::format("{} was saved quantised (its config.json's quantization_config), and transformers loads it so whatever "
+                              "is asked: planned as {}, not {}",
+                              model.name, describe(*q), peft.quantization ? describe(*peft.quantization) : std::string("unquantised")));
+  peft.quantization = q;
+  return out;
+}
+
 std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft) {
   const auto base = parameter_tensors(model);
   return trainable_tensors(model, peft, base, linear_modules(model, base));

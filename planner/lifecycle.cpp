@@ -7,6 +7,9 @@
 
 #include "peftplan/common/units.h"
 #include "peftplan/models/parameters.h"
+#include "peftplan/models/peft.h"
+
+#include "builder.h"
 
 namespace peftplan::planner {
 
@@ -35,7 +38,19 @@ LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster,
   const bool peft = !in.peft.adapters.empty();
 
   // --- load ---
-  if (kbit) {
+  if (kbit && in.model.checkpoint_quantization) {
+    // Saved quantised: the shards hold the packed weights and their constants, which
+    // from_pretrained places on the device as they are (the bitsandbytes quantizer's
+    // create_quantized_param rebuilds Params4bit / Int8Params from the saved pieces, no
+    // quantisation step): host RAM holds one shard of the quantised checkpoint.
+    std::uint64_t checkpoint_bytes = 0;
+    for (const auto& x : tensors) checkpoint_bytes += builder::frozen_bytes(x, load, load, in.peft.quantization);
+    r.load_host_per_rank_bytes = std::min(checkpoint_bytes, kShardBytes);
+    r.load_host_per_node_bytes = r.load_host_per_rank_bytes * static_cast<std::uint64_t>(per_node);
+    r.load_device_bytes = weights_device_bytes;
+    r.load_how = fmt::format("saved quantised ({}): one shard of the {} checkpoint in host RAM per rank, the packed weights placed on the "
+                             "device as they are", models::describe(*in.model.checkpoint_quantization), human_bytes(checkpoint_bytes));
+  } else if (kbit) {
     // A quantization_config makes from_pretrained load with low_cpu_mem_usage: checkpoint shards
     // are read one at a time and each Linear weight is quantised as it reaches the GPU
     // (bitsandbytes 0.43.3 Params4bit.cuda -> functional.quantize_4bit: the bf16 weight, the packed

@@ -193,6 +193,18 @@ PlanFile plan_file_from_json(const json& j, std::string_view source) {
     q.block_size = positive(*it, "block_size", source, "quantization.", q.block_size);
     in.peft.quantization = q;
   }
+  // A checkpoint saved quantised loads as saved (models::apply_checkpoint_quantization): a plan
+  // file that says otherwise was not written by `plan`.
+  if (const auto& cq = in.model.checkpoint_quantization; cq && in.peft.quantization != cq)
+    throw input_error(source, "quantization",
+                      fmt::format("must be the model's own ({}, its config.json's quantization_config): the checkpoint loads quantised as saved",
+                                  models::describe(*cq)),
+                      j.contains("quantization") ? j["quantization"].dump() : std::string("absent"));
+  if (in.model.checkpoint_quantization && in.peft.adapters.empty())
+    throw input_error(source, "adapters",
+                      fmt::format("must hold an adapter: the model was saved quantised ({}) and transformers' Trainer refuses to fine-tune a "
+                                  "purely quantised model", models::describe(*in.model.checkpoint_quantization)),
+                      "none");
   if (auto it = tr.find("base_storage"); it != tr.end() && !it->is_null()) {
     auto d = it->is_string() ? parse_dtype(it->get<std::string>()) : std::nullopt;
     if (!d) throw input_error(source, "training.base_storage", "must be fp32, bf16, fp16, int8 or nf4", it->dump());

@@ -210,6 +210,15 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       {"plan --no-such-flag", "peftplan: error: The following argument was not expected: --no-such-flag (see peftplan plan --help)"},
       {"plan --quant nf4 --base-dtype fp32", "--base-dtype: contradicts --quant nf4 (the quantised base is stored as nf4): give one of them, got \"fp32\""},
       {"plan --quant int8 --double-quant", "--double-quant needs --quant nf4 or --quant fp4, got --quant int8"},
+      {"plan --quant nf4 --full-finetune", "--quant nf4 with --full-finetune: transformers' Trainer refuses to fine-tune a purely quantised model"},
+      {"plan --full-finetune --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
+       "llama-3-8b-bnb-4bit was saved quantised (bitsandbytes nf4 with double quantisation, its config.json's quantization_config): "
+       "transformers' Trainer refuses to fine-tune a purely quantised model"},
+      // What peftplan-exec cannot run is refused before `run` writes anything or starts MPI.
+      {"run --quant nf4 --lora-r 4 --steps 1 --out never-written",
+       "run: the executor cannot run this plan (quantised base weights): `peftplan plan` plans it for the GPU runtimes"},
+      {"estimate --gpus 8 --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
+       "--model: names a checkpoint saved quantised (bitsandbytes nf4 with double quantisation"},
       // Combinations the runtime refuses when it starts: bitsandbytes' 8-bit AdamW on the host
       // (ZeRO-Offload, FSDP's CPUOffload), and fp16 gradients under torch.amp's GradScaler.
       {"plan --gpus 2 --strategy zero2 --optimizer adamw-8bit --offload-optimizer cpu",
@@ -541,4 +550,52 @@ TEST(CliPlan, AccelerateConfigPlansTheFileStrategy) {
                  "/accelerate/fms-acceleration-benchmarks.yaml");
   EXPECT_EQ(d.code, 2) << d.out;
   EXPECT_NE(d.out.find("FSDP is planned with profile hf"), std::string::npos) << d.out;
+}
+
+// A checkpoint saved quantised (its config.json's quantization_config, as unsloth's and
+// bitsandbytes' 4-bit uploads are) plans as the same model quantised by flags: the same bytes in
+// every category, the same step time. A --quant that asks otherwise is a warning, not a new plan.
+TEST(Cli, ACheckpointSavedQuantisedPlansAsItsQuantisation) {
+  const std::string flags = " --lora-r 16 --profile hf --gpus 1 --seq-len 1024 --eval-batch 0 --json";
+  const Result saved = run("plan --model " + kData + "/quantised/llama-3-8b-bnb-4bit" + flags);
+  const Result by_flags = run("plan --model llama-3-8b --quant nf4 --double-quant" + flags);
+  ASSERT_EQ(saved.code, 0) << saved.out;
+  ASSERT_EQ(by_flags.code, 0) << by_flags.out;
+  const auto a = nlohmann::json::parse(saved.out.substr(saved.out.find('{')));
+  const auto b = nlohmann::json::parse(by_flags.out.substr(by_flags.out.find('{')));
+  EXPECT_EQ(a["memory"], b["memory"]);  // every category, the three peaks, the host
+  EXPECT_EQ(a["time"], b["time"]);
+  EXPECT_TRUE(a["warnings"].empty()) << a["warnings"].dump();
+  // Loading reads the packed checkpoint: on the device the weights alone, no bf16 Linear beside
+  // them as when bitsandbytes quantises at load.
+  EXPECT_LT(a["lifecycle"]["load_device_bytes"].get<double>(), b["lifecycle"]["load_device_bytes"].get<double>());
+  const Result fp4 = run("plan --model " + kData + "/quantised/llama-3-8b-bnb-4bit --quant fp4" + flags);
+  ASSERT_EQ(fp4.code, 0) << fp4.out;
+  const auto c = nlohmann::json::parse(fp4.out.substr(fp4.out.find('{')));
+  EXPECT_EQ(c["memory"], a["memory"]);
+  ASSERT_EQ(c["warnings"].size(), 1u) << c["warnings"].dump();
+  EXPECT_NE(c["warnings"][0].get<std::string>().find("planned as bitsandbytes nf4 with double quantisation, not bitsandbytes fp4"), std::string::npos) << c["warnings"].dump();
+}
+
+// Every command that reads plan's flags says what reading them warns of: sweep once per grid, not
+// once per row; recommend and explain on stderr, where --json output does not hold it.
+TEST(Cli, EveryPlanningCommandWarnsOfItsInputs) {
+  const std::string model = " --model " + kData + "/quantised/llama-3-8b-bnb-4bit --lora-r 16 --gpus 1 --cluster 1xA100-80GB";
+  auto count = [](const std::string& text, const std::string& what) {
+    std::size_t n = 0;
+    for (std::size_t at = 0; (at = text.find(what, at)) != std::string::npos; at += what.size()) ++n;
+    return n;
+  };
+  const std::string saved = "warning: llama-3-8b-bnb-4bit was saved quantised (its config.json's quantization_config)";
+  const Result s = run("sweep" + model + " --quant none,nf4 --micro-batch 1,2");
+  ASSERT_EQ(s.code, 0) << s.out;
+  EXPECT_EQ(count(s.out, saved), 2u) << s.out;  // two --quant values that ask otherwise, four rows
+  EXPECT_EQ(count(s.out, "planned as bitsandbytes nf4 with double quantisation, not unquantised"), 1u) << s.out;
+  EXPECT_EQ(count(s.out, "planned as bitsandbytes nf4 with double quantisation, not bitsandbytes nf4\n"), 1u) << s.out;
+  const Result r = run("recommend" + model + " --quant fp4 --top 1");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(count(r.out, saved), 1u) << r.out;
+  const Result e = run("explain" + model + " --quant fp4");
+  EXPECT_EQ(e.code, 0) << e.out;
+  EXPECT_EQ(count(e.out, saved), 1u) << e.out;
 }

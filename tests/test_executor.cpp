@@ -703,6 +703,32 @@ TEST(ExecutorInput, CheckpointsAndBadFiles) {
   fs::remove_all(dir);
 }
 
+// A model saved quantised keeps its quantisation through plan.json; a file that drops it, or
+// trains no adapter on it, was not written by `plan` and is refused naming the field.
+TEST(PlanFile, ACheckpointSavedQuantisedKeepsItsQuantisation) {
+  planner::PlanFile pf = make_plan(Config{});
+  nlohmann::json cfg = nlohmann::json::parse(models::zoo_config_text("tiny-llama-2l"));
+  cfg["quantization_config"] = {{"load_in_4bit", true}, {"bnb_4bit_quant_type", "nf4"}};
+  pf.model_source = cfg;
+  pf.input.model = models::model_from_config(cfg, "config.json", "tiny-llama-2l-bnb-4bit");
+  ASSERT_TRUE(models::apply_checkpoint_quantization(pf.input.model, pf.input.peft, false).empty());
+  const nlohmann::json j = planner::plan_file_to_json(pf);
+  const planner::PlanFile back = planner::plan_file_from_json(j, "plan.json");
+  ASSERT_TRUE(back.input.peft.quantization.has_value());
+  EXPECT_EQ(back.input.peft.quantization, pf.input.peft.quantization);
+  nlohmann::json dropped = j;
+  dropped["quantization"] = nullptr;
+  try {
+    planner::plan_file_from_json(dropped, "plan.json");
+    FAIL() << "a plan without the checkpoint's quantisation was read";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("plan.json: quantization must be the model's own (bitsandbytes nf4"), std::string::npos) << e.what();
+  }
+  nlohmann::json full = j;
+  full["adapters"] = nlohmann::json::array();
+  EXPECT_THROW(planner::plan_file_from_json(full, "plan.json"), InputError);
+}
+
 // plan.json round trip: what the executor reads is what `peftplan run` wrote.
 TEST(PlanFile, RoundTrip) {
   Config c;

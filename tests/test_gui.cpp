@@ -416,6 +416,28 @@ class TestGui : public QObject {
     QVERIFY(w.verdict_line()->text().contains("no-such-adapter.json"));
   }
 
+  // A checkpoint saved quantised plans at its own quantisation whether or not the QLoRA box is
+  // ticked (models::apply_checkpoint_quantization, the rule `plan` applies), and full fine-tuning
+  // of it is refused as bad input.
+  void a_checkpoint_saved_quantised_plans_as_saved() {
+    gui::Scenario s;
+    s.model = PEFTPLAN_SOURCE_DIR "/tests/data/quantised/llama-3-8b-bnb-4bit";
+    sim::Cluster c;
+    std::vector<std::string> w;
+    const planner::PlanInput saved = gui::scenario_input(s, c, w);
+    QVERIFY(saved.peft.quantization.has_value());
+    QCOMPARE(saved.peft.quantization->dtype, DType::nf4);
+    QVERIFY(saved.peft.quantization->double_quant);
+    QVERIFY(w.empty());
+    s.qlora = true;  // the box's nf4 with double quantisation is what it is: no warning
+    QVERIFY(gui::scenario_input(s, c, w).peft.quantization == saved.peft.quantization);
+    QVERIFY(w.empty());
+    s.lora_r = 0;
+    s.qlora = false;
+    const gui::Result r = gui::plan_scenario(s, 1);
+    QVERIFY(r.error.find("transformers' Trainer refuses to fine-tune a purely quantised model") != std::string::npos);
+  }
+
   // Two scenarios side by side: B pinned at micro-batch 2, A at 4; each cell is its plan's.
   void compare_puts_two_scenarios_side_by_side() {
     gui::Explorer w;

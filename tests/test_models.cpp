@@ -12,6 +12,7 @@
 #include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
 #include "peftplan/models/parameters.h"
+#include "peftplan/models/peft.h"
 
 using namespace peftplan;
 using namespace peftplan::models;
@@ -139,6 +140,66 @@ TEST(Models, OptLearnedPositionsHaveTwoExtraRows) {
 TEST(Models, LargestLayerIsTheEmbeddingForLlama) {
   // DeepSpeed's largest_layer_params: max over modules of their own parameters.
   EXPECT_EQ(count_base(load_model("llama-2-7b")).largest_layer, 32000LL * 4096);
+}
+
+// A checkpoint saved quantised: config.json's quantization_config as transformers writes it
+// (BitsAndBytesConfig.to_dict, transformers utils/quantization_config.py), read with
+// BitsAndBytesConfig's defaults: bnb_4bit_quant_type "fp4", no double quantisation.
+TEST(Models, QuantizationConfigOfACheckpointSavedQuantised) {
+  const ModelSpec nf4 = load_model(std::string(PEFTPLAN_TEST_DATA) + "/quantised/llama-3-8b-bnb-4bit");
+  ASSERT_TRUE(nf4.checkpoint_quantization.has_value());
+  EXPECT_EQ(nf4.checkpoint_quantization->dtype, DType::nf4);
+  EXPECT_TRUE(nf4.checkpoint_quantization->double_quant);
+  EXPECT_EQ(nf4.checkpoint_quantization->block_size, 64);
+  EXPECT_FALSE(load_model("llama-3-8b").checkpoint_quantization.has_value());
+  nlohmann::json c = nlohmann::json::parse(zoo_config_text("tiny-llama-2l"));
+  c["quantization_config"] = {{"quant_method", "bitsandbytes"}, {"_load_in_4bit", true}};  // the attribute alone
+  ModelSpec m = model_from_config(c, "cfg.json", "x");
+  ASSERT_TRUE(m.checkpoint_quantization.has_value());
+  EXPECT_EQ(m.checkpoint_quantization->dtype, DType::fp4);
+  EXPECT_FALSE(m.checkpoint_quantization->double_quant);
+  // Without quant_method, load_in_8bit makes it bitsandbytes (AutoQuantizationConfig.from_dict).
+  c["quantization_config"] = {{"load_in_8bit", true}, {"llm_int8_skip_modules", {"lm_head"}}};
+  m = model_from_config(c, "cfg.json", "x");
+  ASSERT_TRUE(m.checkpoint_quantization.has_value());
+  EXPECT_EQ(m.checkpoint_quantization->dtype, DType::int8);
+  c["quantization_config"] = nullptr;
+  EXPECT_FALSE(model_from_config(c, "cfg.json", "x").checkpoint_quantization.has_value());
+  // Kept unquantised in part (bitsandbytes matches the name inside each module's dotted path):
+  // refused, naming the first Linear it keeps whole.
+  c["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", {"lm_head", "o_proj"}}};
+  try {
+    model_from_config(c, "cfg.json", "x");
+    ADD_FAILURE() << "a partly quantised base was accepted";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "cfg.json: quantization_config.llm_int8_skip_modules keeps model.layers.0.self_attn.o_proj unquantised: a base quantised "
+              "in part is not modelled (peftplan quantises every Linear but the LM head), got \"o_proj\"");
+  }
+}
+
+// The rule every planning command applies (models::apply_checkpoint_quantization): the
+// checkpoint's quantisation wins, a different request is a warning, full fine-tuning is refused.
+TEST(Models, ACheckpointSavedQuantisedLoadsAsSaved) {
+  const ModelSpec m = load_model(std::string(PEFTPLAN_TEST_DATA) + "/quantised/llama-3-8b-bnb-4bit");
+  PeftSpec lora;
+  lora.adapters.push_back(AdapterSpec{});
+  PeftSpec p = lora;
+  EXPECT_TRUE(apply_checkpoint_quantization(m, p, false).empty());
+  EXPECT_EQ(p.quantization, m.checkpoint_quantization);
+  p = lora;
+  p.quantization = m.checkpoint_quantization;  // asked for what it is: no warning
+  EXPECT_TRUE(apply_checkpoint_quantization(m, p, true).empty());
+  p = lora;  // asked for no quantisation (--quant none)
+  const auto w = apply_checkpoint_quantization(m, p, true);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("planned as bitsandbytes nf4 with double quantisation, not unquantised"), std::string::npos) << w[0];
+  EXPECT_EQ(p.quantization, m.checkpoint_quantization);
+  PeftSpec full;
+  EXPECT_THROW(apply_checkpoint_quantization(m, full, false), InputError);
+  PeftSpec plain = lora;  // an unquantised checkpoint: nothing changes
+  EXPECT_TRUE(apply_checkpoint_quantization(load_model("llama-3-8b"), plain, true).empty());
+  EXPECT_FALSE(plain.quantization.has_value());
 }
 
 TEST(ModelErrors, UnknownModelTypeNamesFieldAndValidList) {

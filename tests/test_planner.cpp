@@ -637,6 +637,37 @@ TEST(Lifecycle, LoadAndSavePeaksAgainstHandSizes) {
   EXPECT_EQ(p.lifecycle->save_device_bytes, 2ull * (2 * 32000 * 4096 + 4096));
 }
 
+// A checkpoint saved quantised loads its packed weights as they are (transformers' bitsandbytes
+// quantizer rebuilds Params4bit from the saved pieces): host RAM holds the quantised checkpoint
+// (under one 5 GB shard here), and the device never holds a bf16 Linear beside them as it does
+// when bitsandbytes quantises at load.
+TEST(Lifecycle, ACheckpointSavedQuantisedLoadsPacked) {
+  nlohmann::json c = nlohmann::json::parse(models::zoo_config_text("llama-2-7b"));
+  c["quantization_config"] = {{"quant_method", "bitsandbytes"}, {"load_in_4bit", true}, {"bnb_4bit_quant_type", "nf4"}};
+  PlanInput saved;
+  saved.model = models::model_from_config(c, "config.json", "llama-2-7b-bnb-4bit");
+  saved.peft.adapters.push_back(models::AdapterSpec{});
+  ASSERT_TRUE(models::apply_checkpoint_quantization(saved.model, saved.peft, false).empty());
+  saved.profile = RuntimeProfile::hf;
+  saved.strategy.ranks = 1;
+  PlanInput by_flags = saved;
+  by_flags.model = models::load_model("llama-2-7b");
+  const sim::Cluster cluster = sim::resolve_cluster("1x1xA100-80GB");
+  const Plan a = make_plan(saved, cluster), b = make_plan(by_flags, cluster);
+  ASSERT_TRUE(a.lifecycle && b.lifecycle);
+  // Llama-2-7B's decoder Linears: 32 × (4 × 4096² + 3 × 11008 × 4096) = 6,476,005,376 weights at
+  // half a byte plus a 4-byte absmax per 64 (0.5625 B each); the embedding and the untied head in
+  // bf16, 2 × 32000 × 4096 × 2 B; 65 RMSNorm weights of 4096 in bf16.
+  const std::uint64_t linear = 6'476'005'376ull;
+  const std::uint64_t checkpoint = linear / 2 + 4 * (linear / 64) + 2ull * 32000 * 4096 * 2 + 65ull * 4096 * 2;
+  EXPECT_EQ(checkpoint, 4'167'573'504ull);
+  EXPECT_EQ(a.lifecycle->load_host_per_rank_bytes, checkpoint);
+  EXPECT_EQ(b.lifecycle->load_host_per_rank_bytes, 5'000'000'000ull);  // a bf16 shard of 5 GB
+  // Quantising at load holds the largest Linear (down_proj, 11008 × 4096) in bf16, its packed
+  // output and its absmax beside the weights: 90,177,536 + 22,544,384 + 2,818,048 B.
+  EXPECT_EQ(b.lifecycle->load_device_bytes - a.lifecycle->load_device_bytes, 115'539'968ull);
+}
+
 // The evaluation loop (transformers Trainer.evaluate -> prediction_step under torch.no_grad, with
 // labels and prediction_loss_only when there are no compute_metrics): the model states the step
 // keeps between steps, plus the forward's last live tensors at the cross-entropy, which at a

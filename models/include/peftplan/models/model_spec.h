@@ -17,6 +17,15 @@ enum class Arch { llama, mistral, mixtral, qwen2, gemma, gemma2, phi3, gpt2, gpt
 
 std::string_view name_of(Arch arch);
 
+// QLoRA-style base quantisation (bitsandbytes BitsAndBytesConfig): applies to Linear layers of
+// the base model, not embeddings, norms or the LM head.
+struct Quantization {
+  DType dtype = DType::nf4;                        // nf4 | fp4 | int8
+  bool double_quant = false;                       // bnb_4bit_use_double_quant
+  std::int64_t block_size = 64;                    // elements per absmax block (bnb 4-bit: 64)
+  bool operator==(const Quantization&) const = default;
+};
+
 struct ModelSpec {
   std::string name;                 // zoo name or the config file's stem
   Arch arch = Arch::llama;          // from model_type
@@ -45,6 +54,9 @@ struct ModelSpec {
   double norm_eps = 1e-5;           // RMSNorm / LayerNorm epsilon
   std::optional<std::int64_t> sliding_window;  // tokens; bounds attention span when set
   DType dtype = DType::fp32;        // torch_dtype of the published checkpoint
+  // A checkpoint saved quantised: config.json's quantization_config (bitsandbytes 4-bit or
+  // 8-bit). It loads quantised whatever the caller asks (apply_checkpoint_quantization, peft.h).
+  std::optional<Quantization> checkpoint_quantization;
 
   bool is_moe() const { return experts > 1; }
   bool gated_mlp() const {          // SwiGLU/GeGLU: gate, up, down

@@ -78,15 +78,6 @@ struct AdapterSpec {
   PromptConfig prompt;                             // prefix/prompt tuning
 };
 
-// QLoRA-style base quantisation (bitsandbytes BitsAndBytesConfig): applies to Linear layers of
-// the base model, not embeddings, norms or the LM head.
-struct Quantization {
-  DType dtype = DType::nf4;                        // nf4 | fp4 | int8
-  bool double_quant = false;                       // bnb_4bit_use_double_quant
-  std::int64_t block_size = 64;                    // elements per absmax block (bnb 4-bit: 64)
-  bool operator==(const Quantization&) const = default;
-};
-
 struct PeftSpec {
   std::vector<AdapterSpec> adapters;               // empty = full fine-tuning
   std::optional<Quantization> quantization;
@@ -122,6 +113,17 @@ std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const Pef
 // "query_key_value") loads; the CLI warns of each once per input (params, and every command that
 // takes plan's flags).
 std::vector<std::string> unmatched_target_warnings(const ModelSpec& model, const PeftSpec& peft);
+
+// "bitsandbytes nf4 with double quantisation", "bitsandbytes int8 (LLM.int8())".
+std::string describe(const Quantization& q);
+// The one rule for a checkpoint saved quantised (ModelSpec::checkpoint_quantization): it loads
+// quantised as saved, whatever the caller asks — transformers' AutoHfQuantizer
+// .merge_quantization_configs keeps the model's quantization_config and warns of the one passed
+// in — so `peft.quantization` becomes the checkpoint's. Returns a warning when the caller asked
+// for another (`quant_asked`: a --quant flag or the explorer's QLoRA box was given). Full
+// fine-tuning of such a base is an InputError: transformers' Trainer refuses "to perform
+// fine-tuning on purely quantized models" (trainer.py, Trainer.__init__).
+std::vector<std::string> apply_checkpoint_quantization(const ModelSpec& model, PeftSpec& peft, bool quant_asked);
 // The same from inventories already computed (planner hot path).
 std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft,
                                                const std::vector<TensorInfo>& base,
