@@ -100,7 +100,9 @@ planner::PlanInput scenario_input(const Scenario& s, sim::Cluster& cluster, std:
     q.double_quant = true;
     in.peft.quantization = q;
   }
-  for (auto& w : models::apply_checkpoint_quantization(in.model, in.peft, s.qlora)) warnings.push_back(std::move(w));
+  // The QLoRA box always states a base (ticked nf4, unticked unquantised): the verdict says when
+  // a checkpoint saved quantised plans otherwise.
+  for (auto& w : models::apply_checkpoint_quantization(in.model, in.peft, true)) warnings.push_back(std::move(w));
   in.training.micro_batch = s.micro_batch;
   in.training.seq_len = s.seq_len;
   in.training.grad_accum = s.grad_accum;
