@@ -176,7 +176,8 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
       for (auto w : split_commas("--checkpointing", o->checkpointing)) space.checkpointing.push_back(parse_checkpoint(w));
     if (!o->gpus.empty()) {
       for (std::int64_t g : parse_int_list("--gpus", o->gpus)) {
-        if (g > 1'000'000) throw input_error("--gpus", "", "lists a GPU count above 1,000,000", std::to_string(g));
+        if (g > planner::kMaxRanks)
+          throw input_error("--gpus", "", fmt::format("lists a GPU count above {}", with_commas(planner::kMaxRanks)), std::to_string(g));
         space.gpus.push_back(static_cast<std::int32_t>(g));
       }
       for (std::int32_t g : space.gpus) (void)planner::cluster_for_gpus(rp.cluster, g);  // refuse a count the cluster cannot grow to

@@ -232,7 +232,7 @@ AccelerateConfig read_accelerate_config(std::string_view yaml, std::string_view 
       }
       read_fsdp(v, r, out);
     } else if (key == "num_processes") {
-      out.strategy.ranks = static_cast<std::int32_t>(r.integer(v, key, 1, 1'000'000));
+      out.strategy.ranks = static_cast<std::int32_t>(r.integer(v, key, 1, kMaxRanks));
     } else if (key == "num_machines") {
       out.num_machines = static_cast<std::int32_t>(r.integer(v, key, 1, 100'000));
     } else if (key == "mixed_precision") {

@@ -199,10 +199,10 @@ void read_batch(Reader& r, const json& j, const DsConfigInputs& in, DsConfig& ou
     if (is_auto(v)) return auto_value;  // HfTrainerDeepSpeedConfig.trainer_config_process fill_match
     const std::int64_t x = r.integer(v, key, "must be a positive integer or \"auto\"");
     // The planner's bounds (specs.h), named by the file's key: train_batch_size is at most their
-    // product over a million ranks, which keeps DeepSpeed's checks below inside 64 bits.
+    // product over kMaxRanks ranks, which keeps DeepSpeed's checks below inside 64 bits.
     const std::int64_t most = key == std::string_view("train_micro_batch_size_per_gpu") ? kMaxMicroBatch
                               : key == std::string_view("gradient_accumulation_steps") ? kMaxGradAccum
-                                                                                         : kMaxMicroBatch * kMaxGradAccum * 1'000'000;
+                                                                                         : kMaxMicroBatch * kMaxGradAccum * kMaxRanks;
     if (x > most) r.fail(key, fmt::format("must be at most {} (the largest the planner plans)", most), v);
     return x;
   };

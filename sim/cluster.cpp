@@ -228,7 +228,7 @@ constexpr double kCpuAdamParamsPerSPerNode = 2e9;
 
 void check_counts(std::int64_t nodes, std::int64_t gpus_per_node, std::string_view where) {
   if (nodes < 1 || nodes > 100000)
-    throw input_error(where, "nodes", "must be a positive integer", std::to_string(nodes));
+    throw input_error(where, "nodes", "must be an integer in [1, 100,000]", std::to_string(nodes));
   if (gpus_per_node < 1)
     throw input_error(where, "gpus_per_node", "must be a positive integer",
                       std::to_string(gpus_per_node));

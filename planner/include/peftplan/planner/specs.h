@@ -51,6 +51,9 @@ inline constexpr std::int64_t kMaxSeqLen = std::int64_t{1} << 20;
 inline constexpr std::int64_t kMaxMicroBatch = std::int64_t{1} << 16;
 inline constexpr std::int64_t kMaxGradAccum = std::int64_t{1} << 20;
 inline constexpr std::int64_t kMaxBatchTokens = std::int64_t{1} << 31;
+// The most ranks a job may name (an accelerate config's num_processes, a ds_config's implied
+// world, recommend's --gpus list): a thousand times the largest published training job.
+inline constexpr std::int64_t kMaxRanks = 1'000'000;
 
 struct TrainingSpec {
   std::int64_t micro_batch = 1;        // B: sequences per rank per micro-step
