@@ -85,8 +85,21 @@ int main(int argc, char** argv) {
   // in the verdict line; a script wants the exit code).
   if (cli.isSet(peft) && !w.set_adapter_config(cli.value(peft).toStdString())) return bad_input(w.verdict_line()->text().toStdString());
   if (cli.isSet(ds) && cli.isSet(accel)) return bad_input("--ds-config and --accelerate-config: give one launcher's config, not both");
-  for (const auto* o : {&ds, &accel})
-    if (cli.isSet(*o) && !w.set_launcher_config(cli.value(*o).toStdString())) return bad_input(w.verdict_line()->text().toStdString());
+  for (const auto* o : {&ds, &accel}) {
+    if (!cli.isSet(*o)) continue;
+    const std::string file = cli.value(*o).toStdString();
+    if (!w.set_launcher_config(file)) return bad_input(w.verdict_line()->text().toStdString());
+    // The file sets the strategy and the micro-batch (its controls show and lock its values): a
+    // flag typed beside it that says otherwise is refused, as `peftplan plan` refuses it.
+    const peftplan::gui::Scenario set = w.scenario();
+    const std::string flag = "--" + o->names().front().toStdString();
+    if (cli.isSet(mb) && cli.value(mb).toInt() != set.micro_batch)
+      return bad_input(fmt::format("--micro-batch {} contradicts {} {} (the micro-batch it sets is {}): give one of them",
+                                   cli.value(mb).toStdString(), flag, file, set.micro_batch));
+    if (cli.isSet(strategy) && cli.value(strategy).toStdString() != set.strategy)
+      return bad_input(fmt::format("--strategy {} contradicts {} {} (the strategy it sets is {}): give one of them",
+                                   cli.value(strategy).toStdString(), flag, file, set.strategy));
+  }
   if (cli.isSet(run) && !w.open_run(cli.value(run).toStdString())) return bad_input(w.verdict_line()->text().toStdString());
   if (cli.isSet(view) && !w.show_view(cli.value(view).toStdString()))
     return bad_input("--view " + cli.value(view).toStdString() + ": no such view (memory, time, recommendation, what moves, timeline, compare, measured)");

@@ -73,6 +73,15 @@ class Scripted(unittest.TestCase):
             r = self.run_gui("--model", "no-such-model", "--screenshot", os.path.join(tmp, "y.png"))
             self.assertEqual(r.returncode, 2, r.stderr)
             self.assertIn("no-such-model", r.stderr)
+            # A flag beside a launcher config that sets it otherwise is refused, as plan refuses it.
+            ds = os.path.join(tmp, "zero3.json")
+            with open(ds, "w") as f:
+                f.write('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}')
+            for flag, value, said in (("--micro-batch", "4", "the micro-batch it sets is 2"),
+                                      ("--strategy", "ddp", "the strategy it sets is zero3")):
+                r = self.run_gui("--ds-config", ds, flag, value, "--screenshot", os.path.join(tmp, "w.png"))
+                self.assertEqual(r.returncode, 2, flag + ": " + r.stderr)
+                self.assertIn(flag + " " + value + " contradicts --ds-config " + ds + " (" + said + ")", r.stderr)
             for flag, value in (("--gpus", "0"), ("--micro-batch", "0"), ("--strategy", "zero9")):
                 r = self.run_gui(flag, value, "--screenshot", os.path.join(tmp, "z.png"))
                 self.assertEqual(r.returncode, 2, flag + ": " + r.stderr)
