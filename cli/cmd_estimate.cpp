@@ -64,7 +64,7 @@ void resolve(EstimateOptions& o, bool params_given, bool gpus_per_node_given) {
                         fmt::format("names a checkpoint saved quantised ({}, its config.json's quantization_config), which estimate's closed forms do not "
                                     "count (they take a bf16 base, 2 B per parameter); `peftplan plan` models a quantised base",
                                     models::describe(*m.checkpoint_quantization)),
-                        o.model);
+                        "\"" + o.model + "\"");
     const models::PeftSpec spec = peft_from_flags(o.peft);
     const models::ParamCounts c = models::count_params(m, spec);
     const planner::DsModelParams ds = planner::ds_model_to_params(m, spec);

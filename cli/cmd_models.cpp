@@ -13,6 +13,7 @@
 #include "peftplan/models/config.h"
 #include "peftplan/models/parameters.h"
 #include "peftplan/models/peft.h"
+#include "peftplan/models/peft.h"
 
 namespace peftplan::cli {
 
@@ -60,7 +61,11 @@ void add_params_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--json", o->json, "machine-readable output");
   cmd->callback([&exit_code, o] {
     const models::ModelSpec m = models::load_model(o->model);
-    const models::PeftSpec spec = peft_from_flags(o->peft);
+    models::PeftSpec spec = peft_from_flags(o->peft);
+    // The rule plan applies: a checkpoint saved quantised trains an adapter (the counts are PEFT's
+    // either way: print_trainable_parameters counts a Params4bit as its unpacked elements).
+    for (const auto& w : models::apply_checkpoint_quantization(m, spec, !o->peft.quant.empty()))
+      fmt::print(stderr, "warning: {}\n", printable_line(w));
     const models::ParamCounts c = models::count_params(m, spec);
     for (const auto& w : models::unmatched_target_warnings(m, spec)) fmt::print(stderr, "warning: {}\n", printable_line(w));
     const auto rows = spec.adapters.empty() ? std::vector<models::TrainableTensor>{}

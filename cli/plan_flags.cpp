@@ -109,7 +109,7 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   planner::PlanInput& in = r.input;
   in.model = models::load_model(f.model);
   in.peft = peft_from_flags(f.peft);
-  for (auto& w : models::apply_checkpoint_quantization(in.model, in.peft, !f.peft.quant.empty() || f.peft.double_quant))
+  for (auto& w : models::apply_checkpoint_quantization(in.model, in.peft, !f.peft.quant.empty()))
     r.warnings.push_back(std::move(w));
   for (auto& w : models::unmatched_target_warnings(in.model, in.peft)) r.warnings.push_back(std::move(w));  // once per input, not per plan
   auto& t = in.training;
@@ -141,8 +141,12 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
     if (!d) throw input_error("--base-dtype", "", "must be fp32, bf16, fp16, int8 or nf4", "\"" + f.base_dtype + "\"");
     // A quantised base is stored as its quantisation: another storage contradicts it.
     if (in.peft.quantization && *d != in.peft.quantization->dtype)
-      throw input_error("--base-dtype", "", fmt::format("contradicts --quant {} (the quantised base is stored as {}): give one of them",
-                                                        name_of(in.peft.quantization->dtype), name_of(in.peft.quantization->dtype)),
+      throw input_error("--base-dtype", "",
+                        in.model.checkpoint_quantization
+                            ? fmt::format("contradicts the model's quantization_config (saved quantised, {}, and loaded so): leave --base-dtype out",
+                                          models::describe(*in.model.checkpoint_quantization))
+                            : fmt::format("contradicts --quant {} (the quantised base is stored as {}): give one of them",
+                                          name_of(in.peft.quantization->dtype), name_of(in.peft.quantization->dtype)),
                         "\"" + f.base_dtype + "\"");
     t.base_storage = *d;
   }

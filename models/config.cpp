@@ -97,61 +97,78 @@ double get_double(const json& c, std::string_view src, std::initializer_list<con
   return json_fields::as_number(*v, src, key);
 }
 
-// config.json's quantization_config: a checkpoint saved quantised. transformers picks the quantizer
-// by quant_method (quantizers/auto.py AutoQuantizationConfig.from_dict: a config without one is
-// bitsandbytes when load_in_4bit or load_in_8bit is set, else refused). BitsAndBytesConfig
-// (utils/quantization_config.py): to_dict writes load_in_4bit and load_in_8bit beside their
-// _load_in_* attributes; bnb_4bit_quant_type defaults to "fp4", bnb_4bit_use_double_quant to
-// false; both load flags at once is a ValueError. llm_int8_skip_modules names modules kept
-// unquantised by substring of their dotted path (integrations/bitsandbytes.py
-// _replace_with_bnb_linear); the planner quantises every Linear but the LM head, so a list that
-// keeps any other Linear whole is refused rather than planned wrong.
-std::optional<Quantization> read_quantization_config(const json& c, std::string_view src, const ModelSpec& m) {
+// config.json's quantization_config: a checkpoint saved quantised, read as transformers reads it.
+// AutoQuantizationConfig.from_dict (quantizers/auto.py): a truthy load_in_4bit or load_in_8bit
+// makes it bitsandbytes whatever quant_method says; otherwise quant_method picks the quantizer
+// ("bitsandbytes" alone is an unknown type, none at all is refused). BitsAndBytesConfig
+// (utils/quantization_config.py): both load flags at once is a ValueError; bnb_4bit_quant_type
+// defaults to "fp4", bnb_4bit_use_double_quant to false, bnb_4bit_quant_storage to "uint8".
+// llm_int8_skip_modules replaces the default list (lm_head) when given
+// (HfQuantizer.get_modules_to_not_convert), and _replace_with_bnb_linear
+// (integrations/bitsandbytes.py) keeps a Linear whole when its name or path equals an entry or
+// an entry followed by "." occurs in its path. The planner quantises every Linear but the LM head,
+// so a list that keeps another Linear whole, or leaves the LM head out, is refused rather than
+// planned wrong.
+std::optional<Quantization> read_quantization_config(const json& c, std::string_view src, ModelSpec& m) {
   const json* qc = json_fields::find(c, "quantization_config");
   if (!qc) return std::nullopt;
   if (!qc->is_object()) throw input_error(src, "quantization_config", "must be an object (transformers' quantization config)", qc->dump());
   constexpr std::string_view kPrefix = "quantization_config.";
-  auto flag = [&](const char* key) {
-    const std::string underscored = std::string("_") + key;
-    return json_fields::find(*qc, key) ? json_fields::boolean(*qc, key, src, false, kPrefix)
-                                       : json_fields::boolean(*qc, underscored, src, false, kPrefix);
-  };
-  const bool four = flag("load_in_4bit"), eight = flag("load_in_8bit");
-  const std::string method = json_fields::string(*qc, "quant_method", src, four || eight ? "bitsandbytes" : "", kPrefix);
-  if (method.empty())
-    throw input_error(src, "quantization_config.quant_method",
-                      "is required when neither load_in_4bit nor load_in_8bit is set (transformers refuses such a config)");
-  if (method != "bitsandbytes")
+  const bool four = json_fields::boolean(*qc, "load_in_4bit", src, false, kPrefix);
+  const bool eight = json_fields::boolean(*qc, "load_in_8bit", src, false, kPrefix);
+  if (four && eight)
+    throw input_error(src, "quantization_config.load_in_4bit", "and load_in_8bit cannot both be true (BitsAndBytesConfig takes one)");
+  if (!four && !eight) {
+    const json* method = json_fields::find(*qc, "quant_method");
+    if (!method)
+      throw input_error(src, "quantization_config.quant_method",
+                        "is missing, and neither load_in_4bit nor load_in_8bit is true (transformers refuses such a config)");
+    const std::string name = json_fields::as_string(*method, src, "quantization_config.quant_method");
+    if (name == "bitsandbytes")
+      throw input_error(src, "quantization_config.load_in_4bit", "or load_in_8bit must be true for a bitsandbytes checkpoint");
     throw input_error(src, "quantization_config.quant_method",
                       "is not modelled: peftplan plans bitsandbytes checkpoints (load_in_4bit or load_in_8bit); a GPTQ, AWQ or other "
                       "quantised base stores and runs its weights differently",
-                      "\"" + method + "\"");
-  if (four && eight)
-    throw input_error(src, "quantization_config.load_in_8bit", "and load_in_4bit are both true (BitsAndBytesConfig allows one)", "true");
-  if (!four && !eight)
-    throw input_error(src, "quantization_config.load_in_4bit", "or load_in_8bit must be true for a bitsandbytes checkpoint", "false");
+                      "\"" + name + "\"");
+  }
   Quantization q;
   if (eight) {
-    q.dtype = DType::int8;
+    q.dtype = DType::int8;  // Int8Params: int8 storage
   } else {
     const std::string type = json_fields::string(*qc, "bnb_4bit_quant_type", src, "fp4", kPrefix);
     if (type != "nf4" && type != "fp4")
       throw input_error(src, "quantization_config.bnb_4bit_quant_type", "must be \"nf4\" or \"fp4\"", "\"" + type + "\"");
     q.dtype = type == "nf4" ? DType::nf4 : DType::fp4;
     q.double_quant = json_fields::boolean(*qc, "bnb_4bit_use_double_quant", src, false, kPrefix);
+    const std::string storage = json_fields::string(*qc, "bnb_4bit_quant_storage", src, "uint8", kPrefix);
+    m.checkpoint_quant_storage_float = storage == "bfloat16" || storage == "float16" || storage == "float32";
   }
   if (const json* skip = json_fields::find(*qc, "llm_int8_skip_modules")) {
     if (!skip->is_array()) throw input_error(src, "quantization_config.llm_int8_skip_modules", "must be a list of module names or null", skip->dump());
+    std::vector<std::string> keys;
+    for (const json& name : *skip) keys.push_back(json_fields::as_string(name, src, "quantization_config.llm_int8_skip_modules[]"));
+    auto kept_whole = [&](const std::string& path) -> const std::string* {
+      const std::string local = path.substr(path.rfind('.') + 1);  // npos + 1 == 0: the whole path
+      for (const auto& key : keys)
+        if (key == local || key == path || path.find(key + ".") != std::string::npos) return &key;
+      return nullptr;
+    };
     const auto tensors = parameter_tensors(m);
-    for (const json& name : *skip) {
-      const std::string key = json_fields::as_string(name, src, "quantization_config.llm_int8_skip_modules[]");
-      for (const auto& t : tensors)
-        if (t.role == ParamRole::linear_weight && t.module.find(key) != std::string::npos)
-          throw input_error(src, "quantization_config.llm_int8_skip_modules",
-                            fmt::format("keeps {} unquantised: a base quantised in part is not modelled (peftplan quantises every "
-                                        "Linear but the LM head)", t.module),
-                            "\"" + key + "\"");
+    std::string head = "lm_head";  // tied: the head module still exists, sharing the embedding
+    for (const auto& t : tensors) {
+      if (t.role == ParamRole::lm_head) head = t.module;
+      if (t.role != ParamRole::linear_weight) continue;
+      if (const std::string* key = kept_whole(t.module))
+        throw input_error(src, "quantization_config.llm_int8_skip_modules",
+                          fmt::format("keeps {} unquantised: a base quantised in part is not modelled (peftplan quantises every "
+                                      "Linear but the LM head)", t.module),
+                          "\"" + *key + "\"");
     }
+    if (!kept_whole(head))
+      throw input_error(src, "quantization_config.llm_int8_skip_modules",
+                        fmt::format("leaves out {}, so bitsandbytes quantises the LM head too (transformers adds it only when the list "
+                                    "is null): a quantised LM head is not modelled", head),
+                        skip->dump());
   }
   return q;
 }

@@ -433,7 +433,7 @@ std::vector<std::string> apply_checkpoint_quantization(const ModelSpec& model, P
                                  model.name, describe(*q)));
   std::vector<std::string> out;
   if (quant_asked && peft.quantization != q)
-    out.push_back(fmt::format("{} was saved quantised (its config.json's quantization_config), and transformers loads it so whatever "
+    out.push_back(fmt::format("{} was saved quantised (its config.json's quantization_config), and transformers loads it that way whatever "
                               "is asked: planned as {}, not {}",
                               model.name, describe(*q), peft.quantization ? describe(*peft.quantization) : std::string("unquantised")));
   peft.quantization = q;

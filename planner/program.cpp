@@ -172,6 +172,18 @@ std::vector<std::string> validate(const PlanInput& in) {
     throw KnobError({Knob::fsdp_version, Knob::stage},
                     fmt::format("strategy.fsdp.version 2 with strategy.stage {}: FSDP2's fully_shard plans fsdp-full-shard "
                                 "(reshard_after_forward true) and fsdp-shard-grad-op (false)", stage));
+  // FSDP1 flattens each unit's parameters into one tensor of one dtype (torch 2.4
+  // distributed/fsdp/_flat_param.py: "Must flatten tensors with uniform dtype"), so QLoRA under
+  // FSDP stores the 4-bit weights in the compute dtype (bnb_4bit_quant_storage; transformers'
+  // Trainer._fsdp_qlora_plugin_updates). A checkpoint saved quantised loads with the storage it
+  // was saved with, and uint8 or int8 weights cannot be wrapped (bitsandbytes issue #1123).
+  if (is_fsdp(s.stage) && s.fsdp.version == 1 && in.model.checkpoint_quantization && !in.model.checkpoint_quant_storage_float)
+    throw KnobError({Knob::stage, Knob::fsdp_version},
+                    fmt::format("strategy.stage {} with a checkpoint saved quantised in {} storage: FSDP1 flattens a unit's parameters into "
+                                "one tensor of one dtype and cannot hold integer 4-bit or 8-bit weights beside the bf16 ones; the checkpoint "
+                                "loads as saved (transformers keeps its quantization_config), so re-save it with bnb_4bit_quant_storage "
+                                "bfloat16, or use ddp, zero1 or zero2",
+                                stage, in.model.checkpoint_quantization->dtype == DType::int8 ? "int8" : "uint8"));
   if (s.stage == Stage::fsdp_hybrid_shard && s.shard_group > 0 && s.ranks % s.shard_group != 0)
     throw KnobError({Knob::ranks, Knob::stage},
                     fmt::format("strategy.stage fsdp-hybrid-shard: strategy.ranks {} do not divide into shard groups of {} (the GPUs "

@@ -217,6 +217,12 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       // What peftplan-exec cannot run is refused before `run` writes anything or starts MPI.
       {"run --quant nf4 --lora-r 4 --steps 1 --out never-written",
        "run: the executor cannot run this plan (quantised base weights): `peftplan plan` plans it for the GPU runtimes"},
+      {"plan --lora-r 16 --base-dtype bf16 --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
+       "--base-dtype: contradicts the model's quantization_config (saved quantised, bitsandbytes nf4 with double quantisation, and loaded so)"},
+      {"plan --lora-r 16 --profile hf --strategy fsdp-full-shard --gpus 8 --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
+       "strategy.stage fsdp-full-shard with a checkpoint saved quantised in uint8 storage: FSDP1 flattens a unit's parameters"},
+      {"params --full-finetune --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
+       "transformers' Trainer refuses to fine-tune a purely quantised model"},
       {"estimate --gpus 8 --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
        "--model: names a checkpoint saved quantised (bitsandbytes nf4 with double quantisation"},
       // Combinations the runtime refuses when it starts: bitsandbytes' 8-bit AdamW on the host

@@ -152,12 +152,34 @@ TEST(Models, QuantizationConfigOfACheckpointSavedQuantised) {
   EXPECT_TRUE(nf4.checkpoint_quantization->double_quant);
   EXPECT_EQ(nf4.checkpoint_quantization->block_size, 64);
   EXPECT_FALSE(load_model("llama-3-8b").checkpoint_quantization.has_value());
+  EXPECT_FALSE(nf4.checkpoint_quant_storage_float);  // uint8, as unsloth's uploads store it
   nlohmann::json c = nlohmann::json::parse(zoo_config_text("tiny-llama-2l"));
-  c["quantization_config"] = {{"quant_method", "bitsandbytes"}, {"_load_in_4bit", true}};  // the attribute alone
+  c["quantization_config"] = {{"quant_method", "bitsandbytes"}, {"load_in_4bit", true}, {"bnb_4bit_quant_storage", "bfloat16"}};
   ModelSpec m = model_from_config(c, "cfg.json", "x");
   ASSERT_TRUE(m.checkpoint_quantization.has_value());
   EXPECT_EQ(m.checkpoint_quantization->dtype, DType::fp4);
   EXPECT_FALSE(m.checkpoint_quantization->double_quant);
+  EXPECT_TRUE(m.checkpoint_quant_storage_float);
+  // A truthy load flag makes it bitsandbytes whatever quant_method says; the private attribute
+  // alone does not (from_dict reads load_in_4bit, and transformers refuses "bitsandbytes" alone).
+  c["quantization_config"] = {{"quant_method", "gptq"}, {"load_in_4bit", true}};
+  EXPECT_EQ(model_from_config(c, "cfg.json", "x").checkpoint_quantization->dtype, DType::fp4);
+  c["quantization_config"] = {{"quant_method", "bitsandbytes"}, {"_load_in_4bit", true}};
+  EXPECT_THROW(model_from_config(c, "cfg.json", "x"), InputError);
+  // bitsandbytes keeps a Linear whole when an entry is its name or path, or an entry and a "."
+  // occur in its path: "gate" is not gate_proj (Llama has no router), "mlp" is every MLP Linear.
+  c["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", {"lm_head", "gate", "mlp.gate"}}};
+  EXPECT_TRUE(model_from_config(c, "cfg.json", "x").checkpoint_quantization.has_value());
+  c["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", {"lm_head", "mlp"}}};
+  EXPECT_THROW(model_from_config(c, "cfg.json", "x"), InputError);
+  // A list given replaces the default one: without lm_head, bitsandbytes quantises the head too.
+  c["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", nlohmann::json::array()}};
+  try {
+    model_from_config(c, "cfg.json", "x");
+    ADD_FAILURE() << "a list without lm_head was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("leaves out lm_head, so bitsandbytes quantises the LM head too"), std::string::npos) << e.what();
+  }
   // Without quant_method, load_in_8bit makes it bitsandbytes (AutoQuantizationConfig.from_dict).
   c["quantization_config"] = {{"load_in_8bit", true}, {"llm_int8_skip_modules", {"lm_head"}}};
   m = model_from_config(c, "cfg.json", "x");
