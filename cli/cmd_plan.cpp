@@ -226,30 +226,11 @@ void add_plan_command(CLI::App& app, int& exit_code) {
           throw input_error(out.flag, "", fmt::format("is also {}'s file: give each its own (nothing was written)", outputs[j].flag), out.path);
       }
     }
-    // Every file staged under its temporary name first, then all renamed into place: one that
-    // cannot be written leaves none of the others behind.
-    std::vector<StagedFile> staged;
-    for (const Output& out : outputs) {
-      try {
-        const std::string_view text = out.text;
-        staged.push_back(stage_file(out.path, {&text, 1}));
-      } catch (const InputError& e) {
-        for (const StagedFile& f : staged) discard_file(f);
-        throw InputError(fmt::format("{} {} (nothing was written)", out.flag, e.what()));
-      }
-    }
-    // In place: files renamed first, then devices and pipes written (they cannot be taken back).
-    std::stable_partition(staged.begin(), staged.end(), [](const StagedFile& f) { return !f.tmp.empty(); });
-    for (std::size_t i = 0; i < staged.size(); ++i) {
-      try {
-        commit_file(staged[i]);
-      } catch (const InputError& e) {
-        std::string written;
-        for (std::size_t k = 0; k < i; ++k) written += fmt::format("{}{}", k ? ", " : "", staged[k].path.string());
-        for (std::size_t k = i + 1; k < staged.size(); ++k) discard_file(staged[k]);
-        throw InputError(fmt::format("{} ({})", e.what(), written.empty() ? "nothing was written" : "written before it: " + written));
-      }
-    }
+    // Every file staged first, then all put in place: one that cannot be written leaves none of
+    // the others behind.
+    std::vector<FileToWrite> files;
+    for (const Output& out : outputs) files.push_back({out.flag, out.path, out.text});
+    write_files_together(files);
     std::optional<planner::SavedTable> saved;
     if (o->saved_layer) saved = planner::saved_for_backward(p.input, *o->saved_layer);
     if (o->json) {

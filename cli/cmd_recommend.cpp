@@ -198,13 +198,17 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
     const auto t0 = std::chrono::steady_clock::now();
     const planner::Recommendation r = planner::recommend(rp.input, rp.cluster, space, constraints, *objective);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!o->emit.empty() && !r.ranked.empty()) reports::emit_launch_files(o->emit, r.ranked.front(), rp.cluster, rp.input.training.eval_batch, flags.model);
+    std::vector<std::string> stale;  // an earlier plan's launch files this one does not write
+    if (!o->emit.empty() && !r.ranked.empty())
+      stale = reports::emit_launch_files(o->emit, r.ranked.front(), rp.cluster, rp.input.training.eval_batch, flags.model);
     if (o->json) fmt::print("{}\n", planner::recommendation_to_json(r, o->top).dump(2));
     else print_text(r, rp, *o, seconds);
     if (!o->emit.empty() && !o->json) {
       if (r.ranked.empty()) fmt::print("nothing fits: no launch files written to {}\n", o->emit);
       else fmt::print("launch files for #1 written to {} (launch.sh, train.py, plan.json and the launcher's config)\n", as_folder(o->emit));
     }
+    if (!stale.empty())
+      fmt::print(stderr, "note: {} still holds {} from an earlier plan, which this one does not use\n", as_folder(o->emit), fmt::join(stale, ", "));
     exit_code = r.ranked.empty() ? 1 : 0;
   });
 }

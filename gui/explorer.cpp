@@ -563,7 +563,10 @@ bool Explorer::export_launch_files(const std::string& dir) {
     row.family = std::string(planner::name_of(row.input.strategy.stage));
     if (row.input.strategy.offload_optimizer == planner::OffloadDevice::cpu) row.family += " + offload optimizer";
     if (row.input.strategy.offload_param == planner::OffloadDevice::cpu) row.family += " + offload param";
-    reports::emit_launch_files(dir, row, result_.base->cluster, row.input.training.eval_batch, result_.scenario.model, "peftplan-gui");
+    const auto stale = reports::emit_launch_files(dir, row, result_.base->cluster, row.input.training.eval_batch, result_.scenario.model, "peftplan-gui");
+    if (!stale.empty())
+      verdict_->setText(verdict_->text() + QString::fromStdString(fmt::format("\nnote: {} still holds {} from an earlier plan, which this one does not use",
+                                                                              dir, fmt::join(stale, ", "))));
     return true;
   } catch (const InputError& e) {
     show_error(e.what());

@@ -1,8 +1,13 @@
 // The launch files of a configuration (see launch_files.h).
 #include "peftplan/reports/launch_files.h"
 
+#include <algorithm>
+#include <array>
 #include <filesystem>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -322,13 +327,14 @@ std::string train_py(const planner::Candidate& row, const std::string& model_id,
   return s;
 }
 
-void emit_launch_files(const std::filesystem::path& dir, const planner::Candidate& row, const sim::Cluster& planned_on, std::int64_t eval_batch,
+std::vector<std::string> emit_launch_files(const std::filesystem::path& dir, const planner::Candidate& row, const sim::Cluster& planned_on, std::int64_t eval_batch,
                        const std::string& model_arg, const std::string& tool) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw input_error(dir.string(), "", fmt::format("the folder cannot be made ({})", ec.message()));
   // A name taken by a folder would stop the writes half-way: refused before any file is written.
-  for (const char* name : {"plan.json", "ds_config.json", "accelerate_config.yaml", "adapter_config.json", "train.py", "launch.sh"})
+  constexpr std::array<std::string_view, 6> kNames = {"plan.json", "ds_config.json", "accelerate_config.yaml", "adapter_config.json", "train.py", "launch.sh"};
+  for (std::string_view name : kNames)
     if (std::filesystem::is_directory(dir / name, ec))
       throw input_error((dir / name).string(), "", "is a folder, where a launch file goes (nothing was written)");
   planner::PlanInput in = row.input;
@@ -344,11 +350,12 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
   pf.input = in;
   pf.model_source = planner::model_source_for(model_arg);
   pf.cluster = cluster;
-  planner::write_plan_file(dir / "plan.json", pf);
+  std::vector<std::pair<std::string_view, std::string>> texts;  // name, contents; written together at the end
+  texts.emplace_back("plan.json", planner::plan_file_to_json(pf).dump(2) + "\n");
   if (deepspeed) {
-    write_text_atomic(dir / "ds_config.json", planner::write_ds_config(in.strategy, in.training).dump(2) + "\n");
+    texts.emplace_back("ds_config.json", planner::write_ds_config(in.strategy, in.training).dump(2) + "\n");
     // accelerate's DeepSpeed launch config: the ds_config file carries every ZeRO setting.
-    write_text_atomic(dir / "accelerate_config.yaml",
+    texts.emplace_back("accelerate_config.yaml",
                       fmt::format("# accelerate launch --config_file accelerate_config.yaml train.py (written by {})\n"
                                   "compute_environment: LOCAL_MACHINE\n"
                                   "distributed_type: DEEPSPEED\n"
@@ -369,16 +376,16 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
                                   machines > 1 ? "  deepspeed_multinode_launcher: standard\n" : "",
                                   in.strategy.stage == planner::Stage::zero3 ? "true" : "false", machines, in.strategy.ranks));
   } else {
-    write_text_atomic(dir / "accelerate_config.yaml", planner::write_accelerate_config(in.strategy, in.training, machines));
+    texts.emplace_back("accelerate_config.yaml", planner::write_accelerate_config(in.strategy, in.training, machines));
   }
   if (!in.peft.adapters.empty() && in.peft.adapters[0].type == models::PeftType::lora) {
     // PEFT's save_pretrained writes inference_mode true (the adapter as saved for inference);
     // a config to train from says false, or get_peft_model would freeze the adapter.
     nlohmann::json a = models::lora_adapter_config(in.peft.adapters[0], model_id);
     a["inference_mode"] = false;
-    write_text_atomic(dir / "adapter_config.json", a.dump(2) + "\n");
+    texts.emplace_back("adapter_config.json", a.dump(2) + "\n");
   }
-  write_text_atomic(dir / "train.py", train_py(row, model_id, deepspeed));
+  texts.emplace_back("train.py", train_py(row, model_id, deepspeed));
 
   std::string sh = fmt::format(
       "#!/bin/sh\n"
@@ -423,9 +430,17 @@ void emit_launch_files(const std::filesystem::path& dir, const planner::Candidat
       "esac\n",
       std::min(in.strategy.ranks, 4), planner::is_fsdp(in.strategy.stage) ? " (an FSDP row runs as the ZeRO stage that shards the same states)" : "",
       twin_line(row), deepspeed_line ? "deepspeed|" : "", torchrun_line ? "torchrun|" : "");
-  write_text_atomic(dir / "launch.sh", sh);
+  texts.emplace_back("launch.sh", std::move(sh));
+  std::vector<FileToWrite> files;
+  for (const auto& [name, text] : texts) files.push_back({"", dir / name, text});
+  write_files_together(files);
   std::filesystem::permissions(dir / "launch.sh", std::filesystem::perms::owner_exec | std::filesystem::perms::group_exec | std::filesystem::perms::others_exec,
                                std::filesystem::perm_options::add, ec);
+  std::vector<std::string> stale;
+  for (std::string_view name : kNames)
+    if (std::none_of(texts.begin(), texts.end(), [&](const auto& t) { return t.first == name; }) && std::filesystem::exists(dir / name, ec))
+      stale.emplace_back(name);
+  return stale;
 }
 
 }  // namespace peftplan::reports

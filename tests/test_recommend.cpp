@@ -513,6 +513,32 @@ TEST(RecommendCli, EmitFsdpWritesTheAccelerateYaml) {
   std::filesystem::remove_all(dir);
 }
 
+// The launch files are one output: one that cannot be written (launch.sh a link into a folder
+// that does not exist) leaves none of the others; an earlier plan's file that this plan does not
+// write (ds_config.json beside an FSDP plan) is pointed out, not removed.
+TEST(RecommendCli, EmitWritesAllTheFilesOrNone) {
+  const auto dir = std::filesystem::temp_directory_path() / ("peftplan-emit-together-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::filesystem::create_symlink(dir / "no-such-folder" / "launch.sh", dir / "launch.sh");
+  const std::string flags = "recommend --profile hf --model llama-2-7b --lora-r 16 --cluster 8xA100-80GB --strategy fsdp-full-shard "
+                            "--no-offload --top 1 --emit " + dir.string();
+  auto r = run_cli(flags);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("(nothing was written)"), std::string::npos) << r.out;
+  for (const char* f : {"plan.json", "accelerate_config.yaml", "adapter_config.json", "train.py"}) EXPECT_FALSE(std::filesystem::exists(dir / f)) << f;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
+  std::filesystem::remove(dir / "launch.sh");
+  std::ofstream(dir / "ds_config.json") << "{}\n";  // an earlier DeepSpeed plan's
+  r = run_cli(flags);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("note: " + dir.string() + "/ still holds ds_config.json from an earlier plan, which this one does not use"), std::string::npos)
+      << r.out;
+  EXPECT_TRUE(std::filesystem::exists(dir / "ds_config.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "plan.json"));
+  std::filesystem::remove_all(dir);
+}
+
 // A DDP row under the hf profile is launched by accelerate (its MULTI_GPU YAML, as --emit writes):
 // plan.json says so with accelerate's YAML, not a ds_config.json nobody runs, and reads back into
 // the same plan.

@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +23,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -167,6 +169,41 @@ inline void write_file_atomic(const std::filesystem::path& path, std::initialize
 }
 
 inline void write_text_atomic(const std::filesystem::path& path, std::string_view text) { write_file_atomic(path, {text}); }
+
+// One of several files written together (write_files_together). `label` names it in messages
+// before its path (a flag: "--trace"), or is empty.
+struct FileToWrite {
+  std::string_view label;
+  std::filesystem::path path;
+  std::string_view text;
+};
+
+// Writes the files as one output: every file staged under its temporary name first, then all put
+// in place, the renamed ones before the devices and pipes (which cannot be taken back). One that
+// cannot be staged leaves none of the others behind ("... (nothing was written)"); a commit that
+// fails discards the rest and names what was written before it.
+inline void write_files_together(std::span<const FileToWrite> files) {
+  std::vector<StagedFile> staged;
+  for (const FileToWrite& f : files) {
+    try {
+      staged.push_back(stage_file(f.path, {&f.text, 1}));
+    } catch (const InputError& e) {
+      for (const StagedFile& done : staged) discard_file(done);
+      throw InputError(fmt::format("{}{}{} (nothing was written)", f.label, f.label.empty() ? "" : " ", e.what()));
+    }
+  }
+  std::stable_partition(staged.begin(), staged.end(), [](const StagedFile& f) { return !f.tmp.empty(); });
+  for (std::size_t i = 0; i < staged.size(); ++i) {
+    try {
+      commit_file(staged[i]);
+    } catch (const InputError& e) {
+      std::string written;
+      for (std::size_t k = 0; k < i; ++k) written += fmt::format("{}{}", k ? ", " : "", staged[k].path.string());
+      for (std::size_t k = i + 1; k < staged.size(); ++k) discard_file(staged[k]);
+      throw InputError(fmt::format("{} ({})", e.what(), written.empty() ? "nothing was written" : "written before it: " + written));
+    }
+  }
+}
 
 // Makes the folder `dir` (and its parents) for outputs, or throws InputError "<what> <dir>: ..."
 // (`what` names the flag or field): a file in its place, or a place no folder can be made

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "peftplan/planner/recommend.h"
 #include "peftplan/sim/cluster.h"
@@ -19,8 +20,11 @@ namespace peftplan::reports {
 // `model_arg` is what --model said (a zoo name or a path); `cluster` is the cluster planned on (the
 // row's GPU count is taken from it); `eval_batch` the evaluation batch the row is launched with (a
 // search plans without the evaluation peak). `tool` names the writer in the files' comments
-// ("peftplan recommend", "peftplan-gui").
-void emit_launch_files(const std::filesystem::path& dir, const planner::Candidate& row, const sim::Cluster& cluster, std::int64_t eval_batch,
+// ("peftplan recommend", "peftplan-gui"). The files are written together (write_files_together):
+// one that cannot be written leaves none of them. Returns the launch files of an earlier plan
+// that this one does not write and that stay in `dir` (ds_config.json beside an FSDP plan, say),
+// for the caller to point out; they are not removed (the folder may be the user's own).
+std::vector<std::string> emit_launch_files(const std::filesystem::path& dir, const planner::Candidate& row, const sim::Cluster& cluster, std::int64_t eval_batch,
                        const std::string& model_arg, const std::string& tool = "peftplan recommend");
 
 // The train.py text for a row (a pure function, for tests).
