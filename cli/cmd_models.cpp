@@ -13,7 +13,6 @@
 #include "peftplan/models/config.h"
 #include "peftplan/models/parameters.h"
 #include "peftplan/models/peft.h"
-#include "peftplan/models/peft.h"
 
 namespace peftplan::cli {
 

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -154,7 +155,7 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
     // that --quant asks otherwise of): once each on stderr, as plan prints them, in the order the
     // grid first meets them.
     std::mutex warned_mutex;
-    std::vector<std::pair<std::size_t, std::string>> warned;
+    std::map<std::string, std::size_t> warned;  // each warning once, with the first row that gave it
     auto worker = [&] {
       for (std::size_t k; (k = next.fetch_add(1)) < total; ++done) {
         nlohmann::json row;
@@ -162,7 +163,8 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
           const ResolvedPlan rp = resolve_plan_flags(flags[k]);
           if (!rp.warnings.empty()) {
             const std::lock_guard<std::mutex> lock(warned_mutex);
-            for (const auto& w : rp.warnings) warned.emplace_back(k, w);
+            for (const auto& w : rp.warnings)
+              if (auto [it, fresh] = warned.emplace(w, k); !fresh) it->second = std::min(it->second, k);
           }
           planner::PlanOptions po;
           po.headroom_fraction = rp.headroom_fraction;
@@ -196,10 +198,10 @@ void add_sweep_command(CLI::App& app, int& exit_code) {
       fmt::print(stderr, "\r{}\r", std::string(60, ' '));
     }
     for (auto& t : threads) t.join();
-    std::sort(warned.begin(), warned.end());
-    std::set<std::string> printed;
-    for (const auto& [k, w] : warned)
-      if (printed.insert(w).second) fmt::print(stderr, "warning: {}\n", with_flags(w));
+    std::vector<std::pair<std::size_t, std::string_view>> in_grid_order;
+    for (const auto& [w, k] : warned) in_grid_order.emplace_back(k, w);
+    std::sort(in_grid_order.begin(), in_grid_order.end());
+    for (const auto& [k, w] : in_grid_order) fmt::print(stderr, "warning: {}\n", with_flags(std::string(w)));
 
     // A value refused in every configuration that holds it, for itself (the error names its own
     // flag: "--strategy: must be one of ..."), is bad input, not a refused combination: exit 2,

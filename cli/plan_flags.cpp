@@ -5,6 +5,7 @@
 #include "peftplan/sim/caching_allocator.h"
 
 #include "peftplan/common/error.h"
+#include "peftplan/common/units.h"
 #include "peftplan/models/config.h"
 #include "peftplan/planner/accelerate_config.h"
 #include "peftplan/planner/ds_config.h"
@@ -167,6 +168,8 @@ ResolvedPlan resolve_plan_flags(const PlanFlags& f) {
   const std::int32_t total = sim::total_gpus(r.cluster);
   in.strategy.ranks = f.gpus.value_or(total);
   if (in.strategy.ranks <= 0) throw input_error("--gpus", "", "must be a positive integer", std::to_string(in.strategy.ranks));
+  if (in.strategy.ranks > planner::kMaxRanks)
+    throw input_error("--gpus", "", fmt::format("must be at most {}", with_commas(planner::kMaxRanks)), std::to_string(in.strategy.ranks));
   if (in.strategy.ranks > total)
     throw input_error("--gpus", "", fmt::format("must not exceed the cluster's {} GPUs ({})", total, r.cluster.name),
                       std::to_string(in.strategy.ranks));

@@ -140,8 +140,14 @@ std::optional<Quantization> read_quantization_config(const json& c, std::string_
       throw input_error(src, "quantization_config.bnb_4bit_quant_type", "must be \"nf4\" or \"fp4\"", "\"" + type + "\"");
     q.dtype = type == "nf4" ? DType::nf4 : DType::fp4;
     q.double_quant = json_fields::boolean(*qc, "bnb_4bit_use_double_quant", src, false, kPrefix);
+    // BitsAndBytesConfig.__init__ takes these names and raises on any other.
     const std::string storage = json_fields::string(*qc, "bnb_4bit_quant_storage", src, "uint8", kPrefix);
-    m.checkpoint_quant_storage_float = storage == "bfloat16" || storage == "float16" || storage == "float32";
+    if (storage == "bfloat16") m.checkpoint_quant_storage = DType::bf16;
+    else if (storage == "float16") m.checkpoint_quant_storage = DType::fp16;
+    else if (storage == "float32") m.checkpoint_quant_storage = DType::fp32;
+    else if (storage != "uint8" && storage != "int8" && storage != "float64")
+      throw input_error(src, "quantization_config.bnb_4bit_quant_storage", "must be uint8, int8, float16, bfloat16, float32 or float64",
+                        "\"" + storage + "\"");
   }
   if (const json* skip = json_fields::find(*qc, "llm_int8_skip_modules")) {
     if (!skip->is_array()) throw input_error(src, "quantization_config.llm_int8_skip_modules", "must be a list of module names or null", skip->dump());
@@ -154,7 +160,8 @@ std::optional<Quantization> read_quantization_config(const json& c, std::string_
       return nullptr;
     };
     const auto tensors = parameter_tensors(m);
-    std::string head = "lm_head";  // tied: the head module still exists, sharing the embedding
+    // The head's module (tied, it still exists, sharing the embedding): GPT-NeoX's embed_out.
+    std::string head = m.arch == Arch::gpt_neox ? "embed_out" : "lm_head";
     for (const auto& t : tensors) {
       if (t.role == ParamRole::lm_head) head = t.module;
       if (t.role != ParamRole::linear_weight) continue;

@@ -429,7 +429,8 @@ std::vector<std::string> apply_checkpoint_quantization(const ModelSpec& model, P
   if (!q) return {};
   if (peft.adapters.empty())
     throw InputError(fmt::format("{} was saved quantised ({}, its config.json's quantization_config): transformers' Trainer refuses to "
-                                 "fine-tune a purely quantised model; train an adapter (--lora-* or --peft) or plan the unquantised checkpoint",
+                                 "fine-tune a purely quantised model; train an adapter (--lora-r or --peft; in the explorer, a LoRA rank above 0) or "
+                                 "plan the unquantised checkpoint",
                                  model.name, describe(*q)));
   std::vector<std::string> out;
   if (quant_asked && peft.quantization != q)

@@ -177,13 +177,24 @@ std::vector<std::string> validate(const PlanInput& in) {
   // FSDP stores the 4-bit weights in the compute dtype (bnb_4bit_quant_storage; transformers'
   // Trainer._fsdp_qlora_plugin_updates). A checkpoint saved quantised loads with the storage it
   // was saved with, and uint8 or int8 weights cannot be wrapped (bitsandbytes issue #1123).
-  if (is_fsdp(s.stage) && s.fsdp.version == 1 && in.model.checkpoint_quantization && !in.model.checkpoint_quant_storage_float)
-    throw KnobError({Knob::stage, Knob::fsdp_version},
-                    fmt::format("strategy.stage {} with a checkpoint saved quantised in {} storage: FSDP1 flattens a unit's parameters into "
-                                "one tensor of one dtype and cannot hold integer 4-bit or 8-bit weights beside the bf16 ones; the checkpoint "
-                                "loads as saved (transformers keeps its quantization_config), so re-save it with bnb_4bit_quant_storage "
-                                "bfloat16, or use ddp, zero1 or zero2",
-                                stage, in.model.checkpoint_quantization->dtype == DType::int8 ? "int8" : "uint8"));
+  if (const auto& cq = in.model.checkpoint_quantization; is_fsdp(s.stage) && s.fsdp.version == 1 && cq) {
+    // from_pretrained builds the other parameters in the training's dtype (as lifecycle.cpp).
+    const DType others = t.precision == Precision::fp32 ? DType::fp32 : t.precision == Precision::fp16_mixed ? DType::fp16 : DType::bf16;
+    const auto& storage = in.model.checkpoint_quant_storage;
+    if (cq->dtype == DType::int8)
+      throw KnobError({Knob::stage, Knob::fsdp_version},
+                      fmt::format("strategy.stage {} with a checkpoint saved in 8-bit: FSDP1 flattens a unit's parameters into one tensor "
+                                  "of one dtype and cannot hold int8 weights beside the {} ones; use ddp, zero1 or zero2",
+                                  stage, peftplan::name_of(others)));
+    if (storage != others)
+      throw KnobError({Knob::stage, Knob::fsdp_version},
+                      fmt::format("strategy.stage {} with a checkpoint saved quantised in {} storage: FSDP1 flattens a unit's parameters "
+                                  "into one tensor of one dtype and cannot hold those 4-bit weights beside the {} ones; the checkpoint loads "
+                                  "as saved (transformers keeps its quantization_config), so re-save it with bnb_4bit_quant_storage {}, "
+                                  "or use ddp, zero1 or zero2",
+                                  stage, storage ? std::string(peftplan::name_of(*storage)) : std::string("integer"), peftplan::name_of(others),
+                                  others == DType::bf16 ? "bfloat16" : others == DType::fp16 ? "float16" : "float32"));
+  }
   if (s.stage == Stage::fsdp_hybrid_shard && s.shard_group > 0 && s.ranks % s.shard_group != 0)
     throw KnobError({Knob::ranks, Knob::stage},
                     fmt::format("strategy.stage fsdp-hybrid-shard: strategy.ranks {} do not divide into shard groups of {} (the GPUs "

@@ -240,7 +240,9 @@ std::vector<StrategyColumn> seed_strategies(const planner::PlanInput& input, con
     }
     wants.push_back({label, args, s, o, q, full, runs});
   };
-  if (peft) add(Stage::ddp, OffloadDevice::none, OffloadDevice::none, true);
+  // Full fine-tuning beside the adapter, except of a checkpoint saved quantised, which the
+  // Trainer refuses to fine-tune whole (models::apply_checkpoint_quantization).
+  if (peft && !input.model.checkpoint_quantization) add(Stage::ddp, OffloadDevice::none, OffloadDevice::none, true);
   if (hf) {
     for (Stage s : {Stage::ddp, Stage::fsdp_no_shard, Stage::fsdp_shard_grad_op, Stage::fsdp_full_shard}) add(s, OffloadDevice::none, OffloadDevice::none, false);
     add(Stage::fsdp_full_shard, OffloadDevice::none, OffloadDevice::cpu, false);

@@ -215,12 +215,12 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
        "llama-3-8b-bnb-4bit was saved quantised (bitsandbytes nf4 with double quantisation, its config.json's quantization_config): "
        "transformers' Trainer refuses to fine-tune a purely quantised model"},
       // What peftplan-exec cannot run is refused before `run` writes anything or starts MPI.
-      {"run --quant nf4 --lora-r 4 --steps 1 --out never-written",
+      {"run --quant nf4 --lora-r 4 --steps 1 --out " + ::testing::TempDir() + "never-written",
        "run: the executor cannot run this plan (quantised base weights): `peftplan plan` plans it for the GPU runtimes"},
       {"plan --lora-r 16 --base-dtype bf16 --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
        "--base-dtype: contradicts the model's quantization_config (saved quantised, bitsandbytes nf4 with double quantisation, and loaded so)"},
       {"plan --lora-r 16 --profile hf --strategy fsdp-full-shard --gpus 8 --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
-       "strategy.stage fsdp-full-shard with a checkpoint saved quantised in uint8 storage: FSDP1 flattens a unit's parameters"},
+       "strategy.stage fsdp-full-shard with a checkpoint saved quantised in integer storage: FSDP1 flattens a unit's parameters"},
       {"params --full-finetune --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
        "transformers' Trainer refuses to fine-tune a purely quantised model"},
       {"estimate --gpus 8 --model " + kData + "/quantised/llama-3-8b-bnb-4bit",
@@ -290,6 +290,7 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
       // A path that never ends is read up to a bound, not forever.
       {"plan --gpus 2 --ds-config /dev/zero", "/dev/zero: is larger than 256 MiB, the most read of an input file"},
       {"plan --gpus 2 --profile hf --accelerate-config /dev/zero", "/dev/zero: is larger than 256 MiB"},
+      {"plan --gpus 2000000", "--gpus: must be at most 1,000,000, got 2000000"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.args);
@@ -297,6 +298,8 @@ TEST(CliPlan, BadInputIsExitCodeTwo) {
     EXPECT_EQ(r.code, 2) << r.out;
     EXPECT_NE(r.out.find(c.expect), std::string::npos) << r.out;
   }
+  // Refused before anything is written: run's --out was never made.
+  EXPECT_FALSE(std::filesystem::exists(::testing::TempDir() + "never-written"));
 }
 
 // Flags typed beside a launcher config that say what it says, or what it leaves to them, plan.
@@ -604,4 +607,43 @@ TEST(Cli, EveryPlanningCommandWarnsOfItsInputs) {
   const Result e = run("explain" + model + " --quant fp4");
   EXPECT_EQ(e.code, 0) << e.out;
   EXPECT_EQ(count(e.out, saved), 1u) << e.out;
+  const std::string dir = ::testing::TempDir() + "warned-report";
+  const Result rep = run("report" + model + " --quant fp4 --out " + dir);
+  EXPECT_EQ(rep.code, 0) << rep.out;
+  EXPECT_EQ(count(rep.out, saved), 1u) << rep.out;
+  std::filesystem::remove_all(dir);
+  // On stderr: --json's stdout parses whole.
+  const Result j = peftplan::testing::run_cli("recommend" + model + " --quant fp4 --top 1 --json 2>/dev/null; true");
+  EXPECT_TRUE(nlohmann::json::accept(j.out)) << j.out;
+}
+
+// Under FSDP1 a checkpoint saved quantised plans when its 4-bit weights are stored in the other
+// parameters' dtype (bnb_4bit_quant_storage bfloat16 under bf16), and is refused otherwise: FSDP1
+// flattens a unit into one tensor of one dtype. The run directory must not appear either.
+TEST(Cli, FsdpTakesACheckpointSavedQuantisedInItsOwnDtypeOnly) {
+  nlohmann::json c = nlohmann::json::parse(std::ifstream(kData + "/quantised/llama-3-8b-bnb-4bit/config.json"));
+  const std::string dir = ::testing::TempDir() + "fsdp-storage";
+  std::filesystem::create_directories(dir);
+  auto plan_with = [&](const nlohmann::json& qc, const std::string& extra) {
+    c["quantization_config"] = qc;
+    std::ofstream(dir + "/config.json") << c.dump();
+    return run("plan --model " + dir + " --lora-r 16 --profile hf --strategy fsdp-full-shard --gpus 8" + extra);
+  };
+  nlohmann::json qc = c["quantization_config"];
+  qc["bnb_4bit_quant_storage"] = "bfloat16";
+  Result r = plan_with(qc, "");
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = plan_with(qc, " --fsdp-version 2");
+  EXPECT_EQ(r.code, 0) << r.out;
+  qc["bnb_4bit_quant_storage"] = "float16";  // beside bf16 parameters
+  r = plan_with(qc, "");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("in fp16 storage: FSDP1 flattens a unit's parameters into one tensor of one dtype and cannot hold those 4-bit "
+                       "weights beside the bf16 ones"),
+            std::string::npos)
+      << r.out;
+  r = plan_with(nlohmann::json{{"load_in_8bit", true}}, "");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("with a checkpoint saved in 8-bit: FSDP1 flattens"), std::string::npos) << r.out;
+  std::filesystem::remove_all(dir);
 }

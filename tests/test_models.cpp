@@ -152,14 +152,14 @@ TEST(Models, QuantizationConfigOfACheckpointSavedQuantised) {
   EXPECT_TRUE(nf4.checkpoint_quantization->double_quant);
   EXPECT_EQ(nf4.checkpoint_quantization->block_size, 64);
   EXPECT_FALSE(load_model("llama-3-8b").checkpoint_quantization.has_value());
-  EXPECT_FALSE(nf4.checkpoint_quant_storage_float);  // uint8, as unsloth's uploads store it
+  EXPECT_FALSE(nf4.checkpoint_quant_storage.has_value());  // uint8, as unsloth's uploads store it
   nlohmann::json c = nlohmann::json::parse(zoo_config_text("tiny-llama-2l"));
   c["quantization_config"] = {{"quant_method", "bitsandbytes"}, {"load_in_4bit", true}, {"bnb_4bit_quant_storage", "bfloat16"}};
   ModelSpec m = model_from_config(c, "cfg.json", "x");
   ASSERT_TRUE(m.checkpoint_quantization.has_value());
   EXPECT_EQ(m.checkpoint_quantization->dtype, DType::fp4);
   EXPECT_FALSE(m.checkpoint_quantization->double_quant);
-  EXPECT_TRUE(m.checkpoint_quant_storage_float);
+  EXPECT_EQ(m.checkpoint_quant_storage, DType::bf16);
   // A truthy load flag makes it bitsandbytes whatever quant_method says; the private attribute
   // alone does not (from_dict reads load_in_4bit, and transformers refuses "bitsandbytes" alone).
   c["quantization_config"] = {{"quant_method", "gptq"}, {"load_in_4bit", true}};
@@ -172,6 +172,20 @@ TEST(Models, QuantizationConfigOfACheckpointSavedQuantised) {
   EXPECT_TRUE(model_from_config(c, "cfg.json", "x").checkpoint_quantization.has_value());
   c["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", {"lm_head", "mlp"}}};
   EXPECT_THROW(model_from_config(c, "cfg.json", "x"), InputError);
+  // A key is a module's name, its whole path, or a part of its path before a ".".
+  c["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", {"lm_head", "model.layers.1.mlp.down_proj"}}};
+  EXPECT_THROW(model_from_config(c, "cfg.json", "x"), InputError);
+  c["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", {"lm_head", "layers.1"}}};
+  EXPECT_THROW(model_from_config(c, "cfg.json", "x"), InputError);
+  c["quantization_config"] = {{"load_in_4bit", true}, {"bnb_4bit_quant_storage", "banana"}};
+  EXPECT_THROW(model_from_config(c, "cfg.json", "x"), InputError);
+  // GPT-NeoX's head is embed_out, tied or not.
+  nlohmann::json neox = nlohmann::json::parse(zoo_config_text("pythia-70m"));
+  neox["tie_word_embeddings"] = true;
+  neox["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", {"embed_out"}}};
+  EXPECT_TRUE(model_from_config(neox, "cfg.json", "x").checkpoint_quantization.has_value());
+  neox["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", {"lm_head"}}};
+  EXPECT_THROW(model_from_config(neox, "cfg.json", "x"), InputError);
   // A list given replaces the default one: without lm_head, bitsandbytes quantises the head too.
   c["quantization_config"] = {{"load_in_4bit", true}, {"llm_int8_skip_modules", nlohmann::json::array()}};
   try {

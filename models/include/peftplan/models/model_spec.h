@@ -57,9 +57,10 @@ struct ModelSpec {
   // A checkpoint saved quantised: config.json's quantization_config (bitsandbytes 4-bit or
   // 8-bit). It loads quantised whatever the caller asks (apply_checkpoint_quantization, peft.h).
   std::optional<Quantization> checkpoint_quantization;
-  // Its 4-bit weights stored in a floating dtype (bnb_4bit_quant_storage bfloat16, as FSDP QLoRA
-  // needs), not the default uint8.
-  bool checkpoint_quant_storage_float = false;
+  // The dtype its 4-bit weights are stored in when that is the dtype of the other parameters
+  // (bnb_4bit_quant_storage bfloat16, float16 or float32, as FSDP QLoRA needs); none for the
+  // default uint8, int8, float64, and an 8-bit checkpoint's int8.
+  std::optional<DType> checkpoint_quant_storage;
 
   bool is_moe() const { return experts > 1; }
   bool gated_mlp() const {          // SwiGLU/GeGLU: gate, up, down
