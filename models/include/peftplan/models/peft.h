@@ -114,20 +114,21 @@ std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const Pef
 // takes plan's flags).
 std::vector<std::string> unmatched_target_warnings(const ModelSpec& model, const PeftSpec& peft);
 
+// The same from inventories already computed (planner hot path).
+std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft,
+                                               const std::vector<TensorInfo>& base,
+                                               const std::vector<LinearModule>& linears);
+
 // "bitsandbytes nf4 with double quantisation", "bitsandbytes int8 (LLM.int8())".
 std::string describe(const Quantization& q);
 // The one rule for a checkpoint saved quantised (ModelSpec::checkpoint_quantization): it loads
 // quantised as saved, whatever the caller asks — transformers' AutoHfQuantizer
 // .merge_quantization_configs keeps the model's quantization_config and warns of the one passed
 // in — so `peft.quantization` becomes the checkpoint's. Returns a warning when the caller asked
-// for another (`quant_asked`: a --quant flag or the explorer's QLoRA box was given). Full
+// for another (`quant_asked`: a --quant flag was given; the explorer's QLoRA box always states one). Full
 // fine-tuning of such a base is an InputError: transformers' Trainer refuses "to perform
 // fine-tuning on purely quantized models" (trainer.py, Trainer.__init__).
 std::vector<std::string> apply_checkpoint_quantization(const ModelSpec& model, PeftSpec& peft, bool quant_asked);
-// The same from inventories already computed (planner hot path).
-std::vector<TrainableTensor> trainable_tensors(const ModelSpec& model, const PeftSpec& peft,
-                                               const std::vector<TensorInfo>& base,
-                                               const std::vector<LinearModule>& linears);
 
 // The LoRA modules actually adapted, with their resolved rank and scale: the executor and the
 // planner's FLOP count use this.
