@@ -24,7 +24,7 @@ void add_explain_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--json", o->json, "machine-readable output");
   cmd->callback([&exit_code, o] {
     ResolvedPlan r = resolve_plan_flags(o->plan);
-    for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", with_flags(w));  // stderr: stdout may be --json
+    print_warnings(r.warnings);
     planner::PlanOptions po;
     po.headroom_fraction = r.headroom_fraction;
     po.explain = false;

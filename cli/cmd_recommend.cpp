@@ -151,9 +151,7 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
     if (o->max_micro_batch < o->min_micro_batch)
       throw InputError(fmt::format("--max-micro-batch {} is below --min-micro-batch {}", o->max_micro_batch, o->min_micro_batch));
     ResolvedPlan rp = resolve_plan_flags(flags);
-    // What reading the inputs warns of, on stderr (stdout may be --json): a target the model
-    // lacks, a launcher config's ignored keys, a checkpoint saved quantised.
-    for (const auto& w : rp.warnings) fmt::print(stderr, "warning: {}\n", with_flags(w));
+    print_warnings(rp.warnings);  // a target the model lacks, a launcher config's ignored keys, a checkpoint saved quantised
     space.profiles = all ? std::vector{planner::RuntimeProfile::deepspeed, planner::RuntimeProfile::hf} : std::vector{rp.input.profile};
     if (!o->strategies.empty())
       for (auto w : split_commas("--strategy", o->strategies)) {
@@ -207,8 +205,7 @@ void add_recommend_command(CLI::App& app, int& exit_code) {
       if (r.ranked.empty()) fmt::print("nothing fits: no launch files written to {}\n", o->emit);
       else fmt::print("launch files for #1 written to {} (launch.sh, train.py, plan.json and the launcher's config)\n", as_folder(o->emit));
     }
-    if (!stale.empty())
-      fmt::print(stderr, "note: {} still holds {} from an earlier plan, which this one does not use\n", as_folder(o->emit), fmt::join(stale, ", "));
+    if (!stale.empty()) fmt::print(stderr, "{}\n", reports::stale_launch_files_note(o->emit, stale));
     exit_code = r.ranked.empty() ? 1 : 0;
   });
 }

@@ -96,7 +96,7 @@ void add_report_command(CLI::App& app, int& exit_code) {
       if (pf.cluster) r.cluster = *pf.cluster;
       source = o->plan_file;
     } else {
-      for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", with_flags(w));  // what reading the flags warns of
+      print_warnings(r.warnings);  // what reading the flags warns of
     }
     planner::PlanOptions po;
     po.headroom_fraction = r.headroom_fraction;

@@ -380,7 +380,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       job.strategy = std::string(planner::name_of(resolved[si].input.strategy.stage));
       job.dir = several ? out / strategies[si] : out;
       ResolvedPlan& r = resolved[si];
-      for (const auto& w : r.warnings) fmt::print(stderr, "warning: {}\n", with_flags(w));
+      print_warnings(r.warnings);
       planner::PlanFile& pf = job.pf;
       pf.input = r.input;
       if (o->lr) pf.input.training.lr = *o->lr;
@@ -403,7 +403,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
       if (pf.run.checkpoint_every > 0 && pf.run.checkpoint_dir.empty()) pf.run.checkpoint_dir = (job.dir / "checkpoints").string();
       pf.run.checkpoint_dir = absolute(pf.run.checkpoint_dir);
       pf.run.resume = absolute(pf.run.resume);
-      for (const auto& w : planner::validate(pf.input)) fmt::print(stderr, "warning: {}\n", with_flags(w));
+      print_warnings(planner::validate(pf.input));
       const int N = pf.input.strategy.ranks;
       if (flags.cluster.empty()) {
         if (!calibrated)

@@ -289,4 +289,8 @@ std::string with_flags(std::string warning) {
   return printable_line(warning);  // a file's key in it may hold bytes a terminal would obey
 }
 
+void print_warnings(const std::vector<std::string>& warnings) {
+  for (const auto& w : warnings) fmt::print(stderr, "warning: {}\n", with_flags(w));
+}
+
 }  // namespace peftplan::cli

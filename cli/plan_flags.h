@@ -75,5 +75,7 @@ std::string flag_of(planner::Knob k);
 // would not print escaped and a newline shown as \n (error.h printable_line: a file's key in it
 // may hold an escape sequence).
 std::string with_flags(std::string warning);
+// Each warning as "warning: ..." (with_flags) on stderr, where a command's --json output is not.
+void print_warnings(const std::vector<std::string>& warnings);
 
 }  // namespace peftplan::cli

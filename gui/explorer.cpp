@@ -564,9 +564,7 @@ bool Explorer::export_launch_files(const std::string& dir) {
     if (row.input.strategy.offload_optimizer == planner::OffloadDevice::cpu) row.family += " + offload optimizer";
     if (row.input.strategy.offload_param == planner::OffloadDevice::cpu) row.family += " + offload param";
     const auto stale = reports::emit_launch_files(dir, row, result_.base->cluster, row.input.training.eval_batch, result_.scenario.model, "peftplan-gui");
-    if (!stale.empty())
-      verdict_->setText(verdict_->text() + QString::fromStdString(fmt::format("\nnote: {} still holds {} from an earlier plan, which this one does not use",
-                                                                              dir, fmt::join(stale, ", "))));
+    if (!stale.empty()) verdict_->setText(verdict_->text() + "\n" + QString::fromStdString(reports::stale_launch_files_note(dir, stale)));
     return true;
   } catch (const InputError& e) {
     show_error(e.what());

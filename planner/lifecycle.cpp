@@ -20,8 +20,7 @@ constexpr std::uint64_t kShardBytes = 5'000'000'000ull;
 LifecyclePeaks lifecycle_peaks(const PlanInput& in, const sim::Cluster& cluster, std::uint64_t weights_device_bytes) {
   LifecyclePeaks r;
   const auto& t = in.training;
-  // from_pretrained(torch_dtype=...) builds the model in the training's dtype.
-  const DType load = t.precision == Precision::fp32 ? DType::fp32 : t.precision == Precision::fp16_mixed ? DType::fp16 : DType::bf16;
+  const DType load = load_dtype(t);  // from_pretrained(torch_dtype=...) builds the model in it
   const auto tensors = models::parameter_tensors(in.model);
   std::uint64_t model_bytes = 0, largest_linear = 0, largest_unit = 0;
   std::vector<std::uint64_t> unit(static_cast<std::size_t>(in.model.layers) + 1, 0);

@@ -178,8 +178,7 @@ std::vector<std::string> validate(const PlanInput& in) {
   // Trainer._fsdp_qlora_plugin_updates). A checkpoint saved quantised loads with the storage it
   // was saved with, and uint8 or int8 weights cannot be wrapped (bitsandbytes issue #1123).
   if (const auto& cq = in.model.checkpoint_quantization; is_fsdp(s.stage) && s.fsdp.version == 1 && cq) {
-    // from_pretrained builds the other parameters in the training's dtype (as lifecycle.cpp).
-    const DType others = t.precision == Precision::fp32 ? DType::fp32 : t.precision == Precision::fp16_mixed ? DType::fp16 : DType::bf16;
+    const DType others = load_dtype(t);  // from_pretrained builds the other parameters in it
     const auto& storage = in.model.checkpoint_quant_storage;
     if (cq->dtype == DType::int8)
       throw KnobError({Knob::stage, Knob::fsdp_version},

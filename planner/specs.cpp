@@ -67,4 +67,8 @@ bool fsdp_checkpoints_layers(const Strategy& s, const TrainingSpec& t) {
   return is_fsdp(s.stage) && s.fsdp.activation_checkpointing && t.checkpointing == Checkpointing::full && !t.checkpoint_reentrant;
 }
 
+DType load_dtype(const TrainingSpec& t) {
+  return t.precision == Precision::fp32 ? DType::fp32 : t.precision == Precision::fp16_mixed ? DType::fp16 : DType::bf16;
+}
+
 }  // namespace peftplan::planner

@@ -443,4 +443,9 @@ std::vector<std::string> emit_launch_files(const std::filesystem::path& dir, con
   return stale;
 }
 
+std::string stale_launch_files_note(const std::filesystem::path& dir, const std::vector<std::string>& stale) {
+  if (stale.empty()) return "";
+  return fmt::format("note: {} still holds {} from an earlier plan, which this one does not use", dir.string(), fmt::join(stale, ", "));
+}
+
 }  // namespace peftplan::reports

@@ -532,7 +532,7 @@ TEST(RecommendCli, EmitWritesAllTheFilesOrNone) {
   std::ofstream(dir / "ds_config.json") << "{}\n";  // an earlier DeepSpeed plan's
   r = run_cli(flags);
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("note: " + dir.string() + "/ still holds ds_config.json from an earlier plan, which this one does not use"), std::string::npos)
+  EXPECT_NE(r.out.find("note: " + dir.string() + " still holds ds_config.json from an earlier plan, which this one does not use"), std::string::npos)
       << r.out;
   EXPECT_TRUE(std::filesystem::exists(dir / "ds_config.json"));
   EXPECT_TRUE(std::filesystem::exists(dir / "plan.json"));

@@ -55,6 +55,11 @@ inline constexpr std::int64_t kMaxBatchTokens = std::int64_t{1} << 31;
 // world, recommend's --gpus list): a thousand times the largest published training job.
 inline constexpr std::int64_t kMaxRanks = 1'000'000;
 
+struct TrainingSpec;
+// The dtype from_pretrained(torch_dtype=...) builds the model in for a training precision: fp32,
+// fp16 under fp16 mixed precision, else bf16. The load peaks and FSDP1's one-dtype units read it.
+DType load_dtype(const TrainingSpec& t);
+
 struct TrainingSpec {
   std::int64_t micro_batch = 1;        // B: sequences per rank per micro-step
   std::int64_t seq_len = 2048;         // S: tokens per sequence

@@ -27,6 +27,10 @@ namespace peftplan::reports {
 std::vector<std::string> emit_launch_files(const std::filesystem::path& dir, const planner::Candidate& row, const sim::Cluster& cluster, std::int64_t eval_batch,
                        const std::string& model_arg, const std::string& tool = "peftplan recommend");
 
+// "note: DIR still holds ds_config.json from an earlier plan, which this one does not use", or
+// "" when `stale` (what emit_launch_files returned) is empty.
+std::string stale_launch_files_note(const std::filesystem::path& dir, const std::vector<std::string>& stale);
+
 // The train.py text for a row (a pure function, for tests).
 std::string train_py(const planner::Candidate& row, const std::string& model_id, bool deepspeed);
 
